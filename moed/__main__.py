@@ -1,0 +1,3 @@
+from moed.cli import main
+
+raise SystemExit(main())

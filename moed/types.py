@@ -1,0 +1,105 @@
+"""Plain data shared by the engine, the API and the roles. No torch here.
+
+Glossary: a *request* is one sequence to generate (the API turns `n=3` into three requests);
+*computed* tokens have K/V in the cache, *known* tokens are prompt + generated so far. Each step
+lets computed catch up with known (vLLM v1's model: prefill is just a large catch-up).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or the model's context
+    ABORT = "abort"      # client went away, timeout or shutdown
+    ERROR = "error"      # the engine could not serve it (e.g. prompt can never fit in KV)
+
+
+class RequestState(str, enum.Enum):
+    """A request's life in the engine. Allowed moves are in REQUEST_TRANSITIONS."""
+
+    WAITING = "waiting"                  # queued, no KV yet (or preempted and freed)
+    WAITING_REMOTE_KV = "waiting_remote_kv"  # decode role: blocks allocated, prefill node writing them
+    RUNNING = "running"                  # holds KV blocks, scheduled every step
+    FINISHED = "finished"
+
+
+REQUEST_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset(
+        {RequestState.RUNNING, RequestState.WAITING_REMOTE_KV, RequestState.FINISHED}),
+    RequestState.WAITING_REMOTE_KV: frozenset({RequestState.RUNNING, RequestState.FINISHED}),
+    RequestState.RUNNING: frozenset({RequestState.WAITING, RequestState.FINISHED}),  # WAITING = preempted
+    RequestState.FINISHED: frozenset(),
+}
+
+
+def check_transition(old: RequestState, new: RequestState) -> None:
+    if new not in REQUEST_TRANSITIONS[old]:
+        raise RuntimeError(f"illegal request transition {old.value} -> {new.value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False              # logprob of each chosen token
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ValueError("temperature must be in [0, 100]")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What the engine publishes per request per step (one new token, or the finish)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]          # new tokens this step (usually one; empty on a bare finish)
+    text: str                           # newly decodable text (stop strings already cut)
+    logprobs: tuple[float, ...] = ()    # one per token in token_ids when asked for
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    error: str | None = None            # set with FinishReason.ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for gauges, admission and gossip load. Cheap to build every step."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_remote_kv: int = 0
+    queued_prompt_tokens: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_queries: int = 0       # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0          # cumulative prompt tokens found
+    steps: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
