@@ -1,0 +1,51 @@
+"""Fixtures shared by every test folder: small checkpoints built once per session, free ports.
+
+Checkpoints are random-weight Hugging Face directories made by `moed.model.init` (no model hub).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+# Tests share 2 cores with each other's subprocesses: keep torch from oversubscribing.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def _make(model_cache: Path, arch: str, preset: str = "tiny", seed: int = 0, **kw) -> Path:
+    from moed.model.init import init_checkpoint
+
+    name = f"{arch}-{preset}-{seed}" + "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
+    out = model_cache / name
+    if not (out / "config.json").exists():
+        init_checkpoint(arch=arch, out=out, preset=preset, seed=seed, **kw)
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(model_cache: Path):
+    """make_checkpoint(arch, preset="tiny", seed=0, **overrides) -> checkpoint dir (cached)."""
+    return lambda arch, preset="tiny", seed=0, **kw: _make(model_cache, arch, preset, seed, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(make_checkpoint) -> Path:
+    return make_checkpoint("qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(make_checkpoint) -> Path:
+    return make_checkpoint("mixtral")
