@@ -1,0 +1,230 @@
+"""Random-weight checkpoints in exactly the Hugging Face format, built offline.
+
+The model is built with transformers' own config/model classes and saved with
+`save_pretrained` (safetensors, per-expert names on disk), plus generation_config.json and a
+byte-level BPE tokenizer trained on local text (see bpe_train). Weights use a wider init std
+than transformers' 0.02 so logits are not flat (greedy ties make parity tests flaky), and norm
+weights are perturbed around 1 so a missing norm weight shows up in parity.
+
+CLI: `moed model init --arch {qwen3_moe,mixtral} --out DIR [--preset tiny|bench] [--seed N]`
+calls add_arguments()/main() below.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from moed.model import bpe_train
+
+log = structlog.get_logger(__name__)
+
+# Presets in moed's own names (mapped to each architecture's HF names by _hf_kwargs).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, num_experts=8,
+                 top_k=2, moe_intermediate_size=128, vocab_size=4096, max_position_embeddings=2048),
+    "bench": dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, num_experts=16,
+                  top_k=2, moe_intermediate_size=512, vocab_size=32000, max_position_embeddings=4096),
+}
+ARCHS = ("qwen3_moe", "mixtral")
+_CHAT_STYLE = {"qwen3_moe": "chatml", "mixtral": "mistral"}
+
+# moed name -> (qwen3_moe HF name, mixtral HF name); None = not applicable.
+_ALIASES: dict[str, tuple[str | None, str | None]] = {
+    "hidden_size": ("hidden_size", "hidden_size"),
+    "num_layers": ("num_hidden_layers", "num_hidden_layers"),
+    "num_heads": ("num_attention_heads", "num_attention_heads"),
+    "num_kv_heads": ("num_key_value_heads", "num_key_value_heads"),
+    "head_dim": ("head_dim", "head_dim"),
+    "num_experts": ("num_experts", "num_local_experts"),
+    "top_k": ("num_experts_per_tok", "num_experts_per_tok"),
+    "moe_intermediate_size": ("moe_intermediate_size", "intermediate_size"),
+    "dense_intermediate_size": ("intermediate_size", None),
+    "vocab_size": ("vocab_size", "vocab_size"),
+    "max_position_embeddings": ("max_position_embeddings", "max_position_embeddings"),
+    "rope_theta": ("rope_theta", "rope_theta"),
+    "rms_norm_eps": ("rms_norm_eps", "rms_norm_eps"),
+    "norm_topk_prob": ("norm_topk_prob", None),
+    "mlp_only_layers": ("mlp_only_layers", None),
+    "decoder_sparse_step": ("decoder_sparse_step", None),
+    "tie_word_embeddings": ("tie_word_embeddings", "tie_word_embeddings"),
+    "init_std": ("initializer_range", "initializer_range"),
+    "dtype": ("dtype", "dtype"),
+}
+
+
+def _hf_kwargs(arch: str, params: dict[str, Any]) -> dict[str, Any]:
+    col = ARCHS.index(arch)
+    out: dict[str, Any] = {}
+    for k, v in params.items():
+        if k not in _ALIASES:
+            raise ValueError(f"unknown checkpoint override {k!r}; known: {', '.join(sorted(_ALIASES))}")
+        name = _ALIASES[k][col]
+        if name is None:
+            raise ValueError(f"override {k!r} does not apply to {arch}")
+        out[name] = v
+    theta = out.pop("rope_theta", 1_000_000.0)
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
+    return out
+
+
+def _build_config(arch: str, params: dict[str, Any], tok_ids: dict[str, int]):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    kw = _hf_kwargs(arch, params)
+    if arch == "qwen3_moe":
+        kw.setdefault("intermediate_size", 4 * kw["moe_intermediate_size"])   # dense layers only
+        kw.setdefault("norm_topk_prob", True)
+        return Qwen3MoeConfig(bos_token_id=tok_ids["<|endoftext|>"], eos_token_id=tok_ids["<|im_end|>"],
+                              pad_token_id=tok_ids["<|endoftext|>"], **kw)
+    return MixtralConfig(bos_token_id=tok_ids["<s>"], eos_token_id=tok_ids["</s>"], **kw)
+
+
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}"
+    "{% set ns.system = '' %}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}")
+
+
+def _write_tokenizer(arch: str, out: Path, vocab_size: int, max_len: int) -> dict[str, int]:
+    style = _CHAT_STYLE[arch]
+    tok = bpe_train.trained_tokenizer(style, vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in bpe_train.SPECIAL_TOKENS[style]}
+    if style == "chatml":
+        cfg = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+                   chat_template=_CHATML_TEMPLATE)
+    else:
+        cfg = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token=None,
+                   chat_template=_MISTRAL_TEMPLATE)
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_len,
+               clean_up_tokenization_spaces=False,
+               added_tokens_decoder={str(i): {"content": t, "special": True} for t, i in ids.items()})
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    return ids
+
+
+def _perturb_norms(model: torch.nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+
+
+def init_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int = 0, *,
+                    write_fused: bool = False, max_shard_size: str | None = None,
+                    **overrides: Any) -> Path:
+    """Write a random-weight HF checkpoint (config, safetensors, generation config, tokenizer).
+
+    overrides use moed's names (num_experts=7, num_kv_heads=4, hidden_size=128, num_layers=2,
+    init_std=0.02, ...). write_fused rewrites experts in the fused in-memory naming
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]);
+    max_shard_size (e.g. "2MB") writes a sharded checkpoint with an index.
+    """
+    from transformers import GenerationConfig, MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    t0 = time.monotonic()
+    params = {**PRESETS[preset], "init_std": 0.08, "dtype": "bfloat16", **overrides}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(arch, out, int(params["vocab_size"]), int(params["max_position_embeddings"]))
+    config = _build_config(arch, params, ids)
+    torch.manual_seed(seed)
+    cls = Qwen3MoeForCausalLM if arch == "qwen3_moe" else MixtralForCausalLM
+    model = cls(config)
+    _perturb_norms(model, torch.Generator().manual_seed(seed + 1))
+    model = model.to(getattr(torch, params["dtype"]))
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kw)
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]] if arch == "qwen3_moe" else ids["</s>"]
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
+                     pad_token_id=config.pad_token_id).save_pretrained(out)
+    if write_fused:
+        fuse_experts_on_disk(out)
+    log.info("checkpoint_written", arch=arch, preset=preset, seed=seed, out=str(out),
+             params=sum(p.numel() for p in model.parameters()),
+             seconds=round(time.monotonic() - t0, 2))
+    return out
+
+
+def fuse_experts_on_disk(model_dir: str | Path) -> None:
+    """Rewrite per-expert tensors of every shard into the fused naming (in place)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    d = Path(model_dir)
+    pat = re.compile(r"^(.*\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+    role = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+    index_path = d / "model.safetensors.index.json"
+    shards = sorted(d.glob("*.safetensors"))
+    # Experts of one layer may straddle shards: collect all, then write each fused tensor
+    # into the shard that held that layer's expert 0.
+    parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    home: dict[str, Path] = {}
+    tensors: dict[Path, dict[str, torch.Tensor]] = {}
+    for shard in shards:
+        kept = {}
+        for name, t in load_file(str(shard)).items():
+            m = pat.match(name)
+            if m is None:
+                kept[name] = t
+                continue
+            prefix = m.group(1) + "mlp.experts."
+            parts.setdefault(prefix, {}).setdefault(int(m.group(2)), {})[role[m.group(3)]] = t
+            if int(m.group(2)) == 0:
+                home[prefix] = shard
+        tensors[shard] = kept
+    for prefix, experts in parts.items():
+        n = len(experts)
+        gate_up = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in range(n)])
+        down = torch.stack([experts[e]["down"] for e in range(n)])
+        tensors[home[prefix]][prefix + "gate_up_proj"] = gate_up.contiguous()
+        tensors[home[prefix]][prefix + "down_proj"] = down.contiguous()
+    for shard, kept in tensors.items():
+        save_file(kept, str(shard), metadata={"format": "pt"})
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {n: s.name for s, kept in tensors.items() for n in kept}
+        index_path.write_text(json.dumps(index, indent=2))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", required=True, choices=ARCHS)
+    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        if not getattr(args, "force", False):
+            print(f"error: {out} is not empty (use --force to overwrite)")
+            return 2
+        shutil.rmtree(out)
+    path = init_checkpoint(args.arch, out, preset=args.preset, seed=args.seed)
+    print(path)
+    return 0

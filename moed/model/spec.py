@@ -1,0 +1,165 @@
+"""ModelSpec: the architecture facts the runner needs, parsed once from a HF `config.json`.
+
+Both config dialects are read: transformers 5.x writes `rope_parameters: {rope_theta, ...}`
+where older/real checkpoints have a top-level `rope_theta`; Qwen3-MoE may say
+`num_local_experts` where real configs say `num_experts`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHS = ("qwen3_moe", "mixtral")
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+class SpecError(ValueError):
+    """config.json describes a model this runner cannot serve (or is malformed)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str                           # "qwen3_moe" | "mixtral"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    moe_intermediate_size: int          # per expert
+    dense_intermediate_size: int        # MLP of dense (non-MoE) layers; 0 if none
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool                # renormalise the top-k router probabilities
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool                       # per-head RMSNorm on q and k (Qwen3)
+    attention_bias: bool
+    dense_layers: tuple[int, ...]       # layer indices with a dense MLP instead of MoE
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str                    # the checkpoint's dtype name, e.g. "bfloat16"
+    # Room for DeepSeek-V3 (not built yet): "gqa" today, "mla" later; shared experts.
+    attention_kind: str = "gqa"
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return parse_dtype(self.torch_dtype)
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[str(name).removeprefix("torch.")]
+    except KeyError:
+        raise SpecError(f"unsupported dtype {name!r}; expected bfloat16, float32 or float16") from None
+
+
+def _req(cfg: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    raise SpecError(f"config.json lacks {' / '.join(keys)}")
+
+
+def _ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise SpecError(f"rope type {kind!r} is not supported (only default RoPE)")
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise SpecError("config.json lacks rope_theta (top level or in rope_parameters)")
+    return float(theta)
+
+
+def spec_from_config(cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
+    arch = cfg.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise SpecError(f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise SpecError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    sw = cfg.get("sliding_window")
+    if sw is not None and (arch == "mixtral" or cfg.get("use_sliding_window")):
+        raise SpecError("sliding-window attention is not supported")
+    hidden = int(_req(cfg, "hidden_size"))
+    heads = int(_req(cfg, "num_attention_heads"))
+    layers = int(_req(cfg, "num_hidden_layers"))
+    experts = int(_req(cfg, "num_experts", "num_local_experts"))
+    if arch == "qwen3_moe":
+        moe_inter = int(_req(cfg, "moe_intermediate_size"))
+        dense_inter = int(cfg.get("intermediate_size") or 0)
+        norm_topk = bool(cfg.get("norm_topk_prob", False))
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only = set(cfg.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(layers)
+                      if i in only or experts == 0 or (i + 1) % step != 0)
+        qk_norm = True
+    else:
+        moe_inter = int(_req(cfg, "intermediate_size"))
+        dense_inter, norm_topk, dense, qk_norm = 0, True, (), False
+    if dense and dense_inter <= 0:
+        raise SpecError("config has dense layers but no intermediate_size")
+    top_k = int(_req(cfg, "num_experts_per_tok"))
+    if experts and not 1 <= top_k <= experts:
+        raise SpecError(f"num_experts_per_tok {top_k} must be in 1..{experts}")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise SpecError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    gen = generation or {}
+    eos = _ids(gen.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
+    for extra in _ids(cfg.get("eos_token_id")):   # keep config's eos even if generation lists others
+        if extra not in eos:
+            eos = (*eos, extra)
+    bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    parse_dtype(dtype)
+    return ModelSpec(
+        arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, vocab_size=int(_req(cfg, "vocab_size")), moe_intermediate_size=moe_inter,
+        dense_intermediate_size=dense_inter, num_experts=experts, top_k=top_k,
+        norm_topk_prob=norm_topk, rope_theta=_rope_theta(cfg),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(_req(cfg, "max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=qk_norm,
+        attention_bias=bool(cfg.get("attention_bias", False)), dense_layers=dense,
+        eos_token_ids=eos, bos_token_id=None if bos is None else int(bos), torch_dtype=dtype)
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    """Parse `model_dir/config.json` (plus generation_config.json for eos ids when present)."""
+    d = Path(model_dir)
+    path = d / "config.json"
+    if not path.is_file():
+        raise SpecError(f"{path} not found: not a Hugging Face checkpoint directory")
+    try:
+        cfg = json.loads(path.read_text())
+        gpath = d / "generation_config.json"
+        gen = json.loads(gpath.read_text()) if gpath.is_file() else None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path.parent}: malformed JSON: {e}") from None
+    return spec_from_config(cfg, gen)
