@@ -1,0 +1,1 @@
+"""Operations: systemd notification and watchdog, SIGHUP reload, drain."""
