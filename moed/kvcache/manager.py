@@ -1,0 +1,166 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool (integers only, no torch).
+
+The scheduler talks to this class only; the pool stays hidden. A request's life here:
+
+    hit = mgr.prefix_hit(tokens)                       # pure: which full blocks are cached
+    if mgr.can_allocate_prompt(hit, n):                # n = tokens the table must hold now
+        alloc = mgr.allocate_prompt(req_id, tokens, hit, n)   # -> Allocation
+    ... each step:  mgr.can_append(req_id, n) / mgr.append_slots(req_id, n)
+    ... after the step wrote K/V:  mgr.commit(req_id, tokens, num_computed)
+    mgr.free(req_id)
+
+A decode node whose prompt KV is WRITTEN by a prefill node allocates the whole prompt up front
+(`allocate_prompt(..., num_tokens=len(prompt))`), sends `alloc.block_ids[alloc.num_cached_blocks:]`
+to the writer, and calls `commit` once the data has landed.
+
+The prefix hit never covers the last prompt token: the model must compute at least one token
+to produce the logits of the first output token.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moed.kvcache.pool import BlockPool, PoolStats, hash_block
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    block_ids: tuple[int, ...]     # cached full blocks covering the prompt's start
+    hashes: tuple[int, ...]        # their chained hashes
+    num_tokens: int                # len(block_ids) * block_size
+
+
+@dataclass(frozen=True)
+class Allocation:
+    block_ids: tuple[int, ...]     # the request's whole table after allocation
+    num_cached_tokens: int         # prompt tokens whose K/V came from the prefix cache
+    num_cached_blocks: int
+
+
+NO_HIT = PrefixHit((), (), 0)
+
+
+@dataclass
+class _Table:
+    blocks: list[int]
+    hashes: list[int]              # hashes of blocks[:len(hashes)] (committed full blocks)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pool = BlockPool(num_blocks)
+        self._tables: dict[str, _Table] = {}
+
+    # ---- queries ---------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._pool.num_blocks * self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._pool.num_used
+
+    def stats(self) -> PoolStats:
+        return self._pool.stats()
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._tables
+
+    def block_table(self, req_id: str) -> list[int]:
+        return self._tables[req_id].blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def prefix_hit(self, tokens: Sequence[int]) -> PrefixHit:
+        """The longest cached run of full blocks at the start of `tokens`, leaving >= 1 token."""
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        bs = self.block_size
+        ids: list[int] = []
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range((len(tokens) - 1) // bs):
+            h = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            bid = self._pool.lookup(h)
+            if bid is None:
+                break
+            ids.append(bid)
+            hashes.append(h)
+            parent = h
+        return PrefixHit(tuple(ids), tuple(hashes), len(ids) * bs)
+
+    # ---- allocation ------------------------------------------------------------------------
+    def _new_blocks_needed(self, hit: PrefixHit, num_tokens: int) -> int:
+        need = max(0, self.blocks_for(num_tokens) - len(hit.block_ids))
+        # Hit blocks that sit in the free queue leave it when we take a reference.
+        revived = sum(1 for b in hit.block_ids if self._pool.ref_count(b) == 0)
+        return need + revived
+
+    def can_allocate_prompt(self, hit: PrefixHit, num_tokens: int) -> bool:
+        return self._pool.can_allocate(self._new_blocks_needed(hit, num_tokens))
+
+    def allocate_prompt(self, req_id: str, tokens: Sequence[int], hit: PrefixHit,
+                        num_tokens: int) -> Allocation:
+        """Start a table holding `num_tokens` tokens: the hit's blocks, then fresh ones.
+        `hit` must come from `prefix_hit(tokens)` with no pool change in between."""
+        if req_id in self._tables:
+            raise RuntimeError(f"request {req_id} already holds KV blocks")
+        if not self.can_allocate_prompt(hit, num_tokens):
+            raise RuntimeError(f"allocate_prompt({req_id}) does not fit; check can_allocate_prompt")
+        if num_tokens < hit.num_tokens:
+            raise ValueError("num_tokens must cover the prefix hit")
+        self._pool.touch(hit.block_ids)
+        fresh = self._pool.allocate(max(0, self.blocks_for(num_tokens) - len(hit.block_ids)))
+        self._tables[req_id] = _Table(list(hit.block_ids) + fresh, list(hit.hashes))
+        if self.enable_prefix_caching:
+            self._pool.record_prefix_query(len(tokens), hit.num_tokens)
+        return Allocation(tuple(self._tables[req_id].blocks), hit.num_tokens, len(hit.block_ids))
+
+    def can_append(self, req_id: str, num_tokens: int) -> bool:
+        """Can the table grow to hold `num_tokens` tokens in total?"""
+        t = self._tables[req_id]
+        return self._pool.can_allocate(max(0, self.blocks_for(num_tokens) - len(t.blocks)))
+
+    def append_slots(self, req_id: str, num_tokens: int) -> list[int]:
+        """Grow the table to hold `num_tokens` tokens; returns the new block ids."""
+        t = self._tables[req_id]
+        new = self._pool.allocate(max(0, self.blocks_for(num_tokens) - len(t.blocks)))
+        t.blocks.extend(new)
+        return new
+
+    def commit(self, req_id: str, tokens: Sequence[int], num_computed: int) -> None:
+        """Register the request's full blocks whose K/V are now written (first `num_computed`
+        of `tokens`) in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        t = self._tables[req_id]
+        bs = self.block_size
+        full = min(num_computed // bs, len(t.blocks))
+        parent = t.hashes[-1] if t.hashes else None
+        for i in range(len(t.hashes), full):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            t.hashes.append(parent)
+            self._pool.cache(t.blocks[i], parent)
+
+    def free(self, req_id: str) -> None:
+        """Release the request's blocks (tail first, so a shared prefix outlives its tail)."""
+        t = self._tables.pop(req_id, None)
+        if t is not None:
+            self._pool.free(reversed(t.blocks))
+
+    def reset_prefix_cache(self) -> int:
+        return self._pool.reset_prefix_cache()

@@ -1,0 +1,100 @@
+"""KVCacheManager: block tables, prefix hits that leave the last token, commit, free."""
+from __future__ import annotations
+
+import pytest
+
+from moed.kvcache.manager import KVCacheManager
+
+
+def _alloc(m: KVCacheManager, rid: str, toks: list[int], n: int | None = None):
+    hit = m.prefix_hit(toks)
+    n = len(toks) if n is None else n
+    assert m.can_allocate_prompt(hit, n)
+    return m.allocate_prompt(rid, toks, hit, n)
+
+
+def test_table_grows_with_tokens():
+    m = KVCacheManager(8, 4)
+    a = _alloc(m, "r", list(range(6)), 5)
+    assert len(a.block_ids) == 2 and a.num_cached_tokens == 0
+    assert m.can_append("r", 8) and m.append_slots("r", 8) == []
+    new = m.append_slots("r", 9)
+    assert len(new) == 1 and m.block_table("r")[-1] == new[0]
+    assert not m.can_append("r", 33) and m.num_used_blocks == 3
+    m.free("r")
+    assert m.num_used_blocks == 0 and not m.has("r")
+
+
+def test_prefix_hit_after_commit_and_free():
+    m = KVCacheManager(8, 4)
+    toks = list(range(10))                     # 2 full blocks + 2 tokens
+    _alloc(m, "a", toks)
+    assert m.prefix_hit(toks).num_tokens == 0  # nothing committed yet
+    m.commit("a", toks, 10)
+    assert m.stats().cached == 2
+    m.free("a")
+    assert m.num_used_blocks == 0
+    a2 = _alloc(m, "b", toks + [99])
+    assert a2.num_cached_tokens == 8 and a2.num_cached_blocks == 2
+    assert m.stats().prefix_hit_tokens == 8 and m.stats().prefix_query_tokens == 10 + 11
+
+
+def test_hit_always_leaves_last_token():
+    m = KVCacheManager(8, 4)
+    toks = list(range(8))                      # exactly 2 full blocks
+    _alloc(m, "a", toks)
+    m.commit("a", toks, 8)
+    assert m.prefix_hit(toks).num_tokens == 4  # the second block must be recomputed
+    assert m.prefix_hit(toks + [1]).num_tokens == 8
+
+
+def test_shared_prefix_ref_counts():
+    m = KVCacheManager(8, 4)
+    p = [5, 6, 7, 8]
+    _alloc(m, "a", p + [1, 2])
+    m.commit("a", p + [1, 2], 6)
+    b = _alloc(m, "b", p + [3])
+    assert b.block_ids[0] == m.block_table("a")[0]
+    assert m.num_used_blocks == 3
+    m.free("a")
+    assert m.num_used_blocks == 2              # shared block still held by b
+    m.free("b")
+    assert m.num_used_blocks == 0
+
+
+def test_can_allocate_counts_revived_hit_blocks():
+    m = KVCacheManager(3, 2)
+    t = [1, 2, 3, 4, 5]
+    _alloc(m, "a", t)
+    m.commit("a", t, 5)
+    m.free("a")                                 # 3 free, 2 of them cached
+    hit = m.prefix_hit(t + [6])
+    assert hit.num_tokens == 4
+    assert m.can_allocate_prompt(hit, 6)        # 2 revived + 1 fresh = 3
+    assert not m.can_allocate_prompt(hit, 7)    # would need a 4th
+    with pytest.raises(RuntimeError):
+        m.allocate_prompt("x", t + [6], hit, 7)
+    assert m.num_used_blocks == 0
+
+
+def test_remote_write_allocation_exposes_blocks():
+    """Decode role: the whole prompt is allocated; only the non-cached tail is to be written."""
+    m = KVCacheManager(16, 4)
+    prefix = list(range(8))
+    _alloc(m, "warm", prefix + [0])
+    m.commit("warm", prefix + [0], 9)
+    prompt = prefix + list(range(100, 106))
+    a = _alloc(m, "remote", prompt)
+    assert len(a.block_ids) == 4 and a.num_cached_blocks == 2
+    to_write = a.block_ids[a.num_cached_blocks:]
+    assert not set(to_write) & set(m.block_table("warm"))
+    m.commit("remote", prompt, len(prompt))    # data landed
+    assert m.prefix_hit(prompt + [1]).num_tokens == 12
+
+
+def test_prefix_caching_disabled():
+    m = KVCacheManager(8, 4, enable_prefix_caching=False)
+    t = list(range(9))
+    _alloc(m, "a", t)
+    m.commit("a", t, 9)
+    assert m.prefix_hit(t).num_tokens == 0 and m.stats().cached == 0
