@@ -160,6 +160,30 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    """The router role (no model): picks a live serving node and proxies /v1/* to it."""
+    backends: tuple[str, ...] = _f((), live=True,
+                                   doc="static backend base URLs when membership is off")
+    backend_roles: tuple[str, ...] = _f(("decode", "colocated"), live=True,
+                                        doc="membership roles the router sends requests to")
+    health_interval_s: float = _f(0.5, live=True, doc="static backends: /ready poll period")
+    connect_timeout_s: float = _f(2.0, live=True)
+    max_attempts: int = _f(3, live=True, doc="backends tried before the first byte is sent")
+    max_connections: int = _f(1024, doc="pooled connections to all backends together")
+
+    def __post_init__(self) -> None:
+        for b in self.backends:
+            if not b.startswith(("http://", "https://")):
+                raise ConfigError(f"router.backends: {b!r} is not an http(s):// URL")
+        for r in self.backend_roles:
+            _choice("router.backend_roles", r, ("decode", "colocated", "prefill"))
+        _positive("router.health_interval_s", self.health_interval_s)
+        _positive("router.connect_timeout_s", self.connect_timeout_s)
+        _range("router.max_attempts", self.max_attempts, 1, 16)
+        _positive("router.max_connections", self.max_connections)
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -167,6 +191,7 @@ class Config:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
         if self.server.role != "router" and not self.model.path:
