@@ -1,0 +1,52 @@
+"""The decoder stack shared by Qwen3-MoE and Mixtral: embed -> N x (attention, MoE/MLP) -> norm -> lm_head.
+
+The two architectures differ only in data the spec carries (q/k norm, router renormalisation,
+dense layers), so one class serves both. Weights are plain tensors in canonical names (see
+loader); no nn.Module machinery in the hot path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moed.model.attention.base import AttentionBackend
+from moed.model.layers import AttentionBlock, DenseMLP, Rotary, rms_norm
+from moed.model.moe import MoELayer
+from moed.model.spec import ModelSpec
+
+
+class DecoderLayer:
+    def __init__(self, spec: ModelSpec, i: int, w: dict[str, torch.Tensor], load_row: torch.Tensor) -> None:
+        p = f"layers.{i}."
+        self.input_norm, self.post_norm, self.eps = w[p + "input_norm"], w[p + "post_norm"], spec.rms_norm_eps
+        self.attn = AttentionBlock(spec, i, w)
+        self.mlp: MoELayer | DenseMLP
+        if i in spec.dense_layers:
+            self.mlp = DenseMLP(w[p + "mlp.gate_up"], w[p + "mlp.down"])
+        else:
+            self.mlp = MoELayer(spec, w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"], load_row)
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 backend: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(rms_norm(h, self.input_norm, self.eps), cos, sin, backend, kv_layer)
+        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+
+
+class MoEDecoder:
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+        self.spec = spec
+        self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w["lm_head"]
+        # Tokens routed per logical expert since the last read ([layers, experts], int64).
+        self.expert_load = torch.zeros((spec.num_layers, max(spec.num_experts, 1)), dtype=torch.long, device=device)
+        self.layers = [DecoderLayer(spec, i, w, self.expert_load[i]) for i in range(spec.num_layers)]
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, dtype, device)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor,
+                 backend: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] -> fp32 logits [B, vocab] of the rows in last_rows."""
+        h = self.embed.index_select(0, input_ids)
+        cos, sin = self.rotary.tables(positions)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, backend, kv_cache[i])
+        h = rms_norm(h.index_select(0, last_rows), self.norm, self.spec.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,66 @@
+"""FlashInfer attention (CUDA only) over the shared paged NHD layout.
+
+flashinfer is imported here and nowhere else, so CPU machines never load it. plan() builds
+FlashInfer's CSR page table (indptr, indices, last_page_len) once per step and plans the
+decode wrapper (every sequence has one new token) or the prefill wrapper (anything else);
+forward() appends the new K/V with append_paged_kv_cache, then runs the planned wrapper.
+"""
+from __future__ import annotations
+
+import torch
+
+from moed.model.attention.base import AttentionBackend
+from moed.model.batch import ForwardBatch
+from moed.model.spec import ModelSpec
+
+_WORKSPACE_BYTES = 128 << 20
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, spec: ModelSpec, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(spec, block_size, device, dtype)
+        import flashinfer
+
+        self._fi = flashinfer
+        ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        self._wrapper = None
+
+    def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
+        bs, dev, s = self.block_size, self.device, self.spec
+        q_lens = [len(t) for t in batch.token_ids]
+        kv_lens = [p + n for p, n in zip(batch.start_pos, q_lens)]
+        pages = [-(-kv // bs) for kv in kv_lens]
+        indices: list[int] = []
+        for i, (table, n) in enumerate(zip(batch.block_tables, pages)):
+            if len(table) < n:
+                raise ValueError(f"sequence {i}: {kv_lens[i]} tokens need {n} KV blocks, block table has {len(table)}")
+            indices.extend(table[:n])
+        i32 = torch.int32
+        cum = torch.tensor([0] + pages, dtype=i32).cumsum(0, dtype=i32)
+        last = torch.tensor([kv - (n - 1) * bs for kv, n in zip(kv_lens, pages)], dtype=i32)
+        self.indptr, self.last_page_len = cum.to(dev), last.to(dev)
+        self.indices = torch.tensor(indices, dtype=i32, device=dev)
+        self.batch_indices = torch.repeat_interleave(
+            torch.arange(len(q_lens), dtype=i32, device=dev), torch.tensor(q_lens, device=dev))
+        self.positions = positions.to(i32)
+        if batch.is_decode_only:
+            self._decode.plan(cum, self.indices, last, s.num_heads, s.num_kv_heads, s.head_dim, bs,
+                              pos_encoding_mode="NONE", sm_scale=self.scale,
+                              q_data_type=self.dtype, kv_data_type=self.dtype)
+            self._wrapper = self._decode
+        else:
+            qo = torch.tensor([0] + q_lens, dtype=i32).cumsum(0, dtype=i32)
+            self._prefill.plan(qo, cum, self.indices, last, s.num_heads, s.num_kv_heads, s.head_dim, bs,
+                               causal=True, sm_scale=self.scale,
+                               q_data_type=self.dtype, kv_data_type=self.dtype)
+            self._wrapper = self._prefill
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_layer: torch.Tensor) -> torch.Tensor:
+        self._fi.append_paged_kv_cache(k, v, self.batch_indices, self.positions, kv_layer,
+                                       self.indices, self.indptr, self.last_page_len, kv_layout="NHD")
+        return self._wrapper.run(q, kv_layer)

@@ -1,0 +1,36 @@
+"""Attention backends by name, imported only when chosen (CPU machines never import CUDA packages)."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from moed.model.attention.base import AttentionBackend
+from moed.model.spec import ModelSpec
+
+BACKENDS: dict[str, str] = {
+    "torch": "moed.model.attention.torch_backend:TorchBackend",
+    "flashinfer": "moed.model.attention.flashinfer_backend:FlashInferBackend",
+}
+
+
+def resolve(name: str, device: torch.device) -> str:
+    """"auto" = flashinfer on CUDA when it is importable, else torch."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer"
+    return "torch"
+
+
+def get_backend(name: str, spec: ModelSpec, block_size: int, device: torch.device | str,
+                dtype: torch.dtype) -> AttentionBackend:
+    device = torch.device(device)
+    name = resolve(name, device)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected auto, {', '.join(BACKENDS)}")
+    if name == "flashinfer" and device.type != "cuda":
+        raise ValueError("attention backend 'flashinfer' needs a CUDA device")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(spec, block_size, device, dtype)

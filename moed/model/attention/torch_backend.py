@@ -1,0 +1,109 @@
+"""Reference attention on plain torch (CPU or any device), over the shared paged NHD layout.
+
+plan() turns block tables into flat slot indices once per step: the layer's cache viewed as
+rows [num_blocks * 2 * block_size, H_kv, D] (row of K at (block*2)*bs + off, V one block-half
+later), so writes are one index_copy_ and reads one index_select per K and V. Decode
+sequences (one new token) are attended together in one batched SDPA call over their gathered
+blocks with a length mask; prefill/chunked sequences run one SDPA call each (causal, offset by
+the tokens already cached).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moed.model.attention.base import AttentionBackend
+from moed.model.batch import ForwardBatch
+
+
+@dataclass
+class _Prefill:
+    row: int                          # first of this sequence's rows in q/k/v
+    n: int                            # new tokens
+    start: int                        # tokens already cached
+    k_rows: torch.Tensor | None       # cache rows of the whole history (None: start == 0)
+    mask: torch.Tensor | None         # [n, start + n] bool (None: plain causal)
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
+        bs, dev = self.block_size, self.device
+        q_lens = [len(t) for t in batch.token_ids]
+        kv_lens = [s + n for s, n in zip(batch.start_pos, q_lens)]
+        tables = []
+        for i, (table, kv) in enumerate(zip(batch.block_tables, kv_lens)):
+            need = -(-kv // bs)
+            if len(table) < need:
+                raise ValueError(f"sequence {i}: {kv} tokens need {need} KV blocks, block table has {len(table)}")
+            tables.append(table[:need])
+        width = max(len(t) for t in tables)
+        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens), device=dev),
+                                               torch.tensor(q_lens, device=dev))
+        blk = table_t[seq_of_token, positions // bs]
+        self.write_k = blk * (2 * bs) + positions % bs
+        self.write_v = self.write_k + bs
+
+        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        self.dec_rows: torch.Tensor | None = None
+        self.dec_all = len(dec) == len(q_lens)
+        self.has_dec = bool(dec)
+        if dec:
+            starts = torch.tensor([sum(q_lens[:i]) for i in dec], device=dev) if not self.dec_all else None
+            self.dec_rows = starts
+            nblk = max(len(tables[i]) for i in dec)
+            length = nblk * bs
+            dt = table_t[dec, :nblk] if not self.dec_all else table_t[:, :nblk]
+            slot = torch.arange(length, device=dev)
+            rows = dt[:, slot // bs] * (2 * bs) + slot % bs            # [Bd, L]
+            self.dec_k = rows.reshape(-1)
+            self.dec_v = self.dec_k + bs
+            self.dec_shape = (len(dec), length)
+            lens = torch.tensor([kv_lens[i] for i in dec], device=dev)
+            self.dec_mask = (slot[None, :] < lens[:, None]).view(len(dec), 1, 1, length)
+        self.prefills: list[_Prefill] = []
+        row = 0
+        for i, n in enumerate(q_lens):
+            if n > 1:
+                start = batch.start_pos[i]
+                k_rows = mask = None
+                if start > 0:
+                    slot = torch.arange(start + n, device=dev)
+                    k_rows = table_t[i, slot // bs] * (2 * bs) + slot % bs
+                    qpos = torch.arange(start, start + n, device=dev)
+                    mask = slot[None, :] <= qpos[:, None]
+                self.prefills.append(_Prefill(row, n, start, k_rows, mask))
+            row += n
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_layer: torch.Tensor) -> torch.Tensor:
+        hkv, d = k.shape[1], k.shape[2]
+        flat = kv_layer.view(-1, hkv, d)
+        flat.index_copy_(0, self.write_k, k)
+        flat.index_copy_(0, self.write_v, v)
+        out = torch.empty_like(q)
+        if self.has_dec:
+            b, length = self.dec_shape
+            kd = flat.index_select(0, self.dec_k).view(b, length, hkv, d).transpose(1, 2)
+            vd = flat.index_select(0, self.dec_v).view(b, length, hkv, d).transpose(1, 2)
+            qd = q if self.dec_all else q.index_select(0, self.dec_rows)
+            od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=self.dec_mask,
+                                                scale=self.scale, enable_gqa=True)   # [B, Hq, 1, D]
+            if self.dec_all:
+                return od.squeeze(2)
+            out.index_copy_(0, self.dec_rows, od.squeeze(2))
+        for p in self.prefills:
+            qs = q[p.row:p.row + p.n].transpose(0, 1).unsqueeze(0)                  # [1, Hq, n, D]
+            if p.k_rows is None:
+                ks, vs = k[p.row:p.row + p.n], v[p.row:p.row + p.n]
+            else:
+                ks, vs = flat.index_select(0, p.k_rows), flat.index_select(0, p.k_rows + self.block_size)
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True)
+            out[p.row:p.row + p.n] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,88 @@
+"""Dense building blocks: RMSNorm, HF-compatible rotary embedding, GQA attention block.
+
+Numerics follow transformers' Qwen3-MoE/Mixtral code (norm in fp32 then cast back, cos/sin
+computed in fp32 and cast to the activation dtype, rotate_half convention) so fp32 logits
+match the oracle to ~1e-5.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moed.model.attention.base import AttentionBackend
+from moed.model.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class Rotary:
+    """cos/sin tables [max_pos, D] built once; per step gathered at the tokens' positions."""
+
+    def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.inv_freq = inv_freq.to(device)
+        self.dtype = dtype
+        self._build(max_pos, device)
+
+    def _build(self, n: int, device: torch.device) -> None:
+        pos = torch.arange(n, device=device, dtype=torch.float)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, D] (broadcast over heads) for token positions [T]."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            self._build(max(int(positions.max()) + 1, 2 * self.cos.shape[0]), positions.device)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class AttentionBlock:
+    """qkv projection, optional per-head q/k RMSNorm, rotary, paged attention, output proj."""
+
+    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor]) -> None:
+        p = f"layers.{layer}."
+        self.layer = layer
+        self.qkv, self.qkv_bias = w[p + "qkv"], w.get(p + "qkv.bias")
+        self.o, self.o_bias = w[p + "o_proj"], w.get(p + "o_proj.bias")
+        self.q_norm, self.k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
+        self.eps = spec.rms_norm_eps
+        self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 backend: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(self.layer, q, k, v, kv_layer)      # [T, Hq, D]
+        return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
+
+
+class DenseMLP:
+    """SwiGLU MLP of dense layers (Qwen3 mlp_only_layers)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, self.down)

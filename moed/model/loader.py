@@ -1,0 +1,207 @@
+"""Load a HF checkpoint's safetensors into moed's canonical weight names.
+
+Reads single-file and sharded (`model.safetensors.index.json`) checkpoints and both expert
+naming styles found on the hub:
+  per-expert  `...mlp.experts.{e}.{gate,up,down}_proj.weight` (Qwen3/DeepSeek) or
+              `...block_sparse_moe.experts.{e}.w1/w3/w2.weight` (Mixtral)
+  fused       `...experts.gate_up_proj[.weight]` [E, 2I, H] gate half first,
+              `...experts.down_proj[.weight]` [E, H, I]  (transformers 5.x in-memory layout)
+Experts always end up fused and contiguous ([E, 2I, H] and [E, H, I]): one slice per expert
+in the MoE hot path. Attention q/k/v are fused into one [(Hq + 2 Hkv) * D, H] matrix.
+
+Canonical names: embed, norm, lm_head, and per layer `layers.{i}.` + input_norm, post_norm,
+qkv[.bias], o_proj[.bias], q_norm, k_norm, router, experts.gate_up, experts.down,
+mlp.gate_up, mlp.down (dense layers).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+from moed.model.spec import ModelSpec, parse_dtype
+
+log = structlog.get_logger(__name__)
+
+Weights = dict[str, torch.Tensor]
+
+
+class WeightError(ValueError):
+    """The checkpoint's tensors do not match its config (missing, unexpected or mis-shaped)."""
+
+
+_L = r"^(?:model\.)?layers\.(\d+)\."
+_RULES: list[tuple[re.Pattern[str], str]] = [(re.compile(p), n) for p, n in [
+    (r"^(?:model\.)?embed_tokens\.weight$", "embed"),
+    (r"^(?:model\.)?norm\.weight$", "norm"),
+    (r"^lm_head\.weight$", "lm_head"),
+    (_L + r"input_layernorm\.weight$", "input_norm"),
+    (_L + r"post_attention_layernorm\.weight$", "post_norm"),
+    (_L + r"self_attn\.([qkvo])_proj\.(weight|bias)$", "attn"),
+    (_L + r"self_attn\.([qk])_norm\.weight$", "qk_norm"),
+    (_L + r"(?:mlp|block_sparse_moe)\.gate\.weight$", "router"),
+    (_L + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", "expert"),
+    (_L + r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$", "fused"),
+    (_L + r"mlp\.(gate_proj|up_proj|down_proj)\.weight$", "dense"),
+]]
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_EXPERT_ROLE = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise WeightError(f"{model_dir}: shards listed in the index are missing: {missing}")
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, d, e, i = spec.hidden_size, spec.head_dim, spec.num_experts, spec.moe_intermediate_size
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    shapes: dict[str, tuple[int, ...]] = {"embed": (spec.vocab_size, h), "norm": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head"] = (spec.vocab_size, h)
+    for n in range(spec.num_layers):
+        p = f"layers.{n}."
+        shapes.update({p + "input_norm": (h,), p + "post_norm": (h,), p + "qkv": (qkv, h),
+                       p + "o_proj": (h, spec.num_heads * d)})
+        if spec.attention_bias:
+            shapes.update({p + "qkv.bias": (qkv,), p + "o_proj.bias": (h,)})
+        if spec.qk_norm:
+            shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
+        if n in spec.dense_layers:
+            di = spec.dense_intermediate_size
+            shapes.update({p + "mlp.gate_up": (2 * di, h), p + "mlp.down": (h, di)})
+        else:
+            shapes.update({p + "router": (e, h), p + "experts.gate_up": (e, 2 * i, h),
+                           p + "experts.down": (e, h, i)})
+    return shapes
+
+
+class _Assembler:
+    """Places each checkpoint tensor into its slice of a preallocated canonical tensor."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec, self.dtype, self.device = spec, dtype, device
+        self.shapes = expected_shapes(spec)
+        self.out: Weights = {}
+        self.filled: dict[str, set] = {}       # canonical name -> parts written
+        self.parts: dict[str, int] = {}        # canonical name -> parts needed
+
+    def _dst(self, name: str, nparts: int) -> torch.Tensor:
+        if name not in self.shapes:
+            raise WeightError(f"unexpected tensor for {name} (not in this config)")
+        if name not in self.out:
+            self.out[name] = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+            self.filled[name], self.parts[name] = set(), nparts
+        return self.out[name]
+
+    def put(self, name: str, part: object, nparts: int, dst_slice: tuple, t: torch.Tensor, src: str) -> None:
+        dst = self._dst(name, nparts)[dst_slice]
+        if tuple(dst.shape) != tuple(t.shape):
+            raise WeightError(f"{src}: shape {tuple(t.shape)}, expected {tuple(dst.shape)} for config")
+        if part in self.filled[name]:
+            raise WeightError(f"{src}: duplicate tensor")
+        dst.copy_(t)
+        self.filled[name].add(part)
+
+    def add(self, key: str, t: torch.Tensor) -> bool:
+        s = self.spec
+        for pat, kind in _RULES:
+            m = pat.match(key)
+            if m is None:
+                continue
+            g = m.groups()
+            p = f"layers.{g[0]}." if g else ""
+            d, hq, hkv = s.head_dim, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            if kind in ("embed", "norm", "lm_head", "input_norm", "post_norm", "router"):
+                self.put(p + kind, 0, 1, (), t, key)
+            elif kind == "qk_norm":
+                self.put(p + f"{g[1]}_norm", 0, 1, (), t, key)
+            elif kind == "attn":
+                which, wb = g[1], g[2]
+                if which == "o":
+                    self.put(p + "o_proj" + (".bias" if wb == "bias" else ""), 0, 1, (), t, key)
+                else:
+                    lo = {"q": 0, "k": hq, "v": hq + hkv}[which]
+                    hi = lo + (hq if which == "q" else hkv)
+                    self.put(p + "qkv" + (".bias" if wb == "bias" else ""), which, 3, (slice(lo, hi),), t, key)
+            elif kind == "expert":
+                e, role = int(g[1]), _EXPERT_ROLE[g[2]]
+                if e >= s.num_experts:
+                    raise WeightError(f"{key}: expert {e} but config has {s.num_experts} experts")
+                i = s.moe_intermediate_size
+                if role == 2:
+                    self.put(p + "experts.down", e, s.num_experts, (e,), t, key)
+                else:
+                    self.put(p + "experts.gate_up", (e, role), 2 * s.num_experts,
+                             (e, slice(role * i, (role + 1) * i)), t, key)
+            elif kind == "fused":
+                if g[1] == "gate_up_proj":
+                    self.put(p + "experts.gate_up", "all", 1, (), t, key)
+                else:
+                    self.put(p + "experts.down", "all", 1, (), t, key)
+            elif kind == "dense":
+                di = s.dense_intermediate_size
+                if g[1] == "down_proj":
+                    self.put(p + "mlp.down", 0, 1, (), t, key)
+                else:
+                    role = 0 if g[1] == "gate_proj" else 1
+                    self.put(p + "mlp.gate_up", role, 2, (slice(role * di, (role + 1) * di),), t, key)
+            return True
+        return False
+
+    def finish(self) -> Weights:
+        missing = [n for n in self.shapes if n not in self.out]
+        partial = [n for n in self.out if len(self.filled[n]) != self.parts[n] and "all" not in self.filled[n]]
+        mixed = [n for n in self.out if "all" in self.filled[n] and len(self.filled[n]) > 1]
+        if missing or partial or mixed:
+            raise WeightError(
+                "checkpoint does not match its config: "
+                + "; ".join(f"{what}: {names[:6]}{' ...' if len(names) > 6 else ''}"
+                            for what, names in (("missing", missing), ("incomplete", partial),
+                                                ("both fused and per-expert", mixed)) if names))
+        if self.spec.tie_word_embeddings:
+            self.out["lm_head"] = self.out["embed"]
+        return self.out
+
+
+def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "cpu") -> Weights:
+    """All tensors of the checkpoint in canonical names, cast to dtype ("auto" = config's)."""
+    from safetensors import safe_open
+
+    d = Path(model_dir)
+    tdtype = spec.dtype if dtype == "auto" else parse_dtype(dtype)
+    asm = _Assembler(spec, tdtype, torch.device(device))
+    files = checkpoint_files(d)
+    t0, nbytes, ntensors, unexpected = time.monotonic(), 0, 0, []
+    for n, path in enumerate(files):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if _IGNORED.search(key):
+                    continue
+                t = f.get_tensor(key)
+                if not asm.add(key, t):
+                    unexpected.append(key)
+                    continue
+                ntensors += 1
+                nbytes += t.numel() * t.element_size()
+        log.debug("shard_loaded", shard=path.name, index=n + 1, of=len(files))
+    if unexpected:
+        raise WeightError(f"{d}: unexpected tensors: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
+    weights = asm.finish()
+    log.info("weights_loaded", model_dir=str(d), shards=len(files), tensors=ntensors, bytes=nbytes,
+             dtype=str(tdtype).removeprefix("torch."), seconds=round(time.monotonic() - t0, 3))
+    return weights

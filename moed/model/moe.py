@@ -1,0 +1,71 @@
+"""MoE layer: softmax top-k router, experts computed grouped by physical expert.
+
+Routing goes logical expert -> physical slot through `logical_to_physical` ([E, R] table,
+`num_replicas` [E]); today every expert has one replica (identity), but expert parallelism
+and EPLB replicas change only the table, never this code. Tokens are sorted by physical
+expert, each touched expert runs one gate_up and one down matmul on its contiguous slice, and
+results are scattered back with index_add_ (no per-token Python loop).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moed.model.spec import ModelSpec
+
+
+class MoELayer:
+    def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, load: torch.Tensor) -> None:
+        """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
+        (this layer's row of the runner's expert-load counter, updated in place)."""
+        self.router, self.gate_up, self.down = router, gate_up, down
+        self.top_k, self.norm_topk = spec.top_k, spec.norm_topk_prob
+        self.num_experts = spec.num_experts
+        self.num_physical = gate_up.shape[0]
+        dev = gate_up.device
+        self.logical_to_physical = torch.arange(self.num_experts, device=dev).unsqueeze(1)  # [E, R]
+        self.num_replicas = torch.ones(self.num_experts, dtype=torch.long, device=dev)
+        self.load = load
+
+    def set_expert_map(self, logical_to_physical: torch.Tensor, num_replicas: torch.Tensor) -> None:
+        """Install a new map at a step boundary (EPLB); physical weights must already match."""
+        if logical_to_physical.shape[0] != self.num_experts or int(logical_to_physical.max()) >= self.num_physical:
+            raise ValueError("expert map does not fit this layer's experts")
+        self.logical_to_physical, self.num_replicas = logical_to_physical, num_replicas
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k weights [T, k] (x's dtype) and logical expert ids [T, k], as transformers does."""
+        logits = F.linear(x, self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(x.dtype), idx
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        weights, logical = self.route(x)
+        flat = logical.reshape(-1)
+        self.load += torch.bincount(flat, minlength=self.num_experts)
+        if self.logical_to_physical.shape[1] == 1:
+            phys = self.logical_to_physical[flat, 0]
+        else:   # spread a replicated expert's tokens over its replicas
+            slot = torch.arange(flat.numel(), device=x.device) % self.num_replicas[flat]
+            phys = self.logical_to_physical[flat, slot]
+        order = torch.argsort(phys, stable=True)
+        counts = torch.bincount(phys, minlength=self.num_physical).tolist()
+        token = order // self.top_k
+        xs = x.index_select(0, token)
+        ws = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = xs[start:start + n]
+            g, u = F.linear(seg, self.gate_up[e]).chunk(2, dim=-1)
+            ys[start:start + n] = F.linear(F.silu(g) * u, self.down[e])
+            start += n
+        out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
+        return out.index_add_(0, token, ys * ws)

@@ -1,0 +1,105 @@
+"""ModelRunner: loads a checkpoint, owns the paged KV cache, runs one ForwardBatch per step.
+
+Called from the engine's single executor thread; not thread-safe by design (one writer).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+from moed.model.arch import MoEDecoder
+from moed.model.attention.base import kv_bytes_per_block, kv_cache_shape
+from moed.model.attention.registry import get_backend
+from moed.model.batch import ForwardBatch
+from moed.model.loader import Weights, load_weights
+from moed.model.spec import ModelSpec, load_spec, parse_dtype
+
+log = structlog.get_logger(__name__)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    dt = spec.dtype
+    if device.type == "cpu" and dt == torch.float16:
+        return torch.bfloat16          # fp16 matmuls are slow on CPU; bf16 has the same size
+    return dt
+
+
+def auto_num_blocks(spec: ModelSpec, block_size: int, dtype: str | torch.dtype, memory_mb: int) -> int:
+    """How many KV blocks fit in memory_mb."""
+    per_block = kv_bytes_per_block(spec, block_size, parse_dtype(dtype))
+    n = (memory_mb << 20) // per_block
+    if n < 1:
+        raise ValueError(f"{memory_mb} MB of KV memory holds no block of {per_block} bytes")
+    return int(n)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "auto", attention_backend: str = "auto",
+                 num_blocks: int, block_size: int, spec: ModelSpec | None = None,
+                 weights: Weights | None = None) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        t0 = time.monotonic()
+        self.spec = spec or load_spec(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.spec, self.device)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        if weights is None:
+            weights = load_weights(model_dir, self.spec, self.dtype, self.device)
+        self.backend = get_backend(attention_backend, self.spec, block_size, self.device, self.dtype)
+        self.model = MoEDecoder(self.spec, weights, self.device, self.dtype)
+        self.kv_cache = torch.zeros(kv_cache_shape(self.spec, num_blocks, block_size),
+                                    dtype=self.dtype, device=self.device)
+        log.info("model_runner_ready", arch=self.spec.arch, device=str(self.device),
+                 dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name,
+                 num_blocks=num_blocks, block_size=block_size,
+                 kv_mb=round(self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, 1),
+                 seconds=round(time.monotonic() - t0, 2))
+
+    def _check(self, batch: ForwardBatch) -> None:
+        if batch.num_seqs == 0:
+            raise ValueError("empty ForwardBatch")
+        vocab = self.spec.vocab_size
+        for i, (toks, start, table) in enumerate(zip(batch.token_ids, batch.start_pos, batch.block_tables)):
+            if not toks:
+                raise ValueError(f"sequence {i} has no new tokens")
+            if start < 0:
+                raise ValueError(f"sequence {i}: start_pos {start} < 0")
+            if min(toks) < 0 or max(toks) >= vocab:
+                raise ValueError(f"sequence {i}: token id out of range [0, {vocab})")
+            if table and (min(table) < 0 or max(table) >= self.num_blocks):
+                raise ValueError(f"sequence {i}: block id out of range [0, {self.num_blocks})")
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits [B, vocab] of each sequence's last new token (K/V of all new tokens cached)."""
+        self._check(batch)
+        dev = self.device
+        ids = [t for toks in batch.token_ids for t in toks]
+        pos = [p for toks, s in zip(batch.token_ids, batch.start_pos) for p in range(s, s + len(toks))]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        last_rows = torch.tensor([len(t) for t in batch.token_ids], device=dev).cumsum(0) - 1
+        self.backend.plan(batch, positions)
+        return self.model(input_ids, positions, last_rows, self.backend, self.kv_cache)
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens routed per logical expert [layers, experts] since the last call (then reset)."""
+        load = self.model.expert_load.cpu().clone()
+        self.model.expert_load.zero_()
+        return load
