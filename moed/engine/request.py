@@ -1,0 +1,140 @@
+"""Request: the one object the scheduler, the step loop and the stream share (no torch here).
+
+Tokens: `token_ids` = prompt + output so far (*known*); the first `num_computed_tokens` of them
+have K/V in the cache. Text: each new token goes through an incremental detokenizer, then a
+stop-string filter that holds back text that could still become a stop string (OpenAI
+semantics: the stop string itself never reaches the client).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from moed.types import FinishReason, RequestState, SamplingParams, check_transition
+
+
+class Detokenizer(Protocol):
+    """moed.model.tokenizer.IncrementalDetokenizer's shape."""
+
+    def add(self, token_ids: int) -> str:
+        """Feed one token; return the newly printable text (may be empty)."""
+
+    def flush(self) -> str:
+        """At the end: whatever text is still held back."""
+
+
+class StopStrings:
+    """Finds stop strings across token boundaries; holds back text that may start one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """-> (text safe to emit now, whether a stop string was hit)."""
+        if not self.stops:
+            return delta, False
+        buf = self.held + delta
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    detokenizer: Detokenizer | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    remote_kv: bool = False          # decode role: the prompt's KV is written by a prefill node
+    prefill_only: bool = False       # prefill role: stop after the first token, keep the blocks
+    state: RequestState = RequestState.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    rng: Any = None                  # sampler state (a torch.Generator for seeded requests)
+    token_ids: list[int] = field(init=False)
+    stop_strings: StopStrings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.stop_strings = StopStrings(self.params.stop)
+
+    # ---- views -----------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def set_state(self, new: RequestState) -> None:
+        check_transition(self.state, new)
+        self.state = new
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.set_state(RequestState.FINISHED)
+        self.finish_reason = reason
+        self.error = error
+
+    # ---- one new token ---------------------------------------------------------------------
+    def append_token(self, token_id: int) -> tuple[str, FinishReason | None]:
+        """Record a sampled token; -> (text to emit, finish reason or None). Does not change
+        `state` (the scheduler does, since finishing also frees blocks)."""
+        self.token_ids.append(token_id)
+        p = self.params
+        n_out = self.num_output_tokens
+        past_min = n_out > p.min_tokens
+        if past_min and ((not p.ignore_eos and token_id in self.eos_token_ids)
+                         or token_id in p.stop_token_ids):
+            return self._drain()[0], FinishReason.STOP   # the stop token's own text is not shown
+        delta = self.detokenizer.add(token_id) if self.detokenizer is not None else ""
+        if n_out >= p.min_tokens:
+            text, hit = self.stop_strings.feed(delta)
+        else:   # stop strings only count once min_tokens are out
+            text, hit = self.stop_strings.held + delta, False
+            self.stop_strings.held = ""
+        if hit:
+            return text, FinishReason.STOP
+        if n_out >= p.max_tokens or self.num_tokens >= self.max_model_len:
+            rest, hit = self._drain()
+            return text + rest, FinishReason.STOP if hit else FinishReason.LENGTH
+        return text, None
+
+    def _drain(self) -> tuple[str, bool]:
+        """Final text: the detokenizer's held bytes, through the stop filter, then its hold."""
+        tail = self.detokenizer.flush() if self.detokenizer is not None else ""
+        text, hit = self.stop_strings.feed(tail)
+        return (text, True) if hit else (text + self.stop_strings.flush(), False)

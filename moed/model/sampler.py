@@ -1,0 +1,103 @@
+"""Batched token sampling from fp32 logits with per-request parameters.
+
+Rows are independent: greedy rows take the argmax; the others are scaled by temperature,
+filtered by top-k then top-p, and drawn with the exponential-race trick (argmax of p / E,
+E ~ Exp(1)), which equals sampling from p. A seeded request draws its noise from its own
+torch.Generator, only for its own row, so the same seed gives the same tokens whatever the
+batch mates. Logprobs are log_softmax of the raw model logits (before temperature, filtering
+and masking): what OpenAI's `logprobs` report.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moed.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    params: SamplingParams
+    generator: torch.Generator | None = None     # seeded requests only
+    banned_ids: tuple[int, ...] = ()             # e.g. EOS while min_tokens are not out yet
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None                 # None when no row asked for logprobs
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+    """logits: fp32 [B, V]; rows: one per batch row. Returns B token ids (+ logprobs)."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+    logits = logits.float()
+    raw = logits
+    if any(r.banned_ids for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.banned_ids:
+                logits[i, list(r.banned_ids)] = float("-inf")
+    greedy = [r.params.greedy for r in rows]
+    if all(greedy):
+        out = logits.argmax(dim=-1)
+    else:
+        out = _sample_random(logits, rows, greedy)
+    lps = None
+    if any(r.params.logprobs for r in rows):
+        lps = torch.log_softmax(raw, dim=-1).gather(1, out.unsqueeze(1)).squeeze(1).tolist()
+    return SampleResult(out.tolist(), lps)
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list[bool]) -> torch.Tensor:
+    dev = logits.device
+    temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
+                         device=dev, dtype=torch.float32)
+    scaled = logits / temps.unsqueeze(1)
+    top_ks = [r.params.top_k for r in rows]
+    top_ps = [r.params.top_p for r in rows]
+    if any(p < 1.0 for p in top_ps) or any(k > 0 for k in top_ks):
+        scaled = _filter_top_k_top_p(scaled, top_ks, top_ps)
+    probs = torch.softmax(scaled, dim=-1)
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        if len(unseeded) == len(rows):
+            noise.exponential_()
+        else:
+            idx = torch.tensor(unseeded, device=dev)
+            noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_()
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            noise[i].exponential_(generator=r.generator)
+    drawn = (probs / noise).argmax(dim=-1)
+    if any(greedy):
+        g = torch.tensor(greedy, device=dev)
+        drawn = torch.where(g, logits.argmax(dim=-1), drawn)
+    return drawn
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf (always keeps the best)."""
+    dev = scaled.device
+    vocab = scaled.shape[1]
+    srt, idx = scaled.sort(dim=-1, descending=True)
+    mask = torch.zeros_like(srt, dtype=torch.bool)
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)
+    mask |= torch.arange(vocab, device=dev).unsqueeze(0) >= ks.unsqueeze(1)
+    if any(p < 1.0 for p in top_ps):
+        ps = torch.tensor(top_ps, device=dev, dtype=torch.float32)
+        probs = torch.softmax(srt.masked_fill(mask, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs          # mass strictly above each token
+        mask |= before >= ps.unsqueeze(1)
+    mask[:, 0] = False
+    return scaled.scatter(1, idx, srt.masked_fill(mask, float("-inf")))

@@ -1,0 +1,91 @@
+"""Sampler: greedy, seeds independent of batch mates, top-k/top-p support, logprobs, masking."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moed.model.sampler import SampleRow, make_generator, sample
+from moed.types import SamplingParams
+
+torch.set_num_threads(1)
+
+
+def _logits(b, v=50, seed=0):
+    return torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    lg = _logits(5)
+    rows = [SampleRow(SamplingParams(temperature=0.0))] * 5
+    assert sample(lg, rows).token_ids == lg.argmax(-1).tolist()
+    rows = [SampleRow(SamplingParams(temperature=0.7, top_k=1))] * 5      # top_k=1 is greedy too
+    assert sample(lg, rows).token_ids == lg.argmax(-1).tolist()
+
+
+def test_mixed_batch_greedy_rows_stay_argmax():
+    lg = _logits(6)
+    rows = [SampleRow(SamplingParams(temperature=0.0 if i % 2 else 1.5)) for i in range(6)]
+    out = sample(lg, rows).token_ids
+    assert [out[i] for i in (1, 3, 5)] == [int(lg[i].argmax()) for i in (1, 3, 5)]
+
+
+def test_seed_is_independent_of_batch_mates():
+    p = SamplingParams(temperature=1.0, seed=42, top_p=0.9)
+
+    def run(mates: int) -> list[int]:
+        g = make_generator(42)
+        toks = []
+        for step in range(6):
+            lg = _logits(1 + mates, seed=step)
+            lg[mates] = _logits(1, seed=100 + step)[0]            # our row, same every run
+            rows = [SampleRow(SamplingParams(temperature=1.0, seed=None if i % 2 else i),
+                              None if i % 2 else make_generator(i)) for i in range(mates)]
+            rows.append(SampleRow(p, g))
+            toks.append(sample(lg, rows).token_ids[mates])
+        return toks
+
+    alone = run(0)
+    assert alone == run(3) == run(7)
+    g2 = make_generator(43)
+    other = [sample(_logits(1, seed=100 + s), [SampleRow(p, g2)]).token_ids[0] for s in range(6)]
+    assert other != alone
+
+
+def test_distribution_matches_softmax():
+    torch.manual_seed(0)
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    n = 4000
+    out = sample(base.repeat(n, 1), [SampleRow(SamplingParams(temperature=1.0))] * n).token_ids
+    freq = torch.bincount(torch.tensor(out), minlength=5).float() / n
+    assert torch.allclose(freq, torch.softmax(base, -1), atol=0.03)
+
+
+def test_top_k_and_top_p_support():
+    torch.manual_seed(1)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    lg = probs.log().repeat(2000, 1)
+    topp = sample(lg, [SampleRow(SamplingParams(temperature=1.0, top_p=0.7))] * 2000).token_ids
+    assert set(topp) == {0, 1}
+    topk = sample(lg, [SampleRow(SamplingParams(temperature=1.0, top_k=3))] * 2000).token_ids
+    assert set(topk) == {0, 1, 2}
+    tiny = sample(lg[:50], [SampleRow(SamplingParams(temperature=1.0, top_p=0.01))] * 50).token_ids
+    assert set(tiny) == {0}                                        # always keeps the best token
+
+
+def test_logprobs_are_raw_log_softmax():
+    lg = _logits(4)
+    rows = [SampleRow(SamplingParams(temperature=t, logprobs=True)) for t in (0.0, 0.5, 2.0, 1.0)]
+    res = sample(lg, rows)
+    ref = torch.log_softmax(lg, -1)
+    for i, t in enumerate(res.token_ids):
+        assert math.isclose(res.logprobs[i], float(ref[i, t]), abs_tol=1e-6)
+    assert sample(lg, [SampleRow(SamplingParams(temperature=0.0))] * 4).logprobs is None
+
+
+def test_banned_ids_are_never_sampled():
+    lg = torch.zeros(300, 4)
+    lg[:, 3] = 10.0
+    rows = [SampleRow(SamplingParams(temperature=1.0), banned_ids=(3,))] * 300
+    assert 3 not in sample(lg, rows).token_ids
+    assert sample(lg[:1], [SampleRow(SamplingParams(temperature=0.0), banned_ids=(3,))]).token_ids[0] != 3
