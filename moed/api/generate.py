@@ -1,0 +1,212 @@
+"""Drive engine requests for one HTTP request: tokenize, admit, run n×prompts streams, clean up.
+
+Lifecycle of one HTTP generation request:
+  parse → tokenize → check context → admit (429 if over the bounds) → add n engine requests per
+  prompt → merge their TokenEvents (one pump task each) → ... → finally: abort every engine
+  request that has not finished (client gone, timeout, error) and release admission tickets.
+The finally block is the one place that guarantees no engine request (and so no KV block)
+outlives its HTTP request.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import structlog
+
+from moed.api.admission import Admission, Ticket, Verdict
+from moed.api.errors import APIError, bad_request
+from moed.api.protocol import GenerationRequest, resolve_max_tokens
+from moed.obs import metrics
+from moed.types import FinishReason, TokenEvent
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Choice:
+    """One engine request = one output choice."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    engine_id: str
+    ticket: Ticket
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+    added: bool = False                   # the engine knows this request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def encode_prompts(engine: Any, req: GenerationRequest) -> list[list[int]]:
+    """Token ids for each prompt (chat: the model's template, rendered then encoded)."""
+    tok = engine.tokenizer
+    vocab = getattr(tok, "vocab_size", None)
+    if req.chat:
+        try:
+            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True)
+        except ValueError as e:   # TokenizerError: no template / template raised
+            raise bad_request(str(e), "messages") from None
+        ids_list = [text if isinstance(text, list) else tok.encode(text, add_special_tokens=False)]
+    else:
+        ids_list = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                ids_list.append(tok.encode(p))
+            else:
+                if vocab is not None and any(t >= vocab for t in p):
+                    raise bad_request(f"'prompt' token ids must be < the vocabulary size {vocab}",
+                                      "prompt")
+                ids_list.append(list(p))
+    for ids in ids_list:
+        if not ids:
+            raise bad_request("the prompt encodes to zero tokens", "messages" if req.chat else "prompt")
+    return ids_list
+
+
+def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int) -> list[Ticket]:
+    verdict, tickets = admission.try_admit(prompt_lens)
+    metrics.ADMISSION_PENDING.set(admission.pending)
+    metrics.ADMISSION_PENDING_TOKENS.set(admission.pending_tokens)
+    if verdict is not Verdict.ADMIT:
+        metrics.ADMISSION_REJECTED.labels(verdict.value).inc()
+        raise APIError(429, f"Server is at capacity ({verdict.value.replace('_', ' ')}); "
+                            f"retry after {retry_after_s}s.",
+                       code=verdict.value, headers={"Retry-After": str(retry_after_s)})
+    return tickets
+
+
+class Generation:
+    """The engine side of one HTTP request; use as `async with` and iterate `events()`."""
+
+    def __init__(self, engine: Any, admission: Admission, req: GenerationRequest,
+                 prompt_ids: list[list[int]], request_id: str, retry_after_s: int) -> None:
+        self.engine = engine
+        self.admission = admission
+        self.req = req
+        self.prompt_ids = prompt_ids
+        self.request_id = request_id
+        self.arrival = time.perf_counter()
+        max_len = engine.max_model_len
+        self.max_tokens = [resolve_max_tokens(req, len(p), max_len) for p in prompt_ids]
+        lens = [len(p) for p in prompt_ids for _ in range(req.n)]
+        tickets = admit(admission, lens, retry_after_s)
+        self.choices = [
+            Choice(index=pi * req.n + c, prompt_index=pi, prompt_ids=p,
+                   engine_id=f"{request_id}-{pi}-{c}", ticket=tickets[pi * req.n + c])
+            for pi, p in enumerate(prompt_ids) for c in range(req.n)]
+        self._queue: asyncio.Queue[tuple[Choice, TokenEvent | BaseException]] = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    async def __aenter__(self) -> Generation:
+        try:
+            for ch in self.choices:
+                params = self.req.sampling_params(self.max_tokens[ch.prompt_index],
+                                                  ch.index % self.req.n)
+                try:
+                    stream = self.engine.add_request(ch.engine_id, ch.prompt_ids, params)
+                    if inspect.isawaitable(stream):
+                        stream = await stream
+                except ValueError as e:
+                    raise bad_request(str(e), "messages" if self.req.chat else "prompt") from None
+                ch.added = True
+                self._pumps.append(asyncio.create_task(self._pump(ch, stream),
+                                                       name=f"pump-{ch.engine_id}"))
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _pump(self, ch: Choice, stream: AsyncIterator[TokenEvent]) -> None:
+        try:
+            async for ev in stream:
+                self._queue.put_nowait((ch, ev))
+                if ev.finished:
+                    return
+            self._queue.put_nowait((ch, RuntimeError("engine stream ended without a finish")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # surfaced to the handler as a 500 with the request id
+            self._queue.put_nowait((ch, e))
+
+    async def events(self) -> AsyncIterator[tuple[Choice, TokenEvent]]:
+        """Yield (choice, event) until every choice finished; updates the choices and metrics."""
+        remaining = sum(1 for c in self.choices if not c.finished)
+        while remaining:
+            ch, ev = await self._queue.get()
+            if isinstance(ev, BaseException):
+                log.error("engine_stream_failed", engine_request=ch.engine_id, error=repr(ev))
+                raise APIError(500, f"Internal server error (request id {self.request_id}).",
+                               code="engine_error")
+            self._observe(ch, ev)
+            if ev.finished:
+                remaining -= 1
+            yield ch, ev
+
+    def _observe(self, ch: Choice, ev: TokenEvent) -> None:
+        now = time.perf_counter()
+        if ev.token_ids:
+            if ch.t_first is None:
+                ch.t_first = now
+                metrics.TTFT.observe(now - self.arrival)
+                self.admission.started(ch.ticket)
+            elif ch.t_last is not None:
+                gap = (now - ch.t_last) / len(ev.token_ids)
+                for _ in ev.token_ids:
+                    metrics.ITL.observe(gap)
+            ch.t_last = now
+            ch.token_ids.extend(ev.token_ids)
+            ch.logprobs.extend(ev.logprobs)
+            metrics.GENERATION_TOKENS.inc(len(ev.token_ids))
+        ch.text += ev.text
+        if ev.finished:
+            reason = ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) \
+                else str(ev.finish_reason)
+            ch.finish_reason = reason
+            ch.error = ev.error
+            self.admission.release(ch.ticket)
+            metrics.E2E.observe(now - self.arrival)
+            metrics.PROMPT_TOKENS.inc(len(ch.prompt_ids))
+            metrics.REQUESTS_FINISHED.labels(reason).inc()
+        metrics.ADMISSION_PENDING.set(self.admission.pending)
+        metrics.ADMISSION_PENDING_TOKENS.set(self.admission.pending_tokens)
+
+    async def close(self) -> None:
+        """Abort unfinished engine requests, stop pumps, release tickets. Idempotent."""
+        for ch in self.choices:
+            if ch.added and not ch.finished:
+                ch.finish_reason = FinishReason.ABORT.value
+                metrics.REQUESTS_FINISHED.labels(FinishReason.ABORT.value).inc()
+                try:
+                    res = self.engine.abort(ch.engine_id)
+                    if inspect.isawaitable(res):
+                        asyncio.ensure_future(res)
+                except Exception as e:  # never let cleanup hide the original error
+                    log.warning("abort_failed", engine_request=ch.engine_id, error=repr(e))
+            self.admission.release(ch.ticket)
+        for t in self._pumps:
+            t.cancel()
+        metrics.ADMISSION_PENDING.set(self.admission.pending)
+        metrics.ADMISSION_PENDING_TOKENS.set(self.admission.pending_tokens)

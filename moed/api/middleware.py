@@ -1,0 +1,99 @@
+"""aiohttp middlewares: request id + access log + error shaping (outermost), then auth.
+
+- request_id: X-Request-Id if sane, else generated; bound in structlog contextvars for the life
+  of the request and echoed in the response header.
+- Every error leaves as OpenAI-shaped JSON; an unexpected exception is logged with its
+  traceback and answered 500 with only the request id.
+- Auth guards /v1/* (and /metrics when server.metrics_require_auth); /health and /ready stay open.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from moed.api.auth import check_bearer
+from moed.api.errors import APIError
+from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE
+from moed.obs import metrics
+
+log = structlog.get_logger("moed.access")
+_RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Routes that never need a key (orchestrator probes).
+OPEN_PATHS = frozenset({"/health", "/ready"})
+
+
+def request_id_of(request: web.Request) -> str:
+    return request.get(REQUEST_ID, "")
+
+
+def _route_label(request: web.Request) -> str:
+    info = request.match_info
+    route = getattr(info, "route", None)
+    res = getattr(route, "resource", None) if route is not None else None
+    return res.canonical if res is not None else "unmatched"
+
+
+def _from_http_exception(e: web.HTTPException) -> APIError:
+    if e.status == 413:
+        return APIError(413, "Request body too large.", code="body_too_large")
+    if e.status == 404:
+        return APIError(404, "Not found.", code="not_found")
+    if e.status == 405:
+        return APIError(405, "Method not allowed.", code="method_not_allowed")
+    return APIError(e.status, e.reason or "HTTP error", err_type="invalid_request_error")
+
+
+@web.middleware
+async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    rid = request.headers.get("X-Request-Id", "")
+    if not _RID_OK.match(rid):
+        rid = uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    start = time.perf_counter()
+    status = 500
+    with structlog.contextvars.bound_contextvars(request_id=rid):
+        try:
+            try:
+                resp = await handler(request)
+            except APIError as e:
+                resp = e.response()
+            except web.HTTPException as e:
+                if e.status < 400:
+                    raise
+                resp = _from_http_exception(e).response()
+            except Exception:
+                log.exception("unhandled_error", method=request.method, path=request.path)
+                resp = APIError(500, f"Internal server error (request id {rid}).",
+                                code="internal_error").response()
+            if not resp.prepared:
+                resp.headers["X-Request-Id"] = rid
+            status = resp.status
+            return resp
+        finally:
+            # `status` stays 500 only when cancelled (client gone) before a response existed.
+            usage = request.get(USAGE) or (0, 0)
+            elapsed = time.perf_counter() - start
+            metrics.HTTP_REQUESTS.labels(_route_label(request), str(status)).inc()
+            if request.path not in OPEN_PATHS and request.path != "/metrics":
+                log.info("access", method=request.method, path=request.path, status=status,
+                         prompt_tokens=usage[0], completion_tokens=usage[1],
+                         latency_ms=round(elapsed * 1000, 2), peer=request.remote,
+                         finish=request.get(FINISH))
+
+
+@web.middleware
+async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    path = request.path
+    needs = path.startswith("/v1/") or (path == "/metrics"
+                                        and state.config.server.metrics_require_auth)
+    if needs and path not in OPEN_PATHS:
+        check_bearer(request.headers.get("Authorization"), state.api_keys)
+    return await handler(request)

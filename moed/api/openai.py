@@ -1,0 +1,267 @@
+"""OpenAI-compatible handlers: /v1/completions, /v1/chat/completions, /v1/models.
+
+Streaming is SSE (`data: {json}\\n\\n`, ending with `data: [DONE]`); with
+stream_options.include_usage every chunk carries `"usage": null` and one last chunk with no
+choices carries the exact usage. `return_token_ids` adds prompt and completion token ids the
+way vLLM does (completions: per choice; chat: prompt ids at the top level).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from moed.api.errors import APIError, bad_request
+from moed.api.generate import Choice, Generation, encode_prompts
+from moed.api.protocol import GenerationRequest, parse_request
+from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE, ServerState
+from moed.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+
+# ---- response pieces (pure) ---------------------------------------------------------------
+
+def _token_str(tok: Any, tid: int) -> str:
+    return tok.decode([tid], skip_special_tokens=False)
+
+
+def completion_logprobs(tok: Any, ids: list[int], lps: list[float], top: int,
+                        offset0: int) -> dict[str, Any]:
+    """Legacy completions logprobs. Only the sampled token's logprob is known to the engine, so
+    top_logprobs lists that token alone."""
+    tokens = [_token_str(tok, t) for t in ids]
+    offsets, pos = [], offset0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": list(lps),
+            "top_logprobs": [{s: lp} for s, lp in zip(tokens, lps)] if top > 0 else None,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tok: Any, ids: list[int], lps: list[float], top: int) -> dict[str, Any]:
+    content = []
+    for t, lp in zip(ids, lps):
+        s = _token_str(tok, t)
+        entry = {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        content.append({**entry, "top_logprobs": [entry] if top > 0 else []})
+    return {"content": content}
+
+
+def usage_dict(gen: Generation) -> dict[str, Any]:
+    p, c = gen.prompt_tokens, gen.completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class Formatter:
+    """Builds chunk and response bodies for one request."""
+
+    def __init__(self, req: GenerationRequest, tok: Any, model: str, gen: Generation) -> None:
+        self.req, self.tok, self.model, self.gen = req, tok, model, gen
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self._text_pos = [0] * len(gen.choices)      # completions text_offset per choice
+        self._started = [False] * len(gen.choices)   # chat: role sent / prompt ids sent
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, ch: Choice, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        if self.req.chat:
+            return chat_logprobs(self.tok, ids, lps, self.req.logprobs)
+        out = completion_logprobs(self.tok, ids, lps, self.req.logprobs, self._text_pos[ch.index])
+        self._text_pos[ch.index] += sum(len(s) for s in out["tokens"])
+        return out
+
+    def _echo(self, ch: Choice) -> str:
+        p = self.req.prompts[ch.prompt_index]
+        return p if isinstance(p, str) else self.tok.decode(list(p))
+
+    def chunk(self, ch: Choice, ids: list[int], text: str, lps: list[float],
+              finish: str | None) -> dict[str, Any]:
+        first = not self._started[ch.index]
+        self._started[ch.index] = True
+        lp = self._logprobs(ch, ids, lps) if ids else None
+        if self.req.chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta = {"role": "assistant", "content": text}
+            c: dict[str, Any] = {"index": ch.index, "delta": delta, "logprobs": lp,
+                                 "finish_reason": finish}
+            body = self._base("chat.completion.chunk")
+        else:
+            if first and self.req.echo:
+                text = self._echo(ch) + text
+            c = {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": finish}
+            body = self._base("text_completion")
+        if self.req.return_token_ids:
+            c["token_ids"] = list(ids)
+            if first:
+                c["prompt_token_ids"] = list(ch.prompt_ids)
+        body["choices"] = [c]
+        if self.req.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        body = self._base("chat.completion.chunk" if self.req.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage_dict(self.gen)
+        return body
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for ch in self.gen.choices:
+            lp = self._logprobs(ch, ch.token_ids, ch.logprobs)
+            if self.req.chat:
+                c: dict[str, Any] = {"index": ch.index,
+                                     "message": {"role": "assistant", "content": ch.text},
+                                     "logprobs": lp, "finish_reason": ch.finish_reason}
+            else:
+                text = (self._echo(ch) if self.req.echo else "") + ch.text
+                c = {"index": ch.index, "text": text, "logprobs": lp,
+                     "finish_reason": ch.finish_reason}
+            if self.req.return_token_ids:
+                c["token_ids"] = list(ch.token_ids)
+                if not self.req.chat:
+                    c["prompt_token_ids"] = list(ch.prompt_ids)
+            choices.append(c)
+        body = self._base("chat.completion" if self.req.chat else "text_completion")
+        body["choices"] = choices
+        if self.req.chat and self.req.return_token_ids:
+            body["prompt_token_ids"] = list(self.gen.prompt_ids[0])
+        body["usage"] = usage_dict(self.gen)
+        return body
+
+
+# ---- handlers -----------------------------------------------------------------------------
+
+async def _read_json(request: web.Request, limit: int) -> Any:
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"Request body too large: {request.content_length} bytes "
+                            f"(limit {limit}).", code="body_too_large")
+    raw = await request.read()
+    if len(raw) > limit:
+        raise APIError(413, f"Request body too large (limit {limit} bytes).",
+                       code="body_too_large")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"Malformed JSON body: {e}") from None
+
+
+def _check_serving(state: ServerState) -> Any:
+    if state.draining:
+        metrics.ADMISSION_REJECTED.labels("draining").inc()
+        raise APIError(503, "Server is shutting down; retry on another node.", code="draining",
+                       headers={"Retry-After": str(state.config.admission.retry_after_s)})
+    if state.engine is None or not state.ready:
+        raise APIError(503, "Model is not loaded yet.", code="not_ready",
+                       headers={"Retry-After": str(state.config.admission.retry_after_s)})
+    return state.engine
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = _check_serving(state)
+    body = await _read_json(request, state.config.server.max_body_bytes)
+    req = parse_request(body, chat=chat)
+    if req.model is not None and req.model != state.model_name:
+        raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
+                            f"'{state.model_name}'.", param="model", code="model_not_found")
+    prompt_ids = encode_prompts(engine, req)
+    rid = request[REQUEST_ID]
+    with state.track():
+        gen = Generation(engine, state.admission, req, prompt_ids, rid,
+                         state.config.admission.retry_after_s)
+        fmt = Formatter(req, engine.tokenizer, state.model_name, gen)
+        timeout = state.config.server.request_timeout_s
+        try:
+            async with gen:
+                if req.stream:
+                    return await _stream(request, gen, fmt, timeout)
+                try:
+                    async with asyncio.timeout(timeout):
+                        async for _ in gen.events():
+                            pass
+                except TimeoutError:
+                    metrics.REQUEST_TIMEOUTS.inc()
+                    raise APIError(408, f"Request timed out after {timeout:g}s "
+                                        f"(server.request_timeout_s).", code="timeout") from None
+                return web.json_response(fmt.response())
+        except asyncio.CancelledError:
+            request[FINISH] = "client_disconnect"
+            metrics.CLIENT_DISCONNECTS.inc()
+            raise
+        finally:
+            request[USAGE] = (gen.prompt_tokens, gen.completion_tokens)
+            request.setdefault(FINISH, ",".join(sorted({c.finish_reason or "abort"
+                                                          for c in gen.choices})))
+
+
+async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
+                  timeout: float) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache",
+                                       "X-Request-Id": request[REQUEST_ID]})
+    await resp.prepare(request)
+    try:
+        try:
+            async with asyncio.timeout(timeout):
+                async for ch, ev in gen.events():
+                    if not ev.token_ids and not ev.text and not ev.finished:
+                        continue
+                    await resp.write(_sse(fmt.chunk(ch, list(ev.token_ids), ev.text,
+                                                     list(ev.logprobs), ch.finish_reason)))
+        except TimeoutError:
+            metrics.REQUEST_TIMEOUTS.inc()
+            await resp.write(_sse(APIError(408, f"Request timed out after {timeout:g}s.",
+                                           code="timeout").body()))
+            request[FINISH] = "timeout"
+            return resp
+        except APIError as e:     # headers are gone: report in-band, as OpenAI does
+            await resp.write(_sse(e.body()))
+            return resp
+        if gen.req.include_usage:
+            await resp.write(_sse(fmt.usage_chunk()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError):
+        request[FINISH] = "client_disconnect"
+        metrics.CLIENT_DISCONNECTS.inc()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    data = []
+    if state.engine is not None:
+        data.append({"id": state.model_name, "object": "model", "created": state.created,
+                     "owned_by": "moed", "max_model_len": state.engine.max_model_len})
+    return web.json_response({"object": "list", "data": data})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)

@@ -1,0 +1,262 @@
+"""Parse and validate OpenAI request bodies into frozen dataclasses (pure: no I/O, no engine).
+
+Unknown fields are ignored (load generators send extras such as `ignore_eos`); a known field of
+the wrong type or out of range is an APIError(400) naming the field in `param`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from moed.api.errors import APIError, bad_request
+from moed.types import SamplingParams
+
+MAX_N = 16               # choices per request: bounded so one request cannot flood the engine
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One /v1/completions or /v1/chat/completions call, validated."""
+
+    chat: bool
+    model: str | None
+    prompts: tuple[Prompt, ...] = ()           # completions: each is text or token ids
+    messages: tuple[dict[str, str], ...] = ()  # chat: {"role", "content"} with text content
+    max_tokens: int | None = None              # None: the endpoint's default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    logprobs: int | None = None                # completions: int; chat: 0 when logprobs=true
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    echo: bool = False
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        """Engine parameters for choice `choice` (seeds are offset per choice)."""
+        seed = None if self.seed is None else self.seed + choice
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=seed, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              logprobs=self.logprobs is not None, min_tokens=self.min_tokens)
+
+
+# ---- field readers --------------------------------------------------------------------------
+
+def _present(body: dict[str, Any], key: str) -> bool:
+    return body.get(key) is not None
+
+
+def _int(body: dict[str, Any], key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"'{key}' must be an integer, got {type(v).__name__}", key)
+    if lo is not None and v < lo:
+        raise bad_request(f"'{key}' must be >= {lo}, got {v}", key)
+    if hi is not None and v > hi:
+        raise bad_request(f"'{key}' must be <= {hi}, got {v}", key)
+    return v
+
+
+def _float(body: dict[str, Any], key: str, lo: float, hi: float, *,
+           lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(f"'{key}' must be a number, got {v!r}", key)
+    if v < lo or (lo_open and v == lo) or v > hi:
+        bracket = "(" if lo_open else "["
+        raise bad_request(f"'{key}' must be in {bracket}{lo}, {hi}], got {v}", key)
+    return float(v)
+
+
+def _bool(body: dict[str, Any], key: str) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise bad_request(f"'{key}' must be a boolean, got {type(v).__name__}", key)
+    return v
+
+
+def _token_ids(v: Any, key: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in v):
+        raise bad_request(f"'{key}' must be a list of integer token ids", key)
+    if any(t < 0 for t in v):
+        raise bad_request(f"'{key}' token ids must be >= 0", key)
+    return tuple(v)
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if len(v) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(s for s in v if s)
+
+
+def _prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("'prompt' is required", "prompt")
+    p = body["prompt"]
+    if isinstance(p, str):
+        items: list[Any] = [p]
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in p):
+        items = [p]                       # one prompt of token ids
+    elif isinstance(p, list) and p:
+        items = p                         # a batch: strings or token-id lists
+    else:
+        raise bad_request("'prompt' must be a non-empty string, list of strings, list of token "
+                          "ids or list of token-id lists", "prompt")
+    out: list[Prompt] = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("'prompt' must not be empty", "prompt")
+            out.append(item)
+        elif isinstance(item, list):
+            if not item:
+                raise bad_request("'prompt' must not be empty", "prompt")
+            out.append(_token_ids(item, "prompt"))
+        else:
+            raise bad_request("'prompt' items must be strings or lists of token ids", "prompt")
+    return tuple(out)
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content: only text parts are supported",
+                                  "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
+                      "messages")
+
+
+def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
+                              "messages")
+        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+    if not any(m["content"] for m in out):
+        raise bad_request("'messages' must contain some text", "messages")
+    return tuple(out)
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+
+    max_tokens = _int(body, "max_tokens", lo=1)
+    mct = _int(body, "max_completion_tokens", lo=1)
+    if mct is not None:
+        max_tokens = mct                 # the newer name wins when both are sent
+
+    if chat:
+        want_lp = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+        if top is not None and not want_lp:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (top or 0) if want_lp else None
+    else:
+        logprobs = _int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+
+    top_k = _int(body, "top_k", lo=-1)
+    stream = bool(_bool(body, "stream"))
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    include_usage = bool(_bool(so, "include_usage")) if so else False
+    if include_usage and not stream:
+        raise bad_request("'stream_options' is only allowed with 'stream': true",
+                          "stream_options")
+    stop_ids = body.get("stop_token_ids")
+    temperature = _float(body, "temperature", 0.0, 2.0)
+    top_p = _float(body, "top_p", 0.0, 1.0, lo_open=True)
+
+    return GenerationRequest(
+        chat=chat,
+        model=model,
+        prompts=() if chat else _prompts(body),
+        messages=_messages(body) if chat else (),
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k in (None, -1) else top_k,
+        min_tokens=_int(body, "min_tokens", lo=0) or 0,
+        seed=_int(body, "seed"),
+        stop=_stop(body),
+        stop_token_ids=() if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"),
+        n=_int(body, "n", lo=1, hi=MAX_N) or 1,
+        logprobs=logprobs,
+        stream=stream,
+        include_usage=include_usage,
+        ignore_eos=bool(_bool(body, "ignore_eos")),
+        return_token_ids=bool(_bool(body, "return_token_ids")),
+        echo=bool(_bool(body, "echo")),
+    )
+
+
+def resolve_max_tokens(req: GenerationRequest, prompt_len: int, max_model_len: int) -> int:
+    """The max_tokens to use for one prompt, or APIError(400) if the context cannot hold it."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
+                            f"the prompt has {prompt_len} tokens, which leaves no room to "
+                            f"generate. Shorten the prompt.",
+                       param="messages" if req.chat else "prompt", code="context_length_exceeded")
+    if req.max_tokens is None:
+        # OpenAI's legacy completions default is 16; chat runs to EOS or the context end.
+        return room if req.chat else min(16, room)
+    if req.max_tokens > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                            f"However, you requested {prompt_len + req.max_tokens} tokens "
+                            f"({prompt_len} in the prompt, {req.max_tokens} for the completion). "
+                            f"Reduce the prompt or max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    return req.max_tokens

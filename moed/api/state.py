@@ -1,0 +1,69 @@
+"""ServerState: what the HTTP layer needs from the daemon, owned and updated by moed.app.
+
+moed.api never imports moed.app; the app builds one ServerState, keeps it current (readiness,
+draining, reloaded config and keys) and stores it on the aiohttp application under STATE.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from aiohttp import web
+
+from moed.api.admission import Admission
+from moed.config import Config
+
+
+@dataclass
+class ServerState:
+    config: Config
+    engine: Any | None = None             # moed.engine.Engine; None on the router role
+    api_keys: tuple[bytes, ...] = ()
+    ready: bool = False                   # /ready: started, model loaded, not draining
+    draining: bool = False
+    model_name: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    inflight: int = 0
+    admission: Admission = field(init=False)
+    _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        a = self.config.admission
+        self.admission = Admission(a.max_waiting_requests, a.max_queued_prompt_tokens,
+                                   self.config.engine.max_num_seqs)
+        self._idle.set()
+
+    def set_config(self, cfg: Config) -> None:
+        self.config = cfg
+        self.admission.reconfigure(cfg.admission.max_waiting_requests,
+                                   cfg.admission.max_queued_prompt_tokens)
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Count one in-flight request (drain waits for the count to reach zero)."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True if every in-flight request finished within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return self.inflight == 0
+
+
+STATE: web.AppKey[ServerState] = web.AppKey("moed_state", ServerState)
+# Per-request values the handlers leave for the access log (moed.api.middleware).
+REQUEST_ID = web.RequestKey("moed_request_id", str)
+USAGE = web.RequestKey("moed_usage", tuple)          # (prompt_tokens, completion_tokens)
+FINISH = web.RequestKey("moed_finish", str)          # finish reasons, "client_disconnect", ...

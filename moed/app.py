@@ -1,0 +1,282 @@
+"""The daemon: wires the parts for a role, owns every background task, starts and drains.
+
+How a component plugs in
+------------------------
+A component is any object with these four members (see `Component`; subclass `BaseComponent`
+to get no-op defaults):
+
+    name: str
+    def add_routes(self, web: aiohttp.web.Application) -> None   # called once, before start
+    async def start(self, app: App) -> None     # in list order, after the HTTP site is up
+    async def drain(self) -> None               # readiness is already false: stop taking work
+                                                # (membership: leave; router: stop picking)
+    async def stop(self) -> None                # reverse order, after in-flight requests ended
+
+Add yours in `build_components` below under your section (one line, gated on role/config).
+Long-running work goes through `app.spawn(coro, name)`, never bare `create_task`: the app
+cancels and awaits those tasks at exit. `app.state` (moed.api.state.ServerState) is what the
+HTTP layer sees: engine, readiness, draining, in-flight count. `app.on_signal(sig, cb)` adds a
+signal handler (SIGHUP reload). `app.ready_event` is set once the node is ready.
+
+Lifecycle
+---------
+  start: HTTP site up (/health answers, /ready says 503 "starting")
+       → components start in order (the engine loads the model)
+       → ready (/ready 200, moed_ready 1)
+  SIGTERM/SIGINT (or app.request_stop()):
+       → ready false, draining (new /v1 requests: 503)
+       → components drain (reverse order)
+       → wait for in-flight requests up to server.shutdown_grace_s (a 2nd signal skips this)
+       → HTTP site closed (remaining streams are cancelled, their engine requests aborted)
+       → components stop (reverse order), spawned tasks cancelled → exit code 0
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Coroutine, Protocol, runtime_checkable
+
+import structlog
+from aiohttp import web
+
+from moed import __version__
+from moed.api import health, openai
+from moed.api.auth import load_keys
+from moed.api.middleware import auth, request_context
+from moed.api.state import STATE, ServerState
+from moed.config import Config
+from moed.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+
+@runtime_checkable
+class Component(Protocol):
+    name: str
+
+    def add_routes(self, web_app: web.Application) -> None: ...
+    async def start(self, app: App) -> None: ...
+    async def drain(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class BaseComponent:
+    """No-op defaults for the Component protocol."""
+
+    name = "component"
+
+    def add_routes(self, web_app: web.Application) -> None:
+        pass
+
+    async def start(self, app: App) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def node_name(cfg: Config) -> str:
+    return cfg.server.node_name or f"{socket.gethostname()}-{cfg.server.port}"
+
+
+def served_model_name(cfg: Config) -> str:
+    return cfg.model.served_name or (Path(cfg.model.path).name if cfg.model.path else "")
+
+
+class EngineComponent(BaseComponent):
+    """Loads the model and runs the engine's step loop (colocated, prefill, decode roles)."""
+
+    name = "engine"
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.engine: Any = None
+
+    def add_routes(self, web_app: web.Application) -> None:
+        openai.add_routes(web_app)
+
+    async def start(self, app: App) -> None:
+        from moed.engine.engine import Engine   # lazy: the router role never imports torch
+
+        t0 = time.perf_counter()
+        log.info("model_loading", path=self.cfg.model.path)
+        self.engine = await asyncio.to_thread(Engine.from_config, self.cfg)
+        self.engine.on_step = _observe_step
+        await self.engine.start()
+        app.state.engine = self.engine
+        app.state.model_name = served_model_name(self.cfg)
+        log.info("model_loaded", model=app.state.model_name,
+                 max_model_len=self.engine.max_model_len,
+                 load_s=round(time.perf_counter() - t0, 2))
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+
+def _observe_step(step: Any) -> None:
+    """Engine per-step hook (moed.engine.stream.StepStats) → metrics. Runs on the event loop."""
+    metrics.BATCH_SIZE.observe(step.batch_size)
+    metrics.BATCH_TOKENS.observe(step.num_prefill_tokens + step.num_decode_tokens)
+    metrics.STEP_TIME.observe(step.step_seconds)
+    metrics.RUNNING.set(step.running)
+    metrics.WAITING.set(step.waiting)
+    metrics.KV_BLOCKS_USED.set(step.kv_blocks_used)
+    metrics.KV_BLOCKS_FREE.set(step.kv_blocks_free)
+
+
+def build_components(cfg: Config) -> list[Component]:
+    """The components of a node, in start order, by role and config."""
+    role = cfg.server.role
+    comps: list[Component] = []
+    # ---- engine (daemon helper) ----
+    if role in ("colocated", "prefill", "decode"):
+        comps.append(EngineComponent(cfg))
+    # ---- cluster (gossip helper): membership when cfg.cluster.enabled ----
+    # ---- transfer (transfer helper): prefill/decode role components ----
+    # ---- ops (ops helper): sd_notify/watchdog, SIGHUP reload, /admin, router proxy ----
+    return comps
+
+
+class App:
+    def __init__(self, cfg: Config, components: list[Component] | None = None) -> None:
+        self.config = cfg
+        self.node = node_name(cfg)
+        self.components: list[Component] = (build_components(cfg) if components is None
+                                             else list(components))
+        self.state = ServerState(config=cfg, api_keys=load_keys(cfg.server.api_keys_file,
+                                                                cfg.server.api_keys_env))
+        self.web = web.Application(middlewares=[request_context, auth],
+                                   client_max_size=cfg.server.max_body_bytes)
+        self.web[STATE] = self.state
+        health.add_routes(self.web)
+        self.ready_event = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._signals: list[tuple[int, Callable[[], None]]] = []
+        self._runner: web.AppRunner | None = None
+        self._started: list[Component] = []
+        self.port: int = cfg.server.port
+
+    # ---- wiring API for components ----
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """Run a background task owned by the app (cancelled and awaited at exit)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_task_failed", task=task.get_name(),
+                      error=repr(task.exception()))
+
+    def on_signal(self, sig: int, callback: Callable[[], None]) -> None:
+        self._signals.append((sig, callback))
+
+    def set_config(self, cfg: Config) -> None:
+        """Adopt a (reloaded) config: limits, keys and timeouts apply to the next request."""
+        self.config = cfg
+        self.state.set_config(cfg)
+        self.state.api_keys = load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env)
+
+    def request_stop(self) -> None:
+        if self._stop.is_set():
+            log.warning("second_stop_signal", action="skipping the grace period")
+            self._force.set()
+        self._stop.set()
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        """Bring the HTTP site up, start components, become ready."""
+        for c in self.components:
+            c.add_routes(self.web)
+        self._runner = web.AppRunner(self.web, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.server.host, self.config.server.port)
+        await site.start()
+        addrs = self._runner.addresses
+        if addrs:
+            self.port = addrs[0][1]
+        metrics.NODE_INFO.info({"role": self.config.server.role, "node": self.node,
+                                "version": __version__, "config_digest": self.config.digest()})
+        log.info("listening", host=self.config.server.host, port=self.port)
+        for c in self.components:
+            await c.start(self)
+            self._started.append(c)
+        self.state.ready = True
+        self.ready_event.set()
+        metrics.READY.set(1)
+        log.info("ready", components=[c.name for c in self.components])
+
+    async def drain(self) -> None:
+        """Stop taking work, let in-flight requests finish (up to the grace), stop everything."""
+        grace = self.config.server.shutdown_grace_s
+        self.state.ready = False
+        self.state.draining = True
+        metrics.READY.set(0)
+        log.info("draining", inflight=self.state.inflight, grace_s=grace)
+        for c in reversed(self._started):
+            await _quietly(c.drain(), f"{c.name}.drain")
+        idle_wait = asyncio.ensure_future(self.state.wait_idle(grace))
+        force_wait = asyncio.ensure_future(self._force.wait())
+        await asyncio.wait({idle_wait, force_wait}, return_when=asyncio.FIRST_COMPLETED)
+        force_wait.cancel()
+        idle_wait.cancel()
+        if self.state.inflight:
+            log.warning("grace_expired", inflight=self.state.inflight)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for c in reversed(self._started):
+            await _quietly(c.stop(), f"{c.name}.stop")
+        self._started.clear()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5.0)
+        log.info("stopped")
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        for sig, cb in self._signals:
+            loop.add_signal_handler(sig, cb)
+        try:
+            starting = asyncio.ensure_future(self.start())
+            stopping = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():          # signalled while loading: give up the start
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+            elif starting.exception() is not None:
+                stopping.cancel()
+                log.error("start_failed", error=str(starting.exception()),
+                          exc_info=starting.exception())
+                await self.drain()
+                return 1
+            await self._stop.wait()
+            await self.drain()
+            return 0
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, *(s for s, _ in self._signals)):
+                loop.remove_signal_handler(sig)
+
+
+async def _quietly(aw: Awaitable[Any], what: str) -> None:
+    try:
+        await aw
+    except Exception as e:     # one component failing to stop must not block the rest
+        log.error("component_error", step=what, error=repr(e))

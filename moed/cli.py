@@ -1,0 +1,137 @@
+"""`moed` command line: serve, check-config, model init.
+
+Precedence of settings: defaults < TOML (--config) < MOED_<SECTION>_<FIELD> environment <
+flags. Errors in any of them stop the command with a one-line message and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from moed.config import ROLES, Config, ConfigError, load
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    return {
+        "server": {"role": getattr(args, "role", None), "host": getattr(args, "host", None),
+                   "port": getattr(args, "port", None),
+                   "node_name": getattr(args, "node_name", None),
+                   "log_format": getattr(args, "log_format", None),
+                   "log_level": getattr(args, "log_level", None)},
+        "model": {"path": getattr(args, "model", None)},
+    }
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=ROLES)
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (model.path)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--node-name", dest="node_name")
+    p.add_argument("--log-format", dest="log_format", choices=("json", "console"),
+                   help="console: human-readable lines instead of JSON")
+    p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def to_toml(cfg: Config) -> str:
+    lines = [f"# effective config (digest {cfg.digest()})"]
+    for sec in dataclasses.fields(cfg):
+        lines.append(f"\n[{sec.name}]")
+        for k, v in dataclasses.asdict(getattr(cfg, sec.name)).items():
+            lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _load(args: argparse.Namespace) -> Config:
+    from moed.api.auth import AuthConfigError, load_keys
+
+    cfg = load(args.config, environ=os.environ, overrides=_overrides(args))
+    try:  # a key source that cannot be read is a config error, found before serving
+        load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env)
+    except AuthConfigError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    sys.stdout.write(to_toml(cfg))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    import uvloop
+
+    from moed.app import App, node_name
+    from moed.obs import log as obslog
+
+    obslog.configure(cfg.server.log_format, cfg.server.log_level, role=cfg.server.role,
+                     node=node_name(cfg))
+    if cfg.engine.num_threads:
+        import torch
+
+        torch.set_num_threads(cfg.engine.num_threads)
+
+    async def main() -> int:
+        return await App(cfg).run()
+
+    return uvloop.run(main())
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from moed.model import init as model_init
+
+    return int(model_init.main(args) or 0)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moed", description="Mixture-of-Experts serving daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a node (HTTP API, engine, membership)")
+    serve.add_argument("--config", metavar="FILE", help="TOML config (default: built-in defaults)")
+    _add_config_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    check = sub.add_parser("check-config", help="validate a config and print the effective one")
+    check.add_argument("config", metavar="FILE")
+    _add_config_flags(check)
+    check.set_defaults(func=cmd_check_config)
+
+    model = sub.add_parser("model", help="model utilities")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    init = msub.add_parser("init", help="write a random-weight Hugging Face checkpoint")
+    argv = sys.argv[1:] if argv is None else argv
+    if list(argv[:1]) == ["model"]:   # lazy: the init module imports torch and transformers
+        from moed.model import init as model_init
+
+        model_init.add_arguments(init)
+    init.set_defaults(func=cmd_model_init)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"moed: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
