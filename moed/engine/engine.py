@@ -1,0 +1,370 @@
+"""Engine: the async step loop the HTTP server sits on.
+
+One writer: the step-loop coroutine is the only code that touches the scheduler and the KV
+manager. `add_request`, `abort`, `complete_remote_prefill` and `release_kv` only enqueue a
+command; the loop applies them at the next step boundary. The forward pass and sampling run in
+ONE executor thread, so the event loop keeps serving HTTP while a step computes. When there is
+nothing to do the loop sleeps on an asyncio.Event.
+
+Each step:  drain commands -> scheduler.schedule() -> [executor] runner.forward + sample ->
+scheduler.update() -> publish TokenEvents to each request's stream -> on_step(StepStats).
+
+Disaggregation hooks (used by the prefill/decode roles):
+- Decode side: `add_request(..., remote_kv=True)` allocates blocks for the WHOLE prompt (prefix
+  cache hits included) and parks the request in WAITING_REMOTE_KV; `stream.kv_blocks` resolves
+  to `(block_ids, num_cached_tokens)` — the writer fills `block_ids[num_cached_tokens //
+  block_size:]`. `complete_remote_prefill(request_id, first_token_id, logprob)` then marks the
+  prompt computed, publishes the first token and decodes on. Abort frees the blocks as usual.
+- Prefill side: `add_request(..., prefill_only=True)` runs the prompt (chunked), samples the
+  first token and finishes with "stop" — but KEEPS its blocks. After every step that computed
+  some of its prompt, `on_prefill_progress(request_id, block_ids, num_computed_tokens)` is called
+  (block_ids = the whole table; blocks below num_computed_tokens // block_size are final). Call
+  `release_kv(request_id)` once the KV has been sent (or abort to give up).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+
+from moed.config import Config, EngineConfig
+from moed.engine.request import Request
+from moed.engine.scheduler import Scheduler, StepPlan
+from moed.engine.stream import RequestStream, StepStats
+from moed.kvcache.manager import KVCacheManager
+from moed.model.sampler import SampleRow, make_generator, sample
+from moed.types import EngineStats, FinishReason, SamplingParams, TokenEvent
+
+log = structlog.get_logger(__name__)
+
+
+class Engine:
+    def __init__(self, runner: Any, tokenizer: Any, cfg: EngineConfig, *,
+                 max_model_len: int | None = None,
+                 on_step: Callable[[StepStats], None] | None = None,
+                 on_prefill_progress: Callable[[str, list[int], int], None] | None = None) -> None:
+        self.runner = runner
+        self._tokenizer = tokenizer
+        self.cfg = cfg
+        spec = runner.spec
+        limit = spec.max_position_embeddings
+        self._max_model_len = min(max_model_len or limit, limit)
+        eos = tuple(spec.eos_token_ids) + tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.eos_token_ids = tuple(dict.fromkeys(eos))
+        self.kv = KVCacheManager(runner.num_blocks, runner.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   on_remote_allocated=self._remote_allocated)
+        self.on_step = on_step
+        self.on_prefill_progress = on_prefill_progress
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox: deque[tuple] = deque()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopping = False
+        self.steps = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config, **kw: Any) -> Engine:
+        """Build the ModelRunner and Tokenizer from cfg.model / cfg.engine."""
+        import torch
+
+        from moed.model.runner import ModelRunner, auto_num_blocks, resolve_device, resolve_dtype
+        from moed.model.spec import load_spec
+        from moed.model.tokenizer import Tokenizer
+
+        e, m = cfg.engine, cfg.model
+        if e.num_threads > 0:
+            torch.set_num_threads(e.num_threads)
+        spec = load_spec(m.path)
+        device = resolve_device(m.device)
+        dtype = resolve_dtype(m.dtype, spec, device)
+        num_blocks = e.num_kv_blocks or auto_num_blocks(
+            spec, block_size=e.block_size, dtype=dtype, memory_mb=e.kv_cache_memory_mb)
+        runner = ModelRunner(m.path, dtype=dtype, device=device, spec=spec,
+                             attention_backend=e.attention_backend, num_blocks=num_blocks,
+                             block_size=e.block_size)
+        return cls(runner, Tokenizer.from_dir(m.path), e, max_model_len=m.max_model_len or None, **kw)
+
+    # ---- properties ------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def spec(self) -> Any:
+        return self.runner.spec
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    def stats(self) -> EngineStats:
+        s, st = self.scheduler, self.kv.stats()
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting) + self._pending_adds(),
+            waiting_remote_kv=len(s.remote), queued_prompt_tokens=s.queued_prompt_tokens,
+            kv_blocks_total=st.total, kv_blocks_used=st.used, kv_blocks_free=st.free,
+            prefix_cache_queries=st.prefix_query_tokens, prefix_cache_hits=st.prefix_hit_tokens,
+            steps=self.steps, extra={"kv_blocks_cached": float(st.cached),
+                                     "preemptions": float(s.num_preemptions)})
+
+    def _pending_adds(self) -> int:
+        return sum(1 for c in self._inbox if c[0] == "add")
+
+    # ---- public API (call from the event loop's thread) ------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    *, remote_kv: bool = False, prefill_only: bool = False) -> RequestStream:
+        if self._stopping:
+            raise RuntimeError("engine is shutting down")
+        req = self._new_request(request_id, prompt_token_ids, params, remote_kv, prefill_only)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, self.abort)
+        if remote_kv:
+            stream.kv_blocks = asyncio.get_running_loop().create_future()
+        self._streams[request_id] = stream
+        self._post(("add", req))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int,
+                                logprob: float | None = None) -> None:
+        self._post(("remote_done", request_id, int(first_token_id), logprob))
+
+    def release_kv(self, request_id: str) -> None:
+        self._post(("release", request_id))
+
+    def kv_block_table(self, request_id: str) -> list[int]:
+        return list(self.kv.block_table(request_id))
+
+    def _post(self, cmd: tuple) -> None:
+        self._inbox.append(cmd)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _new_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                     remote_kv: bool = False, prefill_only: bool = False) -> Request:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt) > self._max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's maximum context "
+                             f"length is {self._max_model_len} tokens")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        detok = None
+        if self._tokenizer is not None:
+            from moed.model.tokenizer import IncrementalDetokenizer
+            detok = IncrementalDetokenizer(self._tokenizer, prompt)
+        return Request(request_id, prompt, params, self.eos_token_ids, self._max_model_len,
+                       detok, remote_kv=remote_kv, prefill_only=prefill_only,
+                       rng=None if params.seed is None else make_generator(params.seed))
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moed-step")
+        self._task = asyncio.create_task(self._loop(), name="moed-engine-loop")
+        log.info("engine_started", kv_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+                 max_model_len=self._max_model_len)
+
+    async def shutdown(self) -> None:
+        """Stop stepping after the current step; abort every request (their streams end)."""
+        self._stopping = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            try:
+                await self._task
+            finally:
+                self._task = None
+        self._apply_commands()
+        for rid in list(self.scheduler.requests) + list(self.scheduler.held):
+            self._publish([self.scheduler.abort(rid)])
+        for rid in list(self._streams):     # added after the loop ended
+            self._publish([TokenEvent(rid, (), "", (), FinishReason.ABORT)])
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        log.info("engine_stopped", steps=self.steps)
+
+    async def _loop(self) -> None:
+        try:
+            await self._steps()
+        except Exception as e:          # a bug: fail every request rather than leave it hanging
+            log.exception("engine_loop_crashed")
+            self._stopping = True
+            msg = f"engine failure: {type(e).__name__}: {e}"
+            for rid in list(self.scheduler.requests):
+                req = self.scheduler.requests[rid]
+                self.scheduler.finish(req, FinishReason.ERROR, msg)
+                self._publish([TokenEvent(rid, (), "", (), FinishReason.ERROR,
+                                          req.num_prompt_tokens, req.num_cached_tokens, msg)])
+
+    async def _steps(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while not self._stopping:
+            self._apply_commands()
+            plan = self._schedule()
+            if plan is None:
+                self._wake.clear()
+                if not self._inbox and not self._stopping:
+                    await self._wake.wait()
+                continue
+            t0 = time.perf_counter()
+            try:
+                toks, lps, fwd_s = await loop.run_in_executor(self._executor, self._execute, plan)
+            except Exception as e:      # a broken step fails its requests, not the engine
+                log.exception("engine_step_failed", batch=plan.batch.num_seqs)
+                self._fail(plan, e)
+                continue
+            self._finish_step(plan, toks, lps, t0, fwd_s)
+
+    # ---- one step (shared by the async loop and generate()) --------------------------------
+    def _schedule(self) -> StepPlan | None:
+        if not self.scheduler.has_work():
+            return None
+        plan, events = self.scheduler.schedule()
+        self._publish(events)
+        return None if plan.empty else plan
+
+    def _execute(self, plan: StepPlan) -> tuple[list[int], list[float] | None, float]:
+        """Runs in the executor thread: forward + sample. Reads the plan, mutates nothing else."""
+        t0 = time.perf_counter()
+        logits = self.runner.forward(plan.batch)
+        idx = [i for i, c in enumerate(plan.chunks) if c.sample]
+        if not idx:
+            return [], None, time.perf_counter() - t0
+        if len(idx) != len(plan.chunks):
+            logits = logits[idx]
+        rows = [self._sample_row(plan.chunks[i].request) for i in idx]
+        res = sample(logits, rows)
+        return res.token_ids, res.logprobs, time.perf_counter() - t0
+
+    def _sample_row(self, req: Request) -> SampleRow:
+        p = req.params
+        banned: tuple[int, ...] = ()
+        if req.num_output_tokens < p.min_tokens:
+            banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
+        return SampleRow(p, req.rng, banned)
+
+    def _finish_step(self, plan: StepPlan, toks: list[int], lps: list[float] | None,
+                     t0: float, fwd_s: float) -> None:
+        events = self.scheduler.update(plan, toks, lps)
+        self._publish(events)
+        self.steps += 1
+        if self.on_prefill_progress is not None:
+            for c in plan.chunks:
+                r = c.request
+                if r.prefill_only and self.kv.has(r.request_id):
+                    self._callback(self.on_prefill_progress, r.request_id,
+                                   self.kv_block_table(r.request_id), r.num_computed_tokens)
+        if self.on_step is not None:
+            st = self.kv.stats()
+            self._callback(self.on_step, StepStats(
+                step=self.steps, batch_size=len(plan.chunks),
+                num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
+                num_sampled=len(toks), num_finished=sum(e.finished for e in events),
+                num_preempted=len(plan.preempted), step_seconds=time.perf_counter() - t0,
+                forward_seconds=fwd_s, running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting), kv_blocks_used=st.used, kv_blocks_free=st.free))
+
+    def _fail(self, plan: StepPlan, err: Exception) -> None:
+        msg = f"engine step failed: {type(err).__name__}: {err}"
+        for c in plan.chunks:
+            r = c.request
+            if not r.finished:
+                self.scheduler.finish(r, FinishReason.ERROR, msg)
+                self._publish([TokenEvent(r.request_id, (), "", (), FinishReason.ERROR,
+                                          r.num_prompt_tokens, r.num_cached_tokens, msg)])
+
+    @staticmethod
+    def _callback(fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("engine_callback_failed", callback=getattr(fn, "__name__", str(fn)))
+
+    def _apply_commands(self) -> None:
+        while self._inbox:
+            cmd = self._inbox.popleft()
+            kind = cmd[0]
+            if kind == "add":
+                req = cmd[1]
+                if self._stopping:
+                    self._publish([TokenEvent(req.request_id, (), "", (), FinishReason.ABORT)])
+                else:
+                    self.scheduler.add(req)
+            elif kind == "abort":
+                rid = cmd[1]
+                ev = self.scheduler.abort(rid)
+                if ev is not None:
+                    self._publish([ev])
+            elif kind == "remote_done":
+                _, rid, tok, lp = cmd
+                try:
+                    self._publish([self.scheduler.complete_remote_prefill(rid, tok, lp)])
+                except KeyError:
+                    log.warning("remote_prefill_unknown_request", request_id=rid)
+            elif kind == "release":
+                self.scheduler.release(cmd[1])
+
+    def _remote_allocated(self, req: Request, block_ids: list[int]) -> None:
+        s = self._streams.get(req.request_id)
+        if s is not None and s.kv_blocks is not None and not s.kv_blocks.done():
+            s.kv_blocks.set_result((block_ids, req.num_cached_tokens))
+
+    def _publish(self, events: Sequence[TokenEvent]) -> None:
+        for ev in events:
+            s = self._streams.get(ev.request_id)
+            if s is None:
+                continue
+            s.put(ev)
+            if ev.finished:
+                del self._streams[ev.request_id]
+                if s.kv_blocks is not None and not s.kv_blocks.done():
+                    s.kv_blocks.cancel()
+
+    # ---- synchronous convenience (tests, bench) --------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion on the calling thread; -> output token ids per prompt.
+        Must not be used while the async loop runs."""
+        if self._task is not None:
+            raise RuntimeError("generate() cannot run while the async engine loop is running")
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError("one SamplingParams per prompt (or a single one for all)")
+        base = f"gen-{self.steps}-{id(prompts)}"
+        reqs = [self._new_request(f"{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        for r in reqs:
+            self.scheduler.add(r)
+        while any(not r.finished for r in reqs):
+            plan = self._schedule()
+            if plan is None:
+                raise RuntimeError("scheduler made no progress with requests pending")
+            t0 = time.perf_counter()
+            toks, lps, fwd_s = self._execute(plan)
+            self._finish_step(plan, toks, lps, t0, fwd_s)
+        for r in reqs:
+            if r.finish_reason is FinishReason.ERROR:
+                raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+        return [r.output_token_ids for r in reqs]
