@@ -139,6 +139,9 @@ def init_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int 
     max_shard_size (e.g. "2MB") writes a sharded checkpoint with an index.
     """
     from transformers import GenerationConfig, MixtralForCausalLM, Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()   # save_pretrained's shard bar would clutter logs
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
