@@ -102,11 +102,10 @@ class EngineComponent(BaseComponent):
         openai.add_routes(web_app)
 
     async def start(self, app: App) -> None:
-        from moed.engine.engine import Engine   # lazy: the router role never imports torch
-
         t0 = time.perf_counter()
         log.info("model_loading", path=self.cfg.model.path)
-        self.engine = await asyncio.to_thread(Engine.from_config, self.cfg)
+        # In a thread, imports included (torch takes seconds): /health keeps answering.
+        self.engine = await asyncio.to_thread(_build_engine, self.cfg)
         self.engine.on_step = _observe_step
         await self.engine.start()
         app.state.engine = self.engine
@@ -118,6 +117,12 @@ class EngineComponent(BaseComponent):
     async def stop(self) -> None:
         if self.engine is not None:
             await self.engine.shutdown()
+
+
+def _build_engine(cfg: Config) -> Any:
+    from moed.engine.engine import Engine   # lazy: the router role never imports torch
+
+    return Engine.from_config(cfg)
 
 
 def _observe_step(step: Any) -> None:

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -30,6 +31,7 @@ OPEN_PATHS = frozenset({"/health", "/ready"})
 
 
 def request_id_of(request: web.Request) -> str:
+    """The id bound by `request_context` (from X-Request-Id or generated)."""
     return request.get(REQUEST_ID, "")
 
 
@@ -72,12 +74,14 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 log.exception("unhandled_error", method=request.method, path=request.path)
                 resp = APIError(500, f"Internal server error (request id {rid}).",
                                 code="internal_error").response()
+            except asyncio.CancelledError:
+                status = 499             # client closed the connection (nginx's convention)
+                raise
             if not resp.prepared:
                 resp.headers["X-Request-Id"] = rid
             status = resp.status
             return resp
         finally:
-            # `status` stays 500 only when cancelled (client gone) before a response existed.
             usage = request.get(USAGE) or (0, 0)
             elapsed = time.perf_counter() - start
             metrics.HTTP_REQUESTS.labels(_route_label(request), str(status)).inc()

@@ -6,7 +6,7 @@ import json
 
 import aiohttp
 import pytest
-from conftest import running_app
+from api_harness import running_app
 from api_fake_engine import FakeEngine
 
 

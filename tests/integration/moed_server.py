@@ -1,0 +1,174 @@
+"""Start and observe real `moed serve` processes on 127.0.0.1 (used by tests/integration/conftest.py).
+
+Two ways to get one:
+- `moed_server` fixture (function scope): a factory; every server it starts is killed at teardown.
+      srv = moed_server(model=tiny_qwen3, role="colocated", env={"MOED_...": "..."},
+                        args=["--log-level", "debug"], config=path_or_None, toml="...")
+      srv.url, srv.port, srv.logs(), srv.log_records(), srv.metrics(), srv.stop() -> exit code
+- `serve_process(...)`: the same as a context manager, for module/session-scoped fixtures.
+
+The server listens on a free port, logs JSON to a file under the test's tmp dir (srv.log_path),
+and the start waits for GET /ready == 200 (or `wait="health"` for nodes that are not ready
+alone) within `ready_timeout` seconds; a server that exits or misses the deadline fails the
+test with the tail of its log.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    argv: list[str] = field(default_factory=list)
+
+    # ---- observing ----
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_records(self) -> list[dict]:
+        """The JSON log lines (non-JSON lines, e.g. a console renderer's, are skipped)."""
+        out = []
+        for line in self.logs().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    out.append(rec)
+        return out
+
+    def get(self, path: str, timeout: float = 5.0,
+            headers: Mapping[str, str] | None = None) -> tuple[int, str]:
+        req = urllib.request.Request(self.url + path, headers=dict(headers or {}))
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def metrics(self, headers: Mapping[str, str] | None = None) -> dict[str, float]:
+        """/metrics as {'name{labels}': value} (labels as printed by prometheus-client)."""
+        status, text = self.get("/metrics", headers=headers)
+        assert status == 200, f"/metrics answered {status}: {text[:200]}"
+        return parse_metrics(text)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    # ---- stopping ----
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal, wait up to `timeout`, then SIGKILL. Returns the exit code."""
+        if self.alive:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(10)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.logs().splitlines()[-n:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_METRIC = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m and not line.startswith("#"):
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def _wait_ready(srv: ServerProcess, path: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if not srv.alive:
+            raise AssertionError(f"moed serve exited with {srv.proc.returncode} before {path} "
+                                 f"was 200; log tail:\n{srv.tail()}")
+        with contextlib.suppress(OSError):
+            if srv.get(path, timeout=1.0)[0] == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"moed serve not ready within the deadline; log tail:\n{srv.tail()}")
+
+
+def start_server(*, model: str | Path | None = None, role: str | None = None,
+                 config: str | Path | None = None, toml: str | None = None,
+                 env: Mapping[str, str] | None = None, args: Sequence[str] = (),
+                 port: int | None = None, log_dir: str | Path | None = None,
+                 wait: str | None = "ready", ready_timeout: float = 90.0) -> ServerProcess:
+    """Start `python -m moed serve` (caller must stop it). `toml` writes a config file."""
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moed-srv-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    if toml is not None:
+        config = log_dir / f"moed-{port}.toml"
+        Path(config).write_text(toml)
+    argv = [sys.executable, "-m", "moed", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if config:
+        argv += ["--config", str(config)]
+    if model:
+        argv += ["--model", str(model)]
+    if role:
+        argv += ["--role", role]
+    argv += list(args)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                     "MOED_ENGINE_NUM_THREADS": "1"})
+    full_env.update(env or {})
+    log_path = log_dir / f"moed-{port}.log"
+    log_file = open(log_path, "wb")
+    try:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        log_file.close()
+    srv = ServerProcess(f"http://127.0.0.1:{port}", port, proc, log_path, argv)
+    if wait:
+        try:
+            _wait_ready(srv, "/ready" if wait == "ready" else "/health",
+                        time.monotonic() + ready_timeout)
+        except BaseException:
+            srv.stop(signal.SIGKILL)
+            raise
+    return srv
+
+
+@contextlib.contextmanager
+def serve_process(**kw) -> Iterator[ServerProcess]:
+    srv = start_server(**kw)
+    try:
+        yield srv
+    finally:
+        srv.stop(timeout=15.0)
