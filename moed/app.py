@@ -146,12 +146,21 @@ def build_components(cfg: Config) -> list[Component]:
     # ---- cluster (gossip helper): membership when cfg.cluster.enabled ----
     # ---- transfer (transfer helper): prefill/decode role components ----
     # ---- ops (ops helper): sd_notify/watchdog, SIGHUP reload, /admin, router proxy ----
+    if role == "router":
+        from moed.ops.router import RouterComponent
+        comps.append(RouterComponent(cfg))
+    from moed.ops.daemon import OpsComponent   # last: it drains first (STOPPING=1)
+    comps.append(OpsComponent(cfg))
     return comps
 
 
 class App:
-    def __init__(self, cfg: Config, components: list[Component] | None = None) -> None:
+    def __init__(self, cfg: Config, components: list[Component] | None = None, *,
+                 config_path: str | None = None,
+                 overrides: dict[str, dict[str, Any]] | None = None) -> None:
         self.config = cfg
+        self.config_path = config_path    # what SIGHUP re-reads (with overrides on top, as at start)
+        self.config_overrides = overrides
         self.node = node_name(cfg)
         self.components: list[Component] = (build_components(cfg) if components is None
                                              else list(components))

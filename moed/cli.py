@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(cfg.engine.num_threads)
 
     async def main() -> int:
-        return await App(cfg).run()
+        return await App(cfg, config_path=args.config, overrides=_overrides(args)).run()
 
     return uvloop.run(main())
 

@@ -1,0 +1,217 @@
+"""OpsComponent: the node as a systemd citizen — sd_notify, watchdog, SIGHUP reload, admin API.
+
+Lifecycle it reports to systemd (and to /metrics):
+  constructed → STATUS=starting; add_routes → SIGHUP handler installed (a reload asked for while
+  the model loads is deferred, never fatal: SIGHUP's default action would kill the process)
+  → app ready (model loaded, cluster joined) → READY=1, watchdog pings start
+  → SIGHUP: RELOADING=1 … READY=1 (moed_config_reloads_total{result}, moed_config_version)
+  → SIGTERM or POST /admin/drain: STOPPING=1, moed_draining 1 → the app drains → exit 0.
+
+Reload reaches other components without them importing this module: any component with a
+`prepare_reload(old, new) -> commit | None` method is subscribed (see moed.ops.reload).
+Placed last in the component list so it drains first (STOPPING=1 before anything else).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import structlog
+
+from moed.api import admin
+from moed.api.auth import AuthConfigError, load_keys
+from moed.config import Config, ConfigError
+from moed.obs import metrics
+from moed.ops.reload import Commit, Reloader, ReloadResult, describe, redact
+from moed.ops.sdnotify import Notifier, watchdog_interval, watchdog_loop
+
+log = structlog.get_logger(__name__)
+
+
+def _keys(file: str, env: str, what: str) -> tuple[bytes, ...]:
+    try:
+        return load_keys(file, env)
+    except AuthConfigError as e:
+        raise ConfigError(str(e).replace("api_keys", what)) from None
+
+
+class EngineProgress:
+    """Watchdog veto: False when the engine has had work but finished no step for `stall_s`."""
+
+    def __init__(self, engine: Any, stall_s: float, clock=time.monotonic) -> None:
+        self._engine, self._stall_s, self._clock = engine, stall_s, clock
+        self._steps, self._since = -1, clock()
+
+    def __call__(self) -> bool:
+        s = self._engine.stats()
+        now = self._clock()
+        if s.steps != self._steps or (s.running + s.waiting + s.waiting_remote_kv) == 0:
+            self._steps, self._since = s.steps, now
+            return True
+        return now - self._since < self._stall_s
+
+
+class OpsComponent:
+    name = "ops"
+
+    def __init__(self, cfg: Config, config_path: str | Path | None = None,
+                 overrides: Mapping[str, Mapping[str, Any]] | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self._path = config_path
+        self._overrides = overrides
+        self._environ = os.environ if environ is None else environ
+        self.notifier = Notifier.from_env(self._environ)
+        self.notifier.status("starting")
+        self._admin_tokens = _keys(cfg.server.admin_token_file, cfg.server.admin_token_env,
+                                   "admin_token")
+        self._app: Any = None
+        self.reloader: Reloader | None = None
+        self._last: ReloadResult | None = None
+        self._serving = False
+        self._deferred_reload = False
+        self._draining = False
+
+    # ---- Component protocol ----------------------------------------------------------------
+
+    def add_routes(self, web_app: Any) -> None:
+        admin.add_routes(web_app, admin.AdminHooks(
+            tokens=lambda: self._admin_tokens, drain=self.request_drain, config=self.config_view))
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+        self.notifier.status("loading model" if self.cfg.server.role != "router" else "starting")
+
+    async def start(self, app: Any) -> None:
+        self._app = app
+        if self._path is None:   # the CLI tells the app what it loaded; SIGHUP loads it again
+            self._path = getattr(app, "config_path", None)
+            self._overrides = getattr(app, "config_overrides", None)
+        self.reloader = Reloader(app.config, self._path, self._overrides,
+                                 environ=lambda: self._environ,
+                                 on_start=self.notifier.reloading, on_done=self._reloaded)
+        self.reloader.subscribe("auth", self._prepare_auth)
+        self.reloader.subscribe("logging", self._prepare_logging)
+        self.reloader.subscribe("engine", self._prepare_engine)
+        for c in app.components:
+            hook = getattr(c, "prepare_reload", None)
+            if callable(hook) and c is not self:
+                self.reloader.subscribe(c.name, hook)
+        self._export_version()
+        app.spawn(self._announce_ready(app), "sd-ready")
+
+    async def drain(self) -> None:
+        self._draining = True
+        self._serving = False
+        metrics.DRAINING.set(1)
+        self.notifier.stopping()
+
+    async def stop(self) -> None:
+        try:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        except (RuntimeError, ValueError):
+            pass
+        self.notifier.status("stopped")
+        self.notifier.close()
+
+    # ---- readiness and watchdog ------------------------------------------------------------
+
+    async def _announce_ready(self, app: Any) -> None:
+        await app.ready_event.wait()
+        if self._draining:
+            return
+        self._serving = True
+        self.notifier.ready(f"serving as {self.cfg.server.role} on port {app.port}")
+        interval = watchdog_interval(self._environ)
+        if interval:
+            engine = getattr(app.state, "engine", None)
+            healthy = EngineProgress(engine, stall_s=max(60.0, 4 * interval)) if engine else None
+            app.spawn(watchdog_loop(self.notifier, interval, healthy), "sd-watchdog")
+        if self._deferred_reload:
+            self._on_sighup()
+
+    # ---- reload ----------------------------------------------------------------------------
+
+    def _on_sighup(self) -> None:
+        if not self._serving or self.reloader is None:
+            if not self._draining:
+                log.info("config_reload_deferred", reason="still starting")
+                self._deferred_reload = True
+            return
+        self._deferred_reload = False
+        self.reloader.request()
+
+    def _prepare_auth(self, old: Config, new: Config) -> Commit:
+        s = new.server
+        _keys(s.api_keys_file, s.api_keys_env, "api_keys")    # readable, or the reload is invalid
+        admin_tokens = _keys(s.admin_token_file, s.admin_token_env, "admin_token")
+
+        def commit() -> None:
+            self._app.set_config(new)     # limits, timeouts, API keys (re-read) for the next request
+            self._admin_tokens = admin_tokens
+        return commit
+
+    def _prepare_logging(self, old: Config, new: Config) -> Commit | None:
+        a, b = old.server, new.server
+        if (a.log_level, a.log_format) == (b.log_level, b.log_format):
+            return None
+        from moed.obs import log as obslog
+
+        return lambda: obslog.configure(b.log_format, b.log_level, role=b.role,
+                                        node=getattr(self._app, "node", ""))
+
+    def _prepare_engine(self, old: Config, new: Config) -> Commit | None:
+        engine = getattr(self._app.state, "engine", None)
+        if engine is None or old.engine == new.engine:
+            return None
+        update = getattr(engine, "update_config", None)
+        if update is None:
+            log.warning("engine_live_update_unsupported",
+                        detail="engine limits keep their running values until a restart")
+            return None
+        return lambda: update(new.engine)   # adopted by the step loop at the next step boundary
+
+    def _reloaded(self, result: ReloadResult) -> None:
+        self._last = result
+        metrics.CONFIG_RELOADS.labels(result=result.outcome.value).inc()
+        self._export_version()
+        if not self._draining:
+            self.notifier.ready(f"serving, config v{self.reloader.version} "
+                                f"({result.outcome.value})")
+
+    def _export_version(self) -> None:
+        version = self.reloader.version if self.reloader else 1
+        cfg = self.reloader.config if self.reloader else self.cfg
+        metrics.CONFIG_VERSION.set(version)
+        metrics.CONFIG_INFO.info({"hash": cfg.digest(), "version": str(version)})
+
+    # ---- admin hooks -----------------------------------------------------------------------
+
+    def request_drain(self) -> dict[str, Any]:
+        app = self._app
+        if app is None:
+            return {"status": "starting"}
+        if not self._draining:
+            log.info("drain_requested", source="admin")
+            app.request_stop()
+        return {"status": "draining", "inflight": app.state.inflight,
+                "grace_s": app.config.server.shutdown_grace_s}
+
+    def config_view(self) -> dict[str, Any]:
+        cfg = self.reloader.config if self.reloader else self.cfg
+        body: dict[str, Any] = {
+            "version": self.reloader.version if self.reloader else 1,
+            "hash": cfg.digest(),
+            "path": str(self._path or ""),
+            "config": {sec: {k: redact(f"{sec}.{k}", v) for k, v in fields.items()}
+                       for sec, fields in cfg.to_dict().items()},
+            "reloads": self.reloader.counts if self.reloader else {},
+        }
+        if self._last is not None:
+            body["last_reload"] = {"result": self._last.outcome.value, "error": self._last.error,
+                                   "applied": describe(self._last.applied),
+                                   "needs_restart": describe(self._last.needs_restart)}
+        return body
+
