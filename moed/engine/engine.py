@@ -147,6 +147,10 @@ class Engine:
     def release_kv(self, request_id: str) -> None:
         self._post(("release", request_id))
 
+    def apply_config(self, cfg: EngineConfig) -> None:
+        """Adopt the live fields (max_num_seqs, max_num_batched_tokens) at the next step."""
+        self._post(("config", cfg))
+
     def kv_block_table(self, request_id: str) -> list[int]:
         return list(self.kv.block_table(request_id))
 
@@ -326,6 +330,9 @@ class Engine:
                     log.warning("remote_prefill_unknown_request", request_id=rid)
             elif kind == "release":
                 self.scheduler.release(cmd[1])
+            elif kind == "config":
+                self.cfg = cfg = cmd[1]
+                self.scheduler.set_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens)
 
     def _remote_allocated(self, req: Request, block_ids: list[int]) -> None:
         s = self._streams.get(req.request_id)
@@ -333,6 +340,8 @@ class Engine:
             s.kv_blocks.set_result((block_ids, req.num_cached_tokens))
 
     def _publish(self, events: Sequence[TokenEvent]) -> None:
+        """Deliver events; a finished request's stream is dropped (and an unresolved
+        `kv_blocks` future is cancelled: the request ended before its blocks were allocated)."""
         for ev in events:
             s = self._streams.get(ev.request_id)
             if s is None:

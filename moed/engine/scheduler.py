@@ -57,9 +57,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  on_remote_allocated: Callable[[Request, list[int]], None] | None = None) -> None:
         self.kv = kv
-        # A budget below the batch size would starve decodes behind the first ones.
-        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.set_limits(max_num_seqs, max_num_batched_tokens)
         self.on_remote_allocated = on_remote_allocated
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -67,6 +65,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}         # prefill-only, finished, blocks kept for transfer
         self.num_preemptions = 0
+
+    def set_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        # A budget below the batch size would starve decodes behind the first ones.
+        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     # ---- intake ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:

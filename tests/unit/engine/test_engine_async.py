@@ -12,7 +12,7 @@ from moed.engine.engine import Engine
 from moed.engine.stream import StepStats
 from moed.types import FinishReason, SamplingParams
 
-from conftest import FakeRunner, next_token
+from engine_fakes import FakeRunner, next_token
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
@@ -215,3 +215,17 @@ async def test_remote_kv_and_prefill_only_roundtrip(ref_greedy):
     finally:
         await pre.shutdown()
         await dec.shutdown()
+
+
+async def test_apply_config_changes_budget_at_step_boundary():
+    eng = _engine(SlowRunner(64, 4))
+    steps: list[StepStats] = []
+    eng.on_step = steps.append
+    await eng.start()
+    try:
+        eng.apply_config(EngineConfig(block_size=4, max_num_batched_tokens=4, max_num_seqs=2))
+        await _collect(eng.add_request("a", list(range(1, 13)), GREEDY))
+        assert eng.scheduler.max_num_batched_tokens == 4 and eng.scheduler.max_num_seqs == 2
+        assert max(s.num_prefill_tokens + s.num_decode_tokens for s in steps) == 4
+    finally:
+        await eng.shutdown()

@@ -6,7 +6,7 @@ from moed.engine.scheduler import Scheduler
 from moed.kvcache.manager import KVCacheManager
 from moed.types import FinishReason, RequestState, SamplingParams
 
-from conftest import FakeRunner, next_token
+from engine_fakes import FakeRunner, next_token
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

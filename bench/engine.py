@@ -1,0 +1,151 @@
+"""Engine throughput: moed vs transformers `generate` on the same bf16 checkpoint, one run.
+
+    .venv/bin/python bench/engine.py [--arch qwen3_moe] [--batches 1,8,32] [--prompt 128] [--new 64]
+
+Both sides get the same random prompts (all the same length, so transformers needs no padding)
+and generate greedily with EOS ignored. Per batch size:
+  prefill tok/s = batch * prompt / time to the first token (generate with max_tokens=1)
+  decode tok/s  = batch * (new - 1) / (time for `new` tokens - time for 1 token)
+Prefix caching is off for moed so repeated runs recompute. transformers uses
+experts_implementation="grouped_mm" (its fastest on this CPU per notes/models-and-baselines.md)
+and attn_implementation="sdpa". Prints a table and writes bench/results/engine.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moed.config import EngineConfig  # noqa: E402
+from moed.engine.engine import Engine  # noqa: E402
+from moed.model.init import init_checkpoint  # noqa: E402
+from moed.model.runner import ModelRunner  # noqa: E402
+from moed.model.tokenizer import Tokenizer  # noqa: E402
+from moed.types import SamplingParams  # noqa: E402
+
+
+def _checkpoint(arch: str, cache: Path) -> Path:
+    out = cache / f"{arch}-bench-0"
+    if not (out / "config.json").exists():
+        print(f"building the bench checkpoint in {out} ...", flush=True)
+        init_checkpoint(arch=arch, out=out, preset="bench", seed=0)
+    return out
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_moed(model_dir: Path, prompts: dict[int, list[list[int]]], new: int, repeats: int) -> dict:
+    max_batch = max(prompts)
+    prompt_len = len(next(iter(prompts.values()))[0])
+    blocks = max_batch * (-(-(prompt_len + new) // 16)) + 8
+    runner = ModelRunner(model_dir, dtype="bfloat16", device="cpu", attention_backend="torch",
+                         num_blocks=blocks, block_size=16)
+    cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=max_batch,
+                       max_num_batched_tokens=2048)
+    eng = Engine(runner, Tokenizer.from_dir(model_dir), cfg)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    full = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    eng.generate(prompts[min(prompts)], full)                    # warm-up
+    res = {}
+    for b, ps in prompts.items():
+        t1 = _best(lambda: eng.generate(ps, one), repeats)
+        tn = _best(lambda: eng.generate(ps, full), repeats)
+        res[b] = {"prefill_tok_s": b * prompt_len / t1, "decode_tok_s": b * (new - 1) / (tn - t1),
+                  "ttft_s": t1, "total_s": tn}
+        print(f"  moed         batch {b:>2}: {res[b]['prefill_tok_s']:8.0f} prefill tok/s  "
+              f"{res[b]['decode_tok_s']:7.1f} decode tok/s", flush=True)
+    return res
+
+
+def bench_hf(model_dir: Path, prompts: dict[int, list[list[int]]], new: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                 experts_implementation="grouped_mm",
+                                                 attn_implementation="sdpa").eval()
+    prompt_len = len(next(iter(prompts.values()))[0])
+
+    def gen(ids: torch.Tensor, n: int) -> None:
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    gen(torch.tensor(prompts[min(prompts)]), new)               # warm-up
+    res = {}
+    for b, ps in prompts.items():
+        ids = torch.tensor(ps)
+        t1 = _best(lambda: gen(ids, 1), repeats)
+        tn = _best(lambda: gen(ids, new), repeats)
+        res[b] = {"prefill_tok_s": b * prompt_len / t1, "decode_tok_s": b * (new - 1) / (tn - t1),
+                  "ttft_s": t1, "total_s": tn}
+        print(f"  transformers batch {b:>2}: {res[b]['prefill_tok_s']:8.0f} prefill tok/s  "
+              f"{res[b]['decode_tok_s']:7.1f} decode tok/s", flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral"))
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.json"))
+    ap.add_argument("--skip-hf", action="store_true")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model_dir = _checkpoint(a.arch, Path(a.cache))
+    batches = [int(x) for x in a.batches.split(",")]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, vocab, (max(batches), a.prompt), generator=g).tolist()
+    prompts = {b: pool[:b] for b in batches}
+    print(f"{a.arch} bench preset, bf16, prompt {a.prompt}, {a.new} new tokens, "
+          f"{torch.get_num_threads()} torch threads", flush=True)
+    ours = bench_moed(model_dir, prompts, a.new, a.repeats)
+    theirs = {} if a.skip_hf else bench_hf(model_dir, prompts, a.new, a.repeats)
+    rows = []
+    print(f"\n{'batch':>5} | {'moed prefill':>12} {'hf prefill':>10} {'ratio':>5} | "
+          f"{'moed decode':>11} {'hf decode':>9} {'ratio':>5}   (tok/s)")
+    for b in batches:
+        o, t = ours[b], theirs.get(b)
+        row = {"batch": b, "moed": o, "transformers": t}
+        if t:
+            row["prefill_ratio"] = o["prefill_tok_s"] / t["prefill_tok_s"]
+            row["decode_ratio"] = o["decode_tok_s"] / t["decode_tok_s"]
+        rows.append(row)
+        print(f"{b:>5} | {o['prefill_tok_s']:12.0f} {t['prefill_tok_s'] if t else 0:10.0f} "
+              f"{row.get('prefill_ratio', 0):5.2f} | {o['decode_tok_s']:11.1f} "
+              f"{t['decode_tok_s'] if t else 0:9.1f} {row.get('decode_ratio', 0):5.2f}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "arch": a.arch, "preset": "bench", "dtype": "bfloat16", "prompt_len": a.prompt,
+        "new_tokens": a.new, "torch_threads": torch.get_num_threads(), "cpu": platform.processor(),
+        "cpus": os.cpu_count(), "transformers_experts_implementation": "grouped_mm",
+        "load_average": os.getloadavg(), "results": rows}, indent=2))
+    print(f"\nsaved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""A fake model runner for engine/scheduler tests (import it as `engine_fakes`): its "KV cache"
+stores token ids per slot, and its logits are a deterministic function of the sequence it READS BACK through the block
+table. A wrong block table, a bad prefix-cache hit or a reused block that was not rewritten
+changes the output, so tests compare against `next_token(true_sequence)`."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+VOCAB = 64
+EOS = 63
+
+
+def next_token(seq: list[int]) -> int:
+    """The fake model's greedy next token for a full sequence (never EOS)."""
+    h = 7
+    for i, t in enumerate(seq):
+        h = (h * 131 + t * (i + 3)) % 1_000_003
+    return h % (VOCAB - 1)
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int, max_len: int = 4096) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.spec = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=max_len,
+                                    eos_token_ids=(EOS,), num_layers=1)
+        self.slots: dict[tuple[int, int], int] = {}
+        self.batches = []
+
+    def forward(self, batch) -> torch.Tensor:
+        self.batches.append(batch)
+        bs = self.block_size
+        out = torch.zeros(batch.num_seqs, VOCAB)
+        for i, (toks, start, table) in enumerate(zip(batch.token_ids, batch.start_pos,
+                                                     batch.block_tables)):
+            for j, t in enumerate(toks):
+                p = start + j
+                self.slots[(table[p // bs], p % bs)] = t
+            end = start + len(toks)
+            seq = [self.slots.get((table[p // bs], p % bs), -1) for p in range(end)]
+            nt = next_token(seq)
+            out[i] = torch.linspace(0, 1, VOCAB)      # a smooth background for sampling tests
+            out[i, nt] = 8.0
+        return out
