@@ -82,10 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     obslog.configure(cfg.server.log_format, cfg.server.log_level, role=cfg.server.role,
                      node=node_name(cfg))
-    if cfg.engine.num_threads:
-        import torch
-
-        torch.set_num_threads(cfg.engine.num_threads)
+    # torch threads are set by Engine.from_config, in the loader thread (the router never
+    # imports torch at all).
 
     async def main() -> int:
         return await App(cfg, config_path=args.config, overrides=_overrides(args)).run()
