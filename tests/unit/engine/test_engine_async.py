@@ -229,3 +229,28 @@ async def test_apply_config_changes_budget_at_step_boundary():
         assert max(s.num_prefill_tokens + s.num_decode_tokens for s in steps) == 4
     finally:
         await eng.shutdown()
+
+
+class BrokenOnceRunner(FakeRunner):
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.broken = True
+
+    def forward(self, batch):
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("device fell over")
+        return super().forward(batch)
+
+
+async def test_failed_step_fails_its_requests_not_the_engine(ref_greedy):
+    eng = _engine(BrokenOnceRunner(64, 4))
+    await eng.start()
+    try:
+        evs = await asyncio.wait_for(_collect(eng.add_request("a", [1, 2, 3], GREEDY)), 5)
+        assert evs[-1].finish_reason is FinishReason.ERROR and "device fell over" in evs[-1].error
+        assert eng.stats().kv_blocks_used == 0
+        evs = await asyncio.wait_for(_collect(eng.add_request("b", [1, 2, 3], GREEDY)), 5)
+        assert [t for e in evs for t in e.token_ids] == ref_greedy([1, 2, 3], 6)
+    finally:
+        await eng.shutdown()
