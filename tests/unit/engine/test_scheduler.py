@@ -184,3 +184,12 @@ def test_prefill_only_holds_blocks_until_release():
     assert q.finish_reason is FinishReason.STOP and q.output_token_ids == _expected(range(1, 10), 1)
     assert s.kv.num_used_blocks == 3 and "p" in s.held
     assert s.release("p") and s.kv.num_used_blocks == 0
+
+
+def test_scheduler_and_kv_manager_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, moed.engine.scheduler, moed.kvcache.manager; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
