@@ -1,0 +1,255 @@
+"""The membership component of the daemon: the SWIM core on asyncio + UDP, its keys, its
+metadata and load, its logs and metrics, and GET /cluster.
+
+Lifecycle: start (bind UDP/TCP, resolve seeds, join: seeds are retried until one answers)
+→ every load_update_interval: copy the engine's load into the gossip → drain: graceful leave
+(peers mark us LEFT at once) → stop.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import structlog
+from aiohttp import web
+
+from moed.config import Config, ConfigError
+
+from .clock import AsyncioScheduler
+from .members import SwimConfig
+from .state import ClusterView, LoadVector, MemberEvent, NodeMeta
+from .swim import Membership
+from .udp import UdpTransport, split_addr
+from .wire import Keyring, WireCodec
+
+log = structlog.get_logger(__name__)
+
+
+class ClusterError(ConfigError):
+    """The membership cannot start (message fit for an operator)."""
+
+
+def parse_key(raw: bytes, source: str) -> bytes:
+    """A key file/variable holds hex (whitespace ignored) or raw bytes; at least 16 bytes."""
+    text = raw.strip()
+    try:
+        key = bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        key = text
+    if len(key) < 16:
+        raise ClusterError(f"{source}: cluster key must be at least 16 bytes (32 hex digits)")
+    return key
+
+
+def _read_key(path: str, what: str) -> bytes:
+    try:
+        return parse_key(Path(path).read_bytes(), f"{what} {path}")
+    except OSError as e:
+        raise ClusterError(f"{what} {path}: cannot read: {e.strerror}") from None
+
+
+def load_keyring(cc: Any, environ: Mapping[str, str] = os.environ) -> Keyring:
+    """Primary key from cluster.key_file or cluster.key_env; cluster.secondary_key_file is
+    also accepted (rotation). No key → refuse, unless cluster.insecure says otherwise."""
+    primary: bytes | None = None
+    if cc.key_file:
+        primary = _read_key(cc.key_file, "cluster.key_file")
+    elif cc.key_env:
+        value = environ.get(cc.key_env, "")
+        if not value:
+            raise ClusterError(f"cluster.key_env: environment variable {cc.key_env} is unset "
+                               f"or empty")
+        primary = parse_key(value.encode(), f"cluster.key_env {cc.key_env}")
+    secondary = ((_read_key(cc.secondary_key_file, "cluster.secondary_key_file"),)
+                 if cc.secondary_key_file else ())
+    if primary is None:
+        if not cc.insecure:
+            raise ClusterError("cluster: no cluster key; set cluster.key_file or "
+                               "cluster.key_env (hex, >= 16 bytes), or cluster.insecure = true "
+                               "for a test cluster")
+        log.warning("cluster_insecure", detail="gossip packets are not authenticated")
+        return Keyring(b"", secondary)
+    return Keyring(primary, secondary)
+
+
+async def resolve(addrs: tuple[str, ...]) -> tuple[str, ...]:
+    """host:port → ip:port (once at start: the protocol never blocks on DNS)."""
+    loop = asyncio.get_running_loop()
+    out = []
+    for a in addrs:
+        host, port = split_addr(a)
+        try:
+            infos = await loop.getaddrinfo(host, port, family=socket.AF_INET,
+                                           type=socket.SOCK_DGRAM)
+            out.append(f"{infos[0][4][0]}:{port}")
+        except OSError as e:
+            log.warning("cluster_seed_unresolved", seed=a, error=str(e))
+    return tuple(out)
+
+
+class MembershipComponent:
+    """App component (see moed.app): `view()` is what the rest of the daemon reads."""
+
+    name = "cluster"
+
+    def __init__(self, cfg: Config, *, environ: Mapping[str, str] = os.environ) -> None:
+        self.cfg = cfg
+        self.keyring = load_keyring(cfg.cluster, environ)   # fail before binding anything
+        self.core: Membership | None = None
+        self.transport: UdpTransport | None = None
+        self._app: Any = None
+        self._tasks: list[asyncio.Task] = []
+        self._synced: dict[str, int] = {}
+
+    # ---- API for the rest of the daemon ----
+
+    def view(self) -> ClusterView | None:
+        return self.core.view() if self.core is not None else None
+
+    def subscribe(self, fn: Callable[[MemberEvent], None]) -> Callable[[], None]:
+        if self.core is None:
+            raise RuntimeError("membership not started")
+        return self.core.subscribe(fn)
+
+    def update_meta(self, **fields: str) -> None:
+        """Change some of our metadata (e.g. transfer="host:port"); gossiped at once."""
+        if self.core is None:
+            raise RuntimeError("membership not started")
+        me = self.core.view().get(self.core.name)
+        assert me is not None
+        self.core.set_meta(dataclasses.replace(me.meta, **fields))
+
+    def set_load(self, load: LoadVector) -> None:
+        if self.core is not None:
+            self.core.set_load(load)
+
+    # ---- component protocol ----
+
+    def add_routes(self, web_app: web.Application) -> None:
+        async def cluster(request: web.Request) -> web.Response:
+            view = self.view()
+            if view is None:
+                return web.json_response({"error": {"message": "membership is starting",
+                                                    "code": "not_ready"}}, status=503)
+            return web.json_response(view.to_json())
+        web_app.router.add_get("/cluster", cluster)
+
+    async def start(self, app: Any) -> None:
+        self._app = app
+        cc = self.cfg.cluster
+        self.transport = UdpTransport(cc.bind_host, cc.bind_port, cc.advertise_host)
+        try:
+            await self.transport.start()
+        except OSError as e:
+            raise ClusterError(f"cluster: cannot bind {cc.bind_host}:{cc.bind_port}: "
+                               f"{e.strerror}") from None
+        seeds = await resolve(cc.seeds)
+        host = self.cfg.server.host if self.cfg.server.host not in ("0.0.0.0", "::") else (
+            cc.advertise_host or cc.bind_host)
+        meta = NodeMeta(role=self.cfg.server.role, http=f"http://{host}:{app.port}",
+                        model=getattr(app.state, "model_name", "") or "",
+                        layout=_layout_id(app), transfer="")
+        self.core = Membership(
+            app.node, self.transport, AsyncioScheduler(), SwimConfig.from_cluster(cc),
+            WireCodec(self.keyring), meta=meta, seeds=seeds,
+            # a restarted node must outrank its previous life: time-based incarnation (and
+            # if that is not enough, it refutes what peers tell it about itself)
+            incarnation=int(time.time()))
+        self.core.subscribe(self._on_event)
+        self.core.start()
+        log.info("cluster_started", node=app.node, addr=self.transport.local_address(),
+                 seeds=list(seeds), incarnation=self.core.incarnation)
+        self._tasks.append(app.spawn(self._load_loop(), "cluster-load"))
+        self._tasks.append(app.spawn(self._metrics_loop(), "cluster-metrics"))
+
+    async def drain(self) -> None:
+        await self.leave(timeout=1.0)
+
+    async def leave(self, timeout: float) -> None:
+        """Tell peers we are leaving and give the news a moment to spread."""
+        if self.core is None:
+            return
+        self.core.leave()
+        log.info("cluster_leaving", node=self.core.name)
+        await asyncio.sleep(min(timeout, self.core.cfg.gossip_interval_s * 2))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.core is not None:
+            self._sync_metrics()
+            self.core.stop()
+
+    # ---- background ----
+
+    def _on_event(self, ev: MemberEvent) -> None:
+        from moed.obs import metrics
+        metrics.CLUSTER_MEMBER_EVENTS.labels(ev.new.value).inc()
+        if ev.old is ev.new:
+            log.debug("member_updated", member=ev.name, incarnation=ev.incarnation)
+            return
+        log.info("member_state", member=ev.name, old=ev.old.value if ev.old else None,
+                 new=ev.new.value, incarnation=ev.incarnation)
+
+    async def _load_loop(self) -> None:
+        interval = self.cfg.cluster.load_update_interval_ms / 1000.0
+        while True:
+            engine = getattr(self._app.state, "engine", None)
+            if engine is not None and self.core is not None:
+                try:
+                    s = engine.stats()
+                    self.core.set_load(LoadVector(
+                        waiting=s.waiting + s.waiting_remote_kv, running=s.running,
+                        free_kv_blocks=s.kv_blocks_free,
+                        queued_prefill_tokens=s.queued_prompt_tokens))
+                except Exception as e:          # load is advisory; never kill the loop
+                    log.warning("cluster_load_failed", error=repr(e))
+            await asyncio.sleep(interval)
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            self._sync_metrics()
+            await asyncio.sleep(1.0)
+
+    def _sync_metrics(self) -> None:
+        from moed.obs import metrics
+        if self.core is None:
+            return
+        for state, n in self.core.view().counts().items():
+            metrics.CLUSTER_MEMBERS.labels(state).set(n)
+        metrics.CLUSTER_LOCAL_HEALTH.set(self.core.awareness)
+        stats = dict(self.core.stats)
+        if self.transport is not None:
+            stats.update({f"transport.{k}": v for k, v in self.transport.stats.items()})
+        for key, value in stats.items():
+            delta = value - self._synced.get(key, 0)
+            if delta <= 0:
+                continue
+            self._synced[key] = value
+            if key.startswith("dropped."):
+                metrics.CLUSTER_DROPPED.labels(key[8:]).inc(delta)
+            elif key in _MESSAGE_KEYS:
+                metrics.CLUSTER_MESSAGES.labels(*_MESSAGE_KEYS[key]).inc(delta)
+            elif key in _PROTOCOL_KEYS or key.startswith("transport."):
+                metrics.CLUSTER_PROTOCOL.labels(key.replace("transport.", "")).inc(delta)
+
+
+_MESSAGE_KEYS = {"sent_packets": ("sent", "packet"), "recv_packets": ("received", "packet"),
+                 "sent_streams": ("sent", "stream"), "recv_streams": ("received", "stream")}
+_PROTOCOL_KEYS = {"probe_failures", "refutes", "suspicion_timeouts", "reprobes",
+                  "join_attempts", "stale_updates"}
+
+
+def _layout_id(app: Any) -> str:
+    """The engine's KV layout id when it has one (prefill/decode pairing check)."""
+    engine = getattr(app.state, "engine", None)
+    for attr in ("kv_layout_id", "layout_id"):
+        v = getattr(engine, attr, None)
+        if isinstance(v, str):
+            return v
+    return ""

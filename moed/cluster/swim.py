@@ -1,0 +1,574 @@
+"""SWIM membership with Lifeguard refinements: the protocol core.
+
+Driven entirely by a Scheduler and a Transport, so the daemon (asyncio + UDP) and the
+simulator (virtual clock + in-memory network) run this same code. Single-threaded: every
+entry point runs in the scheduler's thread of control; no locks.
+
+Cycle of one node:
+  probe tick (every probe_interval * awareness): ping the next member round-robin; no ack by
+  probe_timeout -> ask `indirect_checks` others to ping it (they nack if it stays silent);
+  still no ack at the end of the interval -> suspect it. Missing nacks raise our own
+  awareness score (we are the slow one), which stretches our timeouts.
+  gossip tick: send queued updates to `gossip_nodes` random members. Updates also ride on
+  every ping and ack, each at most retransmit_mult * ceil(log10(n+1)) times.
+  push-pull tick: full state exchange with one random member over a stream (anti-entropy);
+  the same exchange is how a node joins through its seeds.
+  suspicion: dead after a timeout that shrinks as independent suspecters confirm it; the
+  suspect refutes by gossiping alive with a higher incarnation.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Callable
+
+from . import policy, wire
+from .broadcast import BroadcastQueue
+from .clock import Scheduler, Timer
+from .members import IndexedSet, Member, Suspicion, SwimConfig
+from .state import (ClusterView, Event, LoadVector, MemberEvent, MemberState, NodeMeta,
+                    next_state)
+from .transport import Transport
+from .wire import Ack, Alive, Dead, IndirectPing, Load, Nack, Ping, PushPull, StateEntry, Suspect
+
+Listener = Callable[[MemberEvent], None]
+
+
+class _Probe:
+    __slots__ = ("target", "acked", "nacks", "expected_nacks")
+
+    def __init__(self, target: str) -> None:
+        self.target, self.acked, self.nacks, self.expected_nacks = target, False, 0, 0
+
+
+class _Relay:
+    """An indirect ping we run on someone else's behalf."""
+    __slots__ = ("seq", "source_addr", "nack", "done")
+
+    def __init__(self, seq: int, source_addr: str, nack: bool) -> None:
+        self.seq, self.source_addr, self.nack, self.done = seq, source_addr, nack, False
+
+
+class Membership:
+    def __init__(self, name: str, transport: Transport, scheduler: Scheduler,
+                 config: SwimConfig, codec: wire.Codec, *, meta: NodeMeta = NodeMeta(),
+                 incarnation: int = 1, seeds: tuple[str, ...] = (),
+                 rng: random.Random | None = None) -> None:
+        if not name or len(name) > wire.MAX_NAME:
+            raise ValueError(f"node name must be 1..{wire.MAX_NAME} characters")
+        self.name, self.cfg, self.codec = name, config, codec
+        self.transport, self.sched = transport, scheduler
+        self.addr = transport.local_address()
+        self.seeds = tuple(s for s in seeds if s != self.addr)
+        self.rng = rng or random.Random()
+        self.stats: Counter[str] = Counter()
+        self.awareness = 0
+        self._members: dict[str, Member] = {}
+        self._live = IndexedSet()            # alive + suspect, not self
+        self._dead = IndexedSet()            # dead/left not yet reclaimed (gossiped to)
+        self._suspicions: dict[str, Suspicion] = {}
+        self._pending: dict[int, _Probe | _Relay] = {}
+        self._seq = 0
+        self._probe_order: list[str] = []
+        self._probe_idx = 0
+        self._updates = BroadcastQueue()     # alive/suspect/dead: first claim on space
+        self._loads = BroadcastQueue()       # load vectors: what space is left
+        self._listeners: list[Listener] = []
+        self._timers: dict[str, Timer] = {}
+        self._view: ClusterView | None = None
+        self._version = 0
+        self._overhead = wire.packet_overhead(name)
+        self._leaving = self._stopped = False
+        self._pending_load: LoadVector | None = None
+        me = Member(name, self.addr, incarnation, meta, LoadVector(), scheduler.wall_ms(),
+                    self._stamp())
+        self._members[name] = me
+        self._set_state(me, Event.ALIVE)
+        self._check_meta_fits()
+        self._handlers: dict[type, Callable] = {
+            Ping: self._on_ping, IndirectPing: self._on_indirect_ping, Ack: self._on_ack,
+            Nack: self._on_nack, Alive: self._on_alive, Suspect: self._on_suspect,
+            Dead: self._on_dead, Load: self._on_load}
+
+    # ---- public API ---------------------------------------------------------------------
+
+    @property
+    def incarnation(self) -> int:
+        return self._members[self.name].incarnation
+
+    def start(self) -> None:
+        self.transport.set_handlers(self._on_packet, self._on_stream)
+        c = self.cfg
+        # stagger first ticks so simulated nodes do not probe in lockstep
+        self._every("probe", self.rng.random() * c.probe_interval_s, self._probe_tick)
+        self._every("gossip", self.rng.random() * c.gossip_interval_s, self._gossip_tick)
+        self._every("push_pull", c.push_pull_interval_s * (1 + self.rng.random()),
+                    self._push_pull_tick)
+        self._every("load", c.load_interval_s, self._load_tick)
+        self._every("join", 0.0, self._join_tick)
+
+    def subscribe(self, fn: Listener) -> Callable[[], None]:
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def view(self) -> ClusterView:
+        if self._view is None:
+            self._view = ClusterView.build(
+                self.name, [m.info() for m in self._members.values()], self._version)
+        return self._view
+
+    def set_meta(self, meta: NodeMeta) -> None:
+        """New metadata: bump our incarnation and gossip it (no restart anywhere)."""
+        me = self._members[self.name]
+        old = me.meta
+        me.meta = meta
+        try:
+            self._check_meta_fits()
+        except ValueError:
+            me.meta = old
+            raise
+        me.incarnation += 1
+        self._changed()
+        self._broadcast_self()
+
+    def set_load(self, load: LoadVector) -> None:
+        """Latest load; it is gossiped at the next load tick if it changed."""
+        self._pending_load = load
+
+    def leave(self) -> None:
+        """Announce departure: peers mark us LEFT at once instead of suspecting us."""
+        if self._leaving:
+            return
+        self._leaving = True
+        me = self._members[self.name]
+        msg = Dead(self.name, me.incarnation, self.name)
+        self._set_state(me, Event.LEAVE)
+        self._updates.add(self.name, self.codec.fragment(msg))
+        for name in self._live.sample(self.rng, self.cfg.leave_fanout):
+            self._send(self._members[name].addr, [msg])
+
+    def stop(self) -> None:
+        self._stopped = True
+        for t in self._timers.values():
+            t.cancel()
+        self._timers.clear()
+        for s in self._suspicions.values():
+            if s.timer:
+                s.timer.cancel()
+        self.transport.shutdown()
+
+    def bootstrap(self, others: list[Alive]) -> None:
+        """Simulation/test helper: know these members as if already converged (no gossip)."""
+        for a in others:
+            if a.name not in self._members:
+                m = Member(a.name, a.addr, a.incarnation, a.meta, a.load, a.load_seq,
+                           self._stamp())
+                self._members[a.name] = m
+                self._set_state(m, Event.ALIVE, notify=False)
+
+    # ---- timers -------------------------------------------------------------------------
+
+    def _every(self, key: str, delay: float, fn: Callable[[], None]) -> None:
+        def run() -> None:
+            if not self._stopped:
+                fn()
+        self._timers[key] = self.sched.call_later(delay, run)
+
+    def _probe_tick(self) -> None:
+        interval = policy.awareness_scale(self.awareness, self.cfg.probe_interval_s)
+        self._every("probe", interval, self._probe_tick)
+        if self._leaving:
+            return
+        target = self._next_probe_target()
+        if target is not None:
+            self._probe(target, interval)
+
+    def _gossip_tick(self) -> None:
+        self._every("gossip", self.cfg.gossip_interval_s, self._gossip_tick)
+        if not (len(self._updates) or len(self._loads)):
+            return
+        n_live = len(self._live)
+        pool = n_live + len(self._dead)
+        if pool == 0:
+            return
+        for i in self.rng.sample(range(pool), min(self.cfg.gossip_nodes, pool)):
+            name = (self._live._items[i] if i < n_live else self._dead._items[i - n_live])
+            m = self._members.get(name)
+            if m is None or m.state is MemberState.LEFT:
+                continue
+            if not self._send(m.addr, [], need_updates=True):
+                break
+
+    def _push_pull_tick(self) -> None:
+        n = len(self._live) + 1
+        self._every("push_pull", policy.push_pull_interval(self.cfg.push_pull_interval_s, n),
+                    self._push_pull_tick)
+        peer = self._live.sample(self.rng, 1)
+        if peer and not self._leaving:
+            self._send_push_pull(self._members[peer[0]].addr, join=False, reply=False)
+
+    def _load_tick(self) -> None:
+        self._every("load", self.cfg.load_interval_s, self._load_tick)
+        load = self._pending_load
+        me = self._members[self.name]
+        if load is None or load == me.load:
+            return
+        me.load, me.load_seq = load, me.load_seq + 1
+        self._changed()
+        self._loads.add(self.name, self.codec.fragment(Load(self.name, me.load_seq, load)))
+
+    def _join_tick(self) -> None:
+        """Knock on every seed while we know nobody (seeds may come up after us)."""
+        self._every("join", self.cfg.join_retry_s, self._join_tick)
+        if not self._live and self.seeds and not self._leaving:
+            self.stats["join_attempts"] += 1
+            for seed in self.seeds:
+                self._send_push_pull(seed, join=True, reply=False)
+
+    # ---- probing ------------------------------------------------------------------------
+
+    def _next_probe_target(self) -> Member | None:
+        for _ in range(2):
+            while self._probe_idx < len(self._probe_order):
+                name = self._probe_order[self._probe_idx]
+                self._probe_idx += 1
+                if name in self._live:
+                    return self._members[name]
+            self._probe_order = list(self._live)
+            self.rng.shuffle(self._probe_order)
+            self._probe_idx = 0
+        return None
+
+    def _probe(self, m: Member, interval: float) -> None:
+        seq = self._next_seq()
+        probe = _Probe(m.name)
+        self._pending[seq] = probe
+        self._send(m.addr, [Ping(seq, m.name, self.name, self.addr)])
+        timeout = policy.awareness_scale(self.awareness, self.cfg.probe_timeout_s)
+        self.sched.call_later(timeout, lambda: self._probe_indirect(seq, probe, m))
+        self.sched.call_later(interval, lambda: self._probe_end(seq, probe))
+
+    def _probe_indirect(self, seq: int, probe: _Probe, m: Member) -> None:
+        if probe.acked or self._stopped:
+            return
+        helpers = self._live.sample(self.rng, self.cfg.indirect_checks, exclude=(m.name,))
+        probe.expected_nacks = len(helpers)
+        msg = IndirectPing(seq, m.name, m.addr, self.name, self.addr, True)
+        for h in helpers:
+            self._send(self._members[h].addr, [msg])
+
+    def _probe_end(self, seq: int, probe: _Probe) -> None:
+        self._pending.pop(seq, None)
+        if self._stopped:
+            return
+        if probe.acked:
+            self._awareness(-1)
+            return
+        self.stats["probe_failures"] += 1
+        self._awareness(policy.probe_failure_delta(probe.expected_nacks, probe.nacks))
+        m = self._members.get(probe.target)
+        if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
+            self._on_suspect(Suspect(m.name, m.incarnation, self.name))
+
+    def _awareness(self, delta: int) -> None:
+        self.awareness = policy.awareness_apply(self.awareness, delta, self.cfg.awareness_max)
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & wire.MAX_INT
+        return self._seq
+
+    # ---- sending ------------------------------------------------------------------------
+
+    def _send(self, addr: str, msgs: list, need_updates: bool = False) -> bool:
+        """One packet: `msgs` plus as many queued updates, then loads, as fit."""
+        frags = [self.codec.fragment(m) for m in msgs]
+        budget = self.cfg.max_packet - self._overhead - sum(len(f) + 1 for f in frags)
+        limit = policy.retransmit_limit(self.cfg.retransmit_mult, len(self._live) + 1)
+        extra = self._updates.take(budget, limit)
+        budget -= sum(len(f) + 1 for f in extra)
+        extra += self._loads.take(budget, limit)
+        if need_updates and not extra:
+            return False
+        data = self.codec.encode(self.name, self.sched.wall_ms(), frags + extra)
+        self.stats["sent_packets"] += 1
+        self.stats["sent_bytes"] += len(data)
+        self.transport.send_packet(addr, data)
+        return True
+
+    def _broadcast_self(self) -> None:
+        me = self._members[self.name]
+        self._updates.add(self.name, self.codec.fragment(self._alive_msg(me)))
+
+    @staticmethod
+    def _alive_msg(m: Member) -> Alive:
+        return Alive(m.name, m.incarnation, m.addr, m.meta, m.load_seq, m.load)
+
+    def _send_push_pull(self, addr: str, join: bool, reply: bool) -> None:
+        states = tuple(StateEntry(m.name, m.incarnation, m.state, m.addr, m.meta, m.load_seq,
+                                  m.load)
+                       for m in self._members.values() if m.state is not None)
+        msg = PushPull(join, reply, self.addr, states)
+        data = self.codec.encode(self.name, self.sched.wall_ms(), [self.codec.fragment(msg)])
+        self.stats["sent_streams"] += 1
+        self.transport.send_stream(addr, data)
+
+    # ---- receiving ----------------------------------------------------------------------
+
+    def _decode(self, data: bytes, max_size: int) -> tuple[str, list] | None:
+        try:
+            sender, sent_ms, msgs = self.codec.decode(data, max_size)
+        except wire.DecodeError as e:
+            self.stats[f"dropped.{e.reason}"] += 1
+            return None
+        window = self.cfg.replay_window_s * 1000
+        if window and abs(self.sched.wall_ms() - sent_ms) > window:
+            self.stats["dropped.stale_time"] += 1
+            return None
+        return sender, msgs
+
+    def _on_packet(self, data: bytes, from_addr: str) -> None:
+        if self._stopped:
+            return
+        got = self._decode(data, self.cfg.max_packet)
+        if got is None:
+            return
+        self.stats["recv_packets"] += 1
+        for msg in got[1]:
+            handler = self._handlers.get(type(msg))
+            if handler is None:                      # a PushPull inside a datagram
+                self.stats["dropped.malformed"] += 1
+                return
+            handler(msg)
+
+    def _on_stream(self, data: bytes, from_addr: str) -> None:
+        if self._stopped:
+            return
+        got = self._decode(data, wire.MAX_STREAM)
+        if got is None:
+            return
+        sender, msgs = got
+        if len(msgs) != 1 or not isinstance(msgs[0], PushPull):
+            self.stats["dropped.malformed"] += 1
+            return
+        pp = msgs[0]
+        self.stats["recv_streams"] += 1
+        if not pp.reply and not self._leaving:
+            self._send_push_pull(pp.source_addr, join=False, reply=True)
+        self._merge(sender, pp.states)
+
+    def _merge(self, sender: str, states: tuple[StateEntry, ...]) -> None:
+        for e in states:
+            if e.state is MemberState.ALIVE:
+                self._on_alive(Alive(e.name, e.incarnation, e.addr, e.meta, e.load_seq, e.load))
+            elif e.state is MemberState.LEFT:
+                self._on_dead(Dead(e.name, e.incarnation, e.name))
+            else:    # someone else's dead is only a suspicion here: we may still reach it
+                self._on_suspect(Suspect(e.name, e.incarnation, sender))
+            m = self._members.get(e.name)
+            if m is not None and e.name != self.name and e.load_seq > m.load_seq:
+                m.load, m.load_seq = e.load, e.load_seq
+                self._changed()
+
+    # ---- handlers: each opens with its guard --------------------------------------------
+
+    def _on_ping(self, msg: Ping) -> None:
+        if msg.target != self.name:                  # an old address reused by someone else
+            self.stats["dropped.wrong_target"] += 1
+            return
+        self._send(msg.source_addr, [Ack(msg.seq)])
+
+    def _on_indirect_ping(self, msg: IndirectPing) -> None:
+        seq = self._next_seq()
+        relay = _Relay(msg.seq, msg.source_addr, msg.nack)
+        self._pending[seq] = relay
+        self._send(msg.target_addr, [Ping(seq, msg.target, self.name, self.addr)])
+
+        def expire() -> None:
+            if self._pending.pop(seq, None) is not None and relay.nack and not self._stopped:
+                self._send(relay.source_addr, [Nack(relay.seq)])
+        self.sched.call_later(self.cfg.probe_timeout_s, expire)
+
+    def _on_ack(self, msg: Ack) -> None:
+        p = self._pending.get(msg.seq)
+        if isinstance(p, _Probe):
+            p.acked = True
+        elif isinstance(p, _Relay):
+            del self._pending[msg.seq]
+            self._send(p.source_addr, [Ack(p.seq)])
+
+    def _on_nack(self, msg: Nack) -> None:
+        p = self._pending.get(msg.seq)
+        if isinstance(p, _Probe):
+            p.nacks += 1
+
+    def _on_alive(self, msg: Alive) -> None:
+        if msg.name == self.name:
+            me = self._members[self.name]
+            if msg.incarnation > me.incarnation or (
+                    msg.incarnation == me.incarnation and
+                    (msg.addr, msg.meta) != (me.addr, me.meta)):
+                self._refute(msg.incarnation)
+            return
+        m = self._members.get(msg.name)
+        if m is not None and msg.incarnation <= m.incarnation:
+            self.stats["stale_updates"] += 1
+            return
+        if m is None:
+            m = Member(msg.name, msg.addr, msg.incarnation, msg.meta, msg.load,
+                       msg.load_seq, self._stamp())
+            self._members[msg.name] = m
+            # new members join the probe round at a random place
+            self._probe_order.insert(self.rng.randint(self._probe_idx, len(self._probe_order)),
+                                     msg.name)
+        m.incarnation, m.addr, m.meta = msg.incarnation, msg.addr, msg.meta
+        if msg.load_seq > m.load_seq:
+            m.load, m.load_seq = msg.load, msg.load_seq
+        self._clear_suspicion(msg.name)
+        self._set_state(m, Event.ALIVE)
+        self._updates.add(msg.name, self.codec.fragment(msg))
+
+    def _on_suspect(self, msg: Suspect) -> None:
+        m = self._members.get(msg.name)
+        if m is None or msg.incarnation < m.incarnation:
+            self.stats["stale_updates"] += 1 if m is not None else 0
+            return
+        if m.state in (MemberState.DEAD, MemberState.LEFT):
+            return
+        if msg.name == self.name:
+            if not self._leaving:
+                self._refute(msg.incarnation)
+            return
+        s = self._suspicions.get(msg.name)
+        if m.state is MemberState.SUSPECT and s is not None:
+            if s.confirm(msg.source):
+                self._rearm(msg.name, s)
+                self._updates.add(msg.name, self.codec.fragment(msg))
+            return
+        m.incarnation = msg.incarnation
+        n = len(self._live) + 1
+        lo, hi = policy.suspicion_bounds(self.cfg.suspicion_mult, self.cfg.suspicion_max_mult,
+                                         n, self.cfg.probe_interval_s)
+        k = policy.expected_confirmations(self.cfg.suspicion_confirmations, n)
+        s = Suspicion(msg.incarnation, self.sched.now(), k, lo, hi, msg.source)
+        self._suspicions[msg.name] = s
+        self._set_state(m, Event.SUSPECT)
+        self._rearm(msg.name, s)
+        self._updates.add(msg.name, self.codec.fragment(msg))
+        self._maybe_reprobe(m, s, n)
+
+    def _maybe_reprobe(self, m: Member, s: Suspicion, n: int) -> None:
+        """Our refinement: about `suspicion_reprobes` members (each with probability
+        reprobes / (n - 2)) probe a newly suspected member right away instead of waiting
+        for their round-robin, so a dead node collects its k confirmations within about a
+        probe interval. A live one just answers; load on it stays O(reprobes), not O(n)."""
+        if s.confirmers == {self.name} or self._leaving or self.cfg.suspicion_reprobes <= 0:
+            return
+        if self.rng.random() >= self.cfg.suspicion_reprobes / max(1, n - 2):
+            return
+
+        def reprobe() -> None:
+            if not self._stopped and self._suspicions.get(m.name) is s:
+                self.stats["reprobes"] += 1
+                self._probe(m, policy.awareness_scale(self.awareness,
+                                                      self.cfg.probe_interval_s))
+        self.sched.call_later(self.rng.random() * self.cfg.probe_timeout_s, reprobe)
+
+    def _on_dead(self, msg: Dead) -> None:
+        m = self._members.get(msg.name)
+        if m is None or msg.incarnation < m.incarnation:
+            self.stats["stale_updates"] += 1 if m is not None else 0
+            return
+        if m.state in (MemberState.DEAD, MemberState.LEFT):
+            return
+        if msg.name == self.name:
+            if not self._leaving:
+                self._refute(msg.incarnation)
+            return
+        m.incarnation = msg.incarnation
+        self._clear_suspicion(msg.name)
+        self._set_state(m, Event.LEAVE if msg.is_leave else Event.DEAD)
+        self._updates.add(msg.name, self.codec.fragment(msg))
+
+    def _on_load(self, msg: Load) -> None:
+        m = self._members.get(msg.name)
+        if m is None or msg.name == self.name or msg.load_seq <= m.load_seq:
+            return
+        m.load, m.load_seq = msg.load, msg.load_seq
+        self._changed()
+        self._loads.add(msg.name, self.codec.fragment(msg))
+
+    # ---- suspicion, refutation, state ---------------------------------------------------
+
+    def _rearm(self, name: str, s: Suspicion) -> None:
+        if s.timer:
+            s.timer.cancel()
+        left = policy.suspicion_remaining(s.confirmations, s.expected,
+                                          self.sched.now() - s.start, s.min_s, s.max_s)
+        s.timer = self.sched.call_later(left, lambda: self._suspicion_expired(name, s))
+
+    def _suspicion_expired(self, name: str, s: Suspicion) -> None:
+        m = self._members.get(name)
+        if self._stopped or self._suspicions.get(name) is not s or m is None:
+            return
+        if m.state is MemberState.SUSPECT and m.incarnation == s.incarnation:
+            self.stats["suspicion_timeouts"] += 1
+            self._on_dead(Dead(name, m.incarnation, self.name))
+
+    def _clear_suspicion(self, name: str) -> None:
+        s = self._suspicions.pop(name, None)
+        if s is not None and s.timer:
+            s.timer.cancel()
+
+    def _refute(self, incarnation: int) -> None:
+        me = self._members[self.name]
+        me.incarnation = max(me.incarnation, incarnation) + 1
+        self.stats["refutes"] += 1
+        self._awareness(1)              # being suspected hints that we are the slow one
+        self._changed()
+        self._broadcast_self()
+
+    def _check_meta_fits(self) -> None:
+        frag = self.codec.fragment(self._alive_msg(self._members[self.name]))
+        if len(frag) + 1 > self.cfg.max_packet - self._overhead - 64:
+            raise ValueError(f"node metadata too large for a packet ({len(frag)} bytes)")
+
+    def _set_state(self, m: Member, event: Event, notify: bool = True) -> bool:
+        """The one place a member's state changes (transitions: state.next_state)."""
+        new = next_state(m.state, event)
+        if new is None:
+            return False
+        old, m.state, m.since = m.state, new, self._stamp()
+        if m.name != self.name:
+            if new in (MemberState.ALIVE, MemberState.SUSPECT):
+                self._live.add(m.name)
+                self._dead.discard(m.name)
+            else:
+                self._live.discard(m.name)
+                self._dead.add(m.name)
+                since = m.since
+                self.sched.call_later(self.cfg.dead_reclaim_s,
+                                      lambda: self._reclaim(m.name, since))
+        self._changed()
+        if notify and (old is not new or event is Event.ALIVE):
+            ev = MemberEvent(m.name, old, new, m.incarnation, m.since)
+            for fn in list(self._listeners):
+                fn(ev)
+        return True
+
+    def _reclaim(self, name: str, since: float) -> None:
+        m = self._members.get(name)
+        if m is not None and m.since == since and m.state in (MemberState.DEAD,
+                                                              MemberState.LEFT):
+            del self._members[name]
+            self._dead.discard(name)
+            self._updates.discard(name)
+            self._loads.discard(name)
+            self._changed()
+
+    def _stamp(self) -> float:
+        """Wall-clock seconds for state changes (what /cluster shows)."""
+        return self.sched.wall_ms() / 1000.0
+
+    def _changed(self) -> None:
+        self._view = None
+        self._version += 1

@@ -1,0 +1,318 @@
+"""Wire format: authenticated, compact, strictly validated.
+
+    packet = VERSION (1 byte) | body (JSON) | HMAC-SHA256(key, VERSION | body) (32 bytes)
+    body   = [sender_name, sent_at_ms, [message, ...]]
+    message = [tag, field, ...]   (one short JSON array per message type, see _ENCODERS)
+
+Packets go over UDP (at most MAX_PACKET bytes: one probe plus as many piggybacked updates as
+fit); push-pull state goes over a stream (MAX_STREAM). Everything that fails length, version,
+MAC, JSON or field checks raises DecodeError with a short `reason` used as a metric label:
+the receive loop counts it and drops the packet, it never crashes.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+from .state import LoadVector, MemberState, NodeMeta
+
+VERSION = 1
+MAC_LEN = 32
+MAX_PACKET = 1400
+MAX_STREAM = 8 * 1024 * 1024
+MAX_NAME = 128
+MAX_FIELD = 256
+MAX_INT = (1 << 63) - 1
+_HEADER = bytes([VERSION])
+
+
+class DecodeError(ValueError):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """Signs with `primary`; accepts `primary` or any of `secondary` (key rotation).
+    An insecure ring uses the empty key: still a checksum, never mixes with keyed nodes."""
+    primary: bytes
+    secondary: tuple[bytes, ...] = ()
+
+    @classmethod
+    def insecure(cls) -> Keyring:
+        return cls(b"")
+
+    def sign(self, data: bytes) -> bytes:
+        return hmac.digest(self.primary, data, hashlib.sha256)
+
+    def verify(self, data: bytes, mac: bytes) -> bool:
+        for key in (self.primary, *self.secondary):
+            if hmac.compare_digest(hmac.digest(key, data, hashlib.sha256), mac):
+                return True
+        return False
+
+
+# ---- messages ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ping:
+    seq: int
+    target: str          # the name we expect to answer: a reused address must not ack
+    source: str
+    source_addr: str
+
+
+@dataclass(frozen=True)
+class IndirectPing:
+    seq: int
+    target: str
+    target_addr: str
+    source: str
+    source_addr: str
+    nack: bool           # Lifeguard: tell the source if the target did not answer
+
+
+@dataclass(frozen=True)
+class Ack:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Nack:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Alive:
+    name: str
+    incarnation: int
+    addr: str
+    meta: NodeMeta
+    load_seq: int
+    load: LoadVector
+
+
+@dataclass(frozen=True)
+class Suspect:
+    name: str
+    incarnation: int
+    source: str
+
+
+@dataclass(frozen=True)
+class Dead:
+    name: str
+    incarnation: int
+    source: str          # == name: the member left on purpose
+
+    @property
+    def is_leave(self) -> bool:
+        return self.source == self.name
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    load_seq: int
+    load: LoadVector
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    name: str
+    incarnation: int
+    state: MemberState
+    addr: str
+    meta: NodeMeta
+    load_seq: int
+    load: LoadVector
+
+
+@dataclass(frozen=True)
+class PushPull:
+    join: bool
+    reply: bool
+    source_addr: str
+    states: tuple[StateEntry, ...]
+
+
+Message = Union[Ping, IndirectPing, Ack, Nack, Alive, Suspect, Dead, Load, PushPull]
+
+
+# ---- field checks ------------------------------------------------------------------------
+
+def _int(v: Any) -> int:
+    if type(v) is not int or not (0 <= v <= MAX_INT):
+        raise DecodeError("malformed", f"bad integer {v!r:.40}")
+    return v
+
+
+def _str(v: Any, limit: int = MAX_FIELD) -> str:
+    if type(v) is not str or len(v) > limit:
+        raise DecodeError("malformed", f"bad string {v!r:.40}")
+    return v
+
+
+def _name(v: Any) -> str:
+    s = _str(v, MAX_NAME)
+    if not s:
+        raise DecodeError("malformed", "empty name")
+    return s
+
+
+def _bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise DecodeError("malformed", f"bad bool {v!r:.40}")
+    return v
+
+
+def _list(v: Any, n: int | None = None) -> list:
+    if type(v) is not list or (n is not None and len(v) != n):
+        raise DecodeError("malformed", f"bad list {v!r:.40}")
+    return v
+
+
+def _meta(v: Any) -> NodeMeta:
+    return NodeMeta(*(_str(x) for x in _list(v, 5)))
+
+
+def _load(v: Any) -> LoadVector:
+    return LoadVector(*(_int(x) for x in _list(v, 4)))
+
+
+_STATES = {s.value: s for s in MemberState}
+
+
+def _state(v: Any) -> MemberState:
+    if type(v) is not str or v not in _STATES:
+        raise DecodeError("malformed", f"bad state {v!r:.40}")
+    return _STATES[v]
+
+
+def _entry(v: Any) -> StateEntry:
+    f = _list(v, 7)
+    return StateEntry(_name(f[0]), _int(f[1]), _state(f[2]), _str(f[3]), _meta(f[4]),
+                      _int(f[5]), _load(f[6]))
+
+
+# tag -> (field count, decoder)
+_DECODERS: dict[str, tuple[int, Callable[[list], Message]]] = {
+    "p": (4, lambda f: Ping(_int(f[0]), _name(f[1]), _name(f[2]), _str(f[3]))),
+    "i": (6, lambda f: IndirectPing(_int(f[0]), _name(f[1]), _str(f[2]), _name(f[3]),
+                                    _str(f[4]), _bool(f[5]))),
+    "a": (1, lambda f: Ack(_int(f[0]))),
+    "n": (1, lambda f: Nack(_int(f[0]))),
+    "A": (6, lambda f: Alive(_name(f[0]), _int(f[1]), _str(f[2]), _meta(f[3]), _int(f[4]),
+                             _load(f[5]))),
+    "S": (3, lambda f: Suspect(_name(f[0]), _int(f[1]), _name(f[2]))),
+    "D": (3, lambda f: Dead(_name(f[0]), _int(f[1]), _name(f[2]))),
+    "L": (3, lambda f: Load(_name(f[0]), _int(f[1]), _load(f[2]))),
+    "P": (4, lambda f: PushPull(_bool(f[0]), _bool(f[1]), _str(f[2]),
+                                tuple(_entry(e) for e in _list(f[3])))),
+}
+
+
+def to_fields(m: Message) -> list:
+    """A message as its JSON array."""
+    if isinstance(m, Ping):
+        return ["p", m.seq, m.target, m.source, m.source_addr]
+    if isinstance(m, IndirectPing):
+        return ["i", m.seq, m.target, m.target_addr, m.source, m.source_addr, m.nack]
+    if isinstance(m, Ack):
+        return ["a", m.seq]
+    if isinstance(m, Nack):
+        return ["n", m.seq]
+    if isinstance(m, Alive):
+        return ["A", m.name, m.incarnation, m.addr, m.meta.to_list(), m.load_seq,
+                m.load.to_list()]
+    if isinstance(m, Suspect):
+        return ["S", m.name, m.incarnation, m.source]
+    if isinstance(m, Dead):
+        return ["D", m.name, m.incarnation, m.source]
+    if isinstance(m, Load):
+        return ["L", m.name, m.load_seq, m.load.to_list()]
+    if isinstance(m, PushPull):
+        return ["P", m.join, m.reply, m.source_addr,
+                [[e.name, e.incarnation, e.state.value, e.addr, e.meta.to_list(), e.load_seq,
+                  e.load.to_list()] for e in m.states]]
+    raise TypeError(f"not a message: {m!r}")
+
+
+def fragment(m: Message) -> bytes:
+    """One message encoded once, so a broadcast can be piggybacked many times cheaply."""
+    return json.dumps(to_fields(m), separators=(",", ":")).encode()
+
+
+def from_fields(v: Any) -> Message:
+    f = _list(v)
+    if not f or type(f[0]) is not str or f[0] not in _DECODERS:
+        raise DecodeError("malformed", f"unknown message {str(f[:1]):.40}")
+    count, dec = _DECODERS[f[0]]
+    if len(f) != count + 1:
+        raise DecodeError("malformed", f"message {f[0]} has {len(f) - 1} fields")
+    return dec(f[1:])
+
+
+# ---- packets -----------------------------------------------------------------------------
+
+class Codec:
+    """How the core turns messages into transport payloads. WireCodec is the real one;
+    the simulator may swap in a cheaper one that skips bytes but not protocol."""
+    max_packet = MAX_PACKET
+
+    def fragment(self, m: Message) -> bytes:
+        return fragment(m)
+
+    def encode(self, sender: str, sent_at_ms: int, fragments: list) -> bytes:
+        raise NotImplementedError
+
+    def decode(self, data: bytes, max_size: int) -> tuple[str, int, list[Message]]:
+        raise NotImplementedError
+
+
+class WireCodec(Codec):
+    def __init__(self, keyring: Keyring) -> None:
+        self.keyring = keyring
+
+    def encode(self, sender: str, sent_at_ms: int, fragments: list) -> bytes:
+        return encode(self.keyring, sender, sent_at_ms, fragments)
+
+    def decode(self, data: bytes, max_size: int) -> tuple[str, int, list[Message]]:
+        return decode(self.keyring, data, max_size)
+
+
+def packet_overhead(sender: str) -> int:
+    """Bytes a packet spends besides its message fragments (and their commas)."""
+    return 1 + len(json.dumps(sender)) + 2 + 20 + 4 + MAC_LEN
+
+
+def encode(keyring: Keyring, sender: str, sent_at_ms: int, fragments: list[bytes]) -> bytes:
+    body = b"[%s,%d,[%s]]" % (json.dumps(sender).encode(), sent_at_ms, b",".join(fragments))
+    data = _HEADER + body
+    return data + keyring.sign(data)
+
+
+def decode(keyring: Keyring, data: bytes, max_size: int) -> tuple[str, int, list[Message]]:
+    """(sender, sent_at_ms, messages) or DecodeError; cheap checks before the MAC."""
+    if len(data) > max_size:
+        raise DecodeError("oversized", f"{len(data)} > {max_size} bytes")
+    if len(data) < 1 + 2 + MAC_LEN:
+        raise DecodeError("truncated", f"{len(data)} bytes")
+    if data[0] != VERSION:
+        raise DecodeError("version", f"version {data[0]}")
+    signed, mac = data[:-MAC_LEN], data[-MAC_LEN:]
+    if not keyring.verify(signed, mac):
+        raise DecodeError("auth")
+    try:
+        body = json.loads(signed[1:])
+    except (ValueError, RecursionError) as e:
+        raise DecodeError("malformed", f"json: {e}") from None
+    try:
+        f = _list(body, 3)
+        return _name(f[0]), _int(f[1]), [from_fields(m) for m in _list(f[2])]
+    except RecursionError:
+        raise DecodeError("malformed", "too deep") from None
