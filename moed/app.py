@@ -144,6 +144,9 @@ def build_components(cfg: Config) -> list[Component]:
     if role in ("colocated", "prefill", "decode"):
         comps.append(EngineComponent(cfg))
     # ---- cluster (gossip helper): membership when cfg.cluster.enabled ----
+    if cfg.cluster.enabled:
+        from moed.cluster.service import MembershipComponent   # raises ConfigError: no key
+        comps.append(MembershipComponent(cfg))
     # ---- transfer (transfer helper): prefill/decode role components ----
     # ---- ops (ops helper): sd_notify/watchdog, SIGHUP reload, /admin, router proxy ----
     if role == "router":

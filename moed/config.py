@@ -124,8 +124,18 @@ class ClusterConfig:
     gossip_interval_ms: int = _f(200, live=True)
     gossip_nodes: int = _f(3, live=True)
     push_pull_interval_ms: int = _f(30000, live=True)
-    suspicion_mult: int = _f(4, live=True)
-    suspicion_max_timeout_mult: int = _f(6, live=True)
+    suspicion_mult: int = _f(1, live=True, doc="min suspicion = mult * log10(n) * probe "
+                             "interval (memberlist LAN: 4; Lifeguard confirmations and "
+                             "re-probes keep 1 safe, see moed/cluster/swim.py)")
+    suspicion_max_timeout_mult: int = _f(6, live=True, doc="max suspicion = this * min")
+    suspicion_confirmations: int = _f(2, live=True, doc="independent suspecters that bring "
+                                      "the timeout down to its min (Lifeguard k)")
+    suspicion_reprobes: int = _f(4, live=True, doc="members that re-probe a fresh suspect "
+                                 "at once (0 = off)")
+    join_retry_ms: int = _f(1000, live=True, doc="while alone, knock on the seeds this often")
+    dead_reclaim_ms: int = _f(30000, live=True, doc="forget dead/left members after this")
+    replay_window_ms: int = _f(120000, live=True, doc="drop packets stamped further from "
+                               "our clock (0 = off)")
     retransmit_mult: int = _f(4, live=True)
     awareness_max_multiplier: int = _f(8, live=True)
     load_update_interval_ms: int = _f(1000, live=True)
@@ -141,6 +151,10 @@ class ClusterConfig:
                      "suspicion_max_timeout_mult"):
             _positive(f"cluster.{name}", getattr(self, name))
         _range("cluster.indirect_checks", self.indirect_checks, 0, 64)
+        for name in ("suspicion_confirmations", "suspicion_reprobes", "replay_window_ms"):
+            _range(f"cluster.{name}", getattr(self, name), 0, 1 << 31)
+        _positive("cluster.join_retry_ms", self.join_retry_ms)
+        _positive("cluster.dead_reclaim_ms", self.dead_reclaim_ms)
 
 
 @dataclass(frozen=True)

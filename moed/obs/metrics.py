@@ -98,6 +98,26 @@ def observe_engine_stats(stats: object) -> None:
 
 # ==== cluster ==============================================================================
 # Membership metrics (gossip helper) go here.
+# Synced once a second from the protocol's counters by moed.cluster.service.
+
+CLUSTER_MEMBERS = Gauge("moed_cluster_members", "Cluster members as this node sees them, by state",
+                        ["state"], registry=REGISTRY)
+CLUSTER_MESSAGES = Counter("moed_cluster_messages",
+                           "Membership packets (UDP) and streams (push-pull), by direction",
+                           ["direction", "kind"], registry=REGISTRY)
+CLUSTER_DROPPED = Counter("moed_cluster_dropped",
+                          "Membership packets dropped: auth, malformed, oversized, truncated, "
+                          "version, stale_time, wrong_target", ["reason"], registry=REGISTRY)
+CLUSTER_PROTOCOL = Counter("moed_cluster_protocol_events",
+                           "Protocol events: probe_failures, refutes, suspicion_timeouts, "
+                           "reprobes, join_attempts, stale_updates, transport errors",
+                           ["event"], registry=REGISTRY)
+CLUSTER_MEMBER_EVENTS = Counter("moed_cluster_member_events",
+                                "Member state changes seen (alive also counts metadata updates)",
+                                ["state"], registry=REGISTRY)
+CLUSTER_LOCAL_HEALTH = Gauge("moed_cluster_local_health",
+                             "Lifeguard awareness score: 0 healthy; higher stretches timeouts",
+                             registry=REGISTRY)
 
 
 # ==== transfer =============================================================================
