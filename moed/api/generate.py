@@ -100,6 +100,12 @@ class Generation:
         self.arrival = time.perf_counter()
         max_len = engine.max_model_len
         self.max_tokens = [resolve_max_tokens(req, len(p), max_len) for p in prompt_ids]
+        capacity = getattr(getattr(engine, "kv", None), "capacity_tokens", None)
+        longest = max(len(p) for p in prompt_ids)
+        if capacity is not None and longest > capacity:
+            raise APIError(400, f"The prompt has {longest} tokens but this node's whole KV cache "
+                                f"holds {capacity} tokens.", code="context_length_exceeded",
+                           param="messages" if req.chat else "prompt")
         lens = [len(p) for p in prompt_ids for _ in range(req.n)]
         tickets = admit(admission, lens, retry_after_s)
         self.choices = [
@@ -161,6 +167,10 @@ class Generation:
                 raise APIError(500, f"Internal server error (request id {self.request_id}).",
                                code="engine_error")
             self._observe(ch, ev)
+            if ev.finish_reason is FinishReason.ERROR:
+                log.error("engine_request_failed", engine_request=ch.engine_id, error=ev.error)
+                raise APIError(500, f"The engine failed to serve this request (request id "
+                                    f"{self.request_id}).", code="engine_error")
             if ev.finished:
                 remaining -= 1
             yield ch, ev

@@ -235,3 +235,39 @@ async def test_drain_finishes_inflight_then_refuses(http):
         assert resp.status == 200
         assert (await resp.json())["usage"]["completion_tokens"] == 20
         await drain
+
+
+class _BrokenEngine(FakeEngine):
+    def add_request(self, rid, prompt, params):
+        if params.max_tokens == 3:
+            raise RuntimeError("secret internal detail")
+        return super().add_request(rid, prompt, params)
+
+    def _step(self, r):
+        if r.params.max_tokens == 4:      # the engine reports a failed request
+            from moed.types import FinishReason, TokenEvent
+            r.queue.put_nowait(TokenEvent(r.rid, (), "", (), FinishReason.ERROR, len(r.prompt),
+                                          error="engine step failed: boom"))
+            r.done, r.blocks = True, 0
+            self.reqs.pop(r.rid, None)
+            return
+        super()._step(r)
+
+
+async def test_internal_errors_are_500_with_request_id_only(http):
+    async with running_app(_BrokenEngine()) as (app, url, engine):
+        for max_tokens in (3, 4):
+            async with http.post(f"{url}/v1/completions",
+                                 json={"prompt": "x", "max_tokens": max_tokens},
+                                 headers={"X-Request-Id": f"rid-{max_tokens}"}) as r:
+                assert r.status == 500
+                err = (await r.json())["error"]
+            assert f"rid-{max_tokens}" in err["message"]
+            assert "secret" not in err["message"] and "boom" not in err["message"]
+        async with http.post(f"{url}/v1/completions",
+                             json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:
+            events = sse_events(await r.text())
+        assert "error" in events[-1] and "[DONE]" not in events
+        async with http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 200                 # still serving
+        assert app.state.admission.live == 0 and not engine.reqs
