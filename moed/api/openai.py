@@ -227,12 +227,14 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
                                                      list(ev.logprobs), ch.finish_reason)))
         except TimeoutError:
             metrics.REQUEST_TIMEOUTS.inc()
-            await resp.write(_sse(APIError(408, f"Request timed out after {timeout:g}s.",
-                                           code="timeout").body()))
             request[FINISH] = "timeout"
+            await gen.close()            # abort now, not after a write to a stuck client
+            err = APIError(408, f"Request timed out after {timeout:g}s.", code="timeout")
+            await _write_soon(resp, _sse(err.body()))
             return resp
         except APIError as e:     # headers are gone: report in-band, as OpenAI does
-            await resp.write(_sse(e.body()))
+            await gen.close()
+            await _write_soon(resp, _sse(e.body()))
             return resp
         if gen.req.include_usage:
             await resp.write(_sse(fmt.usage_chunk()))
@@ -242,6 +244,14 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
         request[FINISH] = "client_disconnect"
         metrics.CLIENT_DISCONNECTS.inc()
     return resp
+
+
+async def _write_soon(resp: web.StreamResponse, data: bytes, timeout: float = 5.0) -> None:
+    """Best-effort write of a final message (the client may be gone or not reading)."""
+    try:
+        await asyncio.wait_for(resp.write(data), timeout)
+    except (asyncio.TimeoutError, ConnectionError):
+        pass
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -198,6 +198,11 @@ async def test_request_timeout_aborts(http):
             assert r.status == 408
             assert (await r.json())["error"]["code"] == "timeout"
         assert not engine.reqs and engine.aborted
+        async with http.post(f"{url}/v1/completions",
+                             json={"prompt": "t", "max_tokens": 100, "stream": True}) as r:
+            events = sse_events(await r.text())
+        assert events[-1]["error"]["code"] == "timeout" and 1 <= len(events) - 1 < 100
+        assert not engine.reqs and len(engine.aborted) == 2
 
 
 async def test_request_id_echo_models_and_metrics(server, http):
