@@ -148,6 +148,9 @@ def build_components(cfg: Config) -> list[Component]:
         from moed.cluster.service import MembershipComponent   # raises ConfigError: no key
         comps.append(MembershipComponent(cfg))
     # ---- transfer (transfer helper): prefill/decode role components ----
+    if role in ("prefill", "decode"):
+        from moed.roles import role_component   # after the engine: it wraps/hooks it
+        comps.append(role_component(cfg, node_name(cfg)))
     # ---- ops (ops helper): sd_notify/watchdog, SIGHUP reload, /admin, router proxy ----
     if role == "router":
         from moed.ops.router import RouterComponent

@@ -122,6 +122,28 @@ CLUSTER_LOCAL_HEALTH = Gauge("moed_cluster_local_health",
 
 # ==== transfer =============================================================================
 # KV transfer metrics (transfer helper) go here.
+# Observed by moed.roles (prefill/decode) from TransferWorker results and job outcomes.
+
+TRANSFER_BYTES = Counter("moed_transfer_bytes", "KV bytes written to peers (finished transfers)",
+                         registry=REGISTRY)
+TRANSFER_SECONDS = Histogram("moed_transfer_seconds", "Duration of one KV block transfer",
+                             buckets=_TOKEN_BUCKETS, registry=REGISTRY)
+TRANSFER_GBPS = Histogram("moed_transfer_throughput_gbps", "GB/s of one KV block transfer",
+                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
+                          registry=REGISTRY)
+TRANSFER_FAILURES = Counter("moed_transfer_failures",
+                            "Transfer and prefill-job failures by kind (peer_disconnected, "
+                            "rpc_error, timeout, rejected, notif_mismatch, ...)", ["kind"],
+                            registry=REGISTRY)
+TRANSFER_JOBS_INFLIGHT = Gauge("moed_transfer_jobs_inflight",
+                               "Prefill jobs in flight (prefill: held; decode: awaiting KV)",
+                               ["role"], registry=REGISTRY)
+TRANSFER_JOBS = Counter("moed_transfer_jobs", "Finished prefill jobs by role and result "
+                        "(done, cancelled, expired, failed, retried)", ["role", "result"],
+                        registry=REGISTRY)
+TRANSFER_LEASES_EXPIRED = Counter("moed_transfer_leases_expired",
+                                  "Prefill jobs dropped because their lease ran out",
+                                  registry=REGISTRY)
 
 
 # ==== ops ==================================================================================

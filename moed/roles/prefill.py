@@ -1,0 +1,288 @@
+"""Prefill role: run a decode node's prompt and write its KV straight into the decode node.
+
+A prefill job's lifecycle (one HTTP request POST /internal/prefill holds it):
+
+    accept ──▶ RUNNING ──(first token sampled)──▶ FINISHING ──(last write DONE)──▶ DONE
+      │           │  each engine step that finishes whole blocks: NIXL WRITE of those blocks
+      │           │  (contiguous runs merged), awaited before the next one, so the final write's
+      │           │  notification (the first token) is the last thing the decode node sees
+      │           └──────────────┬─────────────────────┘
+      │                          ▼
+      │        CANCELLED  decode went away (connection closed) or DELETE /internal/prefill/{id}
+      │        EXPIRED    the lease (the decode's timeout, capped by transfer.lease_s) ran out
+      │        FAILED     a write failed (decode died: its peer entry is dropped) or the engine
+      │                   could not run the prompt
+      └── 409 need_metadata: the decode's transfer metadata for its incarnation is unknown;
+          400 bad job / incompatible KV layout; 503 draining.
+
+Ownership: whatever the outcome, the handler's `finally` aborts the engine request, which frees
+the job's blocks at the next step boundary (held or still computing) — no block outlives its job.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from moed.config import Config
+from moed.obs import metrics
+from moed.roles.common import new_incarnation, start_worker
+from moed.roles.protocol import (FirstToken, PrefillJobSpec, ProtocolError, first_token_params,
+                                 line)
+from moed.transfer import (BadMetadata, IncompatibleLayout, StalePeer, TransferState,
+                           TransferError)
+from moed.types import FinishReason, TokenEvent
+
+log = structlog.get_logger(__name__)
+
+
+class JobState(str, enum.Enum):
+    RUNNING = "running"
+    FINISHING = "finishing"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+
+_ENDS = frozenset({JobState.CANCELLED, JobState.EXPIRED, JobState.FAILED})
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.RUNNING: frozenset({JobState.FINISHING}) | _ENDS,
+    JobState.FINISHING: frozenset({JobState.DONE}) | _ENDS,
+    JobState.DONE: frozenset(),
+    JobState.CANCELLED: frozenset(),
+    JobState.EXPIRED: frozenset(),
+    JobState.FAILED: frozenset(),
+}
+
+
+class JobFailed(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class PrefillJob:
+    spec: PrefillJobSpec
+    engine_id: str
+    expires_at: float                           # loop time
+    state: JobState = JobState.RUNNING
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    table: list[int] = field(default_factory=list)
+    sent: int = 0                               # prompt blocks [0, sent) are at the decode node
+    task: asyncio.Task | None = None
+    handle: Any = None                          # the transfer in flight, if any
+
+    def move(self, new: JobState) -> None:
+        if new not in JOB_TRANSITIONS[self.state]:
+            raise RuntimeError(f"illegal prefill job transition {self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def terminal(self) -> bool:
+        return not JOB_TRANSITIONS[self.state]
+
+
+class PrefillComponent:
+    """Serves /internal/prefill on a prefill node (a moed.app Component)."""
+
+    name = "prefill"
+
+    def __init__(self, cfg: Config, node: str) -> None:
+        self.cfg = cfg
+        self.node = node
+        self.incarnation = new_incarnation()
+        self.engine: Any = None
+        self.worker: Any = None
+        self.jobs: dict[str, PrefillJob] = {}
+        self.draining = False
+
+    # ---- Component ---------------------------------------------------------------------------
+    def add_routes(self, web_app: web.Application) -> None:
+        web_app.router.add_post("/internal/prefill", self.handle_job)
+        web_app.router.add_delete("/internal/prefill/{job_id}", self.handle_cancel)
+        web_app.router.add_get("/internal/transfer", self.handle_info)
+
+    async def start(self, app: Any) -> None:
+        self.engine = app.state.engine
+        self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
+        self.engine.on_prefill_progress = self._on_progress
+
+    async def drain(self) -> None:
+        self.draining = True     # running jobs finish; their decode nodes own the requests
+
+    async def stop(self) -> None:
+        for job in list(self.jobs.values()):
+            if job.task is not None:
+                job.task.cancel()
+        if self.worker is not None:
+            await self.worker.close()
+
+    def prepare_reload(self, old: Config, new: Config) -> Any:
+        """Reload hook (moed.ops): transfer.* live fields apply to the next job."""
+        def commit() -> None:
+            self.cfg = new
+        return commit
+
+    # ---- engine hook (event loop thread, inside the step loop) ------------------------------
+    def _on_progress(self, engine_id: str, block_ids: list[int], num_computed: int) -> None:
+        job = self.jobs.get(engine_id.removeprefix("pf-"))
+        if job is not None:
+            job.inbox.put_nowait(("progress", block_ids, num_computed))
+
+    # ---- HTTP --------------------------------------------------------------------------------
+    async def handle_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"node": self.node, "incarnation": self.incarnation,
+                                  "agent": self.worker.name if self.worker else None,
+                                  "jobs": {j: s.state.value for j, s in self.jobs.items()}})
+
+    async def handle_cancel(self, request: web.Request) -> web.Response:
+        job = self.jobs.get(request.match_info["job_id"])
+        if job is None or job.task is None:
+            return web.json_response({"cancelled": False}, status=404)
+        job.task.cancel()
+        return web.json_response({"cancelled": True})
+
+    async def handle_job(self, request: web.Request) -> web.StreamResponse:
+        if self.draining or self.worker is None:
+            return _error(503, "unavailable", "prefill node is draining or not started")
+        try:
+            spec = PrefillJobSpec.from_json(await request.json())
+            spec.check_blocks(self.engine.block_size)
+            params = first_token_params(spec.sampling)
+        except (ProtocolError, json.JSONDecodeError) as e:
+            return _error(400, "bad_job", str(e))
+        if spec.job_id in self.jobs:
+            return _error(409, "duplicate", f"job {spec.job_id} is already running")
+        known = await self.worker.has_peer(spec.decode_node)
+        if known != spec.decode_incarnation:
+            if spec.metadata is None:
+                return _error(409, "need_metadata", "send transfer metadata for this incarnation")
+            try:
+                await self.worker.add_peer(spec.decode_node, spec.metadata, spec.decode_incarnation)
+            except StalePeer as e:
+                return _error(409, "stale_incarnation", str(e))
+            except (BadMetadata, IncompatibleLayout) as e:
+                return _error(400, "bad_metadata", str(e))
+        lease = min(spec.timeout_s, self.cfg.transfer.lease_s)
+        loop = asyncio.get_running_loop()
+        job = PrefillJob(spec, f"pf-{spec.job_id}", loop.time() + lease,
+                         task=asyncio.current_task())
+        try:
+            stream = self.engine.add_request(job.engine_id, spec.token_ids, params,
+                                             prefill_only=True)
+        except ValueError as e:
+            return _error(400, "bad_prompt", str(e))
+        self.jobs[spec.job_id] = job
+        metrics.TRANSFER_JOBS_INFLIGHT.labels("prefill").set(len(self.jobs))
+        pump = asyncio.create_task(_pump(stream, job.inbox), name=f"prefill-pump-{spec.job_id}")
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        t0 = time.perf_counter()
+        try:
+            await resp.prepare(request)
+            await resp.write(line("accepted", node=self.node, incarnation=self.incarnation,
+                                  lease_s=lease))
+            try:
+                async with asyncio.timeout_at(job.expires_at):
+                    tok = await self._run(job)
+            except TimeoutError:
+                self._end(job, JobState.EXPIRED, "lease expired")
+                metrics.TRANSFER_LEASES_EXPIRED.inc()
+                await resp.write(line("error", kind="expired", message="prefill lease expired"))
+            except JobFailed as e:
+                self._end(job, JobState.FAILED, str(e))
+                metrics.TRANSFER_FAILURES.labels(e.kind).inc()
+                await resp.write(line("error", kind=e.kind, message=str(e)))
+            else:
+                job.move(JobState.DONE)
+                await resp.write(line("done", token_id=tok.token_id, logprob=tok.logprob,
+                                      seconds=round(time.perf_counter() - t0, 4)))
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionError) as e:
+            self._end(job, JobState.CANCELLED, "decode node went away or cancelled")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            await self._cleanup(job, pump)
+        return resp
+
+    # ---- the job -----------------------------------------------------------------------------
+    async def _run(self, job: PrefillJob) -> FirstToken:
+        bs = self.engine.block_size
+        n_prompt_blocks = -(-len(job.spec.token_ids) // bs)
+        while True:
+            item = await job.inbox.get()
+            if item[0] == "progress":
+                _, job.table, num_computed = item
+                await self._send(job, num_computed // bs)
+                continue
+            ev: TokenEvent = item[1]
+            if ev.finish_reason is not FinishReason.STOP or not ev.token_ids:
+                raise JobFailed("engine", ev.error or f"prefill ended with {ev.finish_reason}")
+            job.move(JobState.FINISHING)
+            if not job.table:
+                job.table = self.engine.kv_block_table(job.engine_id)
+            tok = FirstToken(job.spec.job_id, ev.token_ids[0],
+                             ev.logprobs[0] if ev.logprobs else None)
+            await self._send(job, n_prompt_blocks, tok.encode())
+            return tok
+
+    async def _send(self, job: PrefillJob, upto: int, notif: bytes = b"") -> None:
+        """WRITE prompt blocks [max(sent, skip), upto) and wait for them (or fail the job)."""
+        skip = job.spec.skip_blocks
+        lo = max(job.sent, skip)
+        if upto <= lo and not notif:
+            return
+        src = job.table[lo:upto]
+        dst = list(job.spec.dst_block_ids[lo - skip:upto - skip])
+        if len(src) != len(dst):
+            raise JobFailed("internal", f"block table has {len(job.table)} blocks, need {upto}")
+        try:
+            job.handle = await self.worker.write_blocks(job.spec.decode_node, src, dst, notif)
+        except (TransferError, ValueError) as e:
+            raise JobFailed("transfer_rejected", str(e)) from None
+        remaining = job.expires_at - asyncio.get_running_loop().time()
+        st = await self.worker.wait(job.handle, max(remaining, 0.001))
+        job.handle = None
+        if st.state is not TransferState.DONE:
+            if st.reason == "peer_disconnected":
+                # the decode node is gone: drop its metadata so a restart re-sends it
+                await self.worker.remove_peer(job.spec.decode_node)
+            raise JobFailed(st.reason or "transfer_failed", f"KV write {st.state.value}: {st.reason}")
+        job.sent = max(job.sent, upto)
+
+    def _end(self, job: PrefillJob, state: JobState, why: str) -> None:
+        if not job.terminal:
+            job.move(state)
+            log.info("prefill_job_ended", job=job.spec.job_id, state=state.value, reason=why,
+                     decode=job.spec.decode_node)
+
+    async def _cleanup(self, job: PrefillJob, pump: asyncio.Task) -> None:
+        self.engine.abort(job.engine_id)       # frees held or running blocks at the next step
+        pump.cancel()
+        if job.handle is not None:
+            try:
+                await asyncio.shield(self.worker.abort(job.handle))
+            except Exception as e:
+                log.warning("prefill_abort_failed", job=job.spec.job_id, error=repr(e))
+        self.jobs.pop(job.spec.job_id, None)
+        metrics.TRANSFER_JOBS_INFLIGHT.labels("prefill").set(len(self.jobs))
+        metrics.TRANSFER_JOBS.labels("prefill", job.state.value).inc()
+
+
+async def _pump(stream: Any, inbox: asyncio.Queue) -> None:
+    async for ev in stream:
+        if ev.finished:
+            inbox.put_nowait(("event", ev))
+            return
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    return web.json_response({"error": kind, "message": message}, status=status)

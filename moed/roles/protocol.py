@@ -1,0 +1,115 @@
+"""Messages between a decode node and a prefill node (frozen, validated, JSON on the wire).
+
+RPC: the decode node POSTs a `PrefillJobSpec` to `/internal/prefill`; the prefill node answers
+with a stream of JSON lines (`{"event": "accepted"|"done"|"error", ...}`) and keeps it open while
+it holds the job, so a dead peer on either side is seen at once as a closed connection.
+`DELETE /internal/prefill/{job_id}` cancels explicitly. The data path is NIXL: block writes into
+the decode node's KV, then a notification `FirstToken` (after the data).
+"""
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moed.types import SamplingParams
+
+_FIRST_TOKEN_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids",
+                       "ignore_eos", "logprobs")
+
+
+class ProtocolError(ValueError):
+    """A malformed message; the text says which field."""
+
+
+@dataclass(frozen=True)
+class PrefillJobSpec:
+    job_id: str
+    token_ids: tuple[int, ...]
+    skip_blocks: int               # leading prompt blocks the decode node already holds (prefix hit)
+    dst_block_ids: tuple[int, ...]  # decode blocks for prompt blocks skip_blocks, skip_blocks+1, ...
+    decode_node: str
+    decode_incarnation: int
+    timeout_s: float               # the job's lease on the prefill node
+    sampling: dict[str, Any]       # what the first token's sampling needs (see first_token_params)
+    metadata: bytes | None = None  # decode node's transfer metadata, sent once per peer incarnation
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["token_ids"], d["dst_block_ids"] = list(self.token_ids), list(self.dst_block_ids)
+        d["metadata"] = None if self.metadata is None else base64.b64encode(self.metadata).decode()
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> "PrefillJobSpec":
+        if not isinstance(d, dict):
+            raise ProtocolError("prefill job must be a JSON object")
+        try:
+            md = d.get("metadata")
+            spec = cls(job_id=str(d["job_id"]), token_ids=tuple(int(t) for t in d["token_ids"]),
+                       skip_blocks=int(d["skip_blocks"]),
+                       dst_block_ids=tuple(int(b) for b in d["dst_block_ids"]),
+                       decode_node=str(d["decode_node"]),
+                       decode_incarnation=int(d["decode_incarnation"]),
+                       timeout_s=float(d["timeout_s"]), sampling=dict(d["sampling"]),
+                       metadata=None if md is None else base64.b64decode(md, validate=True))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"bad prefill job: {type(e).__name__}: {e}") from None
+        if not spec.token_ids or not spec.job_id or spec.timeout_s <= 0 or spec.skip_blocks < 0:
+            raise ProtocolError("bad prefill job: empty prompt or id, or non-positive timeout")
+        return spec
+
+    def check_blocks(self, block_size: int) -> None:
+        need = -(-len(self.token_ids) // block_size) - self.skip_blocks
+        if need < 1 or len(self.dst_block_ids) != need:
+            raise ProtocolError(f"prompt of {len(self.token_ids)} tokens with {self.skip_blocks} "
+                                f"cached blocks needs {max(need, 0)} destination blocks of "
+                                f"{block_size} tokens, got {len(self.dst_block_ids)}")
+
+
+def sampling_fields(p: SamplingParams) -> dict[str, Any]:
+    d = {k: getattr(p, k) for k in _FIRST_TOKEN_FIELDS}
+    d["stop_token_ids"] = list(p.stop_token_ids)
+    return d
+
+
+def first_token_params(d: dict[str, Any]) -> SamplingParams:
+    """Params for the prefill node's prefill-only request: sample the first token exactly as the
+    decode node would, but never finish for a reason that frees the KV before it is sent (the
+    decode node applies its own stop checks to the token). EOS stays banned under min_tokens."""
+    try:
+        min_tokens = int(d.get("min_tokens", 0))
+        return SamplingParams(
+            max_tokens=2, temperature=float(d.get("temperature", 1.0)),
+            top_p=float(d.get("top_p", 1.0)), top_k=int(d.get("top_k", 0)),
+            seed=None if d.get("seed") is None else int(d["seed"]), min_tokens=min_tokens,
+            stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())) if min_tokens else (),
+            ignore_eos=bool(d.get("ignore_eos", False)) if min_tokens else True,
+            logprobs=bool(d.get("logprobs", False)))
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"bad sampling params: {e}") from None
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The NIXL notification that ends a job: the prompt's KV is in place, here is token one."""
+
+    job_id: str
+    token_id: int
+    logprob: float | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps({"j": self.job_id, "t": self.token_id, "lp": self.logprob}).encode()
+
+    @classmethod
+    def decode(cls, msg: bytes) -> "FirstToken":
+        try:
+            d = json.loads(msg)
+            return cls(str(d["j"]), int(d["t"]), None if d.get("lp") is None else float(d["lp"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError(f"bad first-token notification: {e}") from None
+
+
+def line(event: str, **kw: Any) -> bytes:
+    return json.dumps({"event": event, **kw}).encode() + b"\n"
