@@ -86,6 +86,9 @@ class IndexedSet:
     def __iter__(self):
         return iter(list(self._items))
 
+    def at(self, i: int) -> str:
+        return self._items[i]
+
     def add(self, x: str) -> None:
         if x not in self._pos:
             self._pos[x] = len(self._items)

@@ -90,6 +90,7 @@ class Simulation:
         self.crashed: set[str] = set()
         self.false_deaths: list[tuple[float, str, str]] = []   # (t, observer, victim)
         self.trials: list[Trial] = []
+        self._next_addr = 0
         for i in range(n):
             self.add(f"n{i:04d}", seeds=() if converged or i == 0 else (self.addr_of(0),))
         if converged:
@@ -105,9 +106,15 @@ class Simulation:
         return f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}:7946"
 
     def add(self, name: str, seeds: tuple[str, ...] = (), incarnation: int = 1,
-            start: bool = False) -> Membership:
-        addr = self.addr_of(len(self.nodes) + len(self.crashed))
-        core = Membership(name, self.net.attach(addr), self.sched, self.cfg, self.codec,
+            start: bool = False, addr: str | None = None,
+            keyring: Keyring | None = None) -> Membership:
+        """A new node (a restart when `name` crashed before: it gets a new address)."""
+        if addr is None:
+            addr = self.addr_of(self._next_addr)
+            self._next_addr += 1
+        codec = wire.WireCodec(keyring) if keyring is not None else self.codec
+        self.crashed.discard(name)
+        core = Membership(name, self.net.attach(addr), self.sched, self.cfg, codec,
                           incarnation=incarnation, seeds=seeds,
                           rng=random.Random(self.rng.random()))
         core.subscribe(lambda ev, obs=name: self._on_event(obs, ev))

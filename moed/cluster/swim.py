@@ -187,13 +187,11 @@ class Membership:
         self._every("gossip", self.cfg.gossip_interval_s, self._gossip_tick)
         if not (len(self._updates) or len(self._loads)):
             return
-        n_live = len(self._live)
-        pool = n_live + len(self._dead)
+        pool = len(self._live) + len(self._dead)
         if pool == 0:
             return
         for i in self.rng.sample(range(pool), min(self.cfg.gossip_nodes, pool)):
-            name = (self._live._items[i] if i < n_live else self._dead._items[i - n_live])
-            m = self._members.get(name)
+            m = self._members.get(self._live_or_dead(i))
             if m is None or m.state is MemberState.LEFT:
                 continue
             if not self._send(m.addr, [], need_updates=True):
@@ -203,9 +201,21 @@ class Membership:
         n = len(self._live) + 1
         self._every("push_pull", policy.push_pull_interval(self.cfg.push_pull_interval_s, n),
                     self._push_pull_tick)
-        peer = self._live.sample(self.rng, 1)
-        if peer and not self._leaving:
-            self._send_push_pull(self._members[peer[0]].addr, join=False, reply=False)
+        if self._leaving:
+            return
+        # Now and then exchange with a member we believe dead (until it is reclaimed): if a
+        # partition has healed, it learns what we think, refutes, and the halves merge.
+        pool = len(self._live) + len(self._dead)
+        if pool == 0:
+            return
+        m = self._members[self._live_or_dead(self.rng.randrange(pool))]
+        if m.state is not MemberState.LEFT:
+            self._send_push_pull(m.addr, join=False, reply=False)
+
+    def _live_or_dead(self, i: int) -> str:
+        """The i-th of live members followed by not-yet-reclaimed dead ones."""
+        n = len(self._live)
+        return self._live.at(i) if i < n else self._dead.at(i - n)
 
     def _load_tick(self) -> None:
         self._every("load", self.cfg.load_interval_s, self._load_tick)
