@@ -1,0 +1,208 @@
+"""Prefill/decode disaggregation with real processes on 127.0.0.1 over real NIXL (UCX),
+driven with the openai client: parity with a colocated server, cancellation, and nodes killed
+with SIGKILL on either side. Servers: colocated C, prefill P1 and P2, decode D1 (peers P1, P2);
+one more decode node D2 (peer P1) is started and killed inside its test. The prefill-node kill
+runs last (module order)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import random
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from moed_server import ServerProcess, _wait_ready, free_port, start_server
+
+pytestmark = pytest.mark.timeout(240)
+
+# Same chunking on C and P*: a 16-token budget makes every prompt below take several chunks.
+COMMON = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "8",
+          "MOED_ENGINE_BLOCK_SIZE": "4", "MOED_ENGINE_MAX_NUM_BATCHED_TOKENS": "16",
+          "MOED_MODEL_SERVED_NAME": "tiny"}
+LONG = 1200            # tokens: ~75 prefill chunks, long enough to act while it runs
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_qwen3, tmp_path_factory):
+    p1, p2 = free_port(), free_port()
+    peers = f"http://127.0.0.1:{p1},http://127.0.0.1:{p2}"
+    specs = {"C": ("colocated", None, {}),
+             "P1": ("prefill", p1, {}),
+             "P2": ("prefill", p2, {}),
+             "D1": ("decode", None, {"MOED_TRANSFER_PREFILL_PEERS": peers,
+                                     "MOED_TRANSFER_PREFILL_TIMEOUT_S": "30",
+                                     "MOED_TRANSFER_PEER_ERROR_COOLDOWN_S": "2"})}
+    log_dir = tmp_path_factory.mktemp("disagg")
+    servers: dict = {}
+    try:
+        for name, (role, port, env) in specs.items():     # start all, then wait: in parallel
+            servers[name] = start_server(model=tiny_qwen3, role=role, port=port,
+                                         env={**COMMON, **env}, log_dir=log_dir, wait=None)
+        for s in servers.values():
+            _wait_ready(s, "/ready", time.monotonic() + 150)
+        yield {**servers, "_model": tiny_qwen3}
+    finally:
+        for s in servers.values():
+            s.stop(timeout=10)
+
+
+def _client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 1000) for _ in range(n)]
+
+
+def _greedy(client: openai.OpenAI, prompt: list[int], max_tokens: int = 10):
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0, extra_body={"return_token_ids": True})
+
+
+def _jobs(srv: ServerProcess) -> dict:
+    status, body = srv.get("/internal/transfer")
+    assert status == 200, body
+    return json.loads(body)["jobs"]
+
+
+def _metric(srv: ServerProcess, name: str) -> float:
+    return srv.metrics().get(name, 0.0)
+
+
+def _wait_until(pred, timeout: float, what: str, step: float = 0.02) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(step)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def _kv_used(srv: ServerProcess) -> float:
+    return _metric(srv, "moed_kv_blocks_used")
+
+
+def test_greedy_parity_with_colocated(cluster) -> None:
+    """Acceptance 1: token-for-token identical greedy outputs, prompts of several chunks."""
+    c, d = _client(cluster["C"]), _client(cluster["D1"])
+    for i, n in enumerate((3, 37, 64, 150)):
+        p = _prompt(n, seed=i)
+        want = _greedy(c, p).choices[0]
+        got = _greedy(d, p).choices[0]
+        assert got.token_ids == want.token_ids, f"prompt of {n} tokens diverged"
+        assert got.finish_reason == want.finish_reason == "length"
+    # a repeated prompt hits the decode node's prefix cache: only the tail is transferred
+    p = _prompt(150, seed=3)
+    assert _greedy(d, p).choices[0].token_ids == _greedy(c, p).choices[0].token_ids
+    # streaming through the decode node: same tokens
+    text = "".join(ch.choices[0].text for ch in d.completions.create(
+        model="tiny", prompt=_prompt(64, 2), max_tokens=10, temperature=0, stream=True))
+    assert text == c.completions.create(model="tiny", prompt=_prompt(64, 2), max_tokens=10,
+                                        temperature=0).choices[0].text
+    done = sum(_metric(cluster[p], 'moed_transfer_jobs_total{result="done",role="prefill"}')
+               for p in ("P1", "P2"))
+    assert done >= 6
+    assert _metric(cluster["D1"], "moed_transfer_bytes_total") == 0      # decode only receives
+    assert sum(_metric(cluster[p], "moed_transfer_bytes_total") for p in ("P1", "P2")) > 0
+    _wait_until(lambda: _kv_used(cluster["D1"]) == 0, 5, "decode blocks freed")
+
+
+def test_client_disconnect_cancels_prefill_job(cluster) -> None:
+    """Acceptance 4: a client gone before the first token cancels the job on the prefill
+    node within 1 s (its metrics say so) and frees its blocks."""
+    d, prefills = cluster["D1"], (cluster["P1"], cluster["P2"])
+    key = 'moed_transfer_jobs_total{result="cancelled",role="prefill"}'
+    before = sum(_metric(p, key) for p in prefills)
+    stream = _client(d).completions.create(model="tiny", prompt=_prompt(LONG, 7), max_tokens=5,
+                                           temperature=0, stream=True)
+    _wait_until(lambda: any(_jobs(p) for p in prefills), 10, "prefill job accepted")
+    stream.close()                      # the client goes away before any token
+    t0 = time.monotonic()
+    took = _wait_until(lambda: sum(_metric(p, key) for p in prefills) > before, 1.0,
+                       "prefill job cancelled")
+    assert took < 1.0
+    assert not any(_jobs(p) for p in prefills)
+    _wait_until(lambda: all(_kv_used(p) == 0 for p in prefills), 2.0 - (time.monotonic() - t0),
+                "prefill blocks freed")
+    _wait_until(lambda: _kv_used(d) == 0, 2, "decode blocks freed")
+
+
+def test_decode_killed_mid_transfer(cluster, tmp_path) -> None:
+    """Acceptance 3: SIGKILL a decode node while its job runs on P1 → P1 frees the job's
+    blocks within the lease (its metrics) and keeps serving D1."""
+    p1 = cluster["P1"]
+    d2 = start_server(model=cluster["_model"], role="decode", log_dir=tmp_path, wait="ready",
+                      ready_timeout=150,
+                      env={**COMMON, "MOED_TRANSFER_PREFILL_PEERS": p1.url})
+    try:
+        before = sum(_metric(p1, f'moed_transfer_jobs_total{{result="{r}",role="prefill"}}')
+                     for r in ("cancelled", "failed", "expired"))
+        box: dict = {}
+
+        def call() -> None:
+            try:
+                box["r"] = _greedy(_client(d2), _prompt(LONG, 11), 5)
+            except Exception as e:      # the node dies under it
+                box["e"] = e
+
+        th = threading.Thread(target=call, daemon=True)
+        th.start()
+        _wait_until(lambda: bool(_jobs(p1)), 10, "job accepted on P1")
+        d2.proc.send_signal(signal.SIGKILL)
+        d2.proc.wait(5)
+        _wait_until(lambda: not _jobs(p1), 5, "P1 dropped the dead decode node's job")
+        _wait_until(lambda: _kv_used(p1) == 0, 5, "P1 freed the job's blocks")
+        after = sum(_metric(p1, f'moed_transfer_jobs_total{{result="{r}",role="prefill"}}')
+                    for r in ("cancelled", "failed", "expired"))
+        assert after == before + 1
+        th.join(10)
+        assert "e" in box
+    finally:
+        d2.stop(signal.SIGKILL)
+    # P1 keeps serving the other decode node
+    p = _prompt(40, 21)
+    assert _greedy(_client(cluster["D1"]), p).choices[0].token_ids == \
+        _greedy(_client(cluster["C"]), p).choices[0].token_ids
+
+
+def test_prefill_killed_while_requests_run(cluster) -> None:
+    """Acceptance 2: SIGKILL P2 under load → every request completes (retried on P1) or fails
+    with a clear error, none past its deadline; blocks in use return to zero on D1 and P1."""
+    d, p1, p2 = cluster["D1"], cluster["P1"], cluster["P2"]
+    c = _client(d)
+    n = 6
+    deadline_s = 30 + 10       # transfer.prefill_timeout_s + decode time
+
+    def one(i: int):
+        t0 = time.monotonic()
+        try:
+            r = _greedy(c, _prompt(400, 100 + i), 4).choices[0]
+            return r.finish_reason, len(r.token_ids), time.monotonic() - t0
+        except openai.APIError as e:
+            return f"api_error:{e}", 0, time.monotonic() - t0
+
+    with cf.ThreadPoolExecutor(n) as ex:
+        futs = [ex.submit(one, i) for i in range(n)]
+        _wait_until(lambda: bool(_jobs(p2)), 20, "a job running on P2")
+        p2.proc.send_signal(signal.SIGKILL)
+        results = [f.result(timeout=deadline_s + 5) for f in futs]
+    for reason, ntok, took in results:
+        assert took < deadline_s
+        assert (reason == "length" and ntok == 4) or reason == "error", results
+    assert any(r[0] == "length" for r in results)
+    retried = _metric(d, 'moed_transfer_jobs_total{result="retried",role="decode"}')
+    failed = _metric(d, 'moed_transfer_jobs_total{result="failed",role="decode"}')
+    assert retried + failed >= 1, results     # P2 had a job when it died
+    if failed:
+        assert "remote prefill failed" in d.logs()
+    _wait_until(lambda: _kv_used(d) == 0, 5, "decode blocks freed")
+    _wait_until(lambda: _kv_used(p1) == 0, 5, "surviving prefill blocks freed")
+    # the dead peer is skipped (breaker open) and the pair D1–P1 keeps working
+    assert _greedy(c, _prompt(30, 5), 3).choices[0].finish_reason == "length"
+    info = json.loads(d.get("/internal/transfer")[1])
+    assert info["peers"][p2.url]["failures"] >= 1
