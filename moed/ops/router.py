@@ -6,6 +6,7 @@ router finishes its streams (up to server.shutdown_grace_s) before it exits.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import structlog
@@ -14,6 +15,7 @@ from aiohttp import web
 from moed.api.proxy import BackendSource, MembershipBackends, Proxy, StaticBackends
 from moed.api.state import STATE
 from moed.config import Config
+from moed.obs import metrics
 
 log = structlog.get_logger(__name__)
 
@@ -50,9 +52,17 @@ class RouterComponent:
 
     async def start(self, app: Any) -> None:
         self._app = app
-        proxy = Proxy(self._source(app), self._config, draining=lambda: app.state.draining)
+        source = self._source(app)
+        proxy = Proxy(source, self._config, draining=lambda: app.state.draining)
         await proxy.start()
         self.proxy = proxy
+        if isinstance(source, MembershipBackends):   # the static source keeps its own gauge
+            app.spawn(self._gauge_loop(source), "router-backends-gauge")
+
+    async def _gauge_loop(self, source: MembershipBackends) -> None:
+        while True:
+            metrics.ROUTER_BACKENDS.set(len(source.backends()))
+            await asyncio.sleep(0.5)
 
     async def drain(self) -> None:
         pass   # readiness is false and new requests get 503; in-flight streams keep going

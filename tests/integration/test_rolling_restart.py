@@ -3,8 +3,9 @@
 one by SIGTERM as `systemctl restart` does), exits 0, is started again on its port, and rejoins
 before the next one goes. Not one request is lost.
 
-The nodes are colocated (prefill+decode in one process) and the router reads a static backend
-list polled on /ready: the router behaves the same for decode nodes found through membership.
+The nodes are colocated (prefill+decode in one process). The router finds them either from a
+static list polled on /ready, or from the gossip membership (a draining node leaves, a restarted
+one rejoins with a newer incarnation).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from moed_server import start_server
+from moed_server import free_port, start_server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,19 +42,49 @@ def _wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+CLUSTER_TOML = """
+[cluster]
+enabled = true
+bind_port = {port}
+seeds = [{seeds}]
+key_file = "{key}"
+probe_interval_ms = 200
+probe_timeout_ms = 100
+gossip_interval_ms = 50
+push_pull_interval_ms = 1000
+load_update_interval_ms = 200
+"""
+
+
 def _router_backends(router) -> float:
     return router.metrics().get("moed_router_backends", -1)
 
 
-async def test_rolling_restart_loses_no_request(moed_server, tiny_qwen3, tmp_path: Path) -> None:
+@pytest.mark.parametrize("discovery", ["static", "membership"])
+async def test_rolling_restart_loses_no_request(moed_server, tiny_qwen3, tmp_path: Path,
+                                                discovery: str) -> None:
     admin = tmp_path / "admin"
     admin.write_text("adm\n")
-    toml = NODE_TOML.format(admin=admin)
-    nodes = [moed_server(model=tiny_qwen3, toml=toml) for _ in range(2)]
-    urls = ", ".join(f'"{n.url}"' for n in nodes)
-    router = moed_server(role="router", toml=f"[router]\nbackends = [{urls}]\n"
-                                             "health_interval_s = 0.2\n")
-    _wait(lambda: _router_backends(router) == 2, 10, "router to see both nodes")
+    (tmp_path / "cluster.key").write_text("00112233445566778899aabbccddeeff\n")
+    router_gossip = free_port()
+    tomls = []
+    for _ in range(2):
+        toml = NODE_TOML.format(admin=admin)
+        if discovery == "membership":
+            toml += CLUSTER_TOML.format(port=free_port(), seeds=f'"127.0.0.1:{router_gossip}"',
+                                        key=tmp_path / "cluster.key")
+        tomls.append(toml)
+    if discovery == "membership":
+        router = moed_server(role="router", toml=CLUSTER_TOML.format(
+            port=router_gossip, seeds="", key=tmp_path / "cluster.key"))
+    # Both nodes load their model at once (in threads: the factory blocks until /ready).
+    nodes = list(await asyncio.gather(*(asyncio.to_thread(moed_server, model=tiny_qwen3, toml=t)
+                                        for t in tomls)))
+    if discovery == "static":
+        urls = ", ".join(f'"{n.url}"' for n in nodes)
+        router = moed_server(role="router", toml=f"[router]\nbackends = [{urls}]\n"
+                                                 "health_interval_s = 0.2\n")
+    _wait(lambda: _router_backends(router) == 2, 15, "router to see both nodes")
 
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0,
                                 timeout=60)
@@ -90,11 +121,12 @@ async def test_rolling_restart_loses_no_request(moed_server, tiny_qwen3, tmp_pat
             else:
                 node.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(node.proc.wait, 60) == 0, node.tail()
-            _wait(lambda: _router_backends(router) == 1, 10, "router to drop the drained node")
-            mid = len(results)
-            await asyncio.sleep(0.5)                         # load keeps flowing on one node
-            assert len(results) > mid, errors[:3]
-            nodes[i] = await asyncio.to_thread(start_server, model=tiny_qwen3, toml=toml,
+            await asyncio.to_thread(_wait, lambda: _router_backends(router) == 1, 10,
+                                    "router to drop the drained node")
+            mid = len(results)                               # load keeps flowing on one node
+            await asyncio.to_thread(_wait, lambda: len(results) >= mid + 2, 30,
+                                    "requests to complete on the remaining node")
+            nodes[i] = await asyncio.to_thread(start_server, model=tiny_qwen3, toml=tomls[i],
                                                port=node.port, log_dir=tmp_path / f"restart{i}")
             restarted.append(nodes[i])
             await asyncio.to_thread(_wait, lambda: _router_backends(router) == 2, 10,
@@ -112,6 +144,6 @@ async def test_rolling_restart_loses_no_request(moed_server, tiny_qwen3, tmp_pat
     assert all(r == (TOKENS, "length") for r in results), [r for r in results if r != (TOKENS, "length")][:5]
     m = router.metrics()
     assert m.get('moed_router_requests_total{result="no_backend"}', 0) == 0
-    print(f"rolling restart: {len(results)} requests, {m.get('moed_router_retries_total', 0):.0f} "
+    print(f"rolling restart ({discovery}): {len(results)} requests, {m.get('moed_router_retries_total', 0):.0f} "
           f"retried before the first byte, 0 lost")
 
