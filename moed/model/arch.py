@@ -7,24 +7,25 @@ loader); no nn.Module machinery in the hot path.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moed.model.attention.base import AttentionBackend
-from moed.model.layers import AttentionBlock, DenseMLP, Rotary, rms_norm
+from moed.model.layers import AttentionBlock, DenseMLP, Linear, Rotary, can_pack, rms_norm
 from moed.model.moe import MoELayer
 from moed.model.spec import ModelSpec
 
 
 class DecoderLayer:
-    def __init__(self, spec: ModelSpec, i: int, w: dict[str, torch.Tensor], load_row: torch.Tensor) -> None:
+    def __init__(self, spec: ModelSpec, i: int, w: dict[str, torch.Tensor], load_row: torch.Tensor,
+                 pack: bool) -> None:
         p = f"layers.{i}."
         self.input_norm, self.post_norm, self.eps = w[p + "input_norm"], w[p + "post_norm"], spec.rms_norm_eps
-        self.attn = AttentionBlock(spec, i, w)
+        self.attn = AttentionBlock(spec, i, w, pack)
         self.mlp: MoELayer | DenseMLP
         if i in spec.dense_layers:
-            self.mlp = DenseMLP(w[p + "mlp.gate_up"], w[p + "mlp.down"])
+            self.mlp = DenseMLP(w[p + "mlp.gate_up"], w[p + "mlp.down"], pack)
         else:
-            self.mlp = MoELayer(spec, w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"], load_row)
+            self.mlp = MoELayer(spec, w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"],
+                                load_row, pack)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backend: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -35,10 +36,12 @@ class DecoderLayer:
 class MoEDecoder:
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
         self.spec = spec
-        self.embed, self.norm, self.lm_head = w["embed"], w["norm"], w["lm_head"]
+        pack = can_pack(device, dtype)
+        self.embed, self.norm = w["embed"], w["norm"]
+        self.lm_head = Linear(w["lm_head"], pack=pack)
         # Tokens routed per logical expert since the last read ([layers, experts], int64).
         self.expert_load = torch.zeros((spec.num_layers, max(spec.num_experts, 1)), dtype=torch.long, device=device)
-        self.layers = [DecoderLayer(spec, i, w, self.expert_load[i]) for i in range(spec.num_layers)]
+        self.layers = [DecoderLayer(spec, i, w, self.expert_load[i], pack) for i in range(spec.num_layers)]
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, dtype, device)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor,
@@ -49,4 +52,4 @@ class MoEDecoder:
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, backend, kv_cache[i])
         h = rms_norm(h.index_select(0, last_rows), self.norm, self.spec.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -13,6 +13,27 @@ from moed.model.attention.base import AttentionBackend
 from moed.model.spec import ModelSpec
 
 
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN-packed bf16 weights: 1.5-2.5x faster skinny GEMMs (decode) on CPU, same numerics."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """y = x W^T (+ b). On CPU bf16 the weight is repacked once for oneDNN at load time."""
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False) -> None:
+        self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if pack else None
+        self.weight = None if pack else weight     # packed: drop the plain copy (memory)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
@@ -55,11 +76,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class AttentionBlock:
     """qkv projection, optional per-head q/k RMSNorm, rotary, paged attention, output proj."""
 
-    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor]) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], pack: bool = False) -> None:
         p = f"layers.{layer}."
         self.layer = layer
-        self.qkv, self.qkv_bias = w[p + "qkv"], w.get(p + "qkv.bias")
-        self.o, self.o_bias = w[p + "o_proj"], w.get(p + "o_proj.bias")
+        self.qkv = Linear(w[p + "qkv"], w.get(p + "qkv.bias"), pack)
+        self.o = Linear(w[p + "o_proj"], w.get(p + "o_proj.bias"), pack)
         self.q_norm, self.k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
         self.eps = spec.rms_norm_eps
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -67,22 +88,22 @@ class AttentionBlock:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backend: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self.qkv(x)
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.forward(self.layer, q, k, v, kv_layer)      # [T, Hq, D]
-        return F.linear(out.reshape(t, self.hq * self.d), self.o, self.o_bias)
+        return self.o(out.reshape(t, self.hq * self.d))
 
 
 class DenseMLP:
     """SwiGLU MLP of dense layers (Qwen3 mlp_only_layers)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        self.gate_up, self.down = gate_up, down
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pack: bool = False) -> None:
+        self.gate_up, self.down = Linear(gate_up, pack=pack), Linear(down, pack=pack)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, self.down)
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(g) * u)

@@ -11,15 +11,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moed.model.layers import Linear
 from moed.model.spec import ModelSpec
 
 
 class MoELayer:
     def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, load: torch.Tensor) -> None:
+                 down: torch.Tensor, load: torch.Tensor, pack: bool = False) -> None:
         """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
-        (this layer's row of the runner's expert-load counter, updated in place)."""
-        self.router, self.gate_up, self.down = router, gate_up, down
+        (this layer's row of the runner's expert-load counter, updated in place). pack: oneDNN
+        weights per expert (CPU bf16), else slices of the fused tensors."""
+        self.router = Linear(router, pack=pack)
+        self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
+                        for e in range(gate_up.shape[0])]
         self.top_k, self.norm_topk = spec.top_k, spec.norm_topk_prob
         self.num_experts = spec.num_experts
         self.num_physical = gate_up.shape[0]
@@ -36,7 +40,7 @@ class MoELayer:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k weights [T, k] (x's dtype) and logical expert ids [T, k], as transformers does."""
-        logits = F.linear(x, self.router)
+        logits = self.router(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         w, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
@@ -64,8 +68,9 @@ class MoELayer:
             if n == 0:
                 continue
             seg = xs[start:start + n]
-            g, u = F.linear(seg, self.gate_up[e]).chunk(2, dim=-1)
-            ys[start:start + n] = F.linear(F.silu(g) * u, self.down[e])
+            gate_up, down = self.experts[e]
+            g, u = gate_up(seg).chunk(2, dim=-1)
+            ys[start:start + n] = down(F.silu(g) * u)
             start += n
         out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
         return out.index_add_(0, token, ys * ws)

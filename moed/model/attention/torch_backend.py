@@ -64,7 +64,8 @@ class TorchBackend(AttentionBackend):
             self.dec_v = self.dec_k + bs
             self.dec_shape = (len(dec), length)
             lens = torch.tensor([kv_lens[i] for i in dec], device=dev)
-            self.dec_mask = (slot[None, :] < lens[:, None]).view(len(dec), 1, 1, length)
+            valid = (slot[None, :] < lens[:, None]).view(len(dec), 1, 1, length)
+            self.dec_bias = torch.zeros(valid.shape, dtype=torch.float, device=dev).masked_fill_(~valid, float("-inf"))
         self.prefills: list[_Prefill] = []
         row = 0
         for i, n in enumerate(q_lens):
@@ -87,16 +88,11 @@ class TorchBackend(AttentionBackend):
         flat.index_copy_(0, self.write_v, v)
         out = torch.empty_like(q)
         if self.has_dec:
-            b, length = self.dec_shape
-            kd = flat.index_select(0, self.dec_k).view(b, length, hkv, d).transpose(1, 2)
-            vd = flat.index_select(0, self.dec_v).view(b, length, hkv, d).transpose(1, 2)
-            qd = q if self.dec_all else q.index_select(0, self.dec_rows)
-            od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=self.dec_mask,
-                                                scale=self.scale, enable_gqa=True)   # [B, Hq, 1, D]
+            od = self._decode(q if self.dec_all else q.index_select(0, self.dec_rows), flat)
             if self.dec_all:
-                return od.squeeze(2)
-            out.index_copy_(0, self.dec_rows, od.squeeze(2))
-        for p in self.prefills:
+                return od
+            out.index_copy_(0, self.dec_rows, od)
+        for p in self.prefills:   # one call per sequence: compute-bound, the loop is cheap
             qs = q[p.row:p.row + p.n].transpose(0, 1).unsqueeze(0)                  # [1, Hq, n, D]
             if p.k_rows is None:
                 ks, vs = k[p.row:p.row + p.n], v[p.row:p.row + p.n]
@@ -107,3 +103,15 @@ class TorchBackend(AttentionBackend):
                 attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True)
             out[p.row:p.row + p.n] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(self, q: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """One query per sequence, batched: plain matmuls in the cache dtype (faster than CPU
+        SDPA for a single query row in bf16), softmax in fp32, GQA without repeating K/V."""
+        b, length = self.dec_shape
+        hkv, d = flat.shape[1], flat.shape[2]
+        kd = flat.index_select(0, self.dec_k).view(b, length, hkv, d)
+        vd = flat.index_select(0, self.dec_v).view(b, length, hkv, d)
+        qg = q.view(b, hkv, -1, d)                                           # [B, Hkv, G, D]
+        scores = torch.matmul(qg, kd.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
+        probs = torch.softmax(scores + self.dec_bias, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vd.transpose(1, 2)).view(b, -1, d)       # [B, Hq, D]

@@ -66,14 +66,14 @@ def test_sizes_and_registry(ckpt):
         get_backend("flashinfer", spec, 16, "cpu", torch.float32)
 
 
-def _naive_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+def _naive_moe(layer: MoELayer, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     w, idx = layer.route(x)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(layer.top_k):
             e = int(idx[t, j])
-            g, u = (layer.gate_up[e] @ x[t]).chunk(2)
-            out[t] += w[t, j] * (layer.down[e] @ (torch.nn.functional.silu(g) * u))
+            g, u = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += w[t, j] * (down[e] @ (torch.nn.functional.silu(g) * u))
     return out
 
 
@@ -86,7 +86,7 @@ def test_moe_grouped_matches_naive_and_replicas(ckpt):
     load = torch.zeros(E, dtype=torch.long)
     layer = MoELayer(spec, router, gate_up, down, load)
     x = torch.randn(23, H, generator=g)
-    ref = _naive_moe(layer, x)
+    ref = _naive_moe(layer, x, gate_up, down)
     assert torch.allclose(layer(x), ref, atol=1e-5)
     assert int(load.sum()) == 23 * spec.top_k
     # Replicate experts 0 and 3 into physical slots 5 and 6: same math, new map.
@@ -95,3 +95,15 @@ def test_moe_grouped_matches_naive_and_replicas(ckpt):
     assert torch.allclose(rep(x), ref, atol=1e-5)
     with pytest.raises(ValueError, match="does not fit"):
         rep.set_expert_map(torch.tensor([[0], [1], [2], [3], [9]]), torch.ones(5, dtype=torch.long))
+
+
+def test_moe_packed_bf16_matches_plain(ckpt):
+    spec = load_spec(ckpt)
+    g = torch.Generator().manual_seed(1)
+    E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    args = (torch.randn(E, H, generator=g).bfloat16(), (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16(),
+            (torch.randn(E, H, I, generator=g) * 0.1).bfloat16())
+    x = torch.randn(9, H, generator=g).bfloat16()
+    plain = MoELayer(spec, *args, torch.zeros(E, dtype=torch.long))(x)
+    packed = MoELayer(spec, *args, torch.zeros(E, dtype=torch.long), pack=True)(x)
+    assert torch.allclose(plain.float(), packed.float(), atol=2e-2)
