@@ -3,9 +3,9 @@
 one by SIGTERM as `systemctl restart` does), exits 0, is started again on its port, and rejoins
 before the next one goes. Not one request is lost.
 
-The nodes are colocated (prefill+decode in one process). The router finds them either from a
-static list polled on /ready, or from the gossip membership (a draining node leaves, a restarted
-one rejoins with a newer incarnation).
+Two set-ups: decode nodes that get their prompts' KV from a prefill node over NIXL, behind a
+router with a static backend list polled on /ready; and colocated nodes in one gossip cluster
+with the router (a draining node leaves, a restarted one rejoins with a newer incarnation).
 """
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def _wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+PEERS_TOML = """
+[transfer]
+prefill_peers = ["http://127.0.0.1:{prefill}"]
+"""
 CLUSTER_TOML = """
 [cluster]
 enabled = true
@@ -60,27 +64,37 @@ def _router_backends(router) -> float:
     return router.metrics().get("moed_router_backends", -1)
 
 
-@pytest.mark.parametrize("discovery", ["static", "membership"])
+@pytest.mark.parametrize("discovery", ["disaggregated", "membership"])
 async def test_rolling_restart_loses_no_request(moed_server, tiny_qwen3, tmp_path: Path,
                                                 discovery: str) -> None:
+    """disaggregated: router (static backends) → decode D1, D2 → prefill P (NIXL KV transfer).
+    membership: router and two colocated nodes in one gossip cluster."""
     admin = tmp_path / "admin"
     admin.write_text("adm\n")
     (tmp_path / "cluster.key").write_text("00112233445566778899aabbccddeeff\n")
-    router_gossip = free_port()
-    tomls = []
+    router_gossip, prefill_port = free_port(), free_port()
+    node_kw = []
     for _ in range(2):
         toml = NODE_TOML.format(admin=admin)
         if discovery == "membership":
             toml += CLUSTER_TOML.format(port=free_port(), seeds=f'"127.0.0.1:{router_gossip}"',
                                         key=tmp_path / "cluster.key")
-        tomls.append(toml)
+            node_kw.append({"model": tiny_qwen3, "toml": toml})
+        else:
+            node_kw.append({"model": tiny_qwen3, "role": "decode",
+                            "toml": toml + PEERS_TOML.format(prefill=prefill_port)})
     if discovery == "membership":
         router = moed_server(role="router", toml=CLUSTER_TOML.format(
             port=router_gossip, seeds="", key=tmp_path / "cluster.key"))
-    # Both nodes load their model at once (in threads: the factory blocks until /ready).
-    nodes = list(await asyncio.gather(*(asyncio.to_thread(moed_server, model=tiny_qwen3, toml=t)
-                                        for t in tomls)))
-    if discovery == "static":
+        starts = [asyncio.to_thread(moed_server, **kw) for kw in node_kw]
+    else:
+        starts = [asyncio.to_thread(moed_server, **kw) for kw in node_kw] + [asyncio.to_thread(
+            moed_server, model=tiny_qwen3, role="prefill", port=prefill_port,
+            toml=NODE_TOML.format(admin=admin))]
+    # All nodes load their model at once (in threads: the factory blocks until /ready).
+    started = list(await asyncio.gather(*starts))
+    nodes, prefill = started[:2], started[2:]
+    if discovery == "disaggregated":
         urls = ", ".join(f'"{n.url}"' for n in nodes)
         router = moed_server(role="router", toml=f"[router]\nbackends = [{urls}]\n"
                                                  "health_interval_s = 0.2\n")
@@ -126,8 +140,8 @@ async def test_rolling_restart_loses_no_request(moed_server, tiny_qwen3, tmp_pat
             mid = len(results)                               # load keeps flowing on one node
             await asyncio.to_thread(_wait, lambda: len(results) >= mid + 2, 30,
                                     "requests to complete on the remaining node")
-            nodes[i] = await asyncio.to_thread(start_server, model=tiny_qwen3, toml=tomls[i],
-                                               port=node.port, log_dir=tmp_path / f"restart{i}")
+            nodes[i] = await asyncio.to_thread(start_server, **node_kw[i], port=node.port,
+                                               log_dir=tmp_path / f"restart{i}")
             restarted.append(nodes[i])
             await asyncio.to_thread(_wait, lambda: _router_backends(router) == 2, 10,
                                     "router to take the restarted node back")
@@ -142,6 +156,9 @@ async def test_rolling_restart_loses_no_request(moed_server, tiny_qwen3, tmp_pat
     assert not errors, errors[:5]
     assert len(results) > served_before + 10
     assert all(r == (TOKENS, "length") for r in results), [r for r in results if r != (TOKENS, "length")][:5]
+    if prefill:   # the decode nodes really got their KV from the prefill node
+        jobs = prefill[0].metrics().get('moed_transfer_jobs_total{result="done",role="prefill"}', 0)
+        assert jobs >= len(results), (jobs, len(results))
     m = router.metrics()
     assert m.get('moed_router_requests_total{result="no_backend"}', 0) == 0
     print(f"rolling restart ({discovery}): {len(results)} requests, {m.get('moed_router_retries_total', 0):.0f} "
