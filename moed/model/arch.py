@@ -44,11 +44,11 @@ class MoEDecoder:
         self.layers = [DecoderLayer(spec, i, w, self.expert_load[i], pack) for i in range(spec.num_layers)]
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, dtype, device)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor,
-                 backend: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
+                 last_rows: torch.Tensor, backend: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> fp32 logits [B, vocab] of the rows in last_rows."""
         h = self.embed.index_select(0, input_ids)
-        cos, sin = self.rotary.tables(positions)
+        cos, sin = self.rotary.tables(positions, max_pos)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, backend, kv_cache[i])
         h = rms_norm(h.index_select(0, last_rows), self.norm, self.spec.rms_norm_eps)

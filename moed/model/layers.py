@@ -57,10 +57,10 @@ class Rotary:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, D] (broadcast over heads) for token positions [T]."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            self._build(max(int(positions.max()) + 1, 2 * self.cos.shape[0]), positions.device)
+    def tables(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, D] (broadcast over heads) for token positions [T] (all <= max_pos)."""
+        if max_pos >= self.cos.shape[0]:      # past max_position_embeddings: extend, never fail
+            self._build(max(max_pos + 1, 2 * self.cos.shape[0]), positions.device)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 

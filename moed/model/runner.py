@@ -96,7 +96,7 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         last_rows = torch.tensor([len(t) for t in batch.token_ids], device=dev).cumsum(0) - 1
         self.backend.plan(batch, positions)
-        return self.model(input_ids, positions, last_rows, self.backend, self.kv_cache)
+        return self.model(input_ids, positions, max(pos), last_rows, self.backend, self.kv_cache)
 
     def expert_load(self) -> torch.Tensor:
         """Tokens routed per logical expert [layers, experts] since the last call (then reset)."""

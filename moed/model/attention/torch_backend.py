@@ -10,6 +10,7 @@ the tokens already cached).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -48,37 +49,34 @@ class TorchBackend(AttentionBackend):
         self.write_k = blk * (2 * bs) + positions % bs
         self.write_v = self.write_k + bs
 
+        row_of = list(accumulate(q_lens, initial=0))                       # first row per sequence
         dec = [i for i, n in enumerate(q_lens) if n == 1]
+        self.has_dec, self.dec_all = bool(dec), len(dec) == len(q_lens)
         self.dec_rows: torch.Tensor | None = None
-        self.dec_all = len(dec) == len(q_lens)
-        self.has_dec = bool(dec)
         if dec:
-            starts = torch.tensor([sum(q_lens[:i]) for i in dec], device=dev) if not self.dec_all else None
-            self.dec_rows = starts
+            if not self.dec_all:
+                self.dec_rows = torch.tensor([row_of[i] for i in dec], device=dev)
             nblk = max(len(tables[i]) for i in dec)
             length = nblk * bs
-            dt = table_t[dec, :nblk] if not self.dec_all else table_t[:, :nblk]
+            dt = table_t[:, :nblk] if self.dec_all else table_t[dec, :nblk]
             slot = torch.arange(length, device=dev)
-            rows = dt[:, slot // bs] * (2 * bs) + slot % bs            # [Bd, L]
-            self.dec_k = rows.reshape(-1)
+            self.dec_k = (dt[:, slot // bs] * (2 * bs) + slot % bs).reshape(-1)   # [Bd * L]
             self.dec_v = self.dec_k + bs
             self.dec_shape = (len(dec), length)
             lens = torch.tensor([kv_lens[i] for i in dec], device=dev)
             valid = (slot[None, :] < lens[:, None]).view(len(dec), 1, 1, length)
-            self.dec_bias = torch.zeros(valid.shape, dtype=torch.float, device=dev).masked_fill_(~valid, float("-inf"))
+            self.dec_bias = torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
         self.prefills: list[_Prefill] = []
-        row = 0
         for i, n in enumerate(q_lens):
-            if n > 1:
-                start = batch.start_pos[i]
-                k_rows = mask = None
-                if start > 0:
-                    slot = torch.arange(start + n, device=dev)
-                    k_rows = table_t[i, slot // bs] * (2 * bs) + slot % bs
-                    qpos = torch.arange(start, start + n, device=dev)
-                    mask = slot[None, :] <= qpos[:, None]
-                self.prefills.append(_Prefill(row, n, start, k_rows, mask))
-            row += n
+            if n == 1:
+                continue
+            start = batch.start_pos[i]
+            k_rows = mask = None
+            if start > 0:     # chunked prefill: attend over the cached history too
+                slot = torch.arange(start + n, device=dev)
+                k_rows = table_t[i, slot // bs] * (2 * bs) + slot % bs
+                mask = slot[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
+            self.prefills.append(_Prefill(row_of[i], n, start, k_rows, mask))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
