@@ -37,8 +37,10 @@ class Admission:
         self.pending_tokens = 0
         self.live = 0
 
-    def reconfigure(self, max_waiting: int, max_queued_tokens: int) -> None:
+    def reconfigure(self, max_waiting: int, max_queued_tokens: int, max_running: int) -> None:
+        """New bounds apply to the next request; admitted ones keep their tickets."""
         self.max_waiting, self.max_queued_tokens = max_waiting, max_queued_tokens
+        self.max_running = max_running
 
     def check(self, count: int, prompt_tokens: int) -> Verdict:
         """Could `count` requests with `prompt_tokens` in total be admitted now?"""

@@ -104,8 +104,10 @@ class Formatter:
             body = self._base("text_completion")
         if self.req.return_token_ids:
             c["token_ids"] = list(ids)
-            if first:
+            if first and not self.req.chat:
                 c["prompt_token_ids"] = list(ch.prompt_ids)
+        if first and self.req.chat and self.req.return_token_ids:
+            body["prompt_token_ids"] = list(ch.prompt_ids)     # as in the non-stream response
         body["choices"] = [c]
         if self.req.include_usage:
             body["usage"] = None

@@ -39,7 +39,8 @@ class ServerState:
     def set_config(self, cfg: Config) -> None:
         self.config = cfg
         self.admission.reconfigure(cfg.admission.max_waiting_requests,
-                                   cfg.admission.max_queued_prompt_tokens)
+                                   cfg.admission.max_queued_prompt_tokens,
+                                   cfg.engine.max_num_seqs)
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:

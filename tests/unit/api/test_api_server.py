@@ -276,3 +276,24 @@ async def test_internal_errors_are_500_with_request_id_only(http):
         async with http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
             assert r.status == 200                 # still serving
         assert app.state.admission.live == 0 and not engine.reqs
+
+
+async def test_chat_stream_token_ids_and_live_config(http):
+    import dataclasses
+
+    async with running_app() as (app, url, engine):
+        body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3, "stream": True,
+                "return_token_ids": True}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+            chunks = sse_events(await r.text())[:-1]
+        assert chunks[0]["prompt_token_ids"] == engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template(body["messages"]))
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 3
+        # a reload that tightens admission applies to the next request
+        cfg = app.config
+        app.set_config(dataclasses.replace(cfg, admission=dataclasses.replace(
+            cfg.admission, max_waiting_requests=1, retry_after_s=9)))
+        async with http.post(f"{url}/v1/completions", json={"prompt": "p", "n": 2}) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "9"
+        async with http.post(f"{url}/v1/completions", json={"prompt": "p"}) as r:
+            assert r.status == 200
