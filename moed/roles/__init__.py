@@ -1,4 +1,4 @@
-"""Role logic for disaggregated serving: prefill.py and decode.py (each opens with its lifecycle)."""
+"""Role logic for disaggregated serving: prefill.py, decode.py (each opens with its lifecycle)."""
 from __future__ import annotations
 
 from typing import Any

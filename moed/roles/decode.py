@@ -142,7 +142,10 @@ class DecodeComponent:
         self.engine = app.state.engine
         self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
         self.worker.on_notif = self._on_notif
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        keys = app.state.api_keys       # internal routes take the cluster's API key
+        headers = {"Authorization": f"Bearer {keys[0].decode()}"} if keys else None
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                             headers=headers)
         app.state.engine = DisaggEngine(self.engine, self)
 
     async def drain(self) -> None:
@@ -223,19 +226,24 @@ class DecodeComponent:
         dst = blocks[skip:-(-len(prompt) // bs)]
         tried: set[str] = set()
         errors: list[str] = []
-        for attempt in range(1, t.max_prefill_retries + 2):
+        attempts = t.max_prefill_retries + 1
+        for attempt in range(1, attempts + 1):
             peer = policy.pick_peer(self.health, self.inflight, tried, time.monotonic(),
                                     t.peer_error_cooldown_s)
-            if peer is None or loop.time() >= deadline:
+            now = loop.time()
+            if peer is None or now >= deadline:
                 break
+            # a stalled peer may use an equal share of what is left (the last try: all of it)
+            left = min(attempts - attempt + 1, sum(1 for p in self.health if p not in tried))
+            until = now + (deadline - now) / max(left, 1)
             tried.add(peer)
             self.health[peer] = policy.on_pick(self.health[peer])
             job_id = f"{rid}.{attempt}"
             spec = PrefillJobSpec(job_id, tuple(prompt), skip, tuple(dst), self.node,
-                                  self.incarnation, max(deadline - loop.time(), 0.001),
+                                  self.incarnation, max(until - now, 0.001),
                                   sampling_fields(params))
             try:
-                tok = await self._attempt(peer, spec, deadline)
+                tok = await self._attempt(peer, spec, until)
             except AttemptFailed as e:
                 self.health[peer] = policy.on_failure(self.health[peer], time.monotonic())
                 metrics.TRANSFER_FAILURES.labels(e.kind).inc()

@@ -30,6 +30,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from moed.api.auth import check_bearer
+from moed.api.state import STATE
 from moed.config import Config
 from moed.obs import metrics
 from moed.roles.common import new_incarnation, start_worker
@@ -144,6 +146,7 @@ class PrefillComponent:
                                   "jobs": {j: s.state.value for j, s in self.jobs.items()}})
 
     async def handle_cancel(self, request: web.Request) -> web.Response:
+        _authorize(request)
         job = self.jobs.get(request.match_info["job_id"])
         if job is None or job.task is None:
             return web.json_response({"cancelled": False}, status=404)
@@ -151,6 +154,7 @@ class PrefillComponent:
         return web.json_response({"cancelled": True})
 
     async def handle_job(self, request: web.Request) -> web.StreamResponse:
+        _authorize(request)
         if self.draining or self.worker is None:
             return _error(503, "unavailable", "prefill node is draining or not started")
         try:
@@ -255,7 +259,8 @@ class PrefillComponent:
             if st.reason == "peer_disconnected":
                 # the decode node is gone: drop its metadata so a restart re-sends it
                 await self.worker.remove_peer(job.spec.decode_node)
-            raise JobFailed(st.reason or "transfer_failed", f"KV write {st.state.value}: {st.reason}")
+            raise JobFailed(st.reason or "transfer_failed",
+                            f"KV write {st.state.value}: {st.reason}")
         job.sent = max(job.sent, upto)
 
     def _end(self, job: PrefillJob, state: JobState, why: str) -> None:
@@ -282,6 +287,12 @@ async def _pump(stream: Any, inbox: asyncio.Queue) -> None:
         if ev.finished:
             inbox.put_nowait(("event", ev))
             return
+
+
+def _authorize(request: web.Request) -> None:
+    """Internal routes take the node's API keys (the same across a cluster) when it has any:
+    a job names memory this node will write into."""
+    check_bearer(request.headers.get("Authorization"), request.app[STATE].api_keys)
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:

@@ -27,8 +27,8 @@ class ProtocolError(ValueError):
 class PrefillJobSpec:
     job_id: str
     token_ids: tuple[int, ...]
-    skip_blocks: int               # leading prompt blocks the decode node already holds (prefix hit)
-    dst_block_ids: tuple[int, ...]  # decode blocks for prompt blocks skip_blocks, skip_blocks+1, ...
+    skip_blocks: int               # leading prompt blocks the decode node holds (prefix hit)
+    dst_block_ids: tuple[int, ...]  # decode blocks for prompt blocks skip_blocks, +1, ...
     decode_node: str
     decode_incarnation: int
     timeout_s: float               # the job's lease on the prefill node

@@ -112,7 +112,7 @@ class RegionLayout:
         for d in inner:
             dense_block *= d
         if kv.stride(1) * elem != dense_block or not kv[0, 0].is_contiguous():
-            raise ValueError("KV blocks must be dense: [layers, blocks, ...] with contiguous blocks")
+            raise ValueError("KV blocks must be dense: [layers, blocks, ...], blocks contiguous")
         fmt = f"{str(kv.dtype).removeprefix('torch.')}:{'x'.join(map(str, inner))}"
         return cls(base_addr=kv.data_ptr(), num_layers=kv.shape[0], num_blocks=kv.shape[1],
                    block_bytes=dense_block, layer_stride=kv.stride(0) * elem, block_format=fmt)
