@@ -119,7 +119,8 @@ class IndexedSet:
 class Suspicion:
     """Lifeguard suspicion: who has independently suspected the member, since when, and the
     timer that declares it dead. The timeout itself comes from policy.suspicion_timeout."""
-    __slots__ = ("incarnation", "start", "expected", "min_s", "max_s", "confirmers", "timer")
+    __slots__ = ("incarnation", "start", "expected", "min_s", "max_s", "confirmers", "timer",
+                 "verified")
 
     def __init__(self, incarnation: int, start: float, expected: int, min_s: float,
                  max_s: float, first: str) -> None:
@@ -127,6 +128,7 @@ class Suspicion:
         self.min_s, self.max_s = min_s, max_s
         self.confirmers = {first}
         self.timer: Timer | None = None
+        self.verified = False          # the last-chance probe before an unconfirmed death
 
     def confirm(self, source: str) -> bool:
         """True when `source` is a new, independent suspecter (the first one does not

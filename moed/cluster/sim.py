@@ -45,8 +45,14 @@ class ObjectCodec(wire.Codec):
     def fragment(self, m: wire.Message) -> _Frag:  # type: ignore[override]
         return _Frag(m)
 
+    def __init__(self) -> None:
+        self._overhead: dict[str, int] = {}
+
     def encode(self, sender: str, sent_at_ms: int, fragments: list) -> _Payload:  # type: ignore[override]
-        size = wire.packet_overhead(sender) + sum(len(f) + 1 for f in fragments)
+        over = self._overhead.get(sender)
+        if over is None:
+            over = self._overhead[sender] = wire.packet_overhead(sender)
+        size = over + sum(f.size + 1 for f in fragments)
         return _Payload(sender, sent_at_ms, [f.msg for f in fragments], size)
 
     def decode(self, data, max_size: int) -> tuple[str, int, list[wire.Message]]:

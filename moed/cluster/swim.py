@@ -35,10 +35,11 @@ Listener = Callable[[MemberEvent], None]
 
 
 class _Probe:
-    __slots__ = ("target", "acked", "nacks", "expected_nacks")
+    __slots__ = ("target", "acked", "nacks", "expected_nacks", "on_done")
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, on_done: Callable[[bool], None] | None) -> None:
         self.target, self.acked, self.nacks, self.expected_nacks = target, False, 0, 0
+        self.on_done = on_done         # instead of suspecting on failure
 
 
 class _Relay:
@@ -80,6 +81,7 @@ class Membership:
         self._overhead = wire.packet_overhead(name)
         self._leaving = self._stopped = False
         self._pending_load: LoadVector | None = None
+        self._limit_n = self._limit = 0
         me = Member(name, self.addr, incarnation, meta, LoadVector(), scheduler.wall_ms(),
                     self._stamp())
         self._members[name] = me
@@ -249,9 +251,10 @@ class Membership:
             self._probe_idx = 0
         return None
 
-    def _probe(self, m: Member, interval: float) -> None:
+    def _probe(self, m: Member, interval: float,
+               on_done: Callable[[bool], None] | None = None) -> None:
         seq = self._next_seq()
-        probe = _Probe(m.name)
+        probe = _Probe(m.name, on_done)
         self._pending[seq] = probe
         self._send(m.addr, [Ping(seq, m.name, self.name, self.addr)])
         timeout = policy.awareness_scale(self.awareness, self.cfg.probe_timeout_s)
@@ -273,9 +276,14 @@ class Membership:
             return
         if probe.acked:
             self._awareness(-1)
+        else:
+            self.stats["probe_failures"] += 1
+            self._awareness(policy.probe_failure_delta(probe.expected_nacks, probe.nacks))
+        if probe.on_done is not None:
+            probe.on_done(probe.acked)
             return
-        self.stats["probe_failures"] += 1
-        self._awareness(policy.probe_failure_delta(probe.expected_nacks, probe.nacks))
+        if probe.acked:
+            return
         m = self._members.get(probe.target)
         if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
             self._on_suspect(Suspect(m.name, m.incarnation, self.name))
@@ -293,7 +301,10 @@ class Membership:
         """One packet: `msgs` plus as many queued updates, then loads, as fit."""
         frags = [self.codec.fragment(m) for m in msgs]
         budget = self.cfg.max_packet - self._overhead - sum(len(f) + 1 for f in frags)
-        limit = policy.retransmit_limit(self.cfg.retransmit_mult, len(self._live) + 1)
+        n = len(self._live) + 1
+        if n != self._limit_n:                     # log10 per packet adds up in simulations
+            self._limit_n, self._limit = n, policy.retransmit_limit(self.cfg.retransmit_mult, n)
+        limit = self._limit
         extra = self._updates.take(budget, limit)
         budget -= sum(len(f) + 1 for f in extra)
         extra += self._loads.take(budget, limit)
@@ -520,9 +531,29 @@ class Membership:
         m = self._members.get(name)
         if self._stopped or self._suspicions.get(name) is not s or m is None:
             return
-        if m.state is MemberState.SUSPECT and m.incarnation == s.incarnation:
-            self.stats["suspicion_timeouts"] += 1
-            self._on_dead(Dead(name, m.incarnation, self.name))
+        if m.state is not MemberState.SUSPECT or m.incarnation != s.incarnation:
+            return
+        if s.confirmations < s.expected and not s.verified and not self._leaving:
+            # Unconfirmed: nobody else could reach it either? We probe it once ourselves.
+            # If it answers, its refutation must have passed us by (gossip is probabilistic
+            # under loss): pull its state instead of declaring a live node dead.
+            s.verified = True
+            self.stats["last_chance_probes"] += 1
+
+            def verdict(acked: bool) -> None:
+                if self._suspicions.get(name) is not s:
+                    return
+                if acked:
+                    self._send_push_pull(m.addr, join=False, reply=False)
+                    s.timer = self.sched.call_later(s.min_s,
+                                                    lambda: self._suspicion_expired(name, s))
+                else:
+                    self._suspicion_expired(name, s)
+            self._probe(m, policy.awareness_scale(self.awareness, self.cfg.probe_interval_s),
+                        verdict)
+            return
+        self.stats["suspicion_timeouts"] += 1
+        self._on_dead(Dead(name, m.incarnation, self.name))
 
     def _clear_suspicion(self, name: str) -> None:
         s = self._suspicions.pop(name, None)
