@@ -24,7 +24,7 @@ import structlog
 
 from moed.api import admin
 from moed.api.auth import AuthConfigError, load_keys
-from moed.config import Config, ConfigError
+from moed.config import Config, ConfigError, diff
 from moed.obs import metrics
 from moed.ops.reload import Commit, Reloader, ReloadResult, describe, redact
 from moed.ops.sdnotify import Notifier, watchdog_interval, watchdog_loop
@@ -40,7 +40,9 @@ def _keys(file: str, env: str, what: str) -> tuple[bytes, ...]:
 
 
 class EngineProgress:
-    """Watchdog veto: False when the engine has had work but finished no step for `stall_s`."""
+    """Watchdog veto: False when the engine has running requests but finished no step for
+    `stall_s` (a wedged forward thread). Waiting requests alone do not count: a decode node
+    waits for remote KV, or a full KV cache, without stepping, and is not stuck."""
 
     def __init__(self, engine: Any, stall_s: float, clock=time.monotonic) -> None:
         self._engine, self._stall_s, self._clock = engine, stall_s, clock
@@ -49,7 +51,7 @@ class EngineProgress:
     def __call__(self) -> bool:
         s = self._engine.stats()
         now = self._clock()
-        if s.steps != self._steps or (s.running + s.waiting + s.waiting_remote_kv) == 0:
+        if s.steps != self._steps or s.running == 0:
             self._steps, self._since = s.steps, now
             return True
         return now - self._since < self._stall_s
@@ -95,10 +97,14 @@ class OpsComponent:
         self.reloader.subscribe("auth", self._prepare_auth)
         self.reloader.subscribe("logging", self._prepare_logging)
         self.reloader.subscribe("engine", self._prepare_engine)
+        appliers = set()
         for c in app.components:
             hook = getattr(c, "prepare_reload", None)
             if callable(hook) and c is not self:
                 self.reloader.subscribe(c.name, hook)
+                appliers.add(c.name)
+        self.reloader.subscribe("coverage", lambda old, new: self._check_coverage(
+            old, new, appliers))
         self._export_version()
         app.spawn(self._announce_ready(app), "sd-ready")
 
@@ -172,6 +178,22 @@ class OpsComponent:
                         detail="engine limits keep their running values until a restart")
             return None
         return lambda: update(new.engine)   # adopted by the step loop at the next step boundary
+
+    def _check_coverage(self, old: Config, new: Config, appliers: set[str]) -> None:
+        """Log live changes that no running component applies (they wait for a restart)."""
+        owners = {"cluster": {"cluster"}, "transfer": {"prefill", "decode"}}
+        role = new.server.role
+        for change in diff(old, new):
+            section = change.key.split(".", 1)[0]
+            if not change.live or section not in owners or owners[section] & appliers:
+                continue
+            if section == "transfer" and role not in ("prefill", "decode"):
+                continue   # not used by this role at all
+            if section == "cluster" and not new.cluster.enabled:
+                continue
+            log.warning("live_update_not_applied", key=change.key,
+                        detail="no running component applies it yet; it takes effect on restart")
+        return None
 
     def _reloaded(self, result: ReloadResult) -> None:
         self._last = result
