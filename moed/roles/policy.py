@@ -50,10 +50,10 @@ def on_pick(h: PeerHealth) -> PeerHealth:
 
 def pick_peer(health: Mapping[str, PeerHealth], inflight: Mapping[str, int],
               exclude: frozenset[str] | set[str], now: float, cooldown_s: float) -> str | None:
-    """The available peer with the fewest jobs in flight (ties: healthy first, then name);
-    None when every peer is excluded or cooling down."""
+    """A peer whose cooldown is over gets the next job (its half-open trial: otherwise a
+    lightly loaded cluster would never try it again); else the available peer with the fewest
+    jobs in flight (ties: by name). None when every peer is excluded or cooling down."""
     cands = [p for p, h in health.items() if p not in exclude and available(h, now, cooldown_s)]
     if not cands:
         return None
-    return min(cands, key=lambda p: (inflight.get(p, 0),
-                                     health[p].state is not PeerState.CLOSED, p))
+    return min(cands, key=lambda p: (health[p].state is PeerState.CLOSED, inflight.get(p, 0), p))

@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation with real processes on 127.0.0.1 over real NIXL (UCX),
 driven with the openai client: parity with a colocated server, cancellation, and nodes killed
-with SIGKILL on either side. Servers: colocated C, prefill P1 and P2, decode D1 (peers P1, P2);
-one more decode node D2 (peer P1) is started and killed inside its test. The prefill-node kill
-runs last (module order)."""
+with SIGKILL (or stalled with SIGSTOP) on either side. Servers: colocated C, prefill P1 and P2,
+decode D1 and D2 (both with peers P1, P2; D2 with a short prefill deadline). Destructive tests
+run last, in module order: D2 is killed, then P2."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -35,7 +35,12 @@ def cluster(tiny_qwen3, tmp_path_factory):
              "P2": ("prefill", p2, {}),
              "D1": ("decode", None, {"MOED_TRANSFER_PREFILL_PEERS": peers,
                                      "MOED_TRANSFER_PREFILL_TIMEOUT_S": "30",
-                                     "MOED_TRANSFER_PEER_ERROR_COOLDOWN_S": "2"})}
+                                     "MOED_TRANSFER_PEER_ERROR_COOLDOWN_S": "2"}),
+             # short deadline: a stalled prefill node costs an attempt 3 s, then a retry
+             "D2": ("decode", None, {"MOED_TRANSFER_PREFILL_PEERS": peers,
+                                     "MOED_TRANSFER_PREFILL_TIMEOUT_S": "6",
+                                     "MOED_TRANSFER_MAX_PREFILL_RETRIES": "1",
+                                     "MOED_TRANSFER_PEER_ERROR_COOLDOWN_S": "1"})}
     log_dir = tmp_path_factory.mktemp("disagg")
     servers: dict = {}
     try:
@@ -132,39 +137,61 @@ def test_client_disconnect_cancels_prefill_job(cluster) -> None:
     _wait_until(lambda: _kv_used(d) == 0, 2, "decode blocks freed")
 
 
-def test_decode_killed_mid_transfer(cluster, tmp_path) -> None:
-    """Acceptance 3: SIGKILL a decode node while its job runs on P1 → P1 frees the job's
-    blocks within the lease (its metrics) and keeps serving D1."""
-    p1 = cluster["P1"]
-    d2 = start_server(model=cluster["_model"], role="decode", log_dir=tmp_path, wait="ready",
-                      ready_timeout=150,
-                      env={**COMMON, "MOED_TRANSFER_PREFILL_PEERS": p1.url})
+def test_stalled_prefill_times_out_retries_and_recovers(cluster) -> None:
+    """A prefill node that stops answering (SIGSTOP) → its attempt times out and the request
+    is retried on the other node; once it runs again it frees the abandoned job's blocks, and
+    after the cooldown a half-open trial closes its breaker: the pair is not poisoned."""
+    d2, p1, p2, c = cluster["D2"], cluster["P1"], cluster["P2"], _client(cluster["C"])
+    prompts = [_prompt(60, 30 + i) for i in range(2)]
+    want = [_greedy(c, p).choices[0].token_ids for p in prompts]
+    p2.proc.send_signal(signal.SIGSTOP)
     try:
-        before = sum(_metric(p1, f'moed_transfer_jobs_total{{result="{r}",role="prefill"}}')
-                     for r in ("cancelled", "failed", "expired"))
-        box: dict = {}
-
-        def call() -> None:
-            try:
-                box["r"] = _greedy(_client(d2), _prompt(LONG, 11), 5)
-            except Exception as e:      # the node dies under it
-                box["e"] = e
-
-        th = threading.Thread(target=call, daemon=True)
-        th.start()
-        _wait_until(lambda: bool(_jobs(p1)), 10, "job accepted on P1")
-        d2.proc.send_signal(signal.SIGKILL)
-        d2.proc.wait(5)
-        _wait_until(lambda: not _jobs(p1), 5, "P1 dropped the dead decode node's job")
-        _wait_until(lambda: _kv_used(p1) == 0, 5, "P1 freed the job's blocks")
-        after = sum(_metric(p1, f'moed_transfer_jobs_total{{result="{r}",role="prefill"}}')
-                    for r in ("cancelled", "failed", "expired"))
-        assert after == before + 1
-        th.join(10)
-        assert "e" in box
+        with cf.ThreadPoolExecutor(2) as ex:   # two at once: the fewest-jobs pick uses both nodes
+            got = list(ex.map(lambda p: _greedy(_client(d2), p).choices[0], prompts))
     finally:
-        d2.stop(signal.SIGKILL)
-    # P1 keeps serving the other decode node
+        p2.proc.send_signal(signal.SIGCONT)
+    assert [g.token_ids for g in got] == want
+    assert _metric(d2, 'moed_transfer_failures_total{kind="timeout"}') >= 1
+    assert _metric(d2, 'moed_transfer_jobs_total{result="retried",role="decode"}') >= 1
+    _wait_until(lambda: not _jobs(p2) and _kv_used(p2) == 0, 10, "P2 dropped the stale job")
+    peer = json.loads(d2.get("/internal/transfer")[1])["peers"][p2.url]
+    assert peer["failures"] >= 1
+    time.sleep(1.2)                            # cooldown → the next pick of P2 is a trial
+    for i in range(3):
+        assert _greedy(_client(d2), _prompt(20, 50 + i), 2).choices[0].finish_reason == "length"
+    assert json.loads(d2.get("/internal/transfer")[1])["peers"][p2.url]["state"] == "closed"
+
+
+def test_decode_killed_mid_transfer(cluster) -> None:
+    """Acceptance 3: SIGKILL a decode node while its job runs → the prefill node frees the
+    job's blocks within the lease (its metrics) and keeps serving the other decode node."""
+    d2, prefills = cluster["D2"], (cluster["P1"], cluster["P2"])
+    ended = [f'moed_transfer_jobs_total{{result="{r}",role="prefill"}}'
+             for r in ("cancelled", "failed", "expired")]
+
+    def n_ended() -> float:
+        return sum(_metric(p, k) for p in prefills for k in ended)
+
+    before = n_ended()
+    box: dict = {}
+
+    def call() -> None:
+        try:
+            box["r"] = _greedy(_client(d2), _prompt(LONG, 11), 5)
+        except Exception as e:      # the node dies under it
+            box["e"] = e
+
+    th = threading.Thread(target=call, daemon=True)
+    th.start()
+    _wait_until(lambda: any(_jobs(p) for p in prefills), 10, "job accepted")
+    d2.proc.send_signal(signal.SIGKILL)
+    d2.proc.wait(5)
+    _wait_until(lambda: not any(_jobs(p) for p in prefills), 5, "job of the dead node dropped")
+    _wait_until(lambda: all(_kv_used(p) == 0 for p in prefills), 5, "its blocks freed")
+    assert n_ended() == before + 1
+    th.join(10)
+    assert "e" in box
+    # the prefill nodes keep serving the other decode node
     p = _prompt(40, 21)
     assert _greedy(_client(cluster["D1"]), p).choices[0].token_ids == \
         _greedy(_client(cluster["C"]), p).choices[0].token_ids

@@ -34,9 +34,11 @@ def test_pick_peer_prefers_idle_healthy_and_skips_excluded() -> None:
     assert pick_peer(hs, {"a": 0, "b": 0}, set(), 1.0, 5.0) == "a"      # tie → name
     assert pick_peer(hs, {}, {"a", "b"}, 1.0, 5.0) is None             # c still cooling
     assert pick_peer(hs, {}, {"a", "b"}, 6.0, 5.0) == "c"              # c's trial
-    # a healthy peer beats one whose cooldown just ended, at equal load
+    # a peer whose cooldown is over gets the next job as its trial, even when busier
+    assert pick_peer({"a": on_failure(PeerHealth(), 0.0), "b": PeerHealth()}, {"a": 3}, set(),
+                     10.0, 5.0) == "a"
     assert pick_peer({"a": on_failure(PeerHealth(), 0.0), "b": PeerHealth()}, {}, set(),
-                     10.0, 5.0) == "b"
+                     4.0, 5.0) == "b"
     assert pick_peer({}, {}, set(), 0.0, 1.0) is None
 
 
