@@ -14,6 +14,7 @@ Placed last in the component list so it drains first (STOPPING=1 before anything
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import signal
 import time
@@ -69,6 +70,10 @@ class OpsComponent:
         self._environ = os.environ if environ is None else environ
         self.notifier = Notifier.from_env(self._environ)
         self.notifier.status("starting")
+        # The watchdog kills with SIGABRT (WatchdogSignal= in the units): dump every thread's
+        # stack first, so the journal says where the event loop was stuck.
+        if not faulthandler.is_enabled():
+            faulthandler.enable()
         self._admin_tokens = _keys(cfg.server.admin_token_file, cfg.server.admin_token_env,
                                    "admin_token")
         self._app: Any = None

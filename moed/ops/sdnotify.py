@@ -5,7 +5,7 @@ the path in $NOTIFY_SOCKET ('@' at the start means a Linux abstract socket). Wit
 $NOTIFY_SOCKET (not started by systemd, or Type=simple) every call is a cheap no-op.
 
 Messages moed sends over its life:
-  STATUS=loading model ...      (with EXTEND_TIMEOUT_USEC while the checkpoint loads)
+  STATUS=starting, loading model  while the checkpoint loads (TimeoutStartSec bounds it)
   READY=1 + STATUS=serving      once the model is loaded and the node has joined
   WATCHDOG=1                    every WatchdogSec/2 from the event loop (see `watchdog_loop`)
   RELOADING=1 + MONOTONIC_USEC  at SIGHUP, then READY=1 when the reload is done
