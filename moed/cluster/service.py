@@ -185,6 +185,23 @@ class MembershipComponent:
             self._sync_metrics()
             self.core.stop()
 
+    def prepare_reload(self, old: Config, new: Config) -> Callable[[], None] | None:
+        """SIGHUP (see moed.ops.reload): validate now, apply on commit. Timings, seeds and
+        keys (rotation without a restart) are live; bind address and insecure are not."""
+        if old.cluster == new.cluster or self.core is None:
+            return None
+        keyring = load_keyring(new.cluster)        # ClusterError: the reload is refused
+        swim_cfg = SwimConfig.from_cluster(new.cluster)
+        core = self.core
+
+        def commit() -> None:
+            self.cfg, self.keyring = new, keyring
+            core.cfg, core.codec = swim_cfg, WireCodec(keyring)
+            core.seeds = tuple(s for s in new.cluster.seeds if s != core.addr)
+            log.info("cluster_reloaded", seeds=list(core.seeds),
+                     secondary_keys=len(keyring.secondary))
+        return commit
+
     # ---- background ----
 
     def _on_event(self, ev: MemberEvent) -> None:

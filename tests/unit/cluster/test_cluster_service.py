@@ -1,0 +1,88 @@
+"""The daemon component: key loading rules, start/leave/stop on real UDP, GET /cluster's
+JSON, live reload of timings and keys."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from moed.cluster.service import ClusterError, MembershipComponent, load_keyring, parse_key
+from moed.config import ClusterConfig, Config, ConfigError, ServerConfig
+
+
+def test_key_rules(tmp_path) -> None:
+    hexkey = tmp_path / "k.hex"
+    hexkey.write_text("00" * 16 + "ff" * 16 + "\n")
+    raw = tmp_path / "k.raw"
+    raw.write_bytes(b"a raw key that is long enough")
+    short = tmp_path / "short"
+    short.write_text("abcd")
+    ring = load_keyring(ClusterConfig(key_file=str(hexkey), secondary_key_file=str(raw)))
+    assert ring.primary == bytes(16) + b"\xff" * 16
+    assert ring.secondary == (b"a raw key that is long enough",)
+    assert load_keyring(ClusterConfig(key_env="K"), {"K": "ab" * 16}).primary == b"\xab" * 16
+    with pytest.raises(ClusterError, match="no cluster key"):
+        load_keyring(ClusterConfig())
+    with pytest.raises(ClusterError, match="unset or empty"):
+        load_keyring(ClusterConfig(key_env="K"), {})
+    with pytest.raises(ClusterError, match="at least 16 bytes"):
+        load_keyring(ClusterConfig(key_file=str(short)))
+    with pytest.raises(ClusterError, match="cannot read"):
+        load_keyring(ClusterConfig(key_file=str(tmp_path / "missing")))
+    assert load_keyring(ClusterConfig(insecure=True)).primary == b""
+    assert issubclass(ClusterError, ConfigError)      # the CLI prints it and exits 2
+    assert parse_key(b"  " + b"0f" * 20 + b" ", "t") == b"\x0f" * 20
+
+
+def _cfg(**cluster) -> Config:
+    return Config(server=ServerConfig(role="router", node_name="svc"),
+                  cluster=ClusterConfig(enabled=True, bind_port=0, **cluster))
+
+
+async def test_component_start_view_reload_leave_stop() -> None:
+    cfg = _cfg(key_env="K")
+    comp = MembershipComponent(cfg, environ={"K": "11" * 32})
+    tasks: list[asyncio.Task] = []
+
+    def spawn(coro, name: str) -> asyncio.Task:
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+    app = SimpleNamespace(port=8123, node="svc", state=SimpleNamespace(engine=None), spawn=spawn)
+    await comp.start(app)
+    try:
+        view = comp.view()
+        me = view.get("svc")
+        assert me.state.value == "alive" and me.meta.role == "router"
+        assert me.meta.http == "http://127.0.0.1:8123"
+        doc = view.to_json()
+        assert doc["self"] == "svc" and doc["counts"]["alive"] == 1
+        comp.update_meta(transfer="127.0.0.1:9100")
+        assert comp.view().get("svc").meta.transfer == "127.0.0.1:9100"
+        assert comp.view().get("svc").incarnation == me.incarnation + 1
+
+        # live reload: new timings and a new key, no restart
+        new = dataclasses.replace(cfg, cluster=dataclasses.replace(
+            cfg.cluster, probe_interval_ms=700, secondary_key_file=""))
+        os.environ["K"] = "22" * 32
+        try:
+            commit = comp.prepare_reload(cfg, new)
+        finally:
+            del os.environ["K"]
+        assert commit is not None
+        commit()
+        assert comp.core.cfg.probe_interval_s == 0.7
+        assert comp.core.codec.keyring.primary == b"\x22" * 32
+        bad = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, key_env="NOPE"))
+        with pytest.raises(ClusterError):
+            comp.prepare_reload(cfg, bad)
+        assert comp.prepare_reload(cfg, cfg) is None
+
+        await comp.leave(timeout=0.1)
+        assert comp.view().get("svc").state.value == "left"
+    finally:
+        await comp.stop()
+        for t in tasks:
+            t.cancel()
