@@ -51,7 +51,9 @@ def run(n: int, cfg: SwimConfig, loss: float, steady_s: float, trials: int, seed
         t_all = trial.time_to_all(survivors)
         detect.append(t_all if t_all is not None else float("inf"))
         first.append(trial.time_to_first() or float("inf"))
-        sim.run(3.0)
+        # the node restarts (new address, same name) so every trial sees N members
+        sim.add(trial.name, seeds=(sim.nodes["n0000"].addr,), start=True)
+        sim.run(10.0)
     return {
         "n": n, "loss": loss, "steady_s": steady_s, "trials": trials,
         "detect_all_median_s": round(median(detect), 3),
