@@ -255,7 +255,10 @@ class Proxy:
             await self._pump(request, out, resp, first, backend)
             return out
         finally:
-            resp.close()   # never reuse a connection whose stream we may not have drained
+            if resp.content.at_eof():
+                resp.release()   # read to the end: the connection goes back to the pool
+            else:
+                resp.close()     # cut short: the backend must see the disconnect and abort
 
     async def _pump(self, request: web.Request, out: web.StreamResponse,
                     resp: aiohttp.ClientResponse, first: bytes, backend: Backend) -> None:

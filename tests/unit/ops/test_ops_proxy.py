@@ -44,6 +44,7 @@ class FakeNode:
         self.chunks, self.die_after, self.waiting = chunks, die_after, waiting
         self.hits = 0
         self.headers: list = []
+        self.peers: set = set()
         self.cancelled = asyncio.Event()
         self.release = asyncio.Event()
         self.release.set()
@@ -57,6 +58,7 @@ class FakeNode:
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
+        self.peers.add(request.transport.get_extra_info("peername"))
         self.headers.append(request.headers.copy())
         body = await request.json()
         if self.status != 200:
@@ -190,3 +192,12 @@ async def test_health_poll_follows_readiness_and_load(cluster) -> None:
         if [x.name for x in proxy._source.backends()] == [a.url]:
             break
     assert [x.waiting for x in proxy._source.backends()] == [5]
+
+
+async def test_finished_streams_reuse_pooled_connections(cluster) -> None:
+    node = FakeNode("a")
+    url, _ = await cluster(node)
+    for _ in range(4):
+        status, text, _ = await _post(url)
+        assert status == 200 and text.rstrip().endswith("[DONE]")
+    assert node.hits == 4 and len(node.peers) == 1
