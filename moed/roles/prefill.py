@@ -173,7 +173,7 @@ class PrefillComponent:
                 await self.worker.add_peer(spec.decode_node, spec.metadata, spec.decode_incarnation)
             except StalePeer as e:
                 return _error(409, "stale_incarnation", str(e))
-            except (BadMetadata, IncompatibleLayout) as e:
+            except (BadMetadata, IncompatibleLayout, TransferError) as e:
                 return _error(400, "bad_metadata", str(e))
         lease = min(spec.timeout_s, self.cfg.transfer.lease_s)
         loop = asyncio.get_running_loop()

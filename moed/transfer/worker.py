@@ -26,8 +26,8 @@ Observer = Callable[[TransferHandle, TransferStatus, float], None]
 
 
 class TransferWorker:
-    def __init__(self, factory: Callable[[], TransferBackend], *, busy_poll_s: float = 0.0005,
-                 idle_poll_s: float = 0.005, on_notif: NotifHandler | None = None,
+    def __init__(self, factory: Callable[[], TransferBackend], *, busy_poll_s: float = 0.001,
+                 idle_poll_s: float = 0.02, on_notif: NotifHandler | None = None,
                  observer: Observer | None = None) -> None:
         self._factory = factory
         self._busy_poll_s = busy_poll_s
