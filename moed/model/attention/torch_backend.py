@@ -60,8 +60,13 @@ class TorchBackend(AttentionBackend):
             length = nblk * bs
             dt = table_t[:, :nblk] if self.dec_all else table_t[dec, :nblk]
             slot = torch.arange(length, device=dev)
-            self.dec_k = (dt[:, slot // bs] * (2 * bs) + slot % bs).reshape(-1)   # [Bd * L]
-            self.dec_v = self.dec_k + bs
+            # Rows of the cache viewed as [*, D] (one per block, K/V, slot, kv head), ordered
+            # [Bd, H_kv, L] so the gather lands in the layout the matmuls want (no transpose).
+            hkv = self.spec.num_kv_heads
+            row = dt[:, slot // bs] * (2 * bs) + slot % bs                          # [Bd, L]
+            head = torch.arange(hkv, device=dev)
+            self.dec_k = (row[:, None, :] * hkv + head[None, :, None]).reshape(-1)
+            self.dec_v = self.dec_k + bs * hkv
             self.dec_shape = (len(dec), length)
             lens = torch.tensor([kv_lens[i] for i in dec], device=dev)
             valid = (slot[None, :] < lens[:, None]).view(len(dec), 1, 1, length)
@@ -103,13 +108,14 @@ class TorchBackend(AttentionBackend):
         return out
 
     def _decode(self, q: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        """One query per sequence, batched: plain matmuls in the cache dtype (faster than CPU
-        SDPA for a single query row in bf16), softmax in fp32, GQA without repeating K/V."""
+        """One query per sequence, batched: plain matmuls in the cache dtype (CPU SDPA is slow
+        for a single bf16 query row), softmax in fp32, GQA without repeating K/V."""
         b, length = self.dec_shape
         hkv, d = flat.shape[1], flat.shape[2]
-        kd = flat.index_select(0, self.dec_k).view(b, length, hkv, d)
-        vd = flat.index_select(0, self.dec_v).view(b, length, hkv, d)
-        qg = q.view(b, hkv, -1, d)                                           # [B, Hkv, G, D]
-        scores = torch.matmul(qg, kd.permute(0, 2, 3, 1)).float() * self.scale  # [B, Hkv, G, L]
+        rows = flat.view(-1, d)
+        kd = rows.index_select(0, self.dec_k).view(b, hkv, length, d)
+        vd = rows.index_select(0, self.dec_v).view(b, hkv, length, d)
+        qg = q.view(b, hkv, -1, d)                                              # [B, Hkv, G, D]
+        scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * self.scale     # [B, Hkv, G, L]
         probs = torch.softmax(scores + self.dec_bias, dim=-1).to(q.dtype)
-        return torch.matmul(probs, vd.transpose(1, 2)).view(b, -1, d)       # [B, Hq, D]
+        return torch.matmul(probs, vd).view(b, -1, d)                           # [B, Hq, D]
