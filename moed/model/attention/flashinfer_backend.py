@@ -26,7 +26,9 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        # Tensor-core decode kernels cover the larger GQA group sizes the CUDA-core ones lack.
+        group = spec.num_heads // spec.num_kv_heads
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=group > 4)
         self._wrapper = None
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
