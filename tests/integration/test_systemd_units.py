@@ -53,6 +53,11 @@ def test_systemd_analyze_verify(tmp_path: Path, unit: str, instance: str) -> Non
     # Unknown or misspelled keys only warn (exit 0): any line about our unit is a failure.
     ours = [ln for ln in proc.stderr.splitlines() if unit in ln or instance in ln]
     assert ours == [], "\n".join(ours)
+    # The sandbox stays tight: systemd's own exposure score (0 best … 10 worst; 2.0 today).
+    sec = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(tmp_path / instance)],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", sec.stdout)
+    assert m and float(m.group(1)) <= 2.5, sec.stdout[-2000:] + sec.stderr
 
 
 @pytest.mark.parametrize("unit", ["moed.service", "moed@.service"])
