@@ -6,7 +6,8 @@ Both sides get the same random prompts (all the same length, so transformers nee
 and generate greedily with EOS ignored. Per batch size:
   prefill tok/s = batch * prompt / time to the first token (generate with max_tokens=1)
   decode tok/s  = batch * (new - 1) / (time for `new` tokens - time for 1 token)
-Prefix caching is off for moed so repeated runs recompute. transformers uses
+Prefix caching is off for moed so repeated runs recompute. Timings are best-of-N with the two
+engines interleaved, so a busy machine slows both alike. transformers uses
 experts_implementation="grouped_mm" (its fastest on this CPU per notes/models-and-baselines.md)
 and attn_implementation="sdpa". Prints a table and writes bench/results/engine.json.
 """
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(ROOT))
 
 from moed.config import EngineConfig  # noqa: E402
@@ -41,62 +44,65 @@ def _checkpoint(arch: str, cache: Path) -> Path:
     return out
 
 
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+class MoedSide:
+    name = "moed"
+
+    def __init__(self, model_dir: Path, max_batch: int, prompt_len: int, new: int) -> None:
+        blocks = max_batch * (-(-(prompt_len + new) // 16)) + 8
+        runner = ModelRunner(model_dir, dtype="bfloat16", device="cpu", attention_backend="torch",
+                             num_blocks=blocks, block_size=16)
+        cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=max_batch,
+                           max_num_batched_tokens=2048)
+        self.engine = Engine(runner, Tokenizer.from_dir(model_dir), cfg)
+
+    def run(self, prompts: list[list[int]], n: int) -> None:
+        self.engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
 
-def bench_moed(model_dir: Path, prompts: dict[int, list[list[int]]], new: int, repeats: int) -> dict:
-    max_batch = max(prompts)
-    prompt_len = len(next(iter(prompts.values()))[0])
-    blocks = max_batch * (-(-(prompt_len + new) // 16)) + 8
-    runner = ModelRunner(model_dir, dtype="bfloat16", device="cpu", attention_backend="torch",
-                         num_blocks=blocks, block_size=16)
-    cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=max_batch,
-                       max_num_batched_tokens=2048)
-    eng = Engine(runner, Tokenizer.from_dir(model_dir), cfg)
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    full = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    eng.generate(prompts[min(prompts)], full)                    # warm-up
-    res = {}
-    for b, ps in prompts.items():
-        t1 = _best(lambda: eng.generate(ps, one), repeats)
-        tn = _best(lambda: eng.generate(ps, full), repeats)
-        res[b] = {"prefill_tok_s": b * prompt_len / t1, "decode_tok_s": b * (new - 1) / (tn - t1),
-                  "ttft_s": t1, "total_s": tn}
-        print(f"  moed         batch {b:>2}: {res[b]['prefill_tok_s']:8.0f} prefill tok/s  "
-              f"{res[b]['decode_tok_s']:7.1f} decode tok/s", flush=True)
-    return res
+class HFSide:
+    name = "transformers"
 
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
 
-def bench_hf(model_dir: Path, prompts: dict[int, list[list[int]]], new: int, repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, experts_implementation="grouped_mm",
+            attn_implementation="sdpa").eval()
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
-                                                 experts_implementation="grouped_mm",
-                                                 attn_implementation="sdpa").eval()
-    prompt_len = len(next(iter(prompts.values()))[0])
-
-    def gen(ids: torch.Tensor, n: int) -> None:
+    def run(self, prompts: list[list[int]], n: int) -> None:
+        ids = torch.tensor(prompts)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
 
-    gen(torch.tensor(prompts[min(prompts)]), new)               # warm-up
-    res = {}
+
+def measure(sides: list, prompts: dict[int, list[list[int]]], new: int, repeats: int) -> dict:
+    """Best-of-`repeats` timings, the sides interleaved so load changes hit both alike."""
+    prompt_len = len(next(iter(prompts.values()))[0])
+    for side in sides:                                          # warm-up
+        side.run(prompts[min(prompts)], 4)
+    res: dict[str, dict[int, dict]] = {s.name: {} for s in sides}
     for b, ps in prompts.items():
-        ids = torch.tensor(ps)
-        t1 = _best(lambda: gen(ids, 1), repeats)
-        tn = _best(lambda: gen(ids, new), repeats)
-        res[b] = {"prefill_tok_s": b * prompt_len / t1, "decode_tok_s": b * (new - 1) / (tn - t1),
-                  "ttft_s": t1, "total_s": tn}
-        print(f"  transformers batch {b:>2}: {res[b]['prefill_tok_s']:8.0f} prefill tok/s  "
-              f"{res[b]['decode_tok_s']:7.1f} decode tok/s", flush=True)
+        t1 = {s.name: float("inf") for s in sides}
+        tn = dict(t1)
+        for _ in range(repeats):
+            for s in sides:
+                t1[s.name] = min(t1[s.name], _timed(lambda: s.run(ps, 1)))
+                tn[s.name] = min(tn[s.name], _timed(lambda: s.run(ps, new)))
+        for s in sides:
+            r = {"prefill_tok_s": b * prompt_len / t1[s.name],
+                 "decode_tok_s": b * (new - 1) / max(tn[s.name] - t1[s.name], 1e-9),
+                 "ttft_s": t1[s.name], "total_s": tn[s.name]}
+            res[s.name][b] = r
+            print(f"  {s.name:<12} batch {b:>2}: {r['prefill_tok_s']:8.0f} prefill tok/s  "
+                  f"{r['decode_tok_s']:7.1f} decode tok/s", flush=True)
     return res
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main() -> int:
@@ -105,7 +111,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.json"))
@@ -121,8 +127,11 @@ def main() -> int:
     prompts = {b: pool[:b] for b in batches}
     print(f"{a.arch} bench preset, bf16, prompt {a.prompt}, {a.new} new tokens, "
           f"{torch.get_num_threads()} torch threads", flush=True)
-    ours = bench_moed(model_dir, prompts, a.new, a.repeats)
-    theirs = {} if a.skip_hf else bench_hf(model_dir, prompts, a.new, a.repeats)
+    sides = [MoedSide(model_dir, max(batches), a.prompt, a.new)]
+    if not a.skip_hf:
+        sides.append(HFSide(model_dir))
+    res = measure(sides, prompts, a.new, a.repeats)
+    ours, theirs = res["moed"], res.get("transformers", {})
     rows = []
     print(f"\n{'batch':>5} | {'moed prefill':>12} {'hf prefill':>10} {'ratio':>5} | "
           f"{'moed decode':>11} {'hf decode':>9} {'ratio':>5}   (tok/s)")
