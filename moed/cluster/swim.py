@@ -29,25 +29,10 @@ from .members import IndexedSet, Member, Suspicion, SwimConfig
 from .state import (ClusterView, Event, LoadVector, MemberEvent, MemberState, NodeMeta,
                     next_state)
 from .transport import Transport
+from .probe import Prober
 from .wire import Ack, Alive, Dead, IndirectPing, Load, Nack, Ping, PushPull, StateEntry, Suspect
 
 Listener = Callable[[MemberEvent], None]
-
-
-class _Probe:
-    __slots__ = ("target", "acked", "nacks", "expected_nacks", "on_done")
-
-    def __init__(self, target: str, on_done: Callable[[bool], None] | None) -> None:
-        self.target, self.acked, self.nacks, self.expected_nacks = target, False, 0, 0
-        self.on_done = on_done         # instead of suspecting on failure
-
-
-class _Relay:
-    """An indirect ping we run on someone else's behalf."""
-    __slots__ = ("seq", "source_addr", "nack", "done")
-
-    def __init__(self, seq: int, source_addr: str, nack: bool) -> None:
-        self.seq, self.source_addr, self.nack, self.done = seq, source_addr, nack, False
 
 
 class Membership:
@@ -63,15 +48,11 @@ class Membership:
         self.seeds = tuple(s for s in seeds if s != self.addr)
         self.rng = rng or random.Random()
         self.stats: Counter[str] = Counter()
-        self.awareness = 0
         self._members: dict[str, Member] = {}
         self._live = IndexedSet()            # alive + suspect, not self
         self._dead = IndexedSet()            # dead/left not yet reclaimed (gossiped to)
         self._suspicions: dict[str, Suspicion] = {}
-        self._pending: dict[int, _Probe | _Relay] = {}
-        self._seq = 0
-        self._probe_order: list[str] = []
-        self._probe_idx = 0
+        self.prober = Prober(self)
         self._updates = BroadcastQueue()     # alive/suspect/dead: first claim on space
         self._loads = BroadcastQueue()       # load vectors: what space is left
         self._listeners: list[Listener] = []
@@ -88,11 +69,17 @@ class Membership:
         self._set_state(me, Event.ALIVE)
         self._check_meta_fits()
         self._handlers: dict[type, Callable] = {
-            Ping: self._on_ping, IndirectPing: self._on_indirect_ping, Ack: self._on_ack,
-            Nack: self._on_nack, Alive: self._on_alive, Suspect: self._on_suspect,
+            Ping: self.prober.on_ping, IndirectPing: self.prober.on_indirect_ping,
+            Ack: self.prober.on_ack, Nack: self.prober.on_nack, Alive: self._on_alive,
+            Suspect: self._on_suspect,
             Dead: self._on_dead, Load: self._on_load}
 
     # ---- public API ---------------------------------------------------------------------
+
+    @property
+    def awareness(self) -> int:
+        """Lifeguard local health score (0 = healthy)."""
+        return self.prober.awareness
 
     @property
     def incarnation(self) -> int:
@@ -177,13 +164,9 @@ class Membership:
         self._timers[key] = self.sched.call_later(delay, run)
 
     def _probe_tick(self) -> None:
-        interval = policy.awareness_scale(self.awareness, self.cfg.probe_interval_s)
-        self._every("probe", interval, self._probe_tick)
-        if self._leaving:
-            return
-        target = self._next_probe_target()
-        if target is not None:
-            self._probe(target, interval)
+        self._every("probe", self.prober.interval(), self._probe_tick)
+        if not self._leaving:
+            self.prober.tick()
 
     def _gossip_tick(self) -> None:
         self._every("gossip", self.cfg.gossip_interval_s, self._gossip_tick)
@@ -236,64 +219,6 @@ class Membership:
             self.stats["join_attempts"] += 1
             for seed in self.seeds:
                 self._send_push_pull(seed, join=True, reply=False)
-
-    # ---- probing ------------------------------------------------------------------------
-
-    def _next_probe_target(self) -> Member | None:
-        for _ in range(2):
-            while self._probe_idx < len(self._probe_order):
-                name = self._probe_order[self._probe_idx]
-                self._probe_idx += 1
-                if name in self._live:
-                    return self._members[name]
-            self._probe_order = list(self._live)
-            self.rng.shuffle(self._probe_order)
-            self._probe_idx = 0
-        return None
-
-    def _probe(self, m: Member, interval: float,
-               on_done: Callable[[bool], None] | None = None) -> None:
-        seq = self._next_seq()
-        probe = _Probe(m.name, on_done)
-        self._pending[seq] = probe
-        self._send(m.addr, [Ping(seq, m.name, self.name, self.addr)])
-        timeout = policy.awareness_scale(self.awareness, self.cfg.probe_timeout_s)
-        self.sched.call_later(timeout, lambda: self._probe_indirect(seq, probe, m))
-        self.sched.call_later(interval, lambda: self._probe_end(seq, probe))
-
-    def _probe_indirect(self, seq: int, probe: _Probe, m: Member) -> None:
-        if probe.acked or self._stopped:
-            return
-        helpers = self._live.sample(self.rng, self.cfg.indirect_checks, exclude=(m.name,))
-        probe.expected_nacks = len(helpers)
-        msg = IndirectPing(seq, m.name, m.addr, self.name, self.addr, True)
-        for h in helpers:
-            self._send(self._members[h].addr, [msg])
-
-    def _probe_end(self, seq: int, probe: _Probe) -> None:
-        self._pending.pop(seq, None)
-        if self._stopped:
-            return
-        if probe.acked:
-            self._awareness(-1)
-        else:
-            self.stats["probe_failures"] += 1
-            self._awareness(policy.probe_failure_delta(probe.expected_nacks, probe.nacks))
-        if probe.on_done is not None:
-            probe.on_done(probe.acked)
-            return
-        if probe.acked:
-            return
-        m = self._members.get(probe.target)
-        if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
-            self._on_suspect(Suspect(m.name, m.incarnation, self.name))
-
-    def _awareness(self, delta: int) -> None:
-        self.awareness = policy.awareness_apply(self.awareness, delta, self.cfg.awareness_max)
-
-    def _next_seq(self) -> int:
-        self._seq = (self._seq + 1) & wire.MAX_INT
-        return self._seq
 
     # ---- sending ------------------------------------------------------------------------
 
@@ -392,36 +317,6 @@ class Membership:
 
     # ---- handlers: each opens with its guard --------------------------------------------
 
-    def _on_ping(self, msg: Ping) -> None:
-        if msg.target != self.name:                  # an old address reused by someone else
-            self.stats["dropped.wrong_target"] += 1
-            return
-        self._send(msg.source_addr, [Ack(msg.seq)])
-
-    def _on_indirect_ping(self, msg: IndirectPing) -> None:
-        seq = self._next_seq()
-        relay = _Relay(msg.seq, msg.source_addr, msg.nack)
-        self._pending[seq] = relay
-        self._send(msg.target_addr, [Ping(seq, msg.target, self.name, self.addr)])
-
-        def expire() -> None:
-            if self._pending.pop(seq, None) is not None and relay.nack and not self._stopped:
-                self._send(relay.source_addr, [Nack(relay.seq)])
-        self.sched.call_later(self.cfg.probe_timeout_s, expire)
-
-    def _on_ack(self, msg: Ack) -> None:
-        p = self._pending.get(msg.seq)
-        if isinstance(p, _Probe):
-            p.acked = True
-        elif isinstance(p, _Relay):
-            del self._pending[msg.seq]
-            self._send(p.source_addr, [Ack(p.seq)])
-
-    def _on_nack(self, msg: Nack) -> None:
-        p = self._pending.get(msg.seq)
-        if isinstance(p, _Probe):
-            p.nacks += 1
-
     def _on_alive(self, msg: Alive) -> None:
         if msg.name == self.name:
             me = self._members[self.name]
@@ -439,8 +334,7 @@ class Membership:
                        msg.load_seq, self._stamp())
             self._members[msg.name] = m
             # new members join the probe round at a random place
-            self._probe_order.insert(self.rng.randint(self._probe_idx, len(self._probe_order)),
-                                     msg.name)
+            self.prober.add_member(msg.name)
         m.incarnation, m.addr, m.meta = msg.incarnation, msg.addr, msg.meta
         if msg.load_seq > m.load_seq:
             m.load, m.load_seq = msg.load, msg.load_seq
@@ -490,8 +384,7 @@ class Membership:
         def reprobe() -> None:
             if not self._stopped and self._suspicions.get(m.name) is s:
                 self.stats["reprobes"] += 1
-                self._probe(m, policy.awareness_scale(self.awareness,
-                                                      self.cfg.probe_interval_s))
+                self.prober.probe(m)
         self.sched.call_later(self.rng.random() * self.cfg.probe_timeout_s, reprobe)
 
     def _on_dead(self, msg: Dead) -> None:
@@ -549,8 +442,7 @@ class Membership:
                                                     lambda: self._suspicion_expired(name, s))
                 else:
                     self._suspicion_expired(name, s)
-            self._probe(m, policy.awareness_scale(self.awareness, self.cfg.probe_interval_s),
-                        verdict)
+            self.prober.probe(m, verdict)
             return
         self.stats["suspicion_timeouts"] += 1
         self._on_dead(Dead(name, m.incarnation, self.name))
@@ -564,7 +456,7 @@ class Membership:
         me = self._members[self.name]
         me.incarnation = max(me.incarnation, incarnation) + 1
         self.stats["refutes"] += 1
-        self._awareness(1)              # being suspected hints that we are the slow one
+        self.prober.adjust(1)           # being suspected hints that we are the slow one
         self._changed()
         self._broadcast_self()
 
