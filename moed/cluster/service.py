@@ -148,6 +148,10 @@ class MembershipComponent:
         except OSError as e:
             raise ClusterError(f"cluster: cannot bind {cc.bind_host}:{cc.bind_port}: "
                                f"{e.strerror}") from None
+        if split_addr(self.transport.local_address())[0] in ("0.0.0.0", "::", ""):
+            self.transport.shutdown()
+            raise ClusterError("cluster.advertise_host: required when bind_host is a "
+                               "wildcard (peers need an address they can reach)")
         seeds = await resolve(cc.seeds)
         host = self.cfg.server.host if self.cfg.server.host not in ("0.0.0.0", "::") else (
             cc.advertise_host or cc.bind_host)

@@ -86,3 +86,12 @@ async def test_component_start_view_reload_leave_stop() -> None:
         await comp.stop()
         for t in tasks:
             t.cancel()
+
+
+async def test_wildcard_bind_needs_an_advertised_address() -> None:
+    comp = MembershipComponent(Config(server=ServerConfig(role="router"), cluster=ClusterConfig(
+        enabled=True, bind_host="0.0.0.0", bind_port=0, insecure=True)))
+    app = SimpleNamespace(port=1, node="w", state=SimpleNamespace(engine=None),
+                          spawn=lambda coro, name: None)
+    with pytest.raises(ClusterError, match="advertise_host"):
+        await comp.start(app)
