@@ -77,8 +77,13 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list
             idx = torch.tensor(unseeded, device=dev)
             noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_()
     for i, r in enumerate(rows):
-        if r.generator is not None:
-            noise[i].exponential_(generator=r.generator)
+        g = r.generator
+        if g is None:
+            continue
+        if g.device == noise.device:
+            noise[i].exponential_(generator=g)
+        else:   # a CPU generator with CUDA logits: draw on the CPU, same numbers either way
+            noise[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(dev)
     drawn = (probs / noise).argmax(dim=-1)
     if any(greedy):
         g = torch.tensor(greedy, device=dev)
@@ -90,6 +95,13 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[fl
     """Set logits outside each row's top-k and top-p nucleus to -inf (always keeps the best)."""
     dev = scaled.device
     vocab = scaled.shape[1]
+    if all(p >= 1.0 for p in top_ps):      # top-k only: a k-th value threshold, no full sort
+        kmax = min(max(top_ks), vocab)
+        kth = scaled.topk(kmax, dim=-1).values
+        ks = torch.tensor([min(k, kmax) - 1 if k > 0 else kmax - 1 for k in top_ks], device=dev)
+        thr = kth.gather(1, ks.unsqueeze(1))
+        off = torch.tensor([k <= 0 or k >= vocab for k in top_ks], device=dev).unsqueeze(1)
+        return scaled.masked_fill((scaled < thr) & ~off, float("-inf"))
     srt, idx = scaled.sort(dim=-1, descending=True)
     mask = torch.zeros_like(srt, dtype=torch.bool)
     ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)

@@ -89,3 +89,14 @@ def test_banned_ids_are_never_sampled():
     rows = [SampleRow(SamplingParams(temperature=1.0), banned_ids=(3,))] * 300
     assert 3 not in sample(lg, rows).token_ids
     assert sample(lg[:1], [SampleRow(SamplingParams(temperature=0.0), banned_ids=(3,))]).token_ids[0] != 3
+
+
+def test_mixed_top_k_rows_in_one_batch():
+    torch.manual_seed(2)
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    lg = probs.log().repeat(3000, 1)
+    rows = [SampleRow(SamplingParams(temperature=1.0, top_k=k)) for k in (2, 0, 3)] * 1000
+    out = torch.tensor(sample(lg, rows).token_ids).view(1000, 3)
+    assert set(out[:, 0].tolist()) == {0, 1}
+    assert set(out[:, 1].tolist()) == {0, 1, 2, 3}
+    assert set(out[:, 2].tolist()) == {0, 1, 2}
