@@ -1,6 +1,7 @@
 """Serving benchmark: a bounded streaming load against `moed serve`, with the engine as the peer.
 
     .venv/bin/python bench/serve.py                          # tiny model, starts its own server
+    .venv/bin/python bench/serve.py --preset bench -n 32     # 288M-param random Qwen3-MoE
     .venv/bin/python bench/serve.py --model DIR -c 8 -n 64   # a given checkpoint
     .venv/bin/python bench/serve.py --url http://127.0.0.1:8000 --model-name tiny   # a running one
 
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -109,12 +111,19 @@ def engine_peer(model_dir: str, prompts: list[list[int]], max_tokens: int, concu
     cfg = mconfig.load(None, environ=env, overrides={"model": {"path": model_dir}})
     engine = Engine.from_config(cfg)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:1], sp)                      # warm-up
-    t0 = time.perf_counter()
-    outs = []
-    for i in range(0, len(prompts), concurrency):
-        outs += engine.generate(prompts[i:i + concurrency], sp)
-    wall = time.perf_counter() - t0
+
+    def waves() -> tuple[float, list[list[int]]]:
+        engine.generate(prompts[:1], sp)                  # warm-up
+        t0 = time.perf_counter()
+        outs: list[list[int]] = []
+        for i in range(0, len(prompts), concurrency):
+            outs += engine.generate(prompts[i:i + concurrency], sp)
+        return time.perf_counter() - t0, outs
+
+    # In a worker thread, like the server's step executor: on a busy 2-core machine torch's
+    # OpenMP pool in the main thread ran ~15x slower than in a worker (measured, 2026-11).
+    with ThreadPoolExecutor(1) as ex:
+        wall, outs = ex.submit(waves).result()
     n = sum(len(o) for o in outs)
     return {"wall_s": wall, "output_tokens": n, "output_tok_s": n / wall}
 
@@ -151,7 +160,9 @@ def start_server(model_dir: str, env: dict, log_path: Path) -> tuple[subprocess.
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", help="benchmark a running server instead of starting one")
-    ap.add_argument("--model", help="checkpoint dir (default: a tiny random qwen3_moe)")
+    ap.add_argument("--model", help="checkpoint dir (default: a random qwen3_moe of --preset)")
+    ap.add_argument("--preset", default="tiny", choices=("tiny", "bench"),
+                    help="size of the default random checkpoint (bench: 288M params)")
     ap.add_argument("--model-name", help="model id for --url (default: from /v1/models)")
     ap.add_argument("--api-key")
     ap.add_argument("-c", "--concurrency", type=int, default=8)
@@ -172,10 +183,10 @@ def main() -> int:
             url = args.url.rstrip("/")
         else:
             if model_dir is None:
-                model_dir = str(Path(tempfile.gettempdir()) / "moed-bench-tiny-qwen3")
+                model_dir = str(Path(tempfile.gettempdir()) / f"moed-bench-{args.preset}-qwen3")
                 if not (Path(model_dir) / "config.json").exists():
                     from moed.model.init import init_checkpoint
-                    init_checkpoint("qwen3_moe", model_dir, preset="tiny", seed=0)
+                    init_checkpoint("qwen3_moe", model_dir, preset=args.preset, seed=0)
             proc, url = start_server(model_dir, env, Path(tempfile.gettempdir()) / "moed-bench.log")
         req = urllib.request.Request(url + "/v1/models", headers=(
             {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}))
@@ -193,7 +204,7 @@ def main() -> int:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    out = {"bench": "serve", "url": url, "model": model, "concurrency": args.concurrency,
+    out = {"bench": "serve", "url": url, "model": model, "model_dir": model_dir, "concurrency": args.concurrency,
            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "http": res}
     print(f"HTTP  c={args.concurrency} n={args.requests} prompt={args.prompt_len} "
           f"out={args.max_tokens}: ok {res['ok']}/{res['requests']}  "
