@@ -5,16 +5,19 @@ simulator (virtual clock + in-memory network) run this same code. Single-threade
 entry point runs in the scheduler's thread of control; no locks.
 
 Cycle of one node:
-  probe tick (every probe_interval * awareness): ping the next member round-robin; no ack by
-  probe_timeout -> ask `indirect_checks` others to ping it (they nack if it stays silent);
-  still no ack at the end of the interval -> suspect it. Missing nacks raise our own
-  awareness score (we are the slow one), which stretches our timeouts.
+  probe tick (every probe_interval * awareness): see probe.Prober; a failed probe makes us
+  suspect the member.
   gossip tick: send queued updates to `gossip_nodes` random members. Updates also ride on
   every ping and ack, each at most retransmit_mult * ceil(log10(n+1)) times.
   push-pull tick: full state exchange with one random member over a stream (anti-entropy);
-  the same exchange is how a node joins through its seeds.
-  suspicion: dead after a timeout that shrinks as independent suspecters confirm it; the
-  suspect refutes by gossiping alive with a higher incarnation.
+  the same exchange is how a node joins through its seeds (retried while we know nobody).
+  suspicion (Lifeguard): dead after a timeout that shrinks from max to min as independent
+  suspecters confirm it (policy.suspicion_timeout); the suspect refutes by gossiping alive
+  with a higher incarnation. Two refinements of ours: a few members re-probe a fresh suspect
+  at once (confirmations within ~1 probe interval instead of a round-robin), and an
+  unconfirmed suspicion gets one last probe before it kills (a refutation can be missed
+  under loss; if the member answers we pull its state instead).
+Every handler opens with its incarnation guard; member states change only in _set_state.
 """
 from __future__ import annotations
 
@@ -26,10 +29,10 @@ from . import policy, wire
 from .broadcast import BroadcastQueue
 from .clock import Scheduler, Timer
 from .members import IndexedSet, Member, Suspicion, SwimConfig
+from .probe import Prober
 from .state import (ClusterView, Event, LoadVector, MemberEvent, MemberState, NodeMeta,
                     next_state)
 from .transport import Transport
-from .probe import Prober
 from .wire import Ack, Alive, Dead, IndirectPing, Load, Nack, Ping, PushPull, StateEntry, Suspect
 
 Listener = Callable[[MemberEvent], None]
