@@ -51,26 +51,24 @@ class MoELayer:
         t = x.shape[0]
         weights, logical = self.route(x)
         flat = logical.reshape(-1)
-        self.load += torch.bincount(flat, minlength=self.num_experts)
         if self.logical_to_physical.shape[1] == 1:
             phys = self.logical_to_physical[flat, 0]
         else:   # spread a replicated expert's tokens over its replicas
             slot = torch.arange(flat.numel(), device=x.device) % self.num_replicas[flat]
             phys = self.logical_to_physical[flat, slot]
+        self.load += torch.bincount(flat, minlength=self.num_experts)
         order = torch.argsort(phys, stable=True)
-        counts = torch.bincount(phys, minlength=self.num_physical).tolist()
+        counts = torch.bincount(phys, minlength=self.num_physical).tolist()   # one host sync
         token = order // self.top_k
         xs = x.index_select(0, token)
-        ws = weights.reshape(-1).index_select(0, order).unsqueeze(1)
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
+        ys, start = [], 0
+        for e, n in enumerate(counts):           # one pass per touched expert, never per token
             if n == 0:
                 continue
-            seg = xs[start:start + n]
             gate_up, down = self.experts[e]
-            g, u = gate_up(seg).chunk(2, dim=-1)
-            ys[start:start + n] = down(F.silu(g) * u)
+            g, u = gate_up(xs[start:start + n]).chunk(2, dim=-1)
+            ys.append(down(F.silu(g) * u))
             start += n
+        ws = weights.reshape(-1).index_select(0, order).unsqueeze(1)
         out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
-        return out.index_add_(0, token, ys * ws)
+        return out.index_add_(0, token, torch.cat(ys) * ws)
