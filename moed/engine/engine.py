@@ -227,13 +227,13 @@ class Engine:
         assert self._wake is not None
         while not self._stopping:
             self._apply_commands()
+            t0 = time.perf_counter()
             plan = self._schedule()
             if plan is None:
                 self._wake.clear()
                 if not self._inbox and not self._stopping:
                     await self._wake.wait()
                 continue
-            t0 = time.perf_counter()
             try:
                 toks, lps, fwd_s = await loop.run_in_executor(self._executor, self._execute, plan)
             except Exception as e:      # a broken step fails its requests, not the engine
@@ -367,10 +367,10 @@ class Engine:
         for r in reqs:
             self.scheduler.add(r)
         while any(not r.finished for r in reqs):
+            t0 = time.perf_counter()
             plan = self._schedule()
             if plan is None:
                 raise RuntimeError("scheduler made no progress with requests pending")
-            t0 = time.perf_counter()
             toks, lps, fwd_s = self._execute(plan)
             self._finish_step(plan, toks, lps, t0, fwd_s)
         for r in reqs:
