@@ -4,6 +4,7 @@ flashinfer is imported here and nowhere else, so CPU machines never load it. pla
 FlashInfer's CSR page table (indptr, indices, last_page_len) once per step and plans the
 decode wrapper (every sequence has one new token) or the prefill wrapper (anything else);
 forward() appends the new K/V with append_paged_kv_cache, then runs the planned wrapper.
+The softmax scale is FlashInfer's default, 1/sqrt(head_dim), as in the HF models.
 """
 from __future__ import annotations
 
@@ -51,13 +52,13 @@ class FlashInferBackend(AttentionBackend):
         self.positions = positions.to(i32)
         if batch.is_decode_only:
             self._decode.plan(cum, self.indices, last, s.num_heads, s.num_kv_heads, s.head_dim, bs,
-                              pos_encoding_mode="NONE", sm_scale=self.scale,
+                              pos_encoding_mode="NONE",
                               q_data_type=self.dtype, kv_data_type=self.dtype)
             self._wrapper = self._decode
         else:
             qo = torch.tensor([0] + q_lens, dtype=i32).cumsum(0, dtype=i32)
             self._prefill.plan(qo, cum, self.indices, last, s.num_heads, s.num_kv_heads, s.head_dim, bs,
-                               causal=True, sm_scale=self.scale,
+                               causal=True,
                                q_data_type=self.dtype, kv_data_type=self.dtype)
             self._wrapper = self._prefill
 
