@@ -370,6 +370,8 @@ class Engine:
             t0 = time.perf_counter()
             plan = self._schedule()
             if plan is None:
+                if all(r.finished for r in reqs):    # e.g. a prompt that can never fit
+                    break
                 raise RuntimeError("scheduler made no progress with requests pending")
             toks, lps, fwd_s = self._execute(plan)
             self._finish_step(plan, toks, lps, t0, fwd_s)

@@ -254,3 +254,10 @@ async def test_failed_step_fails_its_requests_not_the_engine(ref_greedy):
         assert [t for e in evs for t in e.token_ids] == ref_greedy([1, 2, 3], 6)
     finally:
         await eng.shutdown()
+
+
+def test_generate_reports_a_prompt_that_never_fits():
+    eng = _engine(FakeRunner(4, 4))                  # 16 tokens of KV in all
+    with pytest.raises(RuntimeError, match="needs 5 KV blocks but the whole cache has 4"):
+        eng.generate([list(range(1, 18))], GREEDY)
+    assert eng.kv.num_used_blocks == 0
