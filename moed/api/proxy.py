@@ -20,7 +20,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 import aiohttp
 import structlog
@@ -40,6 +40,13 @@ _HOP = frozenset(h.lower() for h in (
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Accept-Encoding"))
 _RETRY_STATUS = frozenset({429, 503})
 _CLIENT_GONE = (ConnectionResetError, ConnectionError)
+
+
+def _forwardable(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """Headers minus hop-by-hop ones, including any the Connection header names."""
+    named = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
+    return CIMultiDict((k, v) for k, v in headers.items()
+                       if k.lower() not in _HOP and k.lower() not in named)
 
 
 @dataclass(frozen=True)
@@ -181,11 +188,12 @@ class Proxy:
                            headers={"Retry-After": "1"})
         assert self._session is not None, "Proxy.start() was not awaited"
         body = await request.read()
-        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)
+        headers = _forwardable(request.headers)
         rid = request_id_of(request)
         if rid:
             headers["X-Request-Id"] = rid
-        headers["X-Forwarded-For"] = request.remote or ""
+        prior = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{prior}, {request.remote}" if prior else (request.remote or "")
         rc = self._config().router
         timeout = aiohttp.ClientTimeout(total=self._config().server.request_timeout_s,
                                         sock_connect=rc.connect_timeout_s)
@@ -206,7 +214,8 @@ class Proxy:
                 else:
                     del self._outstanding[backend.name]
             if isinstance(outcome, web.StreamResponse):
-                metrics.ROUTER_REQUESTS.labels(result="ok" if len(tried) == 1 else "retried").inc()
+                metrics.ROUTER_REQUESTS.labels(
+                    result="proxied" if len(tried) == 1 else "retried").inc()
                 return outcome
             if outcome is not None:   # a 429/503 we may retry elsewhere; kept if none is left
                 last = outcome
@@ -235,8 +244,7 @@ class Proxy:
             self._source.mark_failed(backend.name)
             return None
         try:
-            out_headers = CIMultiDict((k, v) for k, v in resp.headers.items()
-                                      if k.lower() not in _HOP)
+            out_headers = _forwardable(resp.headers)
             if resp.status in _RETRY_STATUS:
                 data = await resp.read()
                 log.info("router_backend_refused", backend=backend.name, status=resp.status)

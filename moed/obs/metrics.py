@@ -160,7 +160,7 @@ CONFIG_INFO = Info("moed_config", "Hash of the running config", registry=REGISTR
 DRAINING = Gauge("moed_draining", "1 while the node drains (SIGTERM or POST /admin/drain)",
                  registry=REGISTRY)
 ROUTER_REQUESTS = Counter("moed_router_requests",
-                          "Requests proxied by the router role by result (ok, retried, "
+                          "Requests proxied by the router role by result (proxied, retried, "
                           "backend_refused, no_backend, failed_mid_stream, client_gone)",
                           ["result"], registry=REGISTRY)
 ROUTER_RETRIES = Counter("moed_router_retries",

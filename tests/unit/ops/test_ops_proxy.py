@@ -124,7 +124,9 @@ async def test_streams_through_with_headers_and_request_id(cluster) -> None:
     url, _ = await cluster(node)
     async with aiohttp.ClientSession() as s:
         async with s.post(url + "/v1/completions", json={"prompt": "x"},
-                          headers={"X-Request-Id": "rid-1", "Authorization": "Bearer k"}) as r:
+                          headers={"X-Request-Id": "rid-1", "Authorization": "Bearer k",
+                                   "Connection": "keep-alive, X-Hop", "X-Hop": "1",
+                                   "X-Forwarded-For": "10.1.1.1"}) as r:
             assert r.status == 200 and r.headers["X-Node"] == "a"
             first = await asyncio.wait_for(r.content.readline(), 5)   # before the node finishes
             assert json.loads(first[6:]) == {"i": 0, "p": "x"}
@@ -133,6 +135,8 @@ async def test_streams_through_with_headers_and_request_id(cluster) -> None:
     assert rest.rstrip().endswith("data: [DONE]") and rest.count("data: {") == 2
     assert node.headers[0]["X-Request-Id"] == "rid-1"
     assert node.headers[0]["Authorization"] == "Bearer k"
+    assert "X-Hop" not in node.headers[0]                       # named by Connection: hop-by-hop
+    assert node.headers[0]["X-Forwarded-For"] == "10.1.1.1, 127.0.0.1"
 
 
 async def test_dead_or_draining_nodes_are_skipped_before_the_first_byte(cluster) -> None:
