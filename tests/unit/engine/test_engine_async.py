@@ -261,3 +261,16 @@ def test_generate_reports_a_prompt_that_never_fits():
     with pytest.raises(RuntimeError, match="needs 5 KV blocks but the whole cache has 4"):
         eng.generate([list(range(1, 18))], GREEDY)
     assert eng.kv.num_used_blocks == 0
+
+
+async def test_stream_gets_error_for_a_prompt_that_never_fits():
+    eng = _engine(FakeRunner(4, 4))
+    await eng.start()
+    try:
+        evs = await asyncio.wait_for(_collect(eng.add_request("big", list(range(1, 18)), GREEDY)), 5)
+        assert len(evs) == 1 and evs[0].finish_reason is FinishReason.ERROR
+        assert "KV blocks" in evs[0].error and evs[0].num_prompt_tokens == 17
+        ok = await asyncio.wait_for(_collect(eng.add_request("ok", [1, 2], GREEDY)), 5)
+        assert ok[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        await eng.shutdown()
