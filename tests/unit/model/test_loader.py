@@ -93,3 +93,18 @@ def test_missing_unexpected_and_bad_shapes(make_checkpoint, tmp_path):
 
     with pytest.raises(WeightError, match="no \\*.safetensors"):
         load_weights(tmp_path, spec)
+
+
+def test_real_config_dialect_gives_same_logits(make_checkpoint, tmp_path):
+    """The hub's older config style (top-level rope_theta, num_experts, torch_dtype) loads the same."""
+    src = make_checkpoint("qwen3_moe", "tiny", 2, **KW)
+    dst = shutil.copytree(src, tmp_path / "real")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    assert load_spec(dst) == load_spec(src)
+    batch = ForwardBatch([[9, 8, 7, 6, 5, 4]], [0], [[1, 0]])
+    a, b = (ModelRunner(d, dtype="float32", device="cpu", num_blocks=2, block_size=4).forward(batch) for d in (src, dst))
+    assert torch.equal(a, b)

@@ -79,3 +79,17 @@ def test_chat_template_errors(tiny_mixtral, tmp_path):
         Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(TokenizerError, match="not found"):
         Tokenizer.from_dir(tmp_path / "missing")
+
+
+def test_trained_tokenizer_cache_is_rebuilt_when_corrupt(tmp_path, monkeypatch):
+    from moed.model import bpe_train
+
+    monkeypatch.setenv("MOED_CACHE_DIR", str(tmp_path))
+    (tmp_path / "tokenizers").mkdir()
+    path = tmp_path / "tokenizers" / f"mistral-300-v{bpe_train._CACHE_VERSION}.json"
+    path.write_text("{not json")
+    tok = bpe_train.trained_tokenizer("mistral", 300)
+    assert tok.get_vocab_size() == 300 and tok.token_to_id("</s>") == 2
+    assert bpe_train.trained_tokenizer("mistral", 300).to_str() == tok.to_str()   # now cached, same
+    with pytest.raises(ValueError, match="too small"):
+        bpe_train.trained_tokenizer("chatml", 100)
