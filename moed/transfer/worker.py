@@ -1,17 +1,19 @@
 """TransferWorker: the asyncio face of a TransferBackend.
 
 Every backend call runs on ONE dedicated thread (backends are not thread-safe, and NIXL's
-synchronous cma copy in write_blocks must not stall the event loop). A poll task drives progress
-from that thread: fast while transfers or expected notifications are outstanding, slow when
-idle, so nothing spins a core. Notifications are never dropped: they go to `on_notif` or, if
-none is set, to the `notifs` queue.
+synchronous cma copy in write_blocks must not stall the event loop). Between calls that thread
+drives progress itself (poll pending transfers, collect notifications): every `busy_poll_s`
+while transfers or expected notifications are outstanding, every `idle_poll_s` otherwise, and
+it only wakes the event loop when something happened, so nothing spins a core. Notifications
+are never dropped: they go to `on_notif` or, if none is set, to the `notifs` queue.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
 import structlog
@@ -23,6 +25,8 @@ log = structlog.get_logger(__name__)
 
 NotifHandler = Callable[[str, bytes], None]
 Observer = Callable[[TransferHandle, TransferStatus, float], None]
+_STOP = object()
+_WAKE = object()
 
 
 class TransferWorker:
@@ -35,43 +39,54 @@ class TransferWorker:
         self.on_notif = on_notif
         self.observer = observer
         self.notifs: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
-        self._ex: ThreadPoolExecutor | None = None
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._backend: TransferBackend | None = None
+        # loop side: transfers someone may wait for; thread side: transfers it polls
         self._waiters: dict[int, tuple[TransferHandle, asyncio.Future[TransferStatus], float]] = {}
+        self._pending: dict[int, TransferHandle] = {}
+        # finished before write_blocks registered its waiter (the tick can beat the wake-up)
+        self._early: dict[int, TransferStatus] = {}
         self._busy = 0
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
         self.name = ""
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._ex = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
-        self._backend = await self._run(self._factory)
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._thread_main, name="kv-transfer", daemon=True)
+        self._thread.start()
+        try:
+            self._backend = await self._run(self._factory)
+        except BaseException:
+            await self._stop_thread()
+            raise
         self.name = self._backend.name
-        self._task = asyncio.create_task(self._poll_loop(), name="kv-transfer-poll")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
         if self._backend is not None:
-            await self._run(self._backend.close)
+            with contextlib.suppress(Exception):
+                await self._run(self._backend.close)
             self._backend = None
+        await self._stop_thread()
         for _, fut, _ in self._waiters.values():
             if not fut.done():
                 fut.set_result(TransferStatus(TransferState.ABORTED, "closed"))
         self._waiters.clear()
-        if self._ex is not None:
-            self._ex.shutdown(wait=True)
-            self._ex = None
+
+    async def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._calls.put(_STOP)
+            await asyncio.to_thread(self._thread.join, 10)
+            self._thread = None
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._ex is None:
+        if self._thread is None or self._loop is None:
             raise RuntimeError("TransferWorker is not started")
-        return await asyncio.get_running_loop().run_in_executor(self._ex, fn, *args)
+        fut = self._loop.create_future()
+        self._calls.put((fut, fn, args))
+        return await fut
 
     @property
     def backend(self) -> TransferBackend:
@@ -96,7 +111,6 @@ class TransferWorker:
 
     async def remove_peer(self, name: str) -> None:
         await self._run(self.backend.remove_peer, name)
-        self._wake.set()
 
     async def has_peer(self, name: str) -> int | None:
         return await self._run(self.backend.has_peer, name)
@@ -107,10 +121,13 @@ class TransferWorker:
     async def write_blocks(self, peer: str, src: Sequence[int], dst: Sequence[int],
                            notif: bytes = b"") -> TransferHandle:
         t0 = time.monotonic()
-        handle = await self._run(self.backend.write_blocks, peer, list(src), list(dst), notif)
-        fut: asyncio.Future[TransferStatus] = asyncio.get_running_loop().create_future()
+        handle = await self._run(self._post, peer, list(src), list(dst), notif)
+        assert self._loop is not None
+        fut: asyncio.Future[TransferStatus] = self._loop.create_future()
         self._waiters[handle.id] = (handle, fut, t0)
-        self._wake.set()
+        early = self._early.pop(handle.id, None)
+        if early is not None:
+            self._resolve(handle.id, early)
         return handle
 
     async def wait(self, handle: TransferHandle, timeout_s: float) -> TransferStatus:
@@ -125,7 +142,7 @@ class TransferWorker:
             return TransferStatus(TransferState.ABORTED, "timeout")
 
     async def abort(self, handle: TransferHandle) -> TransferStatus:
-        status = await self._run(self.backend.abort, handle)
+        status = await self._run(self._abort, handle)
         self._resolve(handle.id, status)
         return status
 
@@ -133,7 +150,7 @@ class TransferWorker:
     def expecting(self) -> Iterator[None]:
         """Poll fast while the caller waits for a notification (e.g. remote KV arriving)."""
         self._busy += 1
-        self._wake.set()
+        self._calls.put(_WAKE)
         try:
             yield
         finally:
@@ -143,17 +160,84 @@ class TransferWorker:
     def in_flight(self) -> int:
         return len(self._waiters)
 
-    # ---- progress ------------------------------------------------------------------------
+    # ---- the transfer thread -------------------------------------------------------------
 
-    def _tick(self, handles: list[TransferHandle]) -> tuple[list[tuple[int, TransferStatus]],
-                                                             list[tuple[str, bytes]]]:
-        b = self.backend
-        done = []
-        for h in handles:
-            st = b.poll(h)
-            if st.terminal:
-                done.append((h.id, st))
-        return done, b.get_notifs()
+    def _post(self, peer: str, src: list[int], dst: list[int], notif: bytes) -> TransferHandle:
+        handle = self.backend.write_blocks(peer, src, dst, notif)
+        self._pending[handle.id] = handle      # polled (and reported) by the next tick
+        return handle
+
+    def _abort(self, handle: TransferHandle) -> TransferStatus:
+        self._pending.pop(handle.id, None)
+        return self.backend.abort(handle)
+
+    def _thread_main(self) -> None:
+        next_tick = 0.0
+        while True:
+            busy = bool(self._pending) or self._busy > 0
+            interval = self._busy_poll_s if busy else self._idle_poll_s
+            try:
+                item = self._calls.get(timeout=max(next_tick - time.monotonic(), 0.0))
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                return
+            if item is not None and item is not _WAKE:
+                self._call(*item)
+            now = time.monotonic()
+            if item is _WAKE or now >= next_tick:
+                self._tick()
+                next_tick = now + interval
+
+    def _call(self, fut: asyncio.Future, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            res, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            res, exc = None, e
+        self._to_loop(_settle, fut, res, exc)
+
+    def _tick(self) -> None:
+        b = self._backend
+        if b is None:
+            return
+        try:
+            done = []
+            for h in list(self._pending.values()):
+                st = b.poll(h)
+                if st.terminal:
+                    del self._pending[h.id]
+                    done.append((h.id, st))
+            notifs = b.get_notifs()
+        except Exception:
+            log.exception("transfer_poll_failed")
+            return
+        if done or notifs:
+            self._to_loop(self._deliver, done, notifs)
+
+    def _to_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:   # the loop is closed: nobody is left to tell
+            pass
+
+    # ---- back on the event loop ----------------------------------------------------------
+
+    def _deliver(self, done: list[tuple[int, TransferStatus]],
+                 notifs: list[tuple[str, bytes]]) -> None:
+        for hid, st in done:
+            if hid in self._waiters:
+                self._resolve(hid, st)
+            else:
+                self._early[hid] = st
+        for agent, msg in notifs:
+            if self.on_notif is None:
+                self.notifs.put_nowait((agent, msg))
+                continue
+            try:
+                self.on_notif(agent, msg)
+            except Exception:  # a bad message must not stop delivery
+                log.exception("transfer_notif_handler_failed", agent=agent)
 
     def _resolve(self, hid: int, status: TransferStatus) -> None:
         entry = self._waiters.pop(hid, None)
@@ -165,29 +249,11 @@ class TransferWorker:
         if self.observer is not None:
             self.observer(handle, status, time.monotonic() - t0)
 
-    async def _poll_loop(self) -> None:
-        while True:
-            try:
-                handles = [h for h, _, _ in self._waiters.values()]
-                done, notifs = await self._run(self._tick, handles)
-                for hid, st in done:
-                    self._resolve(hid, st)
-                for agent, msg in notifs:
-                    if self.on_notif is not None:
-                        try:
-                            self.on_notif(agent, msg)
-                        except Exception:  # a bad message must not stop progress
-                            log.exception("transfer_notif_handler_failed", agent=agent)
-                    else:
-                        self.notifs.put_nowait((agent, msg))
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("transfer_poll_failed")
-            busy = bool(self._waiters) or self._busy > 0
-            self._wake.clear()
-            if busy:
-                await asyncio.sleep(self._busy_poll_s)
-            else:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._idle_poll_s)
+
+def _settle(fut: asyncio.Future, res: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(res)
