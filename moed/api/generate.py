@@ -107,6 +107,10 @@ class Generation:
                                 f"holds {capacity} tokens.", code="context_length_exceeded",
                            param="messages" if req.chat else "prompt")
         lens = [len(p) for p in prompt_ids for _ in range(req.n)]
+        if len(lens) > admission.max_waiting:     # could never be admitted: not a 429
+            raise bad_request(f"{len(prompt_ids)} prompt(s) x n={req.n} = {len(lens)} sequences; "
+                              f"this server takes at most {admission.max_waiting} per request",
+                              "n" if req.n > 1 else "prompt")
         tickets = admit(admission, lens, retry_after_s)
         self.choices = [
             Choice(index=pi * req.n + c, prompt_index=pi, prompt_ids=p,

@@ -156,8 +156,8 @@ async def _read_json(request: web.Request, limit: int) -> Any:
                        code="body_too_large")
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"Malformed JSON body: {e}") from None
+    except (ValueError, RecursionError) as e:    # JSONDecodeError, bad UTF-8, absurd nesting
+        raise bad_request(f"Malformed JSON body: {str(e)[:200]}") from None
 
 
 def _check_serving(state: ServerState) -> Any:

@@ -107,6 +107,7 @@ async def test_logprobs_shapes(server, http):
     ({"prompt": [1, 2, 999]}, 400, "prompt"),
     ({"prompt": "x", "model": "other"}, 404, "model"),
     ({"nope": 1}, 400, "prompt"),
+    ({"prompt": ["a"] * 200, "n": 2}, 400, "n"),
 ])
 async def test_bad_input_is_4xx_openai_shaped(server, http, payload, status, param):
     _, url, engine = server
@@ -126,6 +127,8 @@ async def test_malformed_json_oversized_body_and_unknown_route(http):
         async with http.post(f"{url}/v1/completions", data=b"x" * 5000) as r:
             assert r.status == 413
             assert (await r.json())["error"]["code"] == "body_too_large"
+        async with http.post(f"{url}/v1/completions", data=b"[" * 450 + b"]" * 450) as r:
+            assert r.status == 400
         async with http.get(f"{url}/v1/nothing") as r:
             assert r.status == 404 and "error" in await r.json()
         async with http.get(f"{url}/health") as r:
@@ -294,6 +297,7 @@ async def test_chat_stream_token_ids_and_live_config(http):
         app.set_config(dataclasses.replace(cfg, admission=dataclasses.replace(
             cfg.admission, max_waiting_requests=1, retry_after_s=9)))
         async with http.post(f"{url}/v1/completions", json={"prompt": "p", "n": 2}) as r:
-            assert r.status == 429 and r.headers["Retry-After"] == "9"
+            assert r.status == 400 and "at most 1" in (await r.json())["error"]["message"]
+        assert app.state.admission.max_waiting == 1
         async with http.post(f"{url}/v1/completions", json={"prompt": "p"}) as r:
             assert r.status == 200
