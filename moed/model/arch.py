@@ -34,14 +34,22 @@ class DecoderLayer:
 
 
 class MoEDecoder:
-    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 consume: bool = False) -> None:
+        """consume: drop each layer's entries from `w` once built, so repacked originals are
+        freed layer by layer (peak memory ~1 layer above the model, not 2x)."""
         self.spec = spec
         pack = can_pack(device, dtype)
         self.embed, self.norm = w["embed"], w["norm"]
         self.lm_head = Linear(w["lm_head"], pack=pack)
         # Tokens routed per logical expert since the last read ([layers, experts], int64).
         self.expert_load = torch.zeros((spec.num_layers, max(spec.num_experts, 1)), dtype=torch.long, device=device)
-        self.layers = [DecoderLayer(spec, i, w, self.expert_load[i], pack) for i in range(spec.num_layers)]
+        self.layers = []
+        for i in range(spec.num_layers):
+            self.layers.append(DecoderLayer(spec, i, w, self.expert_load[i], pack))
+            if consume:
+                for name in [n for n in w if n.startswith(f"layers.{i}.")]:
+                    del w[name]
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, dtype, device)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,

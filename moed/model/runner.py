@@ -59,10 +59,12 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.spec, self.device)
         self.block_size, self.num_blocks = block_size, num_blocks
-        if weights is None:
+        own = weights is None
+        if own:
             weights = load_weights(model_dir, self.spec, self.dtype, self.device)
         self.backend = get_backend(attention_backend, self.spec, block_size, self.device, self.dtype)
-        self.model = MoEDecoder(self.spec, weights, self.device, self.dtype)
+        self.model = MoEDecoder(self.spec, weights, self.device, self.dtype, consume=own)
+        del weights
         self.kv_cache = torch.zeros(kv_cache_shape(self.spec, num_blocks, block_size),
                                     dtype=self.dtype, device=self.device)
         log.info("model_runner_ready", arch=self.spec.arch, device=str(self.device),
