@@ -138,6 +138,10 @@ class Generation:
                         stream = await stream
                 except ValueError as e:
                     raise bad_request(str(e), "messages" if self.req.chat else "prompt") from None
+                except RuntimeError as e:   # the engine is stopping (shutdown or a crashed loop)
+                    log.error("engine_refused", error=str(e))
+                    raise APIError(503, "The engine is not accepting requests.",
+                                   code="engine_unavailable") from None
                 ch.added = True
                 self._pumps.append(asyncio.create_task(self._pump(ch, stream),
                                                        name=f"pump-{ch.engine_id}"))

@@ -248,7 +248,9 @@ async def test_drain_finishes_inflight_then_refuses(http):
 class _BrokenEngine(FakeEngine):
     def add_request(self, rid, prompt, params):
         if params.max_tokens == 3:
-            raise RuntimeError("secret internal detail")
+            raise KeyError("secret internal detail")       # a bug: the catch-all answers
+        if params.max_tokens == 5:
+            raise RuntimeError("engine is shutting down")
         return super().add_request(rid, prompt, params)
 
     def _step(self, r):
@@ -272,6 +274,8 @@ async def test_internal_errors_are_500_with_request_id_only(http):
                 err = (await r.json())["error"]
             assert f"rid-{max_tokens}" in err["message"]
             assert "secret" not in err["message"] and "boom" not in err["message"]
+        async with http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 5}) as r:
+            assert r.status == 503
         async with http.post(f"{url}/v1/completions",
                              json={"prompt": "x", "max_tokens": 4, "stream": True}) as r:
             events = sse_events(await r.text())
