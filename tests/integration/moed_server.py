@@ -128,7 +128,11 @@ def start_server(*, model: str | Path | None = None, role: str | None = None,
                  env: Mapping[str, str] | None = None, args: Sequence[str] = (),
                  port: int | None = None, log_dir: str | Path | None = None,
                  wait: str | None = "ready", ready_timeout: float = 90.0) -> ServerProcess:
-    """Start `python -m moed serve` (caller must stop it). `toml` writes a config file."""
+    """Start `python -m moed serve` (caller must stop it). `toml` writes a config file.
+
+    The child gets this process's environment minus any MOED_* variable (tests stay
+    independent of the shell), plus OMP_NUM_THREADS=1, MOED_ENGINE_NUM_THREADS=1 and `env`.
+    """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moed-srv-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
