@@ -217,6 +217,7 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
                   timeout: float) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no",   # proxies: do not buffer
                                        "X-Request-Id": request[REQUEST_ID]})
     await resp.prepare(request)
     try:
