@@ -129,13 +129,16 @@ class DecodeComponent:
         self.current: dict[str, tuple[str, str]] = {}   # request id → (peer, job id) in flight
         self.expect: dict[str, asyncio.Future[FirstToken]] = {}
         self._app: Any = None
+        self._membership: Any = None               # moed.cluster's component when enabled
 
     # ---- Component ---------------------------------------------------------------------------
     def add_routes(self, web_app: web.Application) -> None:
         web_app.router.add_get("/internal/transfer", self.handle_info)
 
     async def start(self, app: Any) -> None:
-        if not self.cfg.transfer.prefill_peers:
+        self._membership = next((c for c in app.components
+                                 if getattr(c, "name", "") == "cluster"), None)
+        if not self.cfg.transfer.prefill_peers and self._membership is None:
             log.warning("decode_without_prefill_peers",
                         hint="set transfer.prefill_peers (or enable membership)")
         self._app = app
@@ -176,6 +179,20 @@ class DecodeComponent:
             "peers": {u: {"state": h.state.value, "failures": h.total_failures,
                           "inflight": self.inflight.get(u, 0)} for u, h in self.health.items()},
             "jobs": len(self.jobs)})
+
+    # ---- prefill peers ---------------------------------------------------------------------
+    def candidates(self) -> dict[str, policy.PeerHealth]:
+        """Prefill peers to choose from now: the static list plus, with membership, every
+        alive prefill member serving the same model (health kept across views)."""
+        urls = list(self.cfg.transfer.prefill_peers)
+        view = self._membership.view() if self._membership is not None else None
+        if view is not None:
+            model = getattr(self._app.state, "model_name", "")
+            urls += [m.meta.http for m in view.alive("prefill")
+                     if m.meta.http and (not model or m.meta.model in ("", model))]
+        for u in urls:
+            self.health.setdefault(u, policy.PeerHealth())
+        return {u: self.health[u] for u in dict.fromkeys(urls)}
 
     # ---- per request -------------------------------------------------------------------------
     def launch(self, rid: str, prompt: list[int], params: SamplingParams, inner: Any,
@@ -228,13 +245,14 @@ class DecodeComponent:
         errors: list[str] = []
         attempts = t.max_prefill_retries + 1
         for attempt in range(1, attempts + 1):
-            peer = policy.pick_peer(self.health, self.inflight, tried, time.monotonic(),
+            peers = self.candidates()
+            peer = policy.pick_peer(peers, self.inflight, tried, time.monotonic(),
                                     t.peer_error_cooldown_s)
             now = loop.time()
             if peer is None or now >= deadline:
                 break
             # a stalled peer may use an equal share of what is left (the last try: all of it)
-            left = min(attempts - attempt + 1, sum(1 for p in self.health if p not in tried))
+            left = min(attempts - attempt + 1, sum(1 for p in peers if p not in tried))
             until = now + (deadline - now) / max(left, 1)
             tried.add(peer)
             self.health[peer] = policy.on_pick(self.health[peer])
@@ -259,8 +277,8 @@ class DecodeComponent:
             self.engine.complete_remote_prefill(rid, tok.token_id, tok.logprob)
             return
         why = "; ".join(errors) if errors else (
-            "no prefill node available" + ("" if self.health else
-                                           " (transfer.prefill_peers is empty)"))
+            "no prefill node available" + ("" if self.candidates() else
+                                           " (no prefill peers configured or alive)"))
         self._fail(rid, stream, prompt, cached, "prefill_failed", f"remote prefill failed: {why}")
 
     def _fail(self, rid: str, stream: DecodeStream, prompt: list[int], cached: int, kind: str,
@@ -312,8 +330,9 @@ class DecodeComponent:
                     continue
                 if r.status != 200:
                     text = await r.text()
-                    raise AttemptFailed("rejected", f"HTTP {r.status}: {text[:300]}",
-                                        retry=r.status >= 500 or r.status == 409)
+                    # 400 for the job itself (bad prompt) fails everywhere; the rest may not
+                    retry = r.status != 400 or '"bad_metadata"' in text
+                    raise AttemptFailed("rejected", f"HTTP {r.status}: {text[:300]}", retry)
                 self.md_sent.add(peer)
                 while True:
                     raw = await r.content.readline()
