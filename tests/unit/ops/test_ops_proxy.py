@@ -205,3 +205,26 @@ async def test_finished_streams_reuse_pooled_connections(cluster) -> None:
         status, text, _ = await _post(url)
         assert status == 200 and text.rstrip().endswith("[DONE]")
     assert node.hits == 4 and len(node.peers) == 1
+
+
+def test_membership_backends_from_the_cluster_view() -> None:
+    from moed.api.proxy import MembershipBackends
+    from moed.cluster.state import ClusterView, LoadVector, MemberInfo, MemberState, NodeMeta
+
+    def member(name, role, state=MemberState.ALIVE, waiting=0, http="http://h:1/"):
+        return MemberInfo(name, state, 1, "h:7946", NodeMeta(role=role, http=http),
+                          LoadVector(waiting=waiting), 0, 0.0)
+
+    view = ClusterView.build("r", [
+        member("r", "router"), member("d1", "decode", waiting=4), member("d2", "decode"),
+        member("c1", "colocated", waiting=1), member("p1", "prefill"),
+        member("d3", "decode", MemberState.SUSPECT), member("d4", "decode", MemberState.LEFT),
+        member("d5", "decode", http="")], version=1)
+    cfg = load(environ={}, overrides={"server": {"role": "router"}})
+    src = MembershipBackends(lambda: view, lambda: cfg)
+    got = {b.name: (b.url, b.waiting) for b in src.backends()}
+    assert got == {"d1": ("http://h:1", 4), "d2": ("http://h:1", 0), "c1": ("http://h:1", 1)}
+    assert pick_backend(src.backends(), {}).name == "d2"
+    src.mark_failed("d2")                      # a refused connect: skipped until gossip catches up
+    assert pick_backend(src.backends(), {}).name == "c1"
+    assert MembershipBackends(lambda: None, lambda: cfg).backends() == []
