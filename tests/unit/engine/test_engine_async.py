@@ -96,9 +96,10 @@ async def test_bad_requests_raise_value_error():
 async def test_shutdown_aborts_everything():
     eng = _engine(SlowRunner(64, 4))
     await eng.start()
-    streams = [eng.add_request(f"r{i}", [1, 2, i + 3], SamplingParams(max_tokens=500)) for i in range(3)]
+    streams = [eng.add_request(f"r{i}", [1, 2, i + 3], SamplingParams(max_tokens=500, temperature=0.0))
+               for i in range(3)]
     await asyncio.sleep(0.12)
-    await asyncio.wait_for(eng.shutdown(), 5)
+    await asyncio.wait_for(eng.shutdown(), 20)
     for s in streams:
         evs = await asyncio.wait_for(_collect(s), 1)
         assert evs[-1].finish_reason is FinishReason.ABORT
