@@ -6,6 +6,9 @@ command; the loop applies them at the next step boundary. The forward pass and s
 ONE executor thread, so the event loop keeps serving HTTP while a step computes. When there is
 nothing to do the loop sleeps on an asyncio.Event.
 
+`at_step_boundary(fn)` runs a callable between two steps (expert-load reads, expert-map
+swaps). `apply_config(cfg)` adopts the live limits (max_num_seqs, max_num_batched_tokens).
+
 Each step:  drain commands -> scheduler.schedule() -> [executor] runner.forward + sample ->
 scheduler.update() -> publish TokenEvents to each request's stream -> on_step(StepStats).
 
@@ -150,6 +153,13 @@ class Engine:
     def apply_config(self, cfg: EngineConfig) -> None:
         """Adopt the live fields (max_num_seqs, max_num_batched_tokens) at the next step."""
         self._post(("config", cfg))
+
+    def at_step_boundary(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run `fn()` on the loop between two steps (no forward in flight), e.g. to read the
+        runner's expert load or install a new expert map. -> a future with fn's result."""
+        fut = asyncio.get_running_loop().create_future()
+        self._post(("call", fn, fut))
+        return fut
 
     def kv_block_table(self, request_id: str) -> list[int]:
         return list(self.kv.block_table(request_id))
@@ -330,6 +340,16 @@ class Engine:
                     log.warning("remote_prefill_unknown_request", request_id=rid)
             elif kind == "release":
                 self.scheduler.release(cmd[1])
+            elif kind == "call":
+                _, fn, fut = cmd
+                try:
+                    res = fn()
+                except Exception as e:
+                    if not fut.done():
+                        fut.set_exception(e)
+                else:
+                    if not fut.done():
+                        fut.set_result(res)
             elif kind == "config":
                 self.cfg = cfg = cmd[1]
                 self.scheduler.set_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens)

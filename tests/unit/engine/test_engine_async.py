@@ -275,3 +275,30 @@ async def test_stream_gets_error_for_a_prompt_that_never_fits():
         assert ok[-1].finish_reason is FinishReason.LENGTH
     finally:
         await eng.shutdown()
+
+
+async def test_at_step_boundary_runs_between_steps():
+    runner = SlowRunner(64, 4)
+    inflight = []
+    orig = runner.forward
+
+    def forward(batch):
+        inflight.append(1)
+        try:
+            return orig(batch)
+        finally:
+            inflight.pop()
+
+    runner.forward = forward
+    eng = _engine(runner)
+    await eng.start()
+    try:
+        s = eng.add_request("a", [1, 2, 3], GREEDY)
+        await asyncio.sleep(0.02)
+        seen = await asyncio.wait_for(eng.at_step_boundary(lambda: (len(inflight), eng.steps)), 5)
+        assert seen[0] == 0
+        with pytest.raises(ZeroDivisionError):
+            await asyncio.wait_for(eng.at_step_boundary(lambda: 1 / 0), 5)
+        await _collect(s)
+    finally:
+        await eng.shutdown()
