@@ -6,6 +6,8 @@ match the oracle to ~1e-5.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,21 @@ from moed.model.spec import ModelSpec
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN-packed bf16 weights: 1.5-2.5x faster skinny GEMMs (decode) on CPU, same numerics."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_bf16_works()
+
+
+@functools.cache
+def _onednn_bf16_works() -> bool:
+    # Older CPUs (no AVX-512) may lack oneDNN's bf16 kernels: probe once, else use F.linear.
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(4, 8, dtype=torch.bfloat16)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=torch.bfloat16),
+                                               torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
+        return bool((y == 8).all())
+    except RuntimeError:
+        return False
 
 
 class Linear:

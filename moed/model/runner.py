@@ -101,7 +101,9 @@ class ModelRunner:
         return self.model(input_ids, positions, max(pos), last_rows, self.backend, self.kv_cache)
 
     def expert_load(self) -> torch.Tensor:
-        """Tokens routed per logical expert [layers, experts] since the last call (then reset)."""
+        """Tokens routed per logical expert [layers, experts] since the last call (then reset).
+
+        Call it between steps (e.g. on the step thread): a read racing a forward may drop counts."""
         load = self.model.expert_load.cpu().clone()
         self.model.expert_load.zero_()
         return load
