@@ -1,6 +1,7 @@
 """A real `moed serve` under a fake systemd: NOTIFY_SOCKET is a datagram socket this test binds.
 
-Sees STATUS while starting, READY=1 only once /ready is 200, WATCHDOG=1 at WatchdogSec/2 from
+Sees STATUS while starting, a SIGHUP during the model load deferred (not fatal), READY=1 only
+once /ready is 200, WATCHDOG=1 at WatchdogSec/2 from
 the event loop, RELOADING=1 … READY=1 around a SIGHUP, STOPPING=1 on SIGTERM, and exit 0.
 """
 from __future__ import annotations
@@ -60,6 +61,13 @@ class FakeSystemd:
         self.sock.close()
 
 
+def _health(srv) -> int:
+    try:
+        return srv.get("/health", timeout=1)[0]
+    except OSError:        # not listening yet
+        return 0
+
+
 @pytest.fixture
 def fake_systemd(tmp_path: Path):
     fs = FakeSystemd(tmp_path / "notify")
@@ -73,7 +81,16 @@ def test_notify_lifecycle(moed_server, tiny_qwen3, fake_systemd, tmp_path: Path)
     srv = moed_server(model=tiny_qwen3, config=conf, wait=None,
                       env={"NOTIFY_SOCKET": fake_systemd.path, "WATCHDOG_USEC": "1000000"})
     fake_systemd.ready_url = srv.url + "/ready"
+    # A SIGHUP while the model loads is deferred until ready (its default action would kill).
+    deadline = time.monotonic() + 90
+    while _health(srv) != 200:
+        assert srv.alive and time.monotonic() < deadline, srv.tail()
+        time.sleep(0.02)
+    srv.send_signal(signal.SIGHUP)
     ready = fake_systemd.wait_for("READY", timeout=90)
+    deferred = fake_systemd.wait_for("RELOADING", after=ready)
+    fake_systemd.wait_for("READY", after=deferred)
+    assert srv.alive
     first_status = fake_systemd.messages[0][1]
     assert "STATUS" in first_status and "READY" not in first_status   # status while starting
     assert fake_systemd.on_ready == [200], "READY=1 was sent before /ready answered 200"
