@@ -24,6 +24,7 @@ import dataclasses
 import json
 import time
 from typing import Any, Sequence
+from urllib.parse import quote
 
 import aiohttp
 import structlog
@@ -219,7 +220,7 @@ class DecodeComponent:
     async def _delete(self, peer: str, job_id: str) -> None:
         assert self.session is not None
         with contextlib.suppress(Exception):
-            async with self.session.delete(f"{peer}/internal/prefill/{job_id}",
+            async with self.session.delete(f"{peer}/internal/prefill/{quote(job_id, safe='')}",
                                            timeout=aiohttp.ClientTimeout(total=1.0)):
                 pass
 
@@ -256,12 +257,12 @@ class DecodeComponent:
             until = now + (deadline - now) / max(left, 1)
             tried.add(peer)
             self.health[peer] = policy.on_pick(self.health[peer])
-            job_id = f"{rid}.{attempt}"
+            job_id = f"{self.node}.{self.incarnation}.{rid}.{attempt}"   # unique cluster-wide
             spec = PrefillJobSpec(job_id, tuple(prompt), skip, tuple(dst), self.node,
                                   self.incarnation, max(until - now, 0.001),
                                   sampling_fields(params))
             try:
-                tok = await self._attempt(peer, spec, until)
+                tok = await self._attempt(rid, peer, spec, until)
             except AttemptFailed as e:
                 self.health[peer] = policy.on_failure(self.health[peer], time.monotonic())
                 metrics.TRANSFER_FAILURES.labels(e.kind).inc()
@@ -288,11 +289,11 @@ class DecodeComponent:
         self.engine.abort(rid)          # frees the destination blocks
         stream.fail(TokenEvent(rid, (), "", (), FinishReason.ERROR, len(prompt), cached, message))
 
-    async def _attempt(self, peer: str, spec: PrefillJobSpec, deadline: float) -> FirstToken:
+    async def _attempt(self, rid: str, peer: str, spec: PrefillJobSpec,
+                       deadline: float) -> FirstToken:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[FirstToken] = loop.create_future()
         self.expect[spec.job_id] = fut
-        rid = spec.job_id.rsplit(".", 1)[0]
         self.current[rid] = (peer, spec.job_id)
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         try:
