@@ -11,11 +11,12 @@ import torch
 from moed.model.batch import ForwardBatch
 from moed.model.runner import ModelRunner
 
-SHAPES = [  # (arch, overrides): odd expert counts, GQA/MQA, top-3, a dense layer
+SHAPES = [  # (arch, overrides): odd expert counts, GQA/MQA, top-3, a dense layer, raw top-k weights
     ("qwen3_moe", dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=7,
                        moe_intermediate_size=64)),
     ("qwen3_moe", dict(hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=3, num_experts=8, top_k=3,
-                       moe_intermediate_size=48, mlp_only_layers=[1], dense_intermediate_size=80)),
+                       moe_intermediate_size=48, mlp_only_layers=[1], dense_intermediate_size=80,
+                       norm_topk_prob=False)),
     ("mixtral", dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=1, num_experts=5,
                      moe_intermediate_size=64)),
     ("mixtral", dict(hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=2, num_experts=8,
