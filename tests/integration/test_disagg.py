@@ -23,12 +23,14 @@ pytestmark = pytest.mark.timeout(240)
 COMMON = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "8",
           "MOED_ENGINE_BLOCK_SIZE": "4", "MOED_ENGINE_MAX_NUM_BATCHED_TOKENS": "16",
           "MOED_MODEL_SERVED_NAME": "tiny"}
-LONG = 1200            # tokens: ~75 prefill chunks, long enough to act while it runs
+LONG = 1800            # tokens: ~110 prefill chunks, long enough to act while it runs
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_qwen3, tmp_path_factory):
-    p1, p2 = free_port(), free_port()
+    # P2's URL sorts first, so an idle decode node picks it first (ties go by name): the
+    # SIGSTOP test then knows its first attempt lands on the stalled node
+    p2, p1 = sorted((free_port(), free_port()), key=str)
     peers = f"http://127.0.0.1:{p1},http://127.0.0.1:{p2}"
     specs = {"C": ("colocated", None, {}),
              "P1": ("prefill", p1, {}),
@@ -145,8 +147,8 @@ def test_stalled_prefill_times_out_retries_and_recovers(cluster) -> None:
     prompts = [_prompt(60, 30 + i) for i in range(2)]
     want = [_greedy(c, p).choices[0].token_ids for p in prompts]
     p2.proc.send_signal(signal.SIGSTOP)
-    try:
-        with cf.ThreadPoolExecutor(2) as ex:   # two at once: the fewest-jobs pick uses both nodes
+    try:    # the first pick is P2 (see the fixture), so at least one attempt stalls there
+        with cf.ThreadPoolExecutor(2) as ex:
             got = list(ex.map(lambda p: _greedy(_client(d2), p).choices[0], prompts))
     finally:
         p2.proc.send_signal(signal.SIGCONT)
