@@ -131,8 +131,12 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        # A few prompt tokens give the window context (e.g. leading-space handling).
-        self.ids: list[int] = list(prompt_ids[-4:])
+        # A few prompt tokens give the window context (e.g. leading-space handling), unless
+        # they end inside a UTF-8 character (a token-id prompt): then no context at all.
+        ctx = list(prompt_ids[-4:])
+        if ctx and self._decode(ctx).endswith("\ufffd"):
+            ctx = []
+        self.ids: list[int] = ctx
         self._prefix = 0                  # window start
         self._read = len(self.ids)        # ids up to here have been emitted
         self.text = ""                    # everything emitted so far

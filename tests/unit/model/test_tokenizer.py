@@ -93,3 +93,11 @@ def test_trained_tokenizer_cache_is_rebuilt_when_corrupt(tmp_path, monkeypatch):
     assert bpe_train.trained_tokenizer("mistral", 300).to_str() == tok.to_str()   # now cached, same
     with pytest.raises(ValueError, match="too small"):
         bpe_train.trained_tokenizer("chatml", 100)
+
+
+def test_incremental_detokenizer_prompt_ending_mid_character(tok):
+    ids = tok.encode("héllo 🙂 world", add_special_tokens=False)
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    det = IncrementalDetokenizer(tok, ids[:cut])
+    text = "".join(det.add(i) for i in ids[cut:]) + det.flush()
+    assert text == tok.decode(ids[cut:])
