@@ -89,6 +89,8 @@ def test_moe_grouped_matches_naive_and_replicas(ckpt):
     ref = _naive_moe(layer, x, gate_up, down)
     assert torch.allclose(layer(x), ref, atol=1e-5)
     assert int(load.sum()) == 23 * spec.top_k
+    assert torch.allclose(layer(x[:1]), ref[:1], atol=1e-5)               # batch-1 path
+    assert int(load.sum()) == 24 * spec.top_k
     # Replicate experts 0 and 3 into physical slots 5 and 6: same math, new map.
     rep = MoELayer(spec, router, torch.cat([gate_up, gate_up[[0, 3]]]), torch.cat([down, down[[0, 3]]]), load)
     rep.set_expert_map(torch.tensor([[0, 5], [1, 1], [2, 2], [3, 6], [4, 4]]), torch.tensor([2, 1, 1, 2, 1]))
