@@ -178,7 +178,8 @@ def fuse_experts_on_disk(model_dir: str | Path) -> None:
     from safetensors.torch import load_file, save_file
 
     d = Path(model_dir)
-    pat = re.compile(r"^(.*\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+    pat = re.compile(r"^(.*\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
     role = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
     index_path = d / "model.safetensors.index.json"
     shards = sorted(d.glob("*.safetensors"))

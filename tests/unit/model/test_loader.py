@@ -106,5 +106,6 @@ def test_real_config_dialect_gives_same_logits(make_checkpoint, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     assert load_spec(dst) == load_spec(src)
     batch = ForwardBatch([[9, 8, 7, 6, 5, 4]], [0], [[1, 0]])
-    a, b = (ModelRunner(d, dtype="float32", device="cpu", num_blocks=2, block_size=4).forward(batch) for d in (src, dst))
+    a, b = (ModelRunner(d, dtype="float32", device="cpu", num_blocks=2, block_size=4).forward(batch)
+            for d in (src, dst))
     assert torch.equal(a, b)

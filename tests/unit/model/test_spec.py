@@ -36,7 +36,8 @@ def test_qwen3_real_style():
 
 
 def test_qwen3_v5_style_and_dense_layers():
-    cfg = {**QWEN_REAL, "num_local_experts": 6, "num_experts_per_tok": 2, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"},
+    cfg = {**QWEN_REAL, "num_local_experts": 6, "num_experts_per_tok": 2,
+           "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"},
            "mlp_only_layers": [0], "decoder_sparse_step": 2, "norm_topk_prob": False}
     del cfg["num_experts"], cfg["rope_theta"], cfg["head_dim"]
     s = spec_from_config({**cfg, "num_hidden_layers": 6})
