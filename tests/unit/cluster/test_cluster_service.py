@@ -95,3 +95,30 @@ async def test_wildcard_bind_needs_an_advertised_address() -> None:
                           spawn=lambda coro, name: None)
     with pytest.raises(ClusterError, match="advertise_host"):
         await comp.start(app)
+
+
+async def test_engine_load_is_published_in_the_view() -> None:
+    from moed.types import EngineStats
+    comp = MembershipComponent(_cfg(insecure=True, load_update_interval_ms=20))
+    stats = EngineStats(running=3, waiting=2, waiting_remote_kv=1, queued_prompt_tokens=500,
+                        kv_blocks_free=77)
+    tasks: list[asyncio.Task] = []
+
+    def spawn(coro, name: str) -> asyncio.Task:
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+    app = SimpleNamespace(port=1, node="svc", spawn=spawn,
+                          state=SimpleNamespace(engine=SimpleNamespace(stats=lambda: stats)))
+    await comp.start(app)
+    try:
+        for _ in range(100):
+            load = comp.view().get("svc").load
+            if load.running == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert (load.waiting, load.running, load.free_kv_blocks,
+                load.queued_prefill_tokens) == (3, 3, 77, 500)
+    finally:
+        await comp.stop()
+        for t in tasks:
+            t.cancel()
