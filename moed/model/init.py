@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         if not getattr(args, "force", False):
-            print(f"error: {out} is not empty (use --force to overwrite)")
+            print(f"error: {out} is not empty (use --force to overwrite)", file=sys.stderr)
             return 2
         shutil.rmtree(out)
     path = init_checkpoint(args.arch, out, preset=args.preset, seed=args.seed)

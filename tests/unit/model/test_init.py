@@ -56,6 +56,8 @@ def test_cli_entry_points(tmp_path, capsys):
     out = tmp_path / "m"
     args = parser.parse_args(["--arch", "mixtral", "--out", str(out), "--seed", "3"])
     assert model_init.main(args) == 0 and (out / "config.json").is_file()
-    assert model_init.main(args) == 2 and "not empty" in capsys.readouterr().out
+    assert model_init.main(args) == 2 and "not empty" in capsys.readouterr().err
+    forced = parser.parse_args(["--arch", "qwen3_moe", "--out", str(out), "--force"])
+    assert model_init.main(forced) == 0 and '"qwen3_moe"' in (out / "config.json").read_text()
     with pytest.raises(SystemExit):
         parser.parse_args(["--arch", "gpt2", "--out", str(out)])
