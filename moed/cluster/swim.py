@@ -25,6 +25,8 @@ import random
 from collections import Counter
 from typing import Callable
 
+import structlog
+
 from . import policy, wire
 from .broadcast import BroadcastQueue
 from .clock import Scheduler, Timer
@@ -36,6 +38,7 @@ from .transport import Transport
 from .wire import Ack, Alive, Dead, IndirectPing, Load, Nack, Ping, PushPull, StateEntry, Suspect
 
 Listener = Callable[[MemberEvent], None]
+log = structlog.get_logger(__name__)
 
 
 class Membership:
@@ -66,6 +69,7 @@ class Membership:
         self._leaving = self._stopped = False
         self._pending_load: LoadVector | None = None
         self._limit_n = self._limit = 0
+        self._conflict_until = float("-inf")
         me = Member(name, self.addr, incarnation, meta, LoadVector(), scheduler.wall_ms(),
                     self._stamp())
         self._members[name] = me
@@ -326,6 +330,8 @@ class Membership:
             if msg.incarnation > me.incarnation or (
                     msg.incarnation == me.incarnation and
                     (msg.addr, msg.meta) != (me.addr, me.meta)):
+                if msg.addr != me.addr and not self._conflict(msg.addr):
+                    return
                 self._refute(msg.incarnation)
             return
         m = self._members.get(msg.name)
@@ -454,6 +460,17 @@ class Membership:
         s = self._suspicions.pop(name, None)
         if s is not None and s.timer:
             s.timer.cancel()
+
+    def _conflict(self, other_addr: str) -> bool:
+        """Another live process claims our name (names must be unique). Refute at most once
+        per push-pull interval, so two such nodes cannot start an incarnation war."""
+        self.stats["name_conflicts"] += 1
+        now = self.sched.now()
+        if now < self._conflict_until:
+            return False
+        self._conflict_until = now + self.cfg.push_pull_interval_s
+        log.warning("cluster_name_conflict", node=self.name, addr=self.addr, other=other_addr)
+        return True
 
     def _refute(self, incarnation: int) -> None:
         me = self._members[self.name]

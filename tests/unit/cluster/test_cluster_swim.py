@@ -178,3 +178,25 @@ def test_swim_config_maps_cluster_config() -> None:
     cfg = SwimConfig.from_cluster(ClusterConfig(probe_interval_ms=700, gossip_nodes=5))
     assert cfg.probe_interval_s == 0.7 and cfg.gossip_nodes == 5
     assert dataclasses.replace(cfg, probe_timeout_s=0.1).probe_timeout_s == 0.1
+
+
+def test_a_second_process_with_the_same_name_is_reported_and_contained() -> None:
+    sim = Simulation(4, seed=13)
+    sim.run(2)
+    twin = sim.add("twin", seeds=(Simulation.addr_of(0),), start=True)
+    sim.run(3)
+    original = sim.nodes["n0002"]
+    inc0 = original.incarnation
+    # a second process wrongly configured with n0002's name (the first is still running)
+    impostor_net = sim.net.attach("10.8.8.8:7946")
+    from moed.cluster.swim import Membership
+    impostor = Membership("n0002", impostor_net, sim.sched, sim.cfg, sim.codec,
+                          seeds=(Simulation.addr_of(0),), incarnation=inc0 + 1)
+    impostor.start()
+    sim.run(60)
+    conflicts = original.stats["name_conflicts"] + impostor.stats["name_conflicts"]
+    assert conflicts > 0
+    # refutations stay rate-limited (one per push-pull interval per process)
+    bumps = (original.incarnation - inc0) + (impostor.incarnation - inc0 - 1)
+    assert bumps <= 2 * (60 / sim.cfg.push_pull_interval_s + 2)
+    assert twin.view().get("n0002").state is A
