@@ -263,7 +263,7 @@ class MembershipComponent:
 _MESSAGE_KEYS = {"sent_packets": ("sent", "packet"), "recv_packets": ("received", "packet"),
                  "sent_streams": ("sent", "stream"), "recv_streams": ("received", "stream")}
 _PROTOCOL_KEYS = {"probe_failures", "refutes", "suspicion_timeouts", "reprobes",
-                  "join_attempts", "stale_updates"}
+                  "last_chance_probes", "join_attempts", "stale_updates", "name_conflicts"}
 
 
 def _layout_id(app: Any) -> str:

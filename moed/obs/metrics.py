@@ -110,7 +110,8 @@ CLUSTER_DROPPED = Counter("moed_cluster_dropped",
                           "version, stale_time, wrong_target", ["reason"], registry=REGISTRY)
 CLUSTER_PROTOCOL = Counter("moed_cluster_protocol_events",
                            "Protocol events: probe_failures, refutes, suspicion_timeouts, "
-                           "reprobes, join_attempts, stale_updates, transport errors",
+                           "reprobes, last_chance_probes, join_attempts, stale_updates, "
+                           "name_conflicts, transport errors",
                            ["event"], registry=REGISTRY)
 CLUSTER_MEMBER_EVENTS = Counter("moed_cluster_member_events",
                                 "Member state changes seen (alive also counts metadata updates)",
