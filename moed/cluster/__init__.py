@@ -14,5 +14,6 @@ codec), broadcast (piggyback queue), members (records, config), probe (failure d
 swim (the protocol core), clock (real and simulated time), transport + udp (in-memory and
 real networks), sim (discrete-event simulation), service (the daemon component).
 """
-from .state import (ClusterView, LoadVector, MemberEvent, MemberInfo, MemberState,  # noqa: F401
-                    NodeMeta)
+from .state import ClusterView, LoadVector, MemberEvent, MemberInfo, MemberState, NodeMeta
+
+__all__ = ["ClusterView", "LoadVector", "MemberEvent", "MemberInfo", "MemberState", "NodeMeta"]
