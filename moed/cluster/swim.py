@@ -69,7 +69,7 @@ class Membership:
         self._leaving = self._stopped = False
         self._pending_load: LoadVector | None = None
         self._limit_n = self._limit = 0
-        self._conflict_until = float("-inf")
+        self._conflict_until = self._skew_logged_at = float("-inf")
         me = Member(name, self.addr, incarnation, meta, LoadVector(), scheduler.wall_ms(),
                     self._stamp())
         self._members[name] = me
@@ -276,6 +276,11 @@ class Membership:
         window = self.cfg.replay_window_s * 1000
         if window and abs(self.sched.wall_ms() - sent_ms) > window:
             self.stats["dropped.stale_time"] += 1
+            now = self.sched.now()
+            if now >= self._skew_logged_at + 60.0:    # a replay, or clocks that drifted apart
+                self._skew_logged_at = now
+                log.warning("cluster_packet_out_of_window", node=self.name, sender=sender,
+                            skew_s=round((self.sched.wall_ms() - sent_ms) / 1000, 1))
             return None
         return sender, msgs
 
