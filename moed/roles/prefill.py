@@ -104,6 +104,7 @@ class PrefillComponent:
         self.engine: Any = None
         self.worker: Any = None
         self.jobs: dict[str, PrefillJob] = {}
+        self._aborts: set[asyncio.Future] = set()
         self.draining = False
 
     # ---- Component ---------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class PrefillComponent:
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
-            await self._cleanup(job, pump)
+            self._cleanup(job, pump)
         return resp
 
     # ---- the job -----------------------------------------------------------------------------
@@ -269,17 +270,23 @@ class PrefillComponent:
             log.info("prefill_job_ended", job=job.spec.job_id, state=state.value, reason=why,
                      decode=job.spec.decode_node)
 
-    async def _cleanup(self, job: PrefillJob, pump: asyncio.Task) -> None:
+    def _cleanup(self, job: PrefillJob, pump: asyncio.Task) -> None:
+        """Synchronous on purpose: a second cancellation (DELETE and a closed connection
+        both cancel the handler) must not skip any of it."""
         self.engine.abort(job.engine_id)       # frees held or running blocks at the next step
         pump.cancel()
-        if job.handle is not None:
-            try:
-                await asyncio.shield(self.worker.abort(job.handle))
-            except Exception as e:
-                log.warning("prefill_abort_failed", job=job.spec.job_id, error=repr(e))
+        if job.handle is not None:             # a write still in flight: cancel it off the loop
+            t = asyncio.ensure_future(self.worker.abort(job.handle))
+            self._aborts.add(t)
+            t.add_done_callback(self._abort_done)
         self.jobs.pop(job.spec.job_id, None)
         metrics.TRANSFER_JOBS_INFLIGHT.labels("prefill").set(len(self.jobs))
         metrics.TRANSFER_JOBS.labels("prefill", job.state.value).inc()
+
+    def _abort_done(self, t: asyncio.Future) -> None:
+        self._aborts.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("prefill_abort_failed", error=repr(t.exception()))
 
 
 async def _pump(stream: Any, inbox: asyncio.Queue) -> None:
