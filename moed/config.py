@@ -162,7 +162,8 @@ class TransferConfig:
     backend: str = _f("nixl", doc="KV transfer backend for prefill/decode roles")
     prefill_peers: tuple[str, ...] = _f((), live=True,
                                         doc="static prefill node URLs when membership is off")
-    lease_s: float = _f(30.0, live=True, doc="a prefill job's lease; decode renews it")
+    lease_s: float = _f(30.0, live=True, doc="a prefill job's lease: held while the decode "
+                        "node's job stream stays open, at most this long (or its deadline)")
     prefill_timeout_s: float = _f(60.0, live=True)
     max_prefill_retries: int = _f(2, live=True)
     peer_error_cooldown_s: float = _f(5.0, live=True, doc="half-open retry after failures")
