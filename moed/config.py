@@ -172,6 +172,10 @@ class TransferConfig:
         _positive("transfer.lease_s", self.lease_s)
         _positive("transfer.prefill_timeout_s", self.prefill_timeout_s)
         _range("transfer.max_prefill_retries", self.max_prefill_retries, 0, 16)
+        _choice("transfer.backend", self.backend, ("nixl",))
+        for u in self.prefill_peers:
+            if not u.startswith(("http://", "https://")):
+                raise ConfigError(f"transfer.prefill_peers: {u!r} is not an http(s):// URL")
 
 
 @dataclass(frozen=True)

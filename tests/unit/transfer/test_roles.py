@@ -95,3 +95,18 @@ def test_job_state_machine() -> None:
     for end in (JobState.CANCELLED, JobState.EXPIRED, JobState.FAILED):
         assert end in JOB_TRANSITIONS[JobState.RUNNING] and not JOB_TRANSITIONS[end]
     assert JobState.DONE not in JOB_TRANSITIONS[JobState.RUNNING]   # only via FINISHING
+
+
+def test_transfer_config_validation() -> None:
+    from moed.config import ConfigError, load
+
+    def cfg(**env: str):
+        return load(None, environ={f"MOED_TRANSFER_{k.upper()}": v for k, v in env.items()},
+                    overrides={"model": {"path": "/m"}}).transfer
+
+    assert cfg(prefill_peers="http://a:1,https://b:2").prefill_peers == ("http://a:1",
+                                                                         "https://b:2")
+    with pytest.raises(ConfigError, match="'a:1' is not an http"):
+        cfg(prefill_peers="a:1")
+    with pytest.raises(ConfigError, match="transfer.backend: 'tcp' is not one of nixl"):
+        cfg(backend="tcp")
