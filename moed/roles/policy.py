@@ -52,8 +52,11 @@ def pick_peer(health: Mapping[str, PeerHealth], inflight: Mapping[str, int],
               exclude: frozenset[str] | set[str], now: float, cooldown_s: float) -> str | None:
     """A peer whose cooldown is over gets the next job (its half-open trial: otherwise a
     lightly loaded cluster would never try it again); else the available peer with the fewest
-    jobs in flight (ties: by name). None when every peer is excluded or cooling down."""
-    cands = [p for p, h in health.items() if p not in exclude and available(h, now, cooldown_s)]
+    jobs in flight (ties: by name). When every remaining peer is cooling down, the one that
+    failed longest ago is tried anyway: the alternative is failing the request for sure.
+    None only when every peer is excluded."""
+    left = [p for p in health if p not in exclude]
+    cands = [p for p in left if available(health[p], now, cooldown_s)]
     if not cands:
-        return None
+        return min(left, key=lambda p: (health[p].opened_at, p)) if left else None
     return min(cands, key=lambda p: (health[p].state is PeerState.CLOSED, inflight.get(p, 0), p))

@@ -32,8 +32,12 @@ def test_pick_peer_prefers_idle_healthy_and_skips_excluded() -> None:
     hs = {"a": PeerHealth(), "b": PeerHealth(), "c": on_failure(PeerHealth(), 0.0)}
     assert pick_peer(hs, {"a": 2, "b": 1}, set(), 1.0, 5.0) == "b"
     assert pick_peer(hs, {"a": 0, "b": 0}, set(), 1.0, 5.0) == "a"      # tie → name
-    assert pick_peer(hs, {}, {"a", "b"}, 1.0, 5.0) is None             # c still cooling
     assert pick_peer(hs, {}, {"a", "b"}, 6.0, 5.0) == "c"              # c's trial
+    # only cooling peers left: the oldest failure is tried rather than failing for sure
+    assert pick_peer(hs, {}, {"a", "b"}, 1.0, 5.0) == "c"
+    cooling = {"x": on_failure(PeerHealth(), 3.0), "y": on_failure(PeerHealth(), 2.0)}
+    assert pick_peer(cooling, {}, set(), 4.0, 5.0) == "y"
+    assert pick_peer(hs, {}, {"a", "b", "c"}, 1.0, 5.0) is None        # all tried
     # a peer whose cooldown is over gets the next job as its trial, even when busier
     assert pick_peer({"a": on_failure(PeerHealth(), 0.0), "b": PeerHealth()}, {"a": 3}, set(),
                      10.0, 5.0) == "a"
