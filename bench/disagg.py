@@ -4,10 +4,12 @@ Short prompts stream continuously (a few concurrent clients) while long prompts 
 fixed interval. For the SHORT requests we report TTFT and inter-token latency p50/p99: in the
 colocated server their decode steps share the step loop with the long prompts' prefill chunks;
 with disaggregation the long prefills run on the prefill node and only their KV arrives.
-Both setups run in the same invocation on the same checkpoint; results side by side and in
+A third setup prefills prompts of at most --local-prefill tokens on the decode node itself.
+All setups run in the same invocation on the same checkpoint; results side by side and in
 bench/results/disagg.json.
 
     .venv/bin/python bench/disagg.py [--model DIR] [--duration 20] [--long-tokens 1024]
+                                     [--local-prefill 64]
 """
 from __future__ import annotations
 
@@ -134,6 +136,8 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=1024)
     ap.add_argument("--long-interval", type=float, default=2.0)
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens (chunk size)")
+    ap.add_argument("--local-prefill", type=int, default=64,
+                    help="also run 1P+1D with transfer.local_prefill_max_tokens=N (0: skip)")
     ap.add_argument("--out", default="bench/results/disagg.json")
     a = ap.parse_args()
     out_dir = ROOT / "bench" / "results"
@@ -157,25 +161,31 @@ def main() -> None:
     finally:
         _stop(procs)
 
-    p, d = _port(), _port()
-    procs = [_serve(model, "prefill", p, env, out_dir / "disagg-prefill.log"),
-             _serve(model, "decode", d, {**env, "MOED_TRANSFER_PREFILL_PEERS":
-                                         f"http://127.0.0.1:{p}"}, out_dir / "disagg-decode.log")]
-    try:
-        for port, proc in ((p, procs[0]), (d, procs[1])):
-            _wait_ready(port, proc)
-        results["disagg"] = asyncio.run(_load(f"http://127.0.0.1:{d}", a))
-    finally:
-        _stop(procs)
+    setups = {"disagg": 0, "disagg_local": a.local_prefill} if a.local_prefill else {"disagg": 0}
+    for name, local in setups.items():
+        p, d = _port(), _port()
+        procs = [_serve(model, "prefill", p, env, out_dir / f"{name}-prefill.log"),
+                 _serve(model, "decode", d, {**env, "MOED_TRANSFER_PREFILL_PEERS":
+                                             f"http://127.0.0.1:{p}",
+                                             "MOED_TRANSFER_LOCAL_PREFILL_MAX_TOKENS": str(local)},
+                        out_dir / f"{name}-decode.log")]
+        try:
+            for port, proc in ((p, procs[0]), (d, procs[1])):
+                _wait_ready(port, proc)
+            results[name] = asyncio.run(_load(f"http://127.0.0.1:{d}", a))
+        finally:
+            _stop(procs)
 
-    co, di = results["colocated"], results["disagg"]
+    cols = [("colocated", "colocated"), ("disagg", "1P+1D")]
+    if a.local_prefill:
+        cols.append(("disagg_local", f"local<={a.local_prefill}"))
     print(f"short: {a.short_tokens}-token prompts x {a.short_clients} streaming clients, "
           f"{a.short_max_tokens} tokens each; long: {a.long_tokens}-token prompts every "
           f"{a.long_interval}s; {a.duration}s per setup; chunk budget {a.budget}")
-    print(f"{'metric (short requests)':<26} {'colocated':>10} {'1P+1D':>10}")
+    print(f"{'metric (short requests)':<26}" + "".join(f" {t:>12}" for _, t in cols))
     for k in ("short_requests", "long_requests", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
               "itl_p99_ms", "long_ttft_p50_ms"):
-        print(f"{k:<26} {co[k]:>10.1f} {di[k]:>10.1f}")
+        print(f"{k:<26}" + "".join(f" {results[c][k]:>12.1f}" for c, _ in cols))
     Path(a.out).write_text(json.dumps(results, indent=2))
     print(f"saved {a.out}")
 

@@ -167,12 +167,15 @@ class TransferConfig:
     prefill_timeout_s: float = _f(60.0, live=True)
     max_prefill_retries: int = _f(2, live=True)
     peer_error_cooldown_s: float = _f(5.0, live=True, doc="half-open retry after failures")
+    local_prefill_max_tokens: int = _f(0, live=True, doc="decode role: prompts up to this many "
+                                       "tokens are prefilled locally (0 = always remote)")
 
     def __post_init__(self) -> None:
         _positive("transfer.lease_s", self.lease_s)
         _positive("transfer.prefill_timeout_s", self.prefill_timeout_s)
         _range("transfer.max_prefill_retries", self.max_prefill_retries, 0, 16)
         _choice("transfer.backend", self.backend, ("nixl",))
+        _range("transfer.local_prefill_max_tokens", self.local_prefill_max_tokens, 0, 1 << 24)
         for u in self.prefill_peers:
             if not u.startswith(("http://", "https://")):
                 raise ConfigError(f"transfer.prefill_peers: {u!r} is not an http(s):// URL")

@@ -10,6 +10,7 @@ A request's lifecycle on a decode node (queues as in the engine):
                the first token
     waiting    FirstToken notification → engine.complete_remote_prefill (→ RUNNING)
     running    continuous-batching decode; tokens stream to the client as usual
+    (prompts of at most transfer.local_prefill_max_tokens tokens are prefilled here instead)
 
 Failures: the peer's RPC stream closing, an error line, a failed write or the deadline count
 against that peer and the job is retried on another one (transfer.max_prefill_retries) into
@@ -99,7 +100,11 @@ class DisaggEngine:
         return getattr(self._engine, name)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, **_: Any) -> DecodeStream:
+                    params: SamplingParams, **_: Any) -> Any:
+        if len(prompt_token_ids) <= self._role.cfg.transfer.local_prefill_max_tokens:
+            # short prompts: a remote round trip (and the prefill node's queue) costs more
+            # TTFT than the few tokens cost this node's decode steps
+            return self._engine.add_request(request_id, prompt_token_ids, params)
         inner = self._engine.add_request(request_id, prompt_token_ids, params, remote_kv=True)
         stream = DecodeStream(inner, self.abort)
         self._role.launch(request_id, list(prompt_token_ids), params, inner, stream)

@@ -16,7 +16,8 @@ def test_expired_lease_frees_both_sides_and_fails_clearly(moed_server, tiny_qwen
                     env={**COMMON, "MOED_TRANSFER_LEASE_S": "0.2"})
     d = moed_server(model=tiny_qwen3, role="decode", ready_timeout=150,
                     env={**COMMON, "MOED_TRANSFER_PREFILL_PEERS": p.url,
-                         "MOED_TRANSFER_MAX_PREFILL_RETRIES": "0"})
+                         "MOED_TRANSFER_MAX_PREFILL_RETRIES": "0",
+                         "MOED_TRANSFER_LOCAL_PREFILL_MAX_TOKENS": "6"})
     _wait_until(lambda: p.get("/ready")[0] == 200, 150, "prefill ready")
     c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=60)
     with pytest.raises(openai.InternalServerError, match="failed to serve this request"):
@@ -33,3 +34,8 @@ def test_expired_lease_frees_both_sides_and_fails_clearly(moed_server, tiny_qwen
     # a short prompt still fits in the lease: the pair is not poisoned by the failure
     ok = c.completions.create(model="tiny", prompt=_prompt(8, 4), max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+    done = 'moed_transfer_jobs_total{result="done",role="prefill"}'
+    assert _metric(p, done) == 1
+    # at most local_prefill_max_tokens: prefilled on the decode node, no prefill job at all
+    local = c.completions.create(model="tiny", prompt=_prompt(6, 5), max_tokens=2, temperature=0)
+    assert local.choices[0].finish_reason == "length" and _metric(p, done) == 1
