@@ -39,6 +39,14 @@ async def _collect(stream):
     return [ev async for ev in stream]
 
 
+async def _until(cond, timeout=10.0):
+    """Poll until cond() holds (the engine applies commands at its next step boundary)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 async def test_concurrent_streams_match_reference(ref_greedy):
     eng = _engine()
     steps: list[StepStats] = []
@@ -211,8 +219,7 @@ async def test_remote_kv_and_prefill_only_roundtrip(ref_greedy):
         dec.complete_remote_prefill("r", p_evs[-1].token_ids[0])
         d_evs = await _collect(d_stream)
         assert [t for e in d_evs for t in e.token_ids] == ref_greedy(prompt, 6)
-        await asyncio.sleep(0.01)
-        assert pre.stats().kv_blocks_used == 0 and dec.stats().kv_blocks_used == 0
+        await _until(lambda: pre.stats().kv_blocks_used == 0 and dec.stats().kv_blocks_used == 0)
     finally:
         await pre.shutdown()
         await dec.shutdown()
@@ -300,5 +307,22 @@ async def test_at_step_boundary_runs_between_steps():
         with pytest.raises(ZeroDivisionError):
             await asyncio.wait_for(eng.at_step_boundary(lambda: 1 / 0), 5)
         await _collect(s)
+    finally:
+        await eng.shutdown()
+
+
+async def test_stream_aclose_aborts_and_abort_releases_held_prefill():
+    eng = _engine(SlowRunner(64, 4))
+    await eng.start()
+    try:
+        s = eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0))
+        async for _ in s:
+            break
+        await s.aclose()                              # client went away
+        await _until(lambda: eng.stats().running == 0 and eng.stats().kv_blocks_used == 0)
+        p = await _collect(eng.add_request("p", list(range(1, 10)), GREEDY, prefill_only=True))
+        assert p[-1].finish_reason is FinishReason.STOP and eng.stats().kv_blocks_used == 3
+        eng.abort("p")                                # the transfer gave up: blocks go back
+        await _until(lambda: eng.stats().kv_blocks_used == 0)
     finally:
         await eng.shutdown()
