@@ -27,7 +27,10 @@ $(DEMO_MODEL)/config.json: | setup
 	$(VENV)/bin/moed model init --arch qwen3_moe --preset tiny --out $(DEMO_MODEL)
 
 serve: setup $(DEMO_MODEL)/config.json
-	$(VENV)/bin/moed serve --config conf/moed.toml --model $(DEMO_MODEL) --host $(HOST) --port $(PORT)
+	@echo "moed: serving $(DEMO_MODEL) on http://$(HOST):$(PORT) (Ctrl-C drains and stops). Once it logs 'ready', try:"
+	@echo "  curl -N http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"$(notdir $(DEMO_MODEL))\", \"prompt\": \"def fib(n):\", \"max_tokens\": 16, \"stream\": true}'"
+	exec $(VENV)/bin/moed serve --config conf/moed.toml --model $(DEMO_MODEL) --host $(HOST) --port $(PORT)
 
 test: setup
 	$(PY) -m pytest -q -ra tests
