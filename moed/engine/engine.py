@@ -17,7 +17,9 @@ Disaggregation hooks (used by the prefill/decode roles):
   cache hits included) and parks the request in WAITING_REMOTE_KV; `stream.kv_blocks` resolves
   to `(block_ids, num_cached_tokens)` — the writer fills `block_ids[num_cached_tokens //
   block_size:]`. `complete_remote_prefill(request_id, first_token_id, logprob)` then marks the
-  prompt computed, publishes the first token and decodes on. Abort frees the blocks as usual.
+  prompt computed, publishes the first token and decodes on; a seeded request's generator is
+  advanced as if token one had been sampled here, so its later tokens match a colocated run.
+  Abort frees the blocks as usual.
 - Prefill side: `add_request(..., prefill_only=True)` runs the prompt (chunked), samples the
   first token and finishes with "stop" — but KEEPS its blocks. After every step that computed
   some of its prompt, `on_prefill_progress(request_id, block_ids, num_computed_tokens)` is called
@@ -40,7 +42,7 @@ from moed.engine.request import Request
 from moed.engine.scheduler import Scheduler, StepPlan
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
-from moed.model.sampler import SampleRow, make_generator, sample
+from moed.model.sampler import SampleRow, make_generator, sample, skip_one_token
 from moed.types import EngineStats, FinishReason, SamplingParams, TokenEvent
 
 log = structlog.get_logger(__name__)
@@ -334,6 +336,9 @@ class Engine:
                     self._publish([ev])
             elif kind == "remote_done":
                 _, rid, tok, lp = cmd
+                req = self.scheduler.remote.get(rid)
+                if req is not None:     # token one was drawn remotely: consume its randomness
+                    skip_one_token(req.rng, req.params, self.spec.vocab_size)
                 try:
                     self._publish([self.scheduler.complete_remote_prefill(rid, tok, lp)])
                 except KeyError:

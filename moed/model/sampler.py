@@ -36,6 +36,20 @@ def make_generator(seed: int) -> torch.Generator:
     return g
 
 
+def seeded_noise(g: torch.Generator, vocab: int) -> torch.Tensor:
+    """The randomness one sampled token consumes from a seeded request's generator: Exp(1)
+    noise over the vocabulary (on the generator's device). The ONLY place a seeded draw is made,
+    so `skip_one_token` can replay it exactly."""
+    return torch.empty(vocab, device=g.device).exponential_(generator=g)
+
+
+def skip_one_token(g: torch.Generator | None, params: SamplingParams, vocab: int) -> None:
+    """Advance `g` as sampling one token with `params` would (the decode node's request after the
+    prefill node sampled token one), so later tokens match a colocated run."""
+    if g is not None and not params.greedy:
+        seeded_noise(g, vocab)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
     """logits: fp32 [B, V]; rows: one per batch row. Returns B token ids (+ logprobs)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -78,12 +92,9 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list
             noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_()
     for i, r in enumerate(rows):
         g = r.generator
-        if g is None:
+        if g is None or greedy[i]:      # greedy rows draw nothing, whatever their batch mates
             continue
-        if g.device == noise.device:
-            noise[i].exponential_(generator=g)
-        else:   # a CPU generator with CUDA logits: draw on the CPU, same numbers either way
-            noise[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(dev)
+        noise[i] = seeded_noise(g, probs.shape[1]).to(dev)   # CPU generator: same numbers on CUDA
     drawn = (probs / noise).argmax(dim=-1)
     if any(greedy):
         g = torch.tensor(greedy, device=dev)

@@ -111,9 +111,14 @@ def test_greedy_parity_with_colocated(cluster) -> None:
         model="tiny", prompt=_prompt(64, 2), max_tokens=10, temperature=0, stream=True))
     assert text == c.completions.create(model="tiny", prompt=_prompt(64, 2), max_tokens=10,
                                         temperature=0).choices[0].text
+    # seeded sampling: token one is drawn on the prefill node, the rest on the decode node
+    kw = dict(model="tiny", prompt=_prompt(64, 5), max_tokens=10, temperature=1.5, seed=7,
+              extra_body={"return_token_ids": True})
+    want = c.completions.create(**kw).choices[0].token_ids
+    assert d.completions.create(**kw).choices[0].token_ids == want and len(set(want)) > 2
     done = sum(_metric(cluster[p], 'moed_transfer_jobs_total{result="done",role="prefill"}')
                for p in ("P1", "P2"))
-    assert done >= 6
+    assert done >= 7
     assert _metric(cluster["D1"], "moed_transfer_bytes_total") == 0      # decode only receives
     assert sum(_metric(cluster[p], "moed_transfer_bytes_total") for p in ("P1", "P2")) > 0
     _wait_until(lambda: _kv_used(cluster["D1"]) == 0, 5, "decode blocks freed")

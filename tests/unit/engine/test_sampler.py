@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from moed.model.sampler import SampleRow, make_generator, sample
+from moed.model.sampler import SampleRow, make_generator, sample, skip_one_token
 from moed.types import SamplingParams
 
 torch.set_num_threads(1)
@@ -100,3 +100,21 @@ def test_mixed_top_k_rows_in_one_batch():
     assert set(out[:, 0].tolist()) == {0, 1}
     assert set(out[:, 1].tolist()) == {0, 1, 2, 3}
     assert set(out[:, 2].tolist()) == {0, 1, 2}
+
+
+def test_skip_one_token_replays_exactly_one_draw():
+    """A decode node whose token one was sampled elsewhere skips that draw: token two onward
+    match a run that sampled every token locally (and a greedy request draws nothing)."""
+    p = SamplingParams(temperature=1.3, seed=9, top_k=20)
+    lgs = [_logits(1, seed=200 + s) for s in range(5)]
+    local = make_generator(9)
+    want = [sample(lg, [SampleRow(p, local)]).token_ids[0] for lg in lgs]
+    remote = make_generator(9)
+    skip_one_token(remote, p, 50)
+    got = [sample(lg, [SampleRow(p, remote)]).token_ids[0] for lg in lgs[1:]]
+    assert got == want[1:]
+    unskipped = make_generator(9)
+    assert [sample(lg, [SampleRow(p, unskipped)]).token_ids[0] for lg in lgs[1:]] != want[1:]
+    g = make_generator(9)
+    skip_one_token(g, SamplingParams(temperature=0.0, seed=9), 50)
+    assert torch.equal(g.get_state(), make_generator(9).get_state())
