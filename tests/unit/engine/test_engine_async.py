@@ -326,3 +326,31 @@ async def test_stream_aclose_aborts_and_abort_releases_held_prefill():
         await _until(lambda: eng.stats().kv_blocks_used == 0)
     finally:
         await eng.shutdown()
+
+
+async def test_seeded_remote_prefill_matches_colocated():
+    """Token one sampled on a 'prefill' engine, the rest on a 'decode' engine: with a seed and
+    temperature > 0 the tokens equal a colocated run's (the decode generator skips token one)."""
+    prompt = list(range(3, 14))
+    params = SamplingParams(max_tokens=8, temperature=2.0, seed=1234)
+    col, pre, dec = _engine(), _engine(), _engine()
+    for e in (col, pre, dec):
+        await e.start()
+    try:
+        want = [t for e in await _collect(col.add_request("c", prompt, params)) for t in e.token_ids]
+        d_stream = dec.add_request("r", prompt, params, remote_kv=True)
+        blocks, _ = await asyncio.wait_for(d_stream.kv_blocks, 2)
+        p_evs = await _collect(pre.add_request("r", prompt, params, prefill_only=True))
+        first = p_evs[-1].token_ids[0]
+        assert first == want[0]
+        p_blocks = pre.kv_block_table("r")
+        for pos in range(len(prompt)):
+            dec.runner.slots[(blocks[pos // 4], pos % 4)] = pre.runner.slots[(p_blocks[pos // 4], pos % 4)]
+        pre.release_kv("r")
+        dec.complete_remote_prefill("r", first)
+        got = [t for e in await _collect(d_stream) for t in e.token_ids]
+        assert got == want
+        assert len(set(want)) > 2          # really sampled, not the fake model's greedy path
+    finally:
+        for e in (col, pre, dec):
+            await e.shutdown()
