@@ -21,7 +21,8 @@ Disaggregation hooks (used by the prefill/decode roles):
   advanced as if token one had been sampled here, so its later tokens match a colocated run.
   Abort frees the blocks as usual.
 - Prefill side: `add_request(..., prefill_only=True)` runs the prompt (chunked), samples the
-  first token and finishes with "stop" — but KEEPS its blocks. After every step that computed
+  first token and finishes with "stop" ("length" if the prompt reached the context limit) — but
+  KEEPS its blocks on either. After every step that computed
   some of its prompt, `on_prefill_progress(request_id, block_ids, num_computed_tokens)` is called
   (block_ids = the whole table; blocks below num_computed_tokens // block_size are final). Call
   `release_kv(request_id)` once the KV has been sent (or abort to give up).

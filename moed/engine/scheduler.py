@@ -103,8 +103,9 @@ class Scheduler:
             del self.remote[req.request_id]
         else:
             self.waiting.remove(req)
-        if req.prefill_only and reason is FinishReason.STOP:
-            self.held[req.request_id] = req       # KV still to be read by the transfer
+        if req.prefill_only and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            # KV still to be read by the transfer ("length": the prompt reached the context)
+            self.held[req.request_id] = req
         else:
             self.kv.free(req.request_id)
         req.finish(reason, error)

@@ -229,7 +229,9 @@ class PrefillComponent:
                 await self._send(job, num_computed // bs)
                 continue
             ev: TokenEvent = item[1]
-            if ev.finish_reason is not FinishReason.STOP or not ev.token_ids:
+            # "length": the prompt reached the context limit; token one is still valid (the
+            # decode node finishes the request itself)
+            if ev.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not ev.token_ids:
                 raise JobFailed("engine", ev.error or f"prefill ended with {ev.finish_reason}")
             job.move(JobState.FINISHING)
             if not job.table:

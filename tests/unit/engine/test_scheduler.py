@@ -186,6 +186,18 @@ def test_prefill_only_holds_blocks_until_release():
     assert s.release("p") and s.kv.num_used_blocks == 0
 
 
+def test_prefill_only_at_context_limit_still_holds_blocks():
+    """A prompt of max_model_len - 1 tokens finishes "length" with its first token; the KV must
+    stay for the transfer (freed by release, or by abort)."""
+    s, r = _sched()
+    for rid in ("p", "q"):
+        s.add(Request(rid, list(range(1, 12)), GREEDY, max_model_len=12, prefill_only=True))
+    _run(s, r)
+    assert s.held["p"].finish_reason is FinishReason.LENGTH and s.kv.num_used_blocks == 6
+    assert s.release("p") and s.kv.num_used_blocks == 3
+    assert s.abort("q") is None and s.kv.num_used_blocks == 0 and not s.held
+
+
 def test_scheduler_and_kv_manager_do_not_import_torch():
     import subprocess
     import sys
