@@ -1,4 +1,5 @@
-"""Probes and metrics: GET /health (liveness, no work), /ready (can take work), /metrics."""
+"""Probes and metrics: GET /health (liveness, no work), /ready (can take work; with its queue and
+batch size, which the router balances on), /metrics."""
 from __future__ import annotations
 
 from aiohttp import web
@@ -13,8 +14,16 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if state.engine is not None and not getattr(state.engine, "alive", True):
+        # the step loop crashed (or stopped): nothing here can serve; let the balancer move on
+        return web.json_response({"status": "engine_failed", "role": state.config.server.role},
+                                 status=503)
     if state.ready and not state.draining:
-        return web.json_response({"status": "ready", "role": state.config.server.role})
+        body = {"status": "ready", "role": state.config.server.role}
+        if state.engine is not None:   # the router's static-backend mode balances on these
+            s = state.engine.stats()
+            body.update(waiting=s.waiting + s.waiting_remote_kv, running=s.running)
+        return web.json_response(body)
     reason = "draining" if state.draining else "starting"
     return web.json_response({"status": reason, "role": state.config.server.role}, status=503)
 
@@ -23,7 +32,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.engine is not None:
         metrics.observe_engine_stats(state.engine.stats())
-    metrics.READY.set(1 if state.ready and not state.draining else 0)
+    alive = state.engine is None or getattr(state.engine, "alive", True)
+    metrics.READY.set(1 if state.ready and not state.draining and alive else 0)
     metrics.HTTP_INFLIGHT.set(state.inflight)
     body, ctype = metrics.render()
     resp = web.Response(body=body)

@@ -2,7 +2,8 @@
 
 Lifecycle of one proxied request:
   read body → pick the backend with the fewest waiting requests (its reported queue plus what
-  this router has outstanding there; the report is up to a second old) → forward → on a connect
+  this router has outstanding there; the report is up to a second old), then the fewest
+  running ones (a smaller batch decodes faster) → forward → on a connect
   error, a dropped connection or a 429/503 (draining, overloaded) *before any byte reached the
   client*, try another backend (router.max_attempts in all) → stream the response through
   chunk by chunk → if the client goes away, close the backend connection so the node aborts
@@ -54,18 +55,22 @@ class Backend:
     name: str
     url: str          # base URL without a trailing slash
     waiting: int = 0  # requests queued there, as last reported (0 when unknown)
+    running: int = 0  # requests in its running batch, as last reported (0 when unknown)
 
 
 def pick_backend(backends: Sequence[Backend], outstanding: dict[str, int],
                  exclude: Iterable[str] = (), turn: int = 0) -> Backend | None:
-    """Least waiting requests; ties go round-robin by `turn` so equal nodes share the load."""
+    """Least waiting requests (reported + this router's outstanding: it covers the report's
+    lag), then least running (ITL grows with the batch); remaining ties go round-robin by `turn`
+    so equal nodes share the load."""
     skip = set(exclude)
     cands = [b for b in backends if b.name not in skip]
     if not cands:
         return None
     n = len(cands)
     order = {b.name: (i - turn) % n for i, b in enumerate(sorted(cands, key=lambda b: b.name))}
-    return min(cands, key=lambda b: (b.waiting + outstanding.get(b.name, 0), order[b.name]))
+    return min(cands, key=lambda b: (b.waiting + outstanding.get(b.name, 0), b.running,
+                                     order[b.name]))
 
 
 class BackendSource(Protocol):
@@ -90,7 +95,8 @@ class MembershipBackends:
         out = []
         for m in view.alive():  # type: ignore[attr-defined]
             if m.meta.role in roles and m.meta.http and self._failed.get(m.name, 0.0) < now:
-                out.append(Backend(m.name, m.meta.http.rstrip("/"), m.load.waiting))
+                out.append(Backend(m.name, m.meta.http.rstrip("/"), m.load.waiting,
+                                   m.load.running))
         return out
 
     def mark_failed(self, name: str) -> None:
@@ -124,21 +130,25 @@ class StaticBackends:
         rc = self._config().router
         urls = [u.rstrip("/") for u in rc.backends]
         results = await asyncio.gather(*(self._ready(session, u, rc) for u in urls))
-        for url, waiting in zip(urls, results):
-            if waiting is None:
+        for url, load in zip(urls, results):
+            if load is None:
                 self._up.pop(url, None)
             else:
-                self._up[url] = Backend(url, url, waiting)
+                self._up[url] = Backend(url, url, *load)
 
-    async def _ready(self, session: aiohttp.ClientSession, url: str, rc: RouterConfig) -> int | None:
+    async def _ready(self, session: aiohttp.ClientSession, url: str, rc: RouterConfig
+                     ) -> tuple[int, int] | None:
+        """(waiting, running) from the node's /ready, or None when it cannot take work."""
         try:
             async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(
                     total=max(rc.health_interval_s, rc.connect_timeout_s))) as r:
                 if r.status != 200:
                     return None
                 body = await r.json(content_type=None)
-                return int(body.get("waiting", 0)) if isinstance(body, dict) else 0
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                if not isinstance(body, dict):
+                    return 0, 0
+                return int(body.get("waiting", 0)), int(body.get("running", 0))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError):
             return None
 
     async def _poll(self, session: aiohttp.ClientSession) -> None:

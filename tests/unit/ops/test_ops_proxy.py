@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from moed.api.middleware import request_context
 from moed.api.proxy import Backend, Proxy, StaticBackends, pick_backend
@@ -27,6 +29,15 @@ def test_pick_least_waiting_then_round_robin() -> None:
     assert pick_backend([], {}) is None
 
 
+def test_pick_balances_on_running_when_queues_are_equal() -> None:
+    bs = [Backend("a", "http://a", 0, 7), Backend("b", "http://b", 0, 2),
+          Backend("c", "http://c", 1, 0)]
+    assert {pick_backend(bs, {}, turn=t).name for t in range(4)} == {"b"}   # not round-robin
+    assert pick_backend(bs, {"b": 1}).name == "a"     # outstanding at b counts as queued
+    assert pick_backend(bs, {"b": 1, "a": 1}).name == "c"   # all queue 1: c runs the fewest
+    assert pick_backend(bs, {}, exclude=["b"]).name == "a"  # a queue outweighs any batch size
+
+
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
     await runner.setup()
@@ -39,9 +50,10 @@ class FakeNode:
     """A loopback HTTP node with /ready and a streaming /v1/completions."""
 
     def __init__(self, name: str, ready: int = 200, status: int = 200, chunks: int = 3,
-                 die_after: int | None = None, waiting: int = 0) -> None:
+                 die_after: int | None = None, waiting: int = 0, running: int = 0) -> None:
         self.name, self.ready_status, self.status = name, ready, status
         self.chunks, self.die_after, self.waiting = chunks, die_after, waiting
+        self.running = running
         self.hits = 0
         self.headers: list = []
         self.peers: set = set()
@@ -54,7 +66,8 @@ class FakeNode:
         self.app = app
 
     async def _ready(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "x", "waiting": self.waiting}, status=self.ready_status)
+        return web.json_response({"status": "x", "waiting": self.waiting,
+                                  "running": self.running}, status=self.ready_status)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
@@ -139,6 +152,19 @@ async def test_streams_through_with_headers_and_request_id(cluster) -> None:
     assert node.headers[0]["X-Forwarded-For"] == "10.1.1.1, 127.0.0.1"
 
 
+async def test_generated_request_id_reaches_the_backend(cluster) -> None:
+    """No X-Request-Id from the client: the router's own id goes to the node (and back)."""
+    ok, refusing = FakeNode("ok"), FakeNode("busy", status=503)
+    url, _ = await cluster(ok)
+    status, _, _ = await _post(url)
+    assert status == 200 and re.fullmatch(r"[0-9a-f]{32}", ok.headers[0]["X-Request-Id"])
+    url, _ = await cluster(refusing)
+    status, _, headers = await _post(url)   # the router's own answer carries its id
+    rid = CIMultiDict(headers)["X-Request-Id"]
+    assert status == 503 and rid == refusing.headers[0]["X-Request-Id"]
+    assert ok.headers[0]["X-Request-Id"] != rid
+
+
 async def test_dead_or_draining_nodes_are_skipped_before_the_first_byte(cluster) -> None:
     draining, good = FakeNode("d", status=503), FakeNode("g")
     url, proxy = await cluster(draining, good, extra=["http://127.0.0.1:9"])
@@ -187,9 +213,10 @@ async def test_client_disconnect_aborts_the_backend_request(cluster) -> None:
 
 
 async def test_health_poll_follows_readiness_and_load(cluster) -> None:
-    a, b = FakeNode("a", waiting=5), FakeNode("b", waiting=0)
+    a, b = FakeNode("a", waiting=5), FakeNode("b", waiting=0, running=3)
     url, proxy = await cluster(a, b)
     assert proxy.pick().name == b.url
+    assert {x.name: x.running for x in proxy._source.backends()} == {a.url: 0, b.url: 3}
     b.ready_status = 503
     for _ in range(100):
         await asyncio.sleep(0.02)
