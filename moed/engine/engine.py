@@ -115,6 +115,12 @@ class Engine:
     def block_size(self) -> int:
         return self.kv.block_size
 
+    @property
+    def alive(self) -> bool:
+        """True while the step loop runs: False before start(), after shutdown() and once the
+        loop has crashed (every request then fails; /ready answers 503)."""
+        return self._task is not None and not self._task.done() and not self._stopping
+
     def stats(self) -> EngineStats:
         s, st = self.scheduler, self.kv.stats()
         return EngineStats(
@@ -132,7 +138,8 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     *, remote_kv: bool = False, prefill_only: bool = False) -> RequestStream:
         if self._stopping:
-            raise RuntimeError("engine is shutting down")
+            raise RuntimeError("engine is shutting down" if self._task is None or not self._task.done()
+                               else "engine is not running (stopped or crashed)")
         req = self._new_request(request_id, prompt_token_ids, params, remote_kv, prefill_only)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -231,9 +238,14 @@ class Engine:
             msg = f"engine failure: {type(e).__name__}: {e}"
             for rid in list(self.scheduler.requests):
                 req = self.scheduler.requests[rid]
-                self.scheduler.finish(req, FinishReason.ERROR, msg)
+                try:
+                    self.scheduler.finish(req, FinishReason.ERROR, msg)
+                except Exception:       # the scheduler itself may be what broke
+                    log.exception("engine_crash_cleanup_failed", request_id=rid)
                 self._publish([TokenEvent(rid, (), "", (), FinishReason.ERROR,
                                           req.num_prompt_tokens, req.num_cached_tokens, msg)])
+            for rid in list(self._streams):     # still in the inbox: never reached the scheduler
+                self._publish([TokenEvent(rid, (), "", (), FinishReason.ERROR, error=msg)])
 
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()

@@ -354,3 +354,29 @@ async def test_seeded_remote_prefill_matches_colocated():
     finally:
         for e in (col, pre, dec):
             await e.shutdown()
+
+
+async def test_alive_until_the_loop_crashes_or_stops():
+    eng = _engine()
+    assert not eng.alive                              # not started
+    await eng.start()
+    try:
+        assert eng.alive
+        await _collect(eng.add_request("ok", [1, 2], GREEDY))
+        assert eng.alive
+
+        def broken():
+            raise RuntimeError("scheduler bug")
+        eng.scheduler.schedule = broken               # a bug outside the step's try: loop dies
+        evs = await asyncio.wait_for(_collect(eng.add_request("x", [1, 2], GREEDY)), 5)
+        assert evs[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in evs[-1].error
+        await _until(lambda: not eng.alive)
+        with pytest.raises(RuntimeError, match="not running"):
+            eng.add_request("y", [1], GREEDY)
+    finally:
+        await eng.shutdown()
+    assert not eng.alive
+    eng2 = _engine()
+    await eng2.start()
+    await eng2.shutdown()
+    assert not eng2.alive
