@@ -172,6 +172,8 @@ class App:
                                              else list(components))
         self.state = ServerState(config=cfg, api_keys=load_keys(cfg.server.api_keys_file,
                                                                 cfg.server.api_keys_env))
+        # client_max_size is fixed here; request_context re-binds each request to the live
+        # server.max_body_bytes, so a reload can raise the limit as well as lower it
         self.web = web.Application(middlewares=[request_context, auth],
                                    client_max_size=cfg.server.max_body_bytes)
         self.web[STATE] = self.state

@@ -2,6 +2,9 @@
 
 - request_id: X-Request-Id if sane, else generated; bound in structlog contextvars for the life
   of the request and echoed in the response header.
+- Body size: server.max_body_bytes from the *live* config (aiohttp's client_max_size is fixed
+  when the app is built, so the request is re-bound to the current limit): a declared
+  Content-Length over it is refused at once, a chunked body when reading passes it; both 413.
 - Every error leaves as OpenAI-shaped JSON; an unexpected exception is logged with its
   traceback and answered 500 with only the request id.
 - Auth guards /v1/* (and /metrics when server.metrics_require_auth); /health and /ready stay open.
@@ -42,9 +45,27 @@ def _route_label(request: web.Request) -> str:
     return res.canonical if res is not None else "unmatched"
 
 
-def _from_http_exception(e: web.HTTPException) -> APIError:
+def _body_limit(request: web.Request) -> web.Request:
+    """The request bound to the live body limit (413 now if it declares a larger body)."""
+    state = request.app.get(STATE)
+    if state is None:
+        return request
+    limit = state.config.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit)
+    if request.client_max_size != limit:   # changed by a reload since the app was built
+        request = request.clone(client_max_size=limit)
+    return request
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body too large (limit {limit} bytes, "
+                         f"server.max_body_bytes).", code="body_too_large")
+
+
+def _from_http_exception(e: web.HTTPException, request: web.Request) -> APIError:
     if e.status == 413:
-        return APIError(413, "Request body too large.", code="body_too_large")
+        return _too_large(request.client_max_size)
     if e.status == 404:
         return APIError(404, "Not found.", code="not_found")
     if e.status == 405:
@@ -63,13 +84,14 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     with structlog.contextvars.bound_contextvars(request_id=rid):
         try:
             try:
+                request = _body_limit(request)
                 resp = await handler(request)
             except APIError as e:
                 resp = e.response()
             except web.HTTPException as e:
                 if e.status < 400:
                     raise
-                resp = _from_http_exception(e).response()
+                resp = _from_http_exception(e, request).response()
             except Exception:
                 log.exception("unhandled_error", method=request.method, path=request.path)
                 resp = APIError(500, f"Internal server error (request id {rid}).",
