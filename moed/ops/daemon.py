@@ -177,12 +177,14 @@ class OpsComponent:
         engine = getattr(self._app.state, "engine", None)
         if engine is None or old.engine == new.engine:
             return None
-        update = getattr(engine, "update_config", None)
-        if update is None:
+        # Engine.apply_config (a decode node's DisaggEngine forwards it): adopted by the step
+        # loop at the next step boundary
+        apply = getattr(engine, "apply_config", None)
+        if apply is None:
             log.warning("engine_live_update_unsupported",
                         detail="engine limits keep their running values until a restart")
             return None
-        return lambda: update(new.engine)   # adopted by the step loop at the next step boundary
+        return lambda: apply(new.engine)
 
     def _check_coverage(self, old: Config, new: Config, appliers: set[str]) -> None:
         """Log live changes that no running component applies (they wait for a restart)."""
@@ -216,6 +218,15 @@ class OpsComponent:
 
     # ---- admin hooks -----------------------------------------------------------------------
 
+    def _engine_limits(self) -> dict[str, int]:
+        """The limits the engine's scheduler uses now (a reload lands at the next step)."""
+        engine = getattr(self._app.state, "engine", None) if self._app is not None else None
+        sched = getattr(engine, "scheduler", None)
+        if sched is None:
+            return {}
+        return {"max_num_seqs": sched.max_num_seqs,
+                "max_num_batched_tokens": sched.max_num_batched_tokens}
+
     def request_drain(self) -> dict[str, Any]:
         app = self._app
         if app is None:
@@ -236,6 +247,9 @@ class OpsComponent:
                        for sec, fields in cfg.to_dict().items()},
             "reloads": self.reloader.counts if self.reloader else {},
         }
+        limits = self._engine_limits()
+        if limits:
+            body["engine_effective"] = limits
         if self._last is not None:
             body["last_reload"] = {"result": self._last.outcome.value, "error": self._last.error,
                                    "applied": describe(self._last.applied),

@@ -4,6 +4,7 @@ One node serves the whole module; every test starts by reloading the baseline fi
 - a live change (admission limit) takes effect while streams are in flight, none is dropped;
 - an invalid file or an unreadable key file changes nothing and says why in one log line;
 - a restart-only change is reported and left as it was;
+- engine limits (max_num_seqs, max_num_batched_tokens) reach the running engine's scheduler;
 - API keys rotate live (the key file is re-read on every reload);
 - a burst of SIGHUPs under streaming load: no failed request, no crash, no fd/thread growth.
 """
@@ -153,6 +154,42 @@ def test_invalid_reload_changes_nothing(baseline, text, reason) -> None:
     assert reason in rec["error"] and rec["level"] == "error"
     assert "the running config is unchanged" in rec["detail"]
     assert node.srv.get("/ready")[0] == 200
+
+
+def _effective(node: Node, want: dict) -> dict:
+    """/admin/config's engine_effective once it equals `want` (the engine adopts a reload at
+    its next step boundary), else whatever it last was."""
+    deadline = time.monotonic() + 5
+    while True:
+        got = node.admin_config()["engine_effective"]
+        if got == want or time.monotonic() > deadline:
+            return got
+
+
+async def test_engine_limits_apply_live(baseline) -> None:
+    node = baseline
+    default = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
+    assert _effective(node, default) == default
+    node.conf.write_text(node.conf.read_text().replace(
+        "kv_cache_memory_mb = 16",
+        "kv_cache_memory_mb = 16\nmax_num_seqs = 1\nmax_num_batched_tokens = 48"))
+    cfg = await asyncio.to_thread(node.reload, "applied")
+    assert {c["key"] for c in cfg["last_reload"]["applied"]} == {
+        "engine.max_num_seqs", "engine.max_num_batched_tokens"}
+    limited = {"max_num_seqs": 1, "max_num_batched_tokens": 48}
+    assert _effective(node, limited) == limited
+    # the engine runs one request at a time now: the others queue behind it
+    streams = [asyncio.create_task(_stream(node.client(), 40)) for _ in range(3)]
+    seen: set[tuple[int, int]] = set()
+    while not all(t.done() for t in streams):
+        ready = json.loads((await asyncio.to_thread(node.srv.get, "/ready"))[1])
+        seen.add((ready["running"], ready["waiting"]))
+        await asyncio.sleep(0.01)
+    assert [await t for t in streams] == [(40, "length")] * 3
+    assert max(r for r, _ in seen) == 1 and max(w for _, w in seen) >= 1, seen
+    node.write()                                  # back to the baseline for the next tests
+    await asyncio.to_thread(node.reload, "applied")
+    assert _effective(node, default) == default
 
 
 def test_restart_only_change_is_reported_and_left(baseline) -> None:
