@@ -40,6 +40,9 @@ def check_transition(old: RequestState, new: RequestState) -> None:
         raise RuntimeError(f"illegal request transition {old.value} -> {new.value}")
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -52,6 +55,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False              # logprob of each chosen token
     min_tokens: int = 0
+    top_logprobs: int = 0               # also the N most likely tokens' logprobs (0..20)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -64,6 +68,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0 (0 disables it)")
         if self.min_tokens < 0:
             raise ValueError("min_tokens must be >= 0")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +88,8 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     error: str | None = None            # set with FinishReason.ERROR
+    # per token in token_ids, when params.top_logprobs > 0: ((token_id, logprob), ...) best first
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     @property
     def finished(self) -> bool:

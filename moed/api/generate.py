@@ -38,6 +38,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token
     finish_reason: str | None = None
     error: str | None = None
     t_first: float | None = None
@@ -202,6 +203,7 @@ class Generation:
         if ev.finished:
             reason = ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) \
                 else str(ev.finish_reason)
+            ch.top_logprobs.extend(ev.top_logprobs)
             ch.finish_reason = reason
             ch.error = ev.error
             self.admission.release(ch.ticket)

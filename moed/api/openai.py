@@ -31,26 +31,48 @@ def _token_str(tok: Any, tid: int) -> str:
     return tok.decode([tid], skip_special_tokens=False)
 
 
+TopLogprobs = tuple[tuple[int, float], ...]      # one token's (token id, logprob), best first
+
+
+def _tops(ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> list[TopLogprobs]:
+    """The engine's top-N per token; a token without them (an engine that does not compute
+    them) lists the sampled token alone."""
+    return [tops[i] if i < len(tops) and tops[i] else ((t, lp),)
+            for i, (t, lp) in enumerate(zip(ids, lps))]
+
+
 def completion_logprobs(tok: Any, ids: list[int], lps: list[float], top: int,
-                        offset0: int) -> dict[str, Any]:
-    """Legacy completions logprobs. Only the sampled token's logprob is known to the engine, so
-    top_logprobs lists that token alone."""
+                        offset0: int, tops: list[TopLogprobs] = ()) -> dict[str, Any]:
+    """Legacy completions logprobs: top_logprobs is one {token text: logprob} per token (two ids
+    that decode to the same text keep the likelier one)."""
     tokens = [_token_str(tok, t) for t in ids]
     offsets, pos = [], offset0
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": list(lps),
-            "top_logprobs": [{s: lp} for s, lp in zip(tokens, lps)] if top > 0 else None,
+    top_lps = None
+    if top > 0:
+        top_lps = []
+        for row in _tops(ids, lps, list(tops)):
+            d: dict[str, float] = {}
+            for t, v in row:
+                d.setdefault(_token_str(tok, t), v)
+            top_lps.append(d)
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top_lps,
             "text_offset": offsets}
 
 
-def chat_logprobs(tok: Any, ids: list[int], lps: list[float], top: int) -> dict[str, Any]:
+def _chat_entry(tok: Any, tid: int, lp: float) -> dict[str, Any]:
+    s = _token_str(tok, tid)
+    return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+
+def chat_logprobs(tok: Any, ids: list[int], lps: list[float], top: int,
+                  tops: list[TopLogprobs] = ()) -> dict[str, Any]:
     content = []
-    for t, lp in zip(ids, lps):
-        s = _token_str(tok, t)
-        entry = {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        content.append({**entry, "top_logprobs": [entry] if top > 0 else []})
+    for t, lp, row in zip(ids, lps, _tops(ids, lps, list(tops))):
+        tops_out = [_chat_entry(tok, i, v) for i, v in row] if top > 0 else []
+        content.append({**_chat_entry(tok, t, lp), "top_logprobs": tops_out})
     return {"content": content}
 
 
@@ -72,12 +94,14 @@ class Formatter:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, ch: Choice, ids: list[int], lps: list[float]) -> dict[str, Any] | None:
+    def _logprobs(self, ch: Choice, ids: list[int], lps: list[float],
+                  tops: list[TopLogprobs]) -> dict[str, Any] | None:
         if self.req.logprobs is None:
             return None
         if self.req.chat:
-            return chat_logprobs(self.tok, ids, lps, self.req.logprobs)
-        out = completion_logprobs(self.tok, ids, lps, self.req.logprobs, self._text_pos[ch.index])
+            return chat_logprobs(self.tok, ids, lps, self.req.logprobs, tops)
+        out = completion_logprobs(self.tok, ids, lps, self.req.logprobs, self._text_pos[ch.index],
+                                  tops)
         self._text_pos[ch.index] += sum(len(s) for s in out["tokens"])
         return out
 
@@ -86,10 +110,10 @@ class Formatter:
         return p if isinstance(p, str) else self.tok.decode(list(p))
 
     def chunk(self, ch: Choice, ids: list[int], text: str, lps: list[float],
-              finish: str | None) -> dict[str, Any]:
+              finish: str | None, tops: list[TopLogprobs] = ()) -> dict[str, Any]:
         first = not self._started[ch.index]
         self._started[ch.index] = True
-        lp = self._logprobs(ch, ids, lps) if ids else None
+        lp = self._logprobs(ch, ids, lps, list(tops)) if ids else None
         if self.req.chat:
             delta: dict[str, Any] = {"content": text}
             if first:
@@ -122,7 +146,7 @@ class Formatter:
     def response(self) -> dict[str, Any]:
         choices = []
         for ch in self.gen.choices:
-            lp = self._logprobs(ch, ch.token_ids, ch.logprobs)
+            lp = self._logprobs(ch, ch.token_ids, ch.logprobs, ch.top_logprobs)
             if self.req.chat:
                 c: dict[str, Any] = {"index": ch.index,
                                      "message": {"role": "assistant", "content": ch.text},
@@ -227,7 +251,8 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
                     if not ev.token_ids and not ev.text and not ev.finished:
                         continue
                     await resp.write(_sse(fmt.chunk(ch, list(ev.token_ids), ev.text,
-                                                     list(ev.logprobs), ch.finish_reason)))
+                                                     list(ev.logprobs), ch.finish_reason,
+                                                     list(ev.top_logprobs))))
         except TimeoutError:
             metrics.REQUEST_TIMEOUTS.inc()
             request[FINISH] = "timeout"

@@ -50,7 +50,8 @@ class GenerationRequest:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=seed, stop=self.stop,
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                              logprobs=self.logprobs is not None, min_tokens=self.min_tokens)
+                              logprobs=self.logprobs is not None, min_tokens=self.min_tokens,
+                              top_logprobs=self.logprobs or 0)
 
 
 # ---- field readers --------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from moed.engine.request import Request
 from moed.engine.scheduler import Scheduler, StepPlan
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
-from moed.model.sampler import SampleRow, make_generator, sample, skip_one_token
+from moed.model.sampler import SampleResult, SampleRow, make_generator, sample, skip_one_token
 from moed.types import EngineStats, FinishReason, SamplingParams, TokenEvent
 
 log = structlog.get_logger(__name__)
@@ -138,8 +138,9 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     *, remote_kv: bool = False, prefill_only: bool = False) -> RequestStream:
         if self._stopping:
-            raise RuntimeError("engine is shutting down" if self._task is None or not self._task.done()
-                               else "engine is not running (stopped or crashed)")
+            done = self._task is not None and self._task.done()
+            raise RuntimeError("engine is not running (stopped or crashed)" if done
+                               else "engine is shutting down")
         req = self._new_request(request_id, prompt_token_ids, params, remote_kv, prefill_only)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -154,8 +155,9 @@ class Engine:
         self._post(("abort", request_id))
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                logprob: float | None = None) -> None:
-        self._post(("remote_done", request_id, int(first_token_id), logprob))
+                                logprob: float | None = None,
+                                top_logprobs: Sequence[tuple[int, float]] | None = None) -> None:
+        self._post(("remote_done", request_id, int(first_token_id), logprob, top_logprobs))
 
     def release_kv(self, request_id: str) -> None:
         self._post(("release", request_id))
@@ -260,12 +262,12 @@ class Engine:
                     await self._wake.wait()
                 continue
             try:
-                toks, lps, fwd_s = await loop.run_in_executor(self._executor, self._execute, plan)
+                res, fwd_s = await loop.run_in_executor(self._executor, self._execute, plan)
             except Exception as e:      # a broken step fails its requests, not the engine
                 log.exception("engine_step_failed", batch=plan.batch.num_seqs)
                 self._fail(plan, e)
                 continue
-            self._finish_step(plan, toks, lps, t0, fwd_s)
+            self._finish_step(plan, res, t0, fwd_s)
 
     # ---- one step (shared by the async loop and generate()) --------------------------------
     def _schedule(self) -> StepPlan | None:
@@ -275,18 +277,17 @@ class Engine:
         self._publish(events)
         return None if plan.empty else plan
 
-    def _execute(self, plan: StepPlan) -> tuple[list[int], list[float] | None, float]:
+    def _execute(self, plan: StepPlan) -> tuple[SampleResult | None, float]:
         """Runs in the executor thread: forward + sample. Reads the plan, mutates nothing else."""
         t0 = time.perf_counter()
         logits = self.runner.forward(plan.batch)
         idx = [i for i, c in enumerate(plan.chunks) if c.sample]
         if not idx:
-            return [], None, time.perf_counter() - t0
+            return None, time.perf_counter() - t0
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
         rows = [self._sample_row(plan.chunks[i].request) for i in idx]
-        res = sample(logits, rows)
-        return res.token_ids, res.logprobs, time.perf_counter() - t0
+        return sample(logits, rows), time.perf_counter() - t0
 
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
@@ -295,9 +296,11 @@ class Engine:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
         return SampleRow(p, req.rng, banned)
 
-    def _finish_step(self, plan: StepPlan, toks: list[int], lps: list[float] | None,
-                     t0: float, fwd_s: float) -> None:
-        events = self.scheduler.update(plan, toks, lps)
+    def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
+                     fwd_s: float) -> None:
+        toks = [] if res is None else res.token_ids
+        events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
+                                       None if res is None else res.top_logprobs)
         self._publish(events)
         self.steps += 1
         if self.on_prefill_progress is not None:
@@ -348,12 +351,12 @@ class Engine:
                 if ev is not None:
                     self._publish([ev])
             elif kind == "remote_done":
-                _, rid, tok, lp = cmd
+                _, rid, tok, lp, top = cmd
                 req = self.scheduler.remote.get(rid)
                 if req is not None:     # token one was drawn remotely: consume its randomness
                     skip_one_token(req.rng, req.params, self.spec.vocab_size)
                 try:
-                    self._publish([self.scheduler.complete_remote_prefill(rid, tok, lp)])
+                    self._publish([self.scheduler.complete_remote_prefill(rid, tok, lp, top)])
                 except KeyError:
                     log.warning("remote_prefill_unknown_request", request_id=rid)
             elif kind == "release":
@@ -411,8 +414,8 @@ class Engine:
                 if all(r.finished for r in reqs):    # e.g. a prompt that can never fit
                     break
                 raise RuntimeError("scheduler made no progress with requests pending")
-            toks, lps, fwd_s = self._execute(plan)
-            self._finish_step(plan, toks, lps, t0, fwd_s)
+            res, fwd_s = self._execute(plan)
+            self._finish_step(plan, res, t0, fwd_s)
         for r in reqs:
             if r.finish_reason is FinishReason.ERROR:
                 raise RuntimeError(f"request {r.request_id} failed: {r.error}")

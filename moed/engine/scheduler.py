@@ -214,7 +214,9 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int],
-               logprobs: Sequence[float] | None = None) -> list[TokenEvent]:
+               logprobs: Sequence[float] | None = None,
+               top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None
+               ) -> list[TokenEvent]:
         """Apply one step: `sampled[j]` is the token of the j-th request of `plan.sampled`."""
         events: list[TokenEvent] = []
         j = 0
@@ -229,21 +231,25 @@ class Scheduler:
                 continue
             tok = int(sampled[j])
             lp = () if logprobs is None or not req.params.logprobs else (float(logprobs[j]),)
+            top = _top(req, None if top_logprobs is None else top_logprobs[j])
             j += 1
-            events.append(self.accept_token(req, tok, lp))
+            events.append(self.accept_token(req, tok, lp, top))
         return events
 
-    def accept_token(self, req: Request, tok: int, lp: tuple[float, ...] = ()) -> TokenEvent:
+    def accept_token(self, req: Request, tok: int, lp: tuple[float, ...] = (),
+                     top: tuple[tuple[tuple[int, float], ...], ...] = ()) -> TokenEvent:
         """Append a sampled token, run stop checks, finish the request if it is done."""
         text, reason = req.append_token(tok)
         if reason is None and req.prefill_only:
             reason = FinishReason.STOP
         if reason is not None:
             self.finish(req, reason)
-        return _event(req, (tok,), text, lp, reason)
+        return _event(req, (tok,), text, lp, reason, top=top)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                logprob: float | None = None) -> TokenEvent:
+                                logprob: float | None = None,
+                                top_logprobs: Sequence[tuple[int, float]] | None = None
+                                ) -> TokenEvent:
         """The prefill node wrote the prompt's KV and sampled its first token: start decoding."""
         req = self.remote.pop(request_id, None)
         if req is None:
@@ -253,7 +259,7 @@ class Scheduler:
         req.set_state(RequestState.RUNNING)
         self.running.append(req)
         lp = () if logprob is None or not req.params.logprobs else (float(logprob),)
-        return self.accept_token(req, first_token_id, lp)
+        return self.accept_token(req, first_token_id, lp, _top(req, top_logprobs))
 
 
 def _too_long(req: Request, kv: KVCacheManager) -> str:
@@ -262,7 +268,17 @@ def _too_long(req: Request, kv: KVCacheManager) -> str:
             f"({kv.capacity_tokens} tokens)")
 
 
+def _top(req: Request, row: Sequence[tuple[int, float]] | None
+         ) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """One token's top logprobs as the TokenEvent carries them (empty when not asked)."""
+    n = req.params.top_logprobs
+    if not n or row is None:
+        return ()
+    return (tuple((int(t), float(v)) for t, v in list(row)[:n]),)
+
+
 def _event(req: Request, toks: tuple[int, ...], text: str, lps: tuple[float, ...],
-           reason: FinishReason | None, error: str | None = None) -> TokenEvent:
+           reason: FinishReason | None, error: str | None = None,
+           top: tuple[tuple[tuple[int, float], ...], ...] = ()) -> TokenEvent:
     return TokenEvent(req.request_id, toks, text, lps, reason, req.num_prompt_tokens,
-                      req.num_cached_tokens, error)
+                      req.num_cached_tokens, error, top)

@@ -4,8 +4,9 @@ Rows are independent: greedy rows take the argmax; the others are scaled by temp
 filtered by top-k then top-p, and drawn with the exponential-race trick (argmax of p / E,
 E ~ Exp(1)), which equals sampling from p. A seeded request draws its noise from its own
 torch.Generator, only for its own row, so the same seed gives the same tokens whatever the
-batch mates. Logprobs are log_softmax of the raw model logits (before temperature, filtering
-and masking): what OpenAI's `logprobs` report.
+batch mates. Logprobs (the chosen token's, and the top-N when a row asks for `top_logprobs`)
+are log_softmax of the raw model logits (before temperature, filtering and masking): what
+OpenAI's `logprobs` report.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class SampleRow:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None                 # None when no row asked for logprobs
+    # per row: its params.top_logprobs best (token id, logprob), best first; None when no row
+    # asked (rows that did not ask get [])
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -66,10 +70,17 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         out = logits.argmax(dim=-1)
     else:
         out = _sample_random(logits, rows, greedy)
-    lps = None
-    if any(r.params.logprobs for r in rows):
-        lps = torch.log_softmax(raw, dim=-1).gather(1, out.unsqueeze(1)).squeeze(1).tolist()
-    return SampleResult(out.tolist(), lps)
+    lps = tops = None
+    n_top = max(r.params.top_logprobs for r in rows)
+    if n_top > 0 or any(r.params.logprobs for r in rows):
+        lsm = torch.log_softmax(raw, dim=-1)
+        lps = lsm.gather(1, out.unsqueeze(1)).squeeze(1).tolist()
+        if n_top > 0:       # one topk for the batch, cut per row (only when some row asks)
+            vals, idx = lsm.topk(min(n_top, lsm.shape[1]), dim=-1)
+            vals, idx = vals.tolist(), idx.tolist()
+            tops = [list(zip(idx[i][:r.params.top_logprobs], vals[i][:r.params.top_logprobs]))
+                    for i, r in enumerate(rows)]
+    return SampleResult(out.tolist(), lps, tops)
 
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list[bool]) -> torch.Tensor:

@@ -280,7 +280,7 @@ class DecodeComponent:
                 continue
             self.health[peer] = policy.on_success(self.health[peer])
             metrics.TRANSFER_JOBS.labels("decode", "done").inc()
-            self.engine.complete_remote_prefill(rid, tok.token_id, tok.logprob)
+            self.engine.complete_remote_prefill(rid, tok.token_id, tok.logprob, tok.top_logprobs)
             return
         why = "; ".join(errors) if errors else (
             "no prefill node available" + ("" if self.candidates() else

@@ -237,7 +237,8 @@ class PrefillComponent:
             if not job.table:
                 job.table = self.engine.kv_block_table(job.engine_id)
             tok = FirstToken(job.spec.job_id, ev.token_ids[0],
-                             ev.logprobs[0] if ev.logprobs else None)
+                             ev.logprobs[0] if ev.logprobs else None,
+                             ev.top_logprobs[0] if ev.top_logprobs else ())
             await self._send(job, n_prompt_blocks, tok.encode())
             return tok
 

@@ -16,7 +16,7 @@ from typing import Any
 from moed.types import SamplingParams
 
 _FIRST_TOKEN_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids",
-                       "ignore_eos", "logprobs")
+                       "ignore_eos", "logprobs", "top_logprobs")
 
 
 class ProtocolError(ValueError):
@@ -86,7 +86,8 @@ def first_token_params(d: dict[str, Any]) -> SamplingParams:
             seed=None if d.get("seed") is None else int(d["seed"]), min_tokens=min_tokens,
             stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())) if min_tokens else (),
             ignore_eos=bool(d.get("ignore_eos", False)) if min_tokens else True,
-            logprobs=bool(d.get("logprobs", False)))
+            logprobs=bool(d.get("logprobs", False)),
+            top_logprobs=int(d.get("top_logprobs", 0)))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"bad sampling params: {e}") from None
 
@@ -98,15 +99,20 @@ class FirstToken:
     job_id: str
     token_id: int
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()   # when the request asked for them
 
     def encode(self) -> bytes:
-        return json.dumps({"j": self.job_id, "t": self.token_id, "lp": self.logprob}).encode()
+        d: dict[str, Any] = {"j": self.job_id, "t": self.token_id, "lp": self.logprob}
+        if self.top_logprobs:
+            d["tl"] = [[t, v] for t, v in self.top_logprobs]
+        return json.dumps(d).encode()
 
     @classmethod
     def decode(cls, msg: bytes) -> "FirstToken":
         try:
             d = json.loads(msg)
-            return cls(str(d["j"]), int(d["t"]), None if d.get("lp") is None else float(d["lp"]))
+            return cls(str(d["j"]), int(d["t"]), None if d.get("lp") is None else float(d["lp"]),
+                       tuple((int(t), float(v)) for t, v in d.get("tl", ())))
         except (ValueError, KeyError, TypeError) as e:
             raise ProtocolError(f"bad first-token notification: {e}") from None
 

@@ -102,6 +102,44 @@ def test_logprobs(client):
     assert len(c.choices[0].logprobs.content) == 3
 
 
+def test_top_logprobs(client):
+    """N most likely tokens per sampled token, in both OpenAI shapes, streaming and not."""
+    r = client.completions.create(**_greedy(prompt="for i in", max_tokens=4, logprobs=3))
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == 4
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        vals = list(top.values())
+        assert 2 <= len(top) <= 3 and vals == sorted(vals, reverse=True) and vals[0] <= 0.0
+        assert top.get(tok) == chosen == vals[0]              # greedy: the chosen is the best
+    chunks = list(client.completions.create(**_greedy(prompt="for i in", max_tokens=4,
+                                                      logprobs=3), stream=True))
+    assert [t for c in chunks if c.choices[0].logprobs
+            for t in c.choices[0].logprobs.top_logprobs] == lp.top_logprobs
+
+    msgs = [{"role": "user", "content": "a"}]
+    c = client.chat.completions.create(**_greedy(messages=msgs, max_tokens=3, logprobs=True,
+                                                 top_logprobs=5))
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3
+    for e in content:
+        tops = e.top_logprobs
+        assert len(tops) == 5 and [t.logprob for t in tops] == sorted((t.logprob for t in tops),
+                                                                       reverse=True)
+        assert (tops[0].token, tops[0].logprob) == (e.token, e.logprob)
+        assert all(bytes(t.bytes).decode() == t.token for t in tops)
+    streamed = [e for ch in client.chat.completions.create(
+        **_greedy(messages=msgs, max_tokens=3, logprobs=True, top_logprobs=5), stream=True)
+        if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in streamed] == \
+        [[(t.token, t.logprob) for t in e.top_logprobs] for e in content]
+    for bad in (dict(top_logprobs=21), dict(top_logprobs=-1)):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**_greedy(messages=msgs, max_tokens=2, logprobs=True,
+                                                     **bad))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**_greedy(prompt="x", max_tokens=2, logprobs=21))
+
+
 def test_token_id_prompts(client):
     ids = [[11, 12, 13, 14], [21, 22]]
     r = client.completions.create(**_greedy(prompt=ids, max_tokens=3),

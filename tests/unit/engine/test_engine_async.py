@@ -380,3 +380,26 @@ async def test_alive_until_the_loop_crashes_or_stops():
     await eng2.start()
     await eng2.shutdown()
     assert not eng2.alive
+
+
+async def test_top_logprobs_in_token_events_local_and_remote():
+    eng = _engine()
+    await eng.start()
+    try:
+        p = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, top_logprobs=2)
+        evs = [e for e in await _collect(eng.add_request("a", [1, 2, 3], p)) if e.token_ids]
+        assert len(evs) == 3
+        for e in evs:
+            (top,) = e.top_logprobs
+            assert len(top) == 2 and top[0][0] == e.token_ids[0] and top[0][1] == e.logprobs[0]
+            assert top[0][1] >= top[1][1]
+        plain = await _collect(eng.add_request("b", [1, 2, 3], GREEDY))
+        assert all(e.top_logprobs == () for e in plain)
+        d = eng.add_request("r", [4, 5, 6], p, remote_kv=True)   # first token from "elsewhere"
+        await asyncio.wait_for(d.kv_blocks, 2)
+        eng.complete_remote_prefill("r", 9, -0.1, ((9, -0.1), (4, -2.0), (5, -3.0)))
+        first = (await d.__anext__())
+        assert first.token_ids == (9,) and first.top_logprobs == (((9, -0.1), (4, -2.0)),)
+        eng.abort("r")
+    finally:
+        await eng.shutdown()

@@ -118,3 +118,19 @@ def test_skip_one_token_replays_exactly_one_draw():
     g = make_generator(9)
     skip_one_token(g, SamplingParams(temperature=0.0, seed=9), 50)
     assert torch.equal(g.get_state(), make_generator(9).get_state())
+
+
+def test_top_logprobs_only_when_asked_and_per_row_n():
+    lg = _logits(3)
+    rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)),
+            SampleRow(SamplingParams(temperature=0.0)),
+            SampleRow(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=1))]
+    res = sample(lg, rows)
+    lsm = torch.log_softmax(lg, dim=-1)
+    vals, idx = lsm.topk(3, dim=-1)
+    assert [t for t, _ in res.top_logprobs[0]] == idx[0].tolist()
+    assert [v for _, v in res.top_logprobs[0]] == vals[0].tolist()
+    assert res.top_logprobs[1] == []
+    assert res.top_logprobs[2] == [(int(idx[2, 0]), float(vals[2, 0]))]
+    assert res.top_logprobs[0][0][0] == res.token_ids[0]           # greedy: the best one
+    assert sample(lg, [SampleRow(SamplingParams(logprobs=True))] * 3).top_logprobs is None

@@ -85,6 +85,10 @@ def test_first_token_notif() -> None:
     t = FirstToken("r1.2", 42, -0.5)
     assert FirstToken.decode(t.encode()) == t
     assert FirstToken.decode(FirstToken("j", 1).encode()).logprob is None
+    top = FirstToken("j", 7, -0.25, ((7, -0.25), (3, -1.5)))      # top_logprobs ride along
+    assert FirstToken.decode(top.encode()) == top
+    assert first_token_params(sampling_fields(SamplingParams(logprobs=True, top_logprobs=4))
+                              ).top_logprobs == 4
     with pytest.raises(ProtocolError):
         FirstToken.decode(b"\xff garbage")
 
