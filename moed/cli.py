@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, MutableMapping, Sequence
 
 from moed.config import ROLES, Config, ConfigError, load
 
@@ -73,8 +73,23 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# torch's CPU allocator puts large tensors in transparent huge pages when this is set (read at
+# each allocation): NIXL then moves KV at >= 60% of memcpy speed, far less without it
+# (bench/kv_transfer.py). Nodes that transfer KV get it unless the operator chose otherwise.
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+
+
+def kv_transfer_env(role: str, environ: MutableMapping[str, str]) -> bool:
+    """Set THP_MEM_ALLOC_ENABLE=1 for prefill/decode nodes when unset; True if it is on."""
+    if role in ("prefill", "decode"):
+        environ.setdefault(THP_ENV, "1")
+    return environ.get(THP_ENV, "") not in ("", "0")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _load(args)
+    thp = kv_transfer_env(cfg.server.role, os.environ)   # before the engine allocates anything
+    import structlog
     import uvloop
 
     from moed.app import App, node_name
@@ -82,6 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     obslog.configure(cfg.server.log_format, cfg.server.log_level, role=cfg.server.role,
                      node=node_name(cfg))
+    if cfg.server.role != "router":
+        structlog.get_logger(__name__).info("cpu_huge_pages", thp_alloc=thp)
     # torch threads are set by Engine.from_config, in the loader thread (the router never
     # imports torch at all).
 
@@ -124,6 +141,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if list(sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        from moed.ops.signals import hold_sighup
+
+        hold_sighup()    # before the heavy imports: an early SIGHUP must not kill the node
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:

@@ -2,7 +2,8 @@
 
 Lifecycle it reports to systemd (and to /metrics):
   constructed → STATUS=starting; add_routes → SIGHUP handler installed (a reload asked for while
-  the model loads is deferred, never fatal: SIGHUP's default action would kill the process)
+  the model loads is deferred, never fatal: SIGHUP's default action would kill the process;
+  one that came even earlier, while `moed serve` imported, was held by moed.ops.signals)
   → app ready (model loaded, cluster joined) → READY=1, watchdog pings start
   → SIGHUP: RELOADING=1 … READY=1 (moed_config_reloads_total{result}, moed_config_version)
   → SIGTERM or POST /admin/drain: STOPPING=1, moed_draining 1 → the app drains → exit 0.
@@ -29,6 +30,7 @@ from moed.config import Config, ConfigError, diff
 from moed.obs import metrics
 from moed.ops.reload import Commit, Reloader, ReloadResult, describe, redact
 from moed.ops.sdnotify import Notifier, watchdog_interval, watchdog_loop
+from moed.ops.signals import take_held_sighup
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +91,9 @@ class OpsComponent:
         admin.add_routes(web_app, admin.AdminHooks(
             tokens=lambda: self._admin_tokens, drain=self.request_drain, config=self.config_view))
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+        if take_held_sighup():    # one arrived while `moed serve` was still importing
+            log.info("config_reload_deferred", reason="signal during process start")
+            self._deferred_reload = True
         self.notifier.status("loading model" if self.cfg.server.role != "router" else "starting")
 
     async def start(self, app: Any) -> None:

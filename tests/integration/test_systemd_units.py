@@ -72,7 +72,8 @@ def test_operations_contract(unit: str) -> None:
     creds = {c.split(":", 1)[0] for c in d["LoadCredential"]}
     assert {"api-keys", "cluster-key"} <= creds
     env = "\n".join(d["Environment"])
-    for var in ("MOED_SERVER_API_KEYS_FILE=%d/api-keys", "MOED_CLUSTER_KEY_FILE=%d/cluster-key"):
+    for var in ("MOED_SERVER_API_KEYS_FILE=%d/api-keys", "MOED_CLUSTER_KEY_FILE=%d/cluster-key",
+                "THP_MEM_ALLOC_ENABLE=1"):
         assert var in env
     assert one["User"] == "moed"
     for k, v in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",

@@ -61,3 +61,12 @@ def test_documented_default_file_matches_builtin_defaults():
     """conf/moed.toml documents the defaults: loading it changes nothing but what it must."""
     o = {"model": {"path": "/m"}}
     assert load(CONF, environ={}, overrides=o) == load(None, environ={}, overrides=o)
+
+
+def test_kv_transfer_nodes_get_huge_pages_unless_the_operator_chose():
+    for role, expect in (("prefill", "1"), ("decode", "1"), ("colocated", None), ("router", None)):
+        env: dict[str, str] = {}
+        assert cli.kv_transfer_env(role, env) is (expect == "1")
+        assert env.get(cli.THP_ENV) == expect
+    env = {cli.THP_ENV: "0"}                       # an explicit opt-out is kept
+    assert cli.kv_transfer_env("decode", env) is False and env[cli.THP_ENV] == "0"
