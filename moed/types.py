@@ -17,6 +17,13 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"      # the engine could not serve it (e.g. prompt can never fit in KV)
 
 
+class ErrorKind(str, enum.Enum):
+    """Why a request finished with FinishReason.ERROR (the API's status depends on it)."""
+
+    INTERNAL = "internal"        # a bug or a failed step: 500
+    UNAVAILABLE = "unavailable"  # no capacity here now (e.g. remote prefill failed): 503, retry
+
+
 class RequestState(str, enum.Enum):
     """A request's life in the engine. Allowed moves are in REQUEST_TRANSITIONS."""
 
@@ -90,6 +97,7 @@ class TokenEvent:
     error: str | None = None            # set with FinishReason.ERROR
     # per token in token_ids, when params.top_logprobs > 0: ((token_id, logprob), ...) best first
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    error_kind: ErrorKind | None = None  # with ERROR; None is treated as INTERNAL
 
     @property
     def finished(self) -> bool:

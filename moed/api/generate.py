@@ -21,7 +21,7 @@ from moed.api.admission import Admission, Ticket, Verdict
 from moed.api.errors import APIError, bad_request
 from moed.api.protocol import GenerationRequest, resolve_max_tokens
 from moed.obs import metrics
-from moed.types import FinishReason, TokenEvent
+from moed.types import ErrorKind, FinishReason, TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -98,6 +98,7 @@ class Generation:
         self.req = req
         self.prompt_ids = prompt_ids
         self.request_id = request_id
+        self.retry_after_s = retry_after_s
         self.arrival = time.perf_counter()
         max_len = engine.max_model_len
         self.max_tokens = [resolve_max_tokens(req, len(p), max_len) for p in prompt_ids]
@@ -178,6 +179,10 @@ class Generation:
             self._observe(ch, ev)
             if ev.finish_reason is FinishReason.ERROR:
                 log.error("engine_request_failed", engine_request=ch.engine_id, error=ev.error)
+                if ev.error_kind is ErrorKind.UNAVAILABLE:   # e.g. remote prefill failed
+                    raise APIError(503, f"This node cannot serve the request now: {ev.error} "
+                                        f"(request id {self.request_id}).", code="unavailable",
+                                   headers={"Retry-After": str(self.retry_after_s)})
                 raise APIError(500, f"The engine failed to serve this request (request id "
                                     f"{self.request_id}).", code="engine_error")
             if ev.finished:

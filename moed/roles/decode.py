@@ -36,7 +36,7 @@ from moed.obs import metrics
 from moed.roles import policy
 from moed.roles.common import new_incarnation, start_worker
 from moed.roles.protocol import FirstToken, PrefillJobSpec, ProtocolError, sampling_fields
-from moed.types import FinishReason, SamplingParams, TokenEvent
+from moed.types import ErrorKind, FinishReason, SamplingParams, TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -292,7 +292,8 @@ class DecodeComponent:
         metrics.TRANSFER_JOBS.labels("decode", "failed").inc()
         log.error("remote_prefill_failed", request_id=rid, kind=kind, error=message)
         self.engine.abort(rid)          # frees the destination blocks
-        stream.fail(TokenEvent(rid, (), "", (), FinishReason.ERROR, len(prompt), cached, message))
+        stream.fail(TokenEvent(rid, (), "", (), FinishReason.ERROR, len(prompt), cached, message,
+                               error_kind=ErrorKind.UNAVAILABLE))   # the API answers 503
 
     async def _attempt(self, rid: str, peer: str, spec: PrefillJobSpec,
                        deadline: float) -> FirstToken:

@@ -20,8 +20,9 @@ def test_expired_lease_frees_both_sides_and_fails_clearly(moed_server, tiny_qwen
                          "MOED_TRANSFER_LOCAL_PREFILL_MAX_TOKENS": "6"})
     _wait_until(lambda: p.get("/ready")[0] == 200, 150, "prefill ready")
     c = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    with pytest.raises(openai.InternalServerError, match="failed to serve this request"):
+    with pytest.raises(openai.InternalServerError, match="prefill lease expired") as err:
         c.completions.create(model="tiny", prompt=_prompt(LONG, 3), max_tokens=3, temperature=0)
+    assert err.value.status_code == 503            # not the engine's fault: retry elsewhere
     assert _metric(p, "moed_transfer_leases_expired_total") == 1
     assert _metric(p, 'moed_transfer_jobs_total{result="expired",role="prefill"}') == 1
     assert not _jobs(p)

@@ -1,14 +1,20 @@
 """Daemon-side behaviour of one real decode node (`moed serve --role decode`) whose only prefill
 peer is down (nothing listens on its port):
 - a SIGHUP sent while the process is still importing is held, not fatal, and reloads once ready;
+- a remote prefill that fails reaches the client as 503 with the reason (non-stream), or as an
+  in-band SSE error event (stream), and leaves no KV block in use;
 - the node allocates its tensors in transparent huge pages (for NIXL KV transfer speed).
 """
 from __future__ import annotations
 
+import json
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 from moed_server import ServerProcess, _wait_ready, free_port, start_server
 
@@ -55,6 +61,38 @@ def test_sighup_during_import_is_held_then_reloaded(node) -> None:
     while node.metrics().get('moed_config_reloads_total{result="unchanged"}', 0) < 1:
         assert time.monotonic() < deadline, node.tail()
         time.sleep(0.05)
+
+
+def _post(srv: ServerProcess, body: dict) -> tuple[int, dict, str]:
+    req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def test_failed_remote_prefill_is_503_with_the_reason(node) -> None:
+    prompt = list(range(3, 43))
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+    e = err.value
+    assert e.status_code == 503 and e.response.headers["Retry-After"] == "2"
+    body = e.body if isinstance(e.body, dict) and "message" in e.body else e.body["error"]
+    assert body["code"] == "unavailable" and body["type"] == "service_unavailable"
+    assert "remote prefill failed" in body["message"] and "rpc_error" in body["message"]
+    # a stream has sent its headers by then: the reason comes as an SSE error event, no [DONE]
+    status, headers, text = _post(node, {"model": "tiny", "prompt": prompt, "max_tokens": 3,
+                                         "stream": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert len(events) == 1 and events[0]["error"]["code"] == "unavailable", text
+    assert "remote prefill failed" in events[0]["error"]["message"] and "[DONE]" not in text
+    m = node.metrics()
+    assert m["moed_kv_blocks_used"] == 0
+    assert m['moed_transfer_jobs_total{result="failed",role="decode"}'] == 2
 
 
 def test_tensors_use_transparent_huge_pages(node) -> None:
