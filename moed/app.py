@@ -107,6 +107,7 @@ class EngineComponent(BaseComponent):
         # In a thread, imports included (torch takes seconds): /health keeps answering.
         self.engine = await asyncio.to_thread(_build_engine, self.cfg)
         self.engine.on_step = _observe_step
+        self.engine.on_expert_load = metrics.observe_expert_load
         await self.engine.start()
         app.state.engine = self.engine
         app.state.model_name = served_model_name(self.cfg)

@@ -6,8 +6,11 @@ command; the loop applies them at the next step boundary. The forward pass and s
 ONE executor thread, so the event loop keeps serving HTTP while a step computes. When there is
 nothing to do the loop sleeps on an asyncio.Event.
 
-`at_step_boundary(fn)` runs a callable between two steps (expert-load reads, expert-map
-swaps). `apply_config(cfg)` adopts the live limits (max_num_seqs, max_num_batched_tokens).
+`at_step_boundary(fn)` runs a callable between two steps (e.g. expert-map swaps).
+`on_expert_load(load)` gets the runner's expert load ([layers, experts] tokens routed since the
+last read) about every EXPERT_LOAD_INTERVAL_S while steps run, and when the loop goes idle; the
+engine is the runner's only expert-load reader (its read resets the counts).
+`apply_config(cfg)` adopts the live limits (max_num_seqs, max_num_batched_tokens).
 
 Each step:  drain commands -> scheduler.schedule() -> [executor] runner.forward + sample ->
 scheduler.update() -> publish TokenEvents to each request's stream -> on_step(StepStats).
@@ -48,12 +51,15 @@ from moed.types import EngineStats, FinishReason, SamplingParams, TokenEvent
 
 log = structlog.get_logger(__name__)
 
+EXPERT_LOAD_INTERVAL_S = 1.0
+
 
 class Engine:
     def __init__(self, runner: Any, tokenizer: Any, cfg: EngineConfig, *,
                  max_model_len: int | None = None,
                  on_step: Callable[[StepStats], None] | None = None,
-                 on_prefill_progress: Callable[[str, list[int], int], None] | None = None) -> None:
+                 on_prefill_progress: Callable[[str, list[int], int], None] | None = None,
+                 on_expert_load: Callable[[Any], None] | None = None) -> None:
         self.runner = runner
         self._tokenizer = tokenizer
         self.cfg = cfg
@@ -68,6 +74,9 @@ class Engine:
                                    on_remote_allocated=self._remote_allocated)
         self.on_step = on_step
         self.on_prefill_progress = on_prefill_progress
+        self.on_expert_load = on_expert_load
+        self._load_read_at = time.monotonic()
+        self._load_pending = False      # steps ran since the last expert-load read
         self._streams: dict[str, RequestStream] = {}
         self._inbox: deque[tuple] = deque()
         self._wake: asyncio.Event | None = None
@@ -257,6 +266,7 @@ class Engine:
             t0 = time.perf_counter()
             plan = self._schedule()
             if plan is None:
+                self._read_expert_load(force=True)      # flush the window before idling
                 self._wake.clear()
                 if not self._inbox and not self._stopping:
                     await self._wake.wait()
@@ -267,7 +277,26 @@ class Engine:
                 log.exception("engine_step_failed", batch=plan.batch.num_seqs)
                 self._fail(plan, e)
                 continue
+            finally:
+                self._load_pending = True
             self._finish_step(plan, res, t0, fwd_s)
+            self._read_expert_load(force=False)
+
+    def _read_expert_load(self, force: bool) -> None:
+        """Between steps: pass the runner's expert load to on_expert_load (once per interval,
+        or now with force) if any step ran since the last read."""
+        read = getattr(self.runner, "expert_load", None)
+        if self.on_expert_load is None or read is None or not self._load_pending:
+            return
+        now = time.monotonic()
+        if not force and now - self._load_read_at < EXPERT_LOAD_INTERVAL_S:
+            return
+        self._load_read_at, self._load_pending = now, False
+        on_load = self.on_expert_load
+
+        def deliver() -> None:
+            on_load(read())
+        self._callback(deliver)
 
     # ---- one step (shared by the async loop and generate()) --------------------------------
     def _schedule(self) -> StepPlan | None:

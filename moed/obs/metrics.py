@@ -82,6 +82,38 @@ READY = Gauge("moed_ready", "1 when /ready answers 200", registry=REGISTRY)
 NODE_INFO = Info("moed_node", "Role, node name, version and config digest", registry=REGISTRY)
 
 
+# Expert load (EPLB input, imbalance panel): one series per (MoE layer, expert) that ever got a
+# token -- bounded by the model (layers x experts), no request data in labels.
+EXPERT_TOKENS = Counter("moed_expert_tokens", "Tokens routed to each logical expert, per MoE "
+                        "layer (a token counts once per expert of its top-k)",
+                        ["layer", "expert"], registry=REGISTRY)
+EXPERT_IMBALANCE = Gauge("moed_expert_imbalance",
+                         "Max / mean tokens per expert of a MoE layer over the last expert-load "
+                         "window (~1 s of steps); 1.0 = perfectly balanced", ["layer"],
+                         registry=REGISTRY)
+
+
+_EXPERT_CHILDREN: dict[tuple[int, int], Counter] = {}
+
+
+def observe_expert_load(load: object) -> None:
+    """Fold one expert-load window ([layers, experts] token counts, e.g. a torch tensor) into
+    the counters; layers that routed no token in the window (dense, idle) are left alone."""
+    rows = load.tolist() if hasattr(load, "tolist") else load
+    for layer, row in enumerate(rows):
+        total = sum(row)
+        if total <= 0:
+            continue
+        for expert, n in enumerate(row):
+            if n:
+                child = _EXPERT_CHILDREN.get((layer, expert))
+                if child is None:   # labels() costs a lock and a dict; a big model has ~10k
+                    child = _EXPERT_CHILDREN[layer, expert] = EXPERT_TOKENS.labels(
+                        str(layer), str(expert))
+                child.inc(n)
+        EXPERT_IMBALANCE.labels(str(layer)).set(max(row) * len(row) / total)
+
+
 def observe_engine_stats(stats: object) -> None:
     """Copy an EngineStats snapshot into the gauges (called per step and on scrape)."""
     RUNNING.set(getattr(stats, "running", 0))

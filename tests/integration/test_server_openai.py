@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import random
+import re
+import time
 import urllib.request
 
 import openai
@@ -138,6 +141,45 @@ def test_top_logprobs(client):
                                                      **bad))
     with pytest.raises(openai.BadRequestError):
         client.completions.create(**_greedy(prompt="x", max_tokens=2, logprobs=21))
+
+
+def _expert_tokens_per_layer(srv) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, v in srv.metrics().items():
+        m = re.fullmatch(r'moed_expert_tokens_total\{(.*)\}', key)
+        if m:
+            layer = int(re.search(r'layer="(\d+)"', m.group(1)).group(1))
+            out[layer] = out.get(layer, 0.0) + v
+    return out
+
+
+def test_expert_load_metrics(client, srv, tiny_qwen3):
+    """Every token forwarded reaches each MoE layer's top-k experts: the per-layer sum of
+    moed_expert_tokens_total grows by exactly top_k x forwarded tokens; dense layers stay out."""
+    from moed.model.spec import load_spec
+
+    spec = load_spec(tiny_qwen3)
+    moe = [i for i in range(spec.num_layers) if i not in spec.dense_layers]
+    before = _expert_tokens_per_layer(srv)
+    rnd = random.Random(4242)
+    forwarded = 0
+    for n in (9, 23, 40):
+        r = client.completions.create(**_greedy(prompt=[rnd.randrange(100, 2000) for _ in range(n)],
+                                                max_tokens=5))
+        forwarded += r.usage.prompt_tokens + r.usage.completion_tokens - 1   # no cache hits
+    want = {i: forwarded * spec.top_k for i in moe}
+    deadline = time.monotonic() + 5
+    while True:
+        after = _expert_tokens_per_layer(srv)
+        delta = {i: after.get(i, 0.0) - before.get(i, 0.0) for i in range(spec.num_layers)}
+        if all(delta[i] >= want[i] for i in moe) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert {i: delta[i] for i in moe} == want
+    assert all(delta[i] == 0 for i in spec.dense_layers)
+    m = srv.metrics()
+    for i in moe:
+        assert m[f'moed_expert_imbalance{{layer="{i}"}}'] >= 1.0
 
 
 def test_token_id_prompts(client):
