@@ -30,7 +30,7 @@ from moed.config import Config, ConfigError, diff
 from moed.obs import metrics
 from moed.ops.reload import Commit, Reloader, ReloadResult, describe, redact
 from moed.ops.sdnotify import Notifier, watchdog_interval, watchdog_loop
-from moed.ops.signals import take_held_sighup
+from moed.ops.signals import ignore_sighup, take_held_sighup
 
 log = structlog.get_logger(__name__)
 
@@ -126,7 +126,8 @@ class OpsComponent:
 
     async def stop(self) -> None:
         try:
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)   # → SIG_DFL
+            ignore_sighup()   # a reload asked for while stopping is moot, and must not kill
         except (RuntimeError, ValueError):
             pass
         self.notifier.status("stopped")

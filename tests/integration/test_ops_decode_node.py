@@ -103,3 +103,15 @@ def test_tensors_use_transparent_huge_pages(node) -> None:
         huge_kb = next(int(line.split()[1]) for line in rollup.splitlines()
                        if line.startswith("AnonHugePages:"))
         assert huge_kb >= 2048, rollup
+
+
+def test_sighup_while_stopping_is_harmless(node) -> None:
+    """Last in the module: SIGTERM, then SIGHUPs until the process is gone → still exit 0 (the
+    reload handler is removed before the other components stop; SIGHUP is held again)."""
+    node.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while node.alive:
+        assert time.monotonic() < deadline, node.tail()
+        node.send_signal(signal.SIGHUP)
+        time.sleep(0.002)
+    assert node.proc.wait() == 0, node.tail()
