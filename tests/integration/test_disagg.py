@@ -51,7 +51,8 @@ def cluster(tiny_qwen3, tmp_path_factory):
                                          env={**COMMON, **env}, log_dir=log_dir, wait=None)
         for s in servers.values():
             _wait_ready(s, "/ready", time.monotonic() + 150)
-        yield {**servers, "_model": tiny_qwen3}
+        max_len = json.loads((tiny_qwen3 / "config.json").read_text())["max_position_embeddings"]
+        yield {**servers, "_model": tiny_qwen3, "_model_max_len": max_len}
     finally:
         for s in servers.values():
             s.stop(timeout=10)
@@ -121,6 +122,18 @@ def test_greedy_parity_with_colocated(cluster) -> None:
     assert done >= 7
     assert _metric(cluster["D1"], "moed_transfer_bytes_total") == 0      # decode only receives
     assert sum(_metric(cluster[p], "moed_transfer_bytes_total") for p in ("P1", "P2")) > 0
+    _wait_until(lambda: _kv_used(cluster["D1"]) == 0, 5, "decode blocks freed")
+
+
+def test_prompt_at_context_limit(cluster) -> None:
+    """A prompt of max_model_len - 1 tokens: the prefill node's request finishes "length" with
+    token one, and must still hold and send its KV (it used to free it first: the job failed)."""
+    max_len = cluster["_model_max_len"]
+    kw = dict(model="tiny", prompt=_prompt(max_len - 1, 11), max_tokens=1, temperature=0,
+              extra_body={"return_token_ids": True})
+    got = _client(cluster["D1"]).completions.create(**kw).choices[0]
+    want = _client(cluster["C"]).completions.create(**kw).choices[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "length"
     _wait_until(lambda: _kv_used(cluster["D1"]) == 0, 5, "decode blocks freed")
 
 
