@@ -117,9 +117,17 @@ def test_greedy_parity_with_colocated(cluster) -> None:
               extra_body={"return_token_ids": True})
     want = c.completions.create(**kw).choices[0].token_ids
     assert d.completions.create(**kw).choices[0].token_ids == want and len(set(want)) > 2
+    # top logprobs: token one's come from the prefill node (in the FirstToken notification)
+    kw = dict(model="tiny", prompt=_prompt(64, 6), max_tokens=3, temperature=0, logprobs=3)
+    want_lp = c.completions.create(**kw).choices[0].logprobs.top_logprobs
+    got_lp = d.completions.create(**kw).choices[0].logprobs.top_logprobs
+    assert len(got_lp) == 3 and all(len(t) >= 2 for t in got_lp)
+    assert [list(t) for t in got_lp] == [list(t) for t in want_lp]
+    flat = [v for t in got_lp for v in t.values()]
+    assert flat == pytest.approx([v for t in want_lp for v in t.values()], abs=1e-4)
     done = sum(_metric(cluster[p], 'moed_transfer_jobs_total{result="done",role="prefill"}')
                for p in ("P1", "P2"))
-    assert done >= 7
+    assert done >= 8
     assert _metric(cluster["D1"], "moed_transfer_bytes_total") == 0      # decode only receives
     assert sum(_metric(cluster[p], "moed_transfer_bytes_total") for p in ("P1", "P2")) > 0
     _wait_until(lambda: _kv_used(cluster["D1"]) == 0, 5, "decode blocks freed")
