@@ -36,8 +36,8 @@ class DecoderLayer:
 class MoEDecoder:
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  consume: bool = False) -> None:
-        """consume: drop each layer's entries from `w` once built, so repacked originals are
-        freed layer by layer (peak memory ~1 layer above the model, not 2x)."""
+        """consume: drop each layer's entries from `w` once built (the layers hold what they
+        keep), so nothing outlives the build that the model does not use."""
         self.spec = spec
         pack = can_pack(device, dtype)
         self.embed, self.norm = w["embed"], w["norm"]

@@ -19,8 +19,8 @@ class MoELayer:
     def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
                  down: torch.Tensor, load: torch.Tensor, pack: bool = False) -> None:
         """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
-        (this layer's row of the runner's expert-load counter, updated in place). pack: oneDNN
-        weights per expert (CPU bf16), else slices of the fused tensors."""
+        (this layer's row of the runner's expert-load counter, updated in place). Experts are
+        slices of the fused tensors; pack: plus oneDNN copies per expert (CPU bf16)."""
         self.router = Linear(router, pack=pack)
         self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
                         for e in range(gate_up.shape[0])]
