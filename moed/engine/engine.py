@@ -19,14 +19,14 @@ Disaggregation hooks (used by the prefill/decode roles):
 - Decode side: `add_request(..., remote_kv=True)` allocates blocks for the WHOLE prompt (prefix
   cache hits included) and parks the request in WAITING_REMOTE_KV; `stream.kv_blocks` resolves
   to `(block_ids, num_cached_tokens)` — the writer fills `block_ids[num_cached_tokens //
-  block_size:]`. `complete_remote_prefill(request_id, first_token_id, logprob)` then marks the
-  prompt computed, publishes the first token and decodes on; a seeded request's generator is
-  advanced as if token one had been sampled here, so its later tokens match a colocated run.
-  Abort frees the blocks as usual.
+  block_size:]`. `complete_remote_prefill(request_id, first_token_id, logprob, top_logprobs)`
+  then marks the prompt computed, publishes the first token and decodes on; a seeded request's
+  generator is advanced as if token one had been sampled here, so its later tokens match a
+  colocated run. Abort frees the blocks as usual.
 - Prefill side: `add_request(..., prefill_only=True)` runs the prompt (chunked), samples the
   first token and finishes with "stop" ("length" if the prompt reached the context limit) — but
-  KEEPS its blocks on either. After every step that computed
-  some of its prompt, `on_prefill_progress(request_id, block_ids, num_computed_tokens)` is called
+  KEEPS its blocks on either. After every step that computed some of its prompt,
+  `on_prefill_progress(request_id, block_ids, num_computed_tokens)` is called
   (block_ids = the whole table; blocks below num_computed_tokens // block_size are final). Call
   `release_kv(request_id)` once the KV has been sent (or abort to give up).
 """
