@@ -203,12 +203,12 @@ class Generation:
             ch.t_last = now
             ch.token_ids.extend(ev.token_ids)
             ch.logprobs.extend(ev.logprobs)
+            ch.top_logprobs.extend(ev.top_logprobs)
             metrics.GENERATION_TOKENS.inc(len(ev.token_ids))
         ch.text += ev.text
         if ev.finished:
             reason = ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) \
                 else str(ev.finish_reason)
-            ch.top_logprobs.extend(ev.top_logprobs)
             ch.finish_reason = reason
             ch.error = ev.error
             self.admission.release(ch.ticket)
