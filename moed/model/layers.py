@@ -73,14 +73,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    # F.rms_norm upcasts to fp32 and casts back (as transformers does), in one dispatch.
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 class Rotary:
-    """cos/sin tables [max_pos, D] built once; per step gathered at the tokens' positions."""
+    """cos/sin tables [max_pos, D] built once; per step gathered at the tokens' positions.
+
+    sin is stored with its first half negated, so rotate_half(x) * sin == x.roll(D/2) * sin'
+    exactly (negation is exact): one roll instead of chunk, neg and cat."""
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -93,47 +94,49 @@ class Rotary:
         pos = torch.arange(n, device=device, dtype=torch.float)
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self.cos = emb.cos().to(self.dtype)
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(self.dtype)
 
     def tables(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, D] (broadcast over heads) for token positions [T] (all <= max_pos)."""
+        """cos, signed sin of shape [T, 1, D] (broadcast over heads) for positions [T] (all <= max_pos)."""
         if max_pos >= self.cos.shape[0]:      # past max_position_embeddings: extend, never fail
             self._build(max(max_pos + 1, 2 * self.cos.shape[0]), positions.device)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin, with Rotary's signed sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class AttentionBlock:
-    """qkv projection, optional per-head q/k RMSNorm, rotary, paged attention, output proj."""
+    """qkv projection, optional per-head q/k RMSNorm, rotary, paged attention, output proj.
+
+    q and k are normed and rotated together as one [T, Hq + Hkv, D] view of the qkv output
+    (per-head weights side by side): half the small ops of doing them apart, same numbers."""
 
     def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], pack: bool = False) -> None:
         p = f"layers.{layer}."
         self.layer = layer
         self.qkv = Linear(w[p + "qkv"], w.get(p + "qkv.bias"), pack)
         self.o = Linear(w[p + "o_proj"], w.get(p + "o_proj.bias"), pack)
-        self.q_norm, self.k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
         self.eps = spec.rms_norm_eps
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_norm, k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
+        self.qk_norm = None if q_norm is None else torch.cat(
+            (q_norm.expand(self.hq, self.d), k_norm.expand(self.hkv, self.d)))   # [Hq + Hkv, D]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backend: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
+        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         qkv = self.qkv(x)
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.forward(self.layer, q, k, v, kv_layer)      # [T, Hq, D]
-        return self.o(out.reshape(t, self.hq * self.d))
+        qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, self.eps)
+        qk = apply_rotary(qk, cos, sin)
+        out = backend.forward(self.layer, qk[:, :hq], qk[:, hq:], v, kv_layer)      # [T, Hq, D]
+        return self.o(out.reshape(t, hq * d))
 
 
 class DenseMLP:

@@ -116,6 +116,7 @@ class TorchBackend(AttentionBackend):
         kd = rows.index_select(0, self.dec_k).view(b, hkv, length, d)
         vd = rows.index_select(0, self.dec_v).view(b, hkv, length, d)
         qg = q.view(b, hkv, -1, d)                                              # [B, Hkv, G, D]
-        scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * self.scale     # [B, Hkv, G, L]
-        probs = torch.softmax(scores + self.dec_bias, dim=-1).to(q.dtype)
+        scores = torch.matmul(qg, kd.transpose(-1, -2))                          # [B, Hkv, G, L]
+        # bias + scale * scores in fp32 (type promotion) in one op; bias is 0 or -inf, so exact.
+        probs = torch.softmax(torch.add(self.dec_bias, scores, alpha=self.scale), dim=-1).to(q.dtype)
         return torch.matmul(probs, vd).view(b, -1, d)                           # [B, Hq, D]
