@@ -64,6 +64,6 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
-        self._fi.append_paged_kv_cache(k, v, self.batch_indices, self.positions, kv_layer,
+        self._fi.append_paged_kv_cache(k.contiguous(), v, self.batch_indices, self.positions, kv_layer,
                                        self.indices, self.indptr, self.last_page_len, kv_layout="NHD")
         return self._wrapper.run(q.contiguous(), kv_layer)     # q may be a view of the fused q|k
