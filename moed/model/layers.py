@@ -37,15 +37,18 @@ def _onednn_bf16_works() -> bool:
 class Linear:
     """y = x W^T (+ b). On CPU bf16 the weight is also repacked once for oneDNN at load time.
 
-    Skinny inputs (<= GEMV_ROWS rows: decode, an expert's few tokens) skip oneDNN: torch's own
+    Skinny inputs (1 row, or 2 for weights up to 2 MB: decode, an expert's few tokens) skip oneDNN: torch's own
     bf16 gemv streams the plain weight at full memory bandwidth with ~4 us of call overhead,
     where oneDNN reaches ~2/3 of it and spends ~14 us per call on setup (measured: [1024,1024]
     weight, 2 threads, 72 vs 101 us). The cost is a second copy of the weights on CPU bf16."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "gemv_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False) -> None:
         self.weight, self.bias = weight, bias
+        # 2 rows cost the gemv twice its 1-row time; oneDNN's fixed cost amortises on big
+        # weights: 2-row gemv wins up to ~2 MB bf16 (experts), loses above (attention, lm_head).
+        self.gemv_rows = 2 if weight.numel() <= GEMV_2ROW_MAX_NUMEL else 1
         # Packed for 8-row inputs (oneDNN picks the layout by expected rows; 1-2 rows never
         # get here): -2% decode step at batch 8 and 32 vs a 1-row layout, prefill no slower.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if pack else None
@@ -53,12 +56,12 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] <= GEMV_ROWS:
+        if x.shape[0] <= self.gemv_rows:
             return gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-GEMV_ROWS = 2
+GEMV_2ROW_MAX_NUMEL = 1 << 20
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

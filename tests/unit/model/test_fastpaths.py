@@ -14,16 +14,19 @@ needs_pack = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16
 
 @needs_pack
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
-def test_linear_kernels_agree(rows):
-    # rows <= GEMV_ROWS take the ATen gemv (oneDNN off for the call), more rows the packed weight.
+@pytest.mark.parametrize("out_features", [96, layers.GEMV_2ROW_MAX_NUMEL // 64 + 1])
+def test_linear_kernels_agree(rows, out_features):
+    # 1 row (2 for small weights) takes the ATen gemv with oneDNN off, more the packed weight.
     g = torch.Generator().manual_seed(rows)
-    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
-    b = torch.randn(96, generator=g).bfloat16()
+    w = (torch.randn(out_features, 64, generator=g) * 0.1).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
     x = torch.randn(rows, 64, generator=g).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float())
-    for lin in (Linear(w, b, pack=True), Linear(w, b)):
+    packed = Linear(w, b, pack=True)
+    assert packed.gemv_rows == (2 if out_features == 96 else 1)
+    for lin in (packed, Linear(w, b)):
         y = lin(x)
-        assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
         assert torch.allclose(y.float(), ref, atol=3e-2, rtol=1e-2)
     assert torch._C._get_mkldnn_enabled()            # the gemv switch is restored
 
