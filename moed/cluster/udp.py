@@ -50,15 +50,25 @@ class UdpTransport(Transport):
         self._port = bind_port
 
     async def start(self) -> None:
+        # UDP and TCP share one port number. With bind_port 0 the kernel picks a free UDP
+        # port whose TCP twin may be taken: pick again (bounded) rather than fail the node.
+        attempts = 1 if self.bind_port else 20
+        for attempt in range(attempts):
+            await self._bind()
+            try:
+                self._server = await asyncio.start_server(self._accept, self.bind_host, self._port)
+                return
+            except OSError:
+                self._udp.close()
+                if attempt == attempts - 1:
+                    raise
+                log.debug("cluster_port_retry", port=self._port)
+
+    async def _bind(self) -> None:
         loop = asyncio.get_running_loop()
         self._udp, _ = await loop.create_datagram_endpoint(
             lambda: _Datagrams(self), local_addr=(self.bind_host, self.bind_port))
         self._port = self._udp.get_extra_info("sockname")[1]
-        try:
-            self._server = await asyncio.start_server(self._accept, self.bind_host, self._port)
-        except OSError:
-            self._udp.close()
-            raise
 
     def local_address(self) -> str:
         return f"{self.advertise_host}:{self._port}"

@@ -79,3 +79,36 @@ async def test_udp_cluster_join_bad_packets_crash_and_leave() -> None:
         for m in nodes:
             if not m._stopped:
                 m.stop()
+
+
+
+async def test_ephemeral_port_retries_when_the_tcp_twin_is_taken() -> None:
+    """bind_port 0: if the UDP port picked has its TCP twin in use, start() picks again."""
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen()
+    busy = tcp.getsockname()[1]
+
+    class ClashFirst(UdpTransport):
+        picks: list[int] = []
+
+        async def _bind(self) -> None:
+            if not self.picks:   # first pick: the UDP twin of a busy TCP port
+                loop = asyncio.get_running_loop()
+                self._udp, _ = await loop.create_datagram_endpoint(
+                    asyncio.DatagramProtocol, local_addr=("127.0.0.1", busy))
+                self._port = busy
+            else:
+                await super()._bind()
+            self.picks.append(self._port)
+
+    t = ClashFirst("127.0.0.1", 0)
+    try:
+        await t.start()
+        port = int(t.local_address().rsplit(":", 1)[1])
+        assert t.picks[0] == busy and port != busy and len(t.picks) == 2
+        _, w = await asyncio.open_connection("127.0.0.1", port)   # TCP push-pull listens there
+        w.close()
+    finally:
+        t.shutdown()
+        tcp.close()
