@@ -63,6 +63,8 @@ def _client(srv: ServerProcess) -> openai.OpenAI:
 
 
 def _prompt(n: int, seed: int) -> list[int]:
+    """Same seed → one prompt a prefix of the other: tests that time a prefill job need a seed
+    of their own, or the prefill node's prefix cache makes the job instant."""
     rnd = random.Random(seed)
     return [rnd.randrange(3, 1000) for _ in range(n)]
 
@@ -137,7 +139,7 @@ def test_prompt_at_context_limit(cluster) -> None:
     """A prompt of max_model_len - 1 tokens: the prefill node's request finishes "length" with
     token one, and must still hold and send its KV (it used to free it first: the job failed)."""
     max_len = cluster["_model_max_len"]
-    kw = dict(model="tiny", prompt=_prompt(max_len - 1, 11), max_tokens=1, temperature=0,
+    kw = dict(model="tiny", prompt=_prompt(max_len - 1, 97), max_tokens=1, temperature=0,
               extra_body={"return_token_ids": True})
     got = _client(cluster["D1"]).completions.create(**kw).choices[0]
     want = _client(cluster["C"]).completions.create(**kw).choices[0]
