@@ -357,15 +357,8 @@ class Membership:
         self._updates.add(msg.name, self.codec.fragment(msg))
 
     def _on_suspect(self, msg: Suspect) -> None:
-        m = self._members.get(msg.name)
-        if m is None or msg.incarnation < m.incarnation:
-            self.stats["stale_updates"] += 1 if m is not None else 0
-            return
-        if m.state in (MemberState.DEAD, MemberState.LEFT):
-            return
-        if msg.name == self.name:
-            if not self._leaving:
-                self._refute(msg.incarnation)
+        m = self._accused(msg)
+        if m is None:
             return
         s = self._suspicions.get(msg.name)
         if m.state is MemberState.SUSPECT and s is not None:
@@ -401,16 +394,24 @@ class Membership:
                 self.prober.probe(m)
         self.sched.call_later(self.rng.random() * self.cfg.probe_timeout_s, reprobe)
 
-    def _on_dead(self, msg: Dead) -> None:
+    def _accused(self, msg: Suspect | Dead) -> Member | None:
+        """Incarnation guard shared by suspect and dead: the member to act on, or None when the
+        accusation is stale, the member is already gone, or it is about us (refuted here)."""
         m = self._members.get(msg.name)
         if m is None or msg.incarnation < m.incarnation:
             self.stats["stale_updates"] += 1 if m is not None else 0
-            return
+            return None
         if m.state in (MemberState.DEAD, MemberState.LEFT):
-            return
+            return None
         if msg.name == self.name:
             if not self._leaving:
                 self._refute(msg.incarnation)
+            return None
+        return m
+
+    def _on_dead(self, msg: Dead) -> None:
+        m = self._accused(msg)
+        if m is None:
             return
         m.incarnation = msg.incarnation
         self._clear_suspicion(msg.name)
