@@ -7,6 +7,7 @@ match the oracle to ~1e-5.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -68,13 +69,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """F.linear with oneDNN off for the call, so bf16 takes ATen's gemv fast path.
 
     The switch is process-global: a matmul on another thread meanwhile just takes the same
-    (slower, equally exact) non-oneDNN path."""
-    prev = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return F.linear(x, weight, bias)
-    finally:
-        torch._C._set_mkldnn_enabled(prev)
+    (slower, equally exact) non-oneDNN path. The lock keeps two threads' save/restore from
+    interleaving, which could otherwise leave oneDNN off for good (uncontended: ~0.1 us)."""
+    with _MKLDNN_SWITCH:
+        prev = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return F.linear(x, weight, bias)
+        finally:
+            torch._C._set_mkldnn_enabled(prev)
+
+
+_MKLDNN_SWITCH = threading.Lock()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

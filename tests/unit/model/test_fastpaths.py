@@ -35,3 +35,25 @@ def test_gemv_restores_the_onednn_switch_on_error():
     with pytest.raises(RuntimeError):
         layers.gemv(torch.ones(1, 3), torch.ones(4, 5))
     assert torch._C._get_mkldnn_enabled()
+
+
+def test_gemv_from_many_threads_leaves_onednn_on():
+    """The switch is process-global: concurrent save/restore must not leave oneDNN off."""
+    import threading
+
+    x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
+    errors: list[BaseException] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(300):
+                layers.gemv(x, w)
+        except BaseException as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and torch._C._get_mkldnn_enabled()
