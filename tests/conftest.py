@@ -1,23 +1,17 @@
-"""Fixtures shared by every test folder: small checkpoints built once per session, free ports.
+"""Fixtures shared by every test folder: small checkpoints built once per session.
+Server processes and free ports: tests/integration/moed_server.py.
 
 Checkpoints are random-weight Hugging Face directories made by `moed.model.init` (no model hub).
 """
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
 # Tests share 2 cores with each other's subprocesses: keep torch from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -93,10 +93,22 @@ class ServerProcess:
         return "\n".join(self.logs().splitlines()[-n:])
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free 127.0.0.1 port never handed out before in this test process.
+
+    The kernel may give a just-closed port again before the child that was told to use it has
+    bound it (servers started with wait=None load for seconds): two servers then race for one
+    port, the loser exits and the winner answers for both."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 _METRIC = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)")
