@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moed.model.attention.base import AttentionBackend
+from moed.model.kernels import CpuKernels
 from moed.model.spec import ModelSpec
 
 
@@ -38,30 +39,45 @@ def _onednn_bf16_works() -> bool:
 class Linear:
     """y = x W^T (+ b). On CPU bf16 the weight is also repacked once for oneDNN at load time.
 
-    Skinny inputs (1 row, or 2 for weights up to 2 MB: decode, an expert's few tokens) skip oneDNN: torch's own
-    bf16 gemv streams the plain weight at full memory bandwidth with ~4 us of call overhead,
-    where oneDNN reaches ~2/3 of it and spends ~14 us per call on setup (measured: [1024,1024]
-    weight, 2 threads, 72 vs 101 us). The cost is a second copy of the weights on CPU bf16."""
+    Skinny inputs (decode: a few rows) take one of two fast paths, and oneDNN the rest:
+    - with the native kernels (moed/model/kernels, AVX512-BF16 CPUs): up to KERNEL_MAX_ROWS rows
+      read the kernels' packed copy once at full bandwidth (1.2-1.7x oneDNN for 1-16 rows,
+      bench/engine.py); the plain weight is then dropped, so CPU bf16 keeps two copies either way.
+    - else 1 row (2 for weights up to 2 MB) skips oneDNN: torch's own bf16 gemv streams the plain
+      weight at full bandwidth with ~4 us of call overhead, where oneDNN reaches ~2/3 of it and
+      spends ~14 us per call on setup (measured: [1024,1024] weight, 2 threads, 72 vs 101 us)."""
 
-    __slots__ = ("weight", "bias", "packed", "gemv_rows")
+    __slots__ = ("weight", "bias", "packed", "gemv_rows", "kernels", "kpacked", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
+                 kernels: CpuKernels | None = None, kpacked: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
+        self.out_features = weight.shape[0]
         # 2 rows cost the gemv twice its 1-row time; oneDNN's fixed cost amortises on big
         # weights: 2-row gemv wins up to ~2 MB bf16 (experts), loses above (attention, lm_head).
         self.gemv_rows = 2 if weight.numel() <= GEMV_2ROW_MAX_NUMEL else 1
         # Packed for 8-row inputs (oneDNN picks the layout by expected rows; 1-2 rows never
         # get here): -2% decode step at batch 8 and 32 vs a 1-row layout, prefill no slower.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if pack else None
+        self.kernels = kernels if pack and kernels is not None and weight.shape[1] % 2 == 0 else None
+        self.kpacked = None
+        if self.kernels is not None:
+            self.kpacked = kpacked if kpacked is not None else self.kernels.pack(weight)
+            self.weight = None          # only gemv read it, and the kernels replace gemv
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] <= self.gemv_rows:
+        if self.kpacked is not None:
+            if x.shape[0] <= KERNEL_MAX_ROWS:
+                return self.kernels.linear_bf16(x, self.kpacked, self.out_features, self.bias)
+        elif x.shape[0] <= self.gemv_rows:
             return gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+# Rows up to which the native kernel beats oneDNN (bench: 1.24-1.37x at 16 rows).
+KERNEL_MAX_ROWS = 64
 GEMV_2ROW_MAX_NUMEL = 1 << 20
 
 
@@ -86,6 +102,17 @@ _MKLDNN_SWITCH = threading.Lock()
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # F.rms_norm upcasts to fp32 and casts back (as transformers does), in one dispatch.
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 kernels: CpuKernels | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h + delta), h + delta): the residual add folded into the next norm, one pass
+    with the native kernel (same roundings: the sum is rounded to the dtype first)."""
+    if kernels is not None:
+        return kernels.rms_norm_bf16(h, weight, eps, delta)
+    if delta is not None:
+        h = h + delta
+    return rms_norm(h, weight, eps), h
 
 
 class Rotary:
@@ -126,11 +153,12 @@ class AttentionBlock:
     q and k are normed and rotated together as one [T, Hq + Hkv, D] view of the qkv output
     (per-head weights side by side): half the small ops of doing them apart, same numbers."""
 
-    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], pack: bool = False) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], pack: bool = False,
+                 kernels: CpuKernels | None = None) -> None:
         p = f"layers.{layer}."
-        self.layer = layer
-        self.qkv = Linear(w[p + "qkv"], w.get(p + "qkv.bias"), pack)
-        self.o = Linear(w[p + "o_proj"], w.get(p + "o_proj.bias"), pack)
+        self.layer, self.kernels = layer, kernels
+        self.qkv = Linear(w[p + "qkv"], w.get(p + "qkv.bias"), pack, kernels)
+        self.o = Linear(w[p + "o_proj"], w.get(p + "o_proj.bias"), pack, kernels)
         self.eps = spec.rms_norm_eps
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_norm, k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
@@ -141,11 +169,14 @@ class AttentionBlock:
                  backend: AttentionBackend, kv_layer: torch.Tensor) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         qkv = self.qkv(x)
-        qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-        if self.qk_norm is not None:
-            qk = rms_norm(qk, self.qk_norm, self.eps)
-        qk = apply_rotary(qk, cos, sin)
+        if self.kernels is not None:     # norm + rotary in one pass over q and k
+            qk = self.kernels.qk_norm_rope_bf16(qkv, hq + hkv, d, self.qk_norm, self.eps, cos, sin)
+        else:
+            qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+            if self.qk_norm is not None:
+                qk = rms_norm(qk, self.qk_norm, self.eps)
+            qk = apply_rotary(qk, cos, sin)
         out = backend.forward(self.layer, qk[:, :hq], qk[:, hq:], v, kv_layer)      # [T, Hq, D]
         return self.o(out.reshape(t, hq * d))
 
@@ -153,8 +184,9 @@ class AttentionBlock:
 class DenseMLP:
     """SwiGLU MLP of dense layers (Qwen3 mlp_only_layers)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pack: bool = False) -> None:
-        self.gate_up, self.down = Linear(gate_up, pack=pack), Linear(down, pack=pack)
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pack: bool = False,
+                 kernels: CpuKernels | None = None) -> None:
+        self.gate_up, self.down = Linear(gate_up, pack=pack, kernels=kernels), Linear(down, pack=pack, kernels=kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x).chunk(2, dim=-1)

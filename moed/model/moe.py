@@ -5,25 +5,49 @@ Routing goes logical expert -> physical slot through `logical_to_physical` ([E, 
 and EPLB replicas change only the table, never this code. Tokens are sorted by physical
 expert, each touched expert runs one gate_up and one down matmul on its contiguous slice, and
 results are scattered back with index_add_ (no per-token Python loop).
+
+On CPU bf16, batches of up to FUSED_MAX_TOKENS tokens (decode) take the native kernel
+(moed/model/kernels): the same router, map and expert math in one call that reads each touched
+expert once, instead of ~60 small torch ops per layer.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from moed.model.kernels import CpuKernels
 from moed.model.layers import Linear
 from moed.model.spec import ModelSpec
+
+# Up to this many tokens the fused CPU kernel beats torch (few rows per expert: its skinny
+# matmuls stream each weight once); above it oneDNN's blocked GEMMs win. Measured with
+# bench/engine.py on the bench preset (16 experts, top-2).
+FUSED_MAX_TOKENS = 512
 
 
 class MoELayer:
     def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, load: torch.Tensor, pack: bool = False) -> None:
+                 down: torch.Tensor, load: torch.Tensor, pack: bool = False,
+                 kernels: CpuKernels | None = None) -> None:
         """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
         (this layer's row of the runner's expert-load counter, updated in place). Experts are
-        slices of the fused tensors; pack: plus oneDNN copies per expert (CPU bf16)."""
-        self.router = Linear(router, pack=pack)
-        self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
-                        for e in range(gate_up.shape[0])]
+        slices of the fused tensors; pack: plus oneDNN copies per expert (CPU bf16); kernels:
+        the native CPU kernels (bf16 only), used for batches up to FUSED_MAX_TOKENS."""
+        h, i = router.shape[1], down.shape[2]
+        self.kernels = kernels if kernels is not None and h % 2 == 0 and i % 2 == 0 else None
+        if self.kernels is not None:
+            # The kernels' packed copies serve the fused path and the experts' skinny matmuls;
+            # the plain tensors are then held by nothing and freed (see Linear).
+            self.router_p, self.gate_up_p, self.down_p = (self.kernels.pack(w) for w in (router, gate_up, down))
+            self.router = Linear(router, pack=pack, kernels=kernels, kpacked=self.router_p)
+            self.experts = [(Linear(gate_up[e], pack=pack, kernels=kernels, kpacked=self.gate_up_p[e]),
+                             Linear(down[e], pack=pack, kernels=kernels, kpacked=self.down_p[e]))
+                            for e in range(gate_up.shape[0])]
+        else:
+            self.router = Linear(router, pack=pack)
+            self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
+                            for e in range(gate_up.shape[0])]
+        self.intermediate = i
         self.top_k, self.norm_topk = spec.top_k, spec.norm_topk_prob
         self.num_experts = spec.num_experts
         self.num_physical = gate_up.shape[0]
@@ -49,6 +73,10 @@ class MoELayer:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
+        if self.kernels is not None and t <= FUSED_MAX_TOKENS:
+            return self.kernels.moe_bf16(x, self.router_p, self.num_experts, self.top_k, self.norm_topk,
+                                         self.logical_to_physical, self.num_replicas, self.load,
+                                         self.gate_up_p, self.down_p, self.intermediate)
         weights, logical = self.route(x)
         if t == 1 and self.logical_to_physical.shape[1] == 1:
             return self._single_token(x, weights, logical[0])

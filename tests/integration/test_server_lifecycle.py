@@ -62,8 +62,11 @@ def test_sigterm_drains_inflight_then_exits_zero(moed_server, tiny_qwen3):
     assert events.index("draining") < events.index("stopped")
 
 
-def test_grace_expiry_cuts_long_requests_and_exits_zero(moed_server, tiny_qwen3):
-    srv = moed_server(model=tiny_qwen3, env={"MOED_SERVER_SHUTDOWN_GRACE_S": "0.5",
+def test_grace_expiry_cuts_long_requests_and_exits_zero(moed_server, make_checkpoint):
+    # A model deep and wide enough that 1500 tokens take many seconds even on the fast CPU
+    # kernels (the tiny one streams them in ~1 s, which can beat a 0.5 s grace).
+    slow = make_checkpoint("qwen3_moe", num_layers=12, hidden_size=512)
+    srv = moed_server(model=slow, env={"MOED_SERVER_SHUTDOWN_GRACE_S": "0.5",
                                              "MOED_ENGINE_KV_CACHE_MEMORY_MB": "16"})
     out: dict = {}
     first = threading.Event()

@@ -5,7 +5,9 @@ rows [num_blocks * 2 * block_size, H_kv, D] (row of K at (block*2)*bs + off, V o
 later), so writes are one index_copy_ and reads one index_select per K and V. Decode
 sequences (one new token) are attended together in one batched SDPA call over their gathered
 blocks with a length mask; prefill/chunked sequences run one SDPA call each (causal, offset by
-the tokens already cached).
+the tokens already cached). On CPU bf16 with the native kernels (moed/model/kernels), decode
+sequences instead go to one call that reads K/V straight from their blocks (no gather), with the
+same roundings as the torch path.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch.nn.functional as F
 
 from moed.model.attention.base import AttentionBackend
 from moed.model.batch import ForwardBatch
+from moed.model.kernels import CpuKernels, cpu_kernels
+from moed.model.spec import ModelSpec
 
 
 @dataclass
@@ -30,6 +34,13 @@ class _Prefill:
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, spec: ModelSpec, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(spec, block_size, device, dtype)
+        g = spec.num_heads // max(spec.num_kv_heads, 1)
+        fits = spec.head_dim % 32 == 0 and g * spec.head_dim // 16 <= 64   # the kernel's limits
+        self.kernels: CpuKernels | None = (
+            cpu_kernels() if device.type == "cpu" and dtype == torch.bfloat16 and fits else None)
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
@@ -59,19 +70,31 @@ class TorchBackend(AttentionBackend):
             nblk = max(len(tables[i]) for i in dec)
             length = nblk * bs
             dt = table_t[:, :nblk] if self.dec_all else table_t[dec, :nblk]
-            slot = torch.arange(length, device=dev)
-            # Rows of the cache viewed as [*, D] (one per block, K/V, slot, kv head), ordered
-            # [Bd, H_kv, L] so the gather lands in the layout the matmuls want (no transpose).
-            hkv = self.spec.num_kv_heads
-            row = dt[:, slot // bs] * (2 * bs) + slot % bs                          # [Bd, L]
-            head = torch.arange(hkv, device=dev)
-            self.dec_k = (row[:, None, :] * hkv + head[None, :, None]).reshape(-1)
-            self.dec_v = self.dec_k + bs * hkv
-            self.dec_shape = (len(dec), length)
             lens = torch.tensor([kv_lens[i] for i in dec], device=dev)
-            valid = (slot[None, :] < lens[:, None]).view(len(dec), 1, 1, length)
-            self.dec_bias = torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
+            self.dec_shape = (len(dec), length)
+            if self.kernels is not None:       # the kernel reads the blocks itself: no gather
+                self.dec_tables, self.dec_lens = dt.contiguous(), lens
+            else:
+                self._plan_gather(dt, lens, length)
         self.prefills: list[_Prefill] = []
+        self._plan_prefills(batch, q_lens, row_of, table_t)
+
+    def _plan_gather(self, dt: torch.Tensor, lens: torch.Tensor, length: int) -> None:
+        bs, dev, b = self.block_size, self.device, dt.shape[0]
+        slot = torch.arange(length, device=dev)
+        # Rows of the cache viewed as [*, D] (one per block, K/V, slot, kv head), ordered
+        # [Bd, H_kv, L] so the gather lands in the layout the matmuls want (no transpose).
+        hkv = self.spec.num_kv_heads
+        row = dt[:, slot // bs] * (2 * bs) + slot % bs                              # [Bd, L]
+        head = torch.arange(hkv, device=dev)
+        self.dec_k = (row[:, None, :] * hkv + head[None, :, None]).reshape(-1)
+        self.dec_v = self.dec_k + bs * hkv
+        valid = (slot[None, :] < lens[:, None]).view(b, 1, 1, length)
+        self.dec_bias = torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
+
+    def _plan_prefills(self, batch: ForwardBatch, q_lens: list[int], row_of: list[int],
+                       table_t: torch.Tensor) -> None:
+        bs, dev = self.block_size, self.device
         for i, n in enumerate(q_lens):
             if n == 1:
                 continue
@@ -110,6 +133,9 @@ class TorchBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """One query per sequence, batched: plain matmuls in the cache dtype (CPU SDPA is slow
         for a single bf16 query row), softmax in fp32, GQA without repeating K/V."""
+        if self.kernels is not None:
+            layer = flat.view(-1, 2, self.block_size, flat.shape[1], flat.shape[2])
+            return self.kernels.decode_attn_bf16(q, layer, self.dec_tables, self.dec_lens, self.scale)
         b, length = self.dec_shape
         hkv, d = flat.shape[1], flat.shape[2]
         rows = flat.view(-1, d)

@@ -1,0 +1,298 @@
+"""The native CPU kernels (moed/model/kernels) against the torch paths they replace, in bf16.
+
+Each kernel mirrors the torch path's bf16 roundings, so outputs agree to a bf16 ulp or two
+(fp32 summation order differs). Thread counts 1-3 run every split and barrier path (tests
+otherwise run with OMP_NUM_THREADS=1). These run wherever the CPU has AVX512-BF16 (CI does):
+there a build failure is a test failure, not a skip.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moed.model import kernels as K
+from moed.model.attention.torch_backend import TorchBackend
+from moed.model.batch import ForwardBatch
+from moed.model.layers import Rotary, apply_rotary, rms_norm
+from moed.model.moe import MoELayer
+from moed.model.spec import load_spec
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="CPU lacks AVX512-BF16 (kernels are x86 AVX512-BF16 only)")
+
+
+@pytest.fixture(scope="module")
+def kern() -> K.CpuKernels:
+    k = K.cpu_kernels()
+    assert k is not None, "this CPU has AVX512-BF16: the kernels must build and load (see the log)"
+    return k
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, ulps: float = 2) -> None:
+    """Equal to within `ulps` bf16 ulps of the larger magnitude (bf16 ulp = 2^-7 relative)."""
+    a, b = a.float(), b.float()
+    tol = ulps * 2.0 ** -7 * torch.maximum(a.abs(), b.abs()) + 1e-6
+    bad = (a - b).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} of {a.numel()} differ; worst {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (2, 100, 33), (5, 1024, 64), (8, 96, 129), (19, 256, 40), (16, 2, 7)])
+def test_linear_matches_fp32(kern, n_threads, rows, k, n):
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = kern.pack(w)
+    assert packed.shape == (-(-n // 32), k // 2, 32, 2)
+    with threads(n_threads):
+        y, yb = kern.linear_bf16(x, packed, n), kern.linear_bf16(x, packed, n, b)
+    ref = x.float() @ w.float().T
+    _close(y, ref.bfloat16())
+    _close(yb, (ref + b.float()).bfloat16())
+
+
+def _moe(spec, gen, extra_physical: int = 0, scale: float = 0.1):
+    E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    router = torch.randn(E, H, generator=gen).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * scale).bfloat16()
+    down = (torch.randn(E, H, I, generator=gen) * scale).bfloat16()
+    if extra_physical:      # replicas of experts 0 and 2 in physical slots E, E + 1
+        gate_up, down = torch.cat([gate_up, gate_up[[0, 2]]]), torch.cat([down, down[[0, 2]]])
+    return router, gate_up, down
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+@pytest.mark.parametrize("arch,kw", [
+    ("qwen3_moe", dict(num_experts=7, top_k=3, hidden_size=80, moe_intermediate_size=40)),   # K tails
+    ("mixtral", dict(num_experts=8, top_k=2)),                                             # no renorm
+])
+def test_moe_matches_torch_path(kern, make_checkpoint, n_threads, arch, kw):
+    spec = load_spec(make_checkpoint(arch, **kw))
+    g = torch.Generator().manual_seed(n_threads)
+    router, gate_up, down = _moe(spec, g)
+    E = spec.num_experts
+    torch_load, kern_load = torch.zeros(E, dtype=torch.long), torch.zeros(E, dtype=torch.long)
+    ref_layer = MoELayer(spec, router, gate_up, down, torch_load)
+    layer = MoELayer(spec, router, gate_up, down, kern_load, kernels=kern)
+    for t in (1, 3, 8, 16):
+        x = torch.randn(t, spec.hidden_size, generator=g).bfloat16()
+        with threads(n_threads):
+            out = layer(x)
+        _close(out, ref_layer(x), ulps=3)
+    assert torch.equal(kern_load, torch_load) and int(kern_load.sum()) == 28 * spec.top_k
+
+
+def test_moe_replicas_and_bad_map(kern, make_checkpoint):
+    spec = load_spec(make_checkpoint("qwen3_moe", num_experts=5, num_kv_heads=1))
+    g = torch.Generator().manual_seed(7)
+    router, gate_up, down = _moe(spec, g, extra_physical=2)
+    E = spec.num_experts
+    ref = MoELayer(spec, router, gate_up, down, torch.zeros(E, dtype=torch.long))
+    rep = MoELayer(spec, router, gate_up, down, torch.zeros(E, dtype=torch.long), kernels=kern)
+    l2p, nrep = torch.tensor([[0, 5], [1, 1], [2, 6], [3, 3], [4, 4]]), torch.tensor([2, 1, 2, 1, 1])
+    ref.set_expert_map(l2p, nrep)
+    rep.set_expert_map(l2p, nrep)
+    x = torch.randn(12, spec.hidden_size, generator=g).bfloat16()
+    _close(rep(x), ref(x), ulps=3)
+    # A map pointing past the physical experts is refused by the kernel too (never read out of bounds).
+    rep.logical_to_physical = torch.tensor([[0, 9], [1, 1], [2, 2], [3, 3], [4, 4]])
+    with pytest.raises(RuntimeError, match="expert map"):
+        rep(x)
+
+
+def _paged_case(gen, hq: int, hkv: int, d: int, lens: list[int], bs: int = 16):
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 3
+    perm = torch.randperm(nb, generator=gen).tolist()          # blocks scattered over the pool
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    cache = torch.randn(nb, 2, bs, hkv, d, generator=gen).bfloat16()
+    b = len(lens)
+    qkv_width = (hq + 2 * hkv) * d
+    q = torch.randn(b, qkv_width, generator=gen).bfloat16()[:, :hq * d].view(b, hq, d)   # strided rows
+    k, v = torch.randn(b, hkv, d, generator=gen).bfloat16(), torch.randn(b, hkv, d, generator=gen).bfloat16()
+    batch = ForwardBatch([[1]] * b, [n - 1 for n in lens], tables)
+    return cache, q, k, v, batch, torch.tensor([n - 1 for n in lens])
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+@pytest.mark.parametrize("hq,hkv,d", [(16, 4, 64), (4, 4, 32), (6, 2, 128)])
+def test_decode_attention_matches_torch_path(kern, make_checkpoint, n_threads, hq, hkv, d):
+    spec = load_spec(make_checkpoint("qwen3_moe", num_heads=hq, num_kv_heads=hkv, head_dim=d))
+    g = torch.Generator().manual_seed(hq + d)
+    cache, q, k, v, batch, pos = _paged_case(g, hq, hkv, d, [1, 15, 16, 17, 100, 33])
+    ref_be = TorchBackend(spec, 16, torch.device("cpu"), torch.bfloat16)
+    ref_be.kernels = None
+    be = TorchBackend(spec, 16, torch.device("cpu"), torch.bfloat16)
+    assert be.kernels is kern
+    outs = []
+    for backend in (ref_be, be):
+        backend.plan(batch, pos)
+        c = cache.clone()
+        with threads(n_threads):
+            outs.append(backend.forward(0, q, k, v, c))
+    _close(outs[1], outs[0])
+
+
+def test_decode_attention_refuses_bad_block_ids(kern):
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(4, 2, 16, 2, 64, generator=g).bfloat16()
+    q = torch.randn(1, 4, 64, generator=g).bfloat16()
+    with pytest.raises(RuntimeError, match="block id"):
+        kern.decode_attn_bf16(q, cache, torch.tensor([[0, 7]]), torch.tensor([20]), 0.125)
+    with pytest.raises(RuntimeError, match="block id"):
+        kern.decode_attn_bf16(q, cache, torch.tensor([[0]]), torch.tensor([20]), 0.125)   # table too short
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_norms_and_rotary_match_torch(kern, n_threads):
+    g = torch.Generator().manual_seed(5)
+    h, delta = torch.randn(9, 192, generator=g).bfloat16(), torch.randn(9, 192, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(192, generator=g)).bfloat16()
+    with threads(n_threads):
+        out, resid = kern.rms_norm_bf16(h, w, 1e-6, delta)
+        plain, same = kern.rms_norm_bf16(h, w, 1e-6)
+    assert torch.equal(resid, h + delta) and same is h
+    _close(out, rms_norm(h + delta, w, 1e-6))
+    _close(plain, rms_norm(h, w, 1e-6))
+
+    hq, hkv, d, t = 6, 2, 64, 5
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).bfloat16()
+    qk_w = (1 + 0.1 * torch.randn(hq + hkv, d, generator=g)).bfloat16()
+    rot = Rotary(d, 10000.0, 64, torch.bfloat16, torch.device("cpu"))
+    cos, sin = rot.tables(torch.tensor([0, 3, 7, 31, 63]), 63)
+    qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+    for weight, ref in ((qk_w, apply_rotary(rms_norm(qk, qk_w, 1e-6), cos, sin)), (None, apply_rotary(qk, cos, sin))):
+        with threads(n_threads):
+            got = kern.qk_norm_rope_bf16(qkv, hq + hkv, d, weight, 1e-6, cos, sin)
+        _close(got, ref)
+
+
+def test_build_is_cached_and_failures_are_clear(tmp_path, monkeypatch):
+    first = K.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert K.build(tmp_path) == first and first.stat().st_mtime_ns == mtime    # reused, not rebuilt
+    assert not list(tmp_path.glob("*.tmp"))                                     # no temp file left
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(K.KernelUnavailable, match="does not run"):
+        K.build(tmp_path / "other")
+    monkeypatch.delenv("CC")
+
+    blocker = tmp_path / "a-file"          # a cache path under a file: unwritable even for root
+    blocker.write_text("")
+    with pytest.raises(K.KernelUnavailable, match="not writable"):
+        K.build(blocker / "cache")
+
+
+def test_env_switch_turns_kernels_off(monkeypatch):
+    monkeypatch.setenv("MOED_CPU_KERNELS", "0")
+    K.cpu_kernels.cache_clear()
+    try:
+        assert K.cpu_kernels() is None
+    finally:
+        monkeypatch.delenv("MOED_CPU_KERNELS")
+        K.cpu_kernels.cache_clear()
+    assert K.cpu_kernels() is not None
+
+
+def test_model_forward_with_kernels_matches_torch_path(kern, make_checkpoint):
+    """A whole bf16 model, decode steps after a prefill: logits within bf16 noise of the
+    kernel-free path, and the same greedy tokens. The checkpoint has transformers' init scale
+    (bf16 rounding is not amplified layer to layer) and routes every token to all experts: with
+    top-k < E, an ulp of router logit legitimately flips a near-tied expert choice between two
+    bf16 kernels, which would make this comparison about luck."""
+    from moed.model.runner import ModelRunner
+
+    ckpt = make_checkpoint("qwen3_moe", seed=3, init_std=0.02, num_layers=3, num_experts=4, top_k=4)
+    runs = []
+    for on in (True, False):
+        r = ModelRunner(ckpt, dtype="bfloat16", device="cpu", attention_backend="torch", num_blocks=32, block_size=16)
+        if on:
+            assert isinstance(r.model.kernels, K.CpuKernels) and isinstance(r.backend.kernels, K.CpuKernels)
+        else:
+            r.model.kernels = r.backend.kernels = None
+            for layer in r.model.layers:
+                layer.kernels = layer.attn.kernels = layer.mlp.kernels = None
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 20, 37)]
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+        logits = r.forward(ForwardBatch(prompts, [0, 0, 0], tables))
+        steps, pos = [logits], [len(p) for p in prompts]
+        for _ in range(6):
+            toks = [[int(t)] for t in steps[-1].argmax(-1)]
+            steps.append(r.forward(ForwardBatch(toks, pos, tables)))
+            pos = [p + 1 for p in pos]
+        runs.append(steps)
+    for a, b in zip(*runs):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        assert (a - b).abs().max() <= 0.02 * b.abs().max()
+
+
+def test_norms_on_many_rows(kern):
+    """Prefill-sized inputs on several threads (a per-row stack buffer once overflowed here)."""
+    g = torch.Generator().manual_seed(9)
+    h, delta = torch.randn(5000, 1024, generator=g).bfloat16(), torch.randn(5000, 1024, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(1024, generator=g)).bfloat16()
+    with threads(2):
+        out, resid = kern.rms_norm_bf16(h, w, 1e-6, delta)
+    _close(out, rms_norm(h + delta, w, 1e-6))
+    qkv = torch.randn(3000, 24 * 64, generator=g).bfloat16()
+    rot = Rotary(64, 10000.0, 4096, torch.bfloat16, torch.device("cpu"))
+    cos, sin = rot.tables(torch.arange(3000), 2999)
+    with threads(2):
+        got = kern.qk_norm_rope_bf16(qkv, 16, 64, None, 1e-6, cos, sin)
+    _close(got, apply_rotary(qkv[:, :16 * 64].view(3000, 16, 64), cos, sin))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 80])
+def test_linear_layer_uses_kernels_then_onednn(kern, rows):
+    """With kernels, Linear drops the plain weight (two copies, not three) and gives the same
+    result on the kernel path (few rows) as on oneDNN (many)."""
+    from moed.model import layers
+
+    g = torch.Generator().manual_seed(rows)
+    w, b = (torch.randn(96, 128, generator=g) * 0.1).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    lin = layers.Linear(w, b, pack=True, kernels=kern)
+    assert lin.weight is None and lin.kpacked is not None and lin.packed is not None
+    x = torch.randn(rows, 128, generator=g).bfloat16()
+    assert (rows <= layers.KERNEL_MAX_ROWS) == (rows < 80)
+    _close(lin(x), F.linear(x.float(), w.float(), b.float()).bfloat16(), ulps=3)
+
+
+def test_moe_layer_with_kernels_on_both_sides_of_the_fused_limit(kern, make_checkpoint, monkeypatch):
+    from moed.model import moe
+
+    spec = load_spec(make_checkpoint("qwen3_moe", num_experts=7, top_k=3, hidden_size=80, moe_intermediate_size=40))
+    g = torch.Generator().manual_seed(11)
+    router, gate_up, down = _moe(spec, g)
+    ref = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long))
+    layer = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), pack=True, kernels=kern)
+    monkeypatch.setattr(moe, "FUSED_MAX_TOKENS", 8)
+    for t in (5, 40):          # fused kernel; then the grouped torch path on kernel/oneDNN Linears
+        x = torch.randn(t, spec.hidden_size, generator=g).bfloat16()
+        _close(layer(x), ref(x), ulps=4)
