@@ -37,8 +37,7 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, spec: ModelSpec, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(spec, block_size, device, dtype)
-        g = spec.num_heads // max(spec.num_kv_heads, 1)
-        fits = spec.head_dim % 32 == 0 and g * spec.head_dim // 16 <= 64   # the kernel's limits
+        fits = spec.head_dim in (32, 64, 128, 256)          # the head sizes the kernel is built for
         self.kernels: CpuKernels | None = (
             cpu_kernels() if device.type == "cpu" and dtype == torch.bfloat16 and fits else None)
 

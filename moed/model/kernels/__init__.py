@@ -1,12 +1,15 @@
 """Native CPU kernels (cpu_bf16.c), compiled on first use and loaded with ctypes.
 
-Decode-time MoE on a CPU is a few rows times big weights: memory-bound work that torch spreads
-over ~60 small ops per layer, each with its own dispatch cost, and whose bf16 matmuls read a
-weight once per row. `moe_bf16` does a whole MoE block (router, top-k, experts, weighted sum) in
-one call that reads each touched expert once. Only for bf16 on x86-64 CPUs with AVX512-BF16.
+Decode on a CPU is a few rows times big weights: memory-bound work that torch spreads over ~60
+small ops per MoE layer, each with its own dispatch cost, and whose bf16 matmuls read a weight
+once per row. These kernels do it in five calls per layer: `moe_bf16` (router, top-k, experts,
+weighted sum; each touched expert read once), `linear_bf16` (skinny matmuls on a packed weight),
+`decode_attn_bf16` (paged attention straight from the KV blocks), `rms_norm_bf16` (with the
+residual add) and `qk_norm_rope_bf16`. Only for bf16 on x86-64 CPUs with AVX512-BF16; the
+layout and numerics are described in cpu_bf16.c.
 
 Why build at run time rather than ship a wheel: the project installs as pure Python (no build
-step that could break a GPU install); a 200-line C file compiles in about a second with the C
+step that could break a GPU install); the C file compiles in about a second with the C
 compiler any Debian/Ubuntu host has. The .so is cached by a hash of the source, flags and
 compiler, in $MOED_KERNEL_CACHE, else systemd's $CACHE_DIRECTORY (the unit has CacheDirectory=),
 else $XDG_CACHE_HOME/moed or ~/.cache/moed. If anything is missing (no compiler, other CPU,
@@ -32,8 +35,9 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_bf16.c")
 # No -march=native: the cached .so must run on any AVX512-BF16 CPU that shares the cache.
-CFLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw",
-          "-mavx512vl", "-mavx512bf16", "-mfma")
+# -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
+CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-fPIC", "-shared", "-fopenmp",
+          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 ABI_VERSION = 2
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 

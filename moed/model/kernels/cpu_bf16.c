@@ -357,13 +357,71 @@ static void softmax_bf16(float *p, long n) {
  * out [B][Hq][D].
  * GQA: query head g*G.. of kv head g. Rounding follows the torch reference path: q.k in fp32,
  * rounded to bf16 (a bf16 matmul), then scale*s in fp32, softmax in fp32, probabilities rounded
- * to bf16, p.v accumulated in fp32 and rounded once. D must be a multiple of 32. Returns 0;
+ * to bf16, p.v accumulated in fp32 and rounded once. D is 32, 64, 128 or 256. Returns 0;
  * -1 out of memory; -2 bad shapes or block ids. */
+/* One (sequence, kv head) of decode attention; D a compile-time constant after inlining, so
+ * the per-key loops unroll and independent keys' dot products overlap in the pipeline.
+ * kp[l]: K row of position l (V row at kp[l] + v_off); s: G * max_len scores scratch. */
+static inline __attribute__((always_inline)) void attn_task(
+        const int D, const bf16 *qh, long G, const bf16 **kp, long v_off, long len, long max_len,
+        float scale, float *s, bf16 *oh) {
+    enum { NC = 8 };                      /* D/32 <= NC */
+    const int nc = D / 32, nd = D / 16;
+    for (long g = 0; g < G; g++) {        /* scores, 16 keys at a time */
+        __m512bh qv[NC];
+        for (int c = 0; c < nc; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
+        for (long l0 = 0; l0 < len; l0 += 16) {
+            __m512 a[16];
+            const long nk = len - l0 < 16 ? len - l0 : 16;
+            if (nk == 16) {
+                for (int j = 0; j < 16; j++) {
+                    a[j] = _mm512_setzero_ps();
+                    for (int c = 0; c < nc; c++)
+                        a[j] = _mm512_dpbf16_ps(a[j], qv[c], (__m512bh)_mm512_loadu_si512(kp[l0 + j] + 32 * c));
+                }
+            } else {
+                for (int j = 0; j < 16; j++) {
+                    a[j] = _mm512_setzero_ps();
+                    if (j < nk)
+                        for (int c = 0; c < nc; c++)
+                            a[j] = _mm512_dpbf16_ps(a[j], qv[c], (__m512bh)_mm512_loadu_si512(kp[l0 + j] + 32 * c));
+                }
+            }
+            const __mmask16 m = nk == 16 ? 0xffff : (__mmask16)((1u << nk) - 1);
+            _mm512_mask_storeu_ps(s + g * max_len + l0, m,
+                                  _mm512_mul_ps(_mm512_set1_ps(scale), round_bf16_x16(hsum16(a))));
+        }
+        softmax_bf16(s + g * max_len, len);
+    }
+    for (long g = 0; g < G; g++) {        /* p.v: accumulators in registers, two sets (even/odd
+                                            * keys) so consecutive FMAs do not wait on each other */
+        __m512 a0[2 * NC], a1[2 * NC];
+        for (int c = 0; c < nd; c++) { a0[c] = _mm512_setzero_ps(); a1[c] = _mm512_setzero_ps(); }
+        const float *sg = s + g * max_len;
+        long l = 0;
+        for (; l + 1 < len; l += 2) {
+            const __m512 p0 = _mm512_set1_ps(sg[l]), p1 = _mm512_set1_ps(sg[l + 1]);
+            const bf16 *v0 = kp[l] + v_off, *v1 = kp[l + 1] + v_off;
+            for (int c = 0; c < nd; c++) {
+                a0[c] = _mm512_fmadd_ps(p0, load_bf16_x16(v0 + 16 * c), a0[c]);
+                a1[c] = _mm512_fmadd_ps(p1, load_bf16_x16(v1 + 16 * c), a1[c]);
+            }
+        }
+        if (l < len) {
+            const __m512 p0 = _mm512_set1_ps(sg[l]);
+            for (int c = 0; c < nd; c++) a0[c] = _mm512_fmadd_ps(p0, load_bf16_x16(kp[l] + v_off + 16 * c), a0[c]);
+        }
+        for (int c = 0; c < nd; c++)
+            _mm256_storeu_si256((__m256i *)(oh + g * D + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0[c], a1[c])));
+    }
+}
+
 int moed_decode_attn_bf16(const bf16 *q, long q_stride, long B, long Hq, long Hkv, long D,
                           const bf16 *cache, long num_blocks, long bs, const int64_t *tables,
                           long max_blocks, const int64_t *lens, float scale, bf16 *out, int nthreads) {
-    if (D % 32 || Hq % Hkv) return -2;
-    const long G = Hq / Hkv, nd = D / 16;
+    if (Hq % Hkv || (D != 32 && D != 64 && D != 128 && D != 256)) return -2;
+    const long G = Hq / Hkv;
     long max_len = 0;
     for (long b = 0; b < B; b++) {
         if (lens[b] < 1 || lens[b] > max_blocks * bs) return -2;
@@ -371,56 +429,28 @@ int moed_decode_attn_bf16(const bf16 *q, long q_stride, long B, long Hq, long Hk
             if (tables[b * max_blocks + j] < 0 || tables[b * max_blocks + j] >= num_blocks) return -2;
         if (lens[b] > max_len) max_len = lens[b];
     }
-    if (G * nd > 64) return -2;       /* accumulators below: G * D/16 <= 64 */
     float *scores = malloc(sizeof(float) * nthreads * G * max_len);
     const bf16 **rows = malloc(sizeof(bf16 *) * nthreads * max_len);
     if (!scores || !rows) { free(scores); free(rows); return -1; }
+    const long v_off = bs * Hkv * D;          /* V rows sit one block-half after K rows */
 #pragma omp parallel num_threads(nthreads)
     {
         float *s = scores + omp_get_thread_num() * G * max_len;
         const bf16 **kp = rows + omp_get_thread_num() * max_len;   /* K row of each position */
-        __m512 acc[64];
-        {
 #pragma omp for schedule(static)
-            for (long task = 0; task < B * Hkv; task++) {
-                const long b = task / Hkv, h = task % Hkv, len = lens[b];
-                const bf16 *qh = q + b * q_stride + h * G * D;
-                for (long l0 = 0, j = 0; l0 < len; l0 += bs, j++) {   /* no division per key */
-                    const bf16 *blk = cache + tables[b * max_blocks + j] * 2 * bs * Hkv * D + h * D;
-                    for (long o = 0; o < bs && l0 + o < len; o++) kp[l0 + o] = blk + o * Hkv * D;
-                }
-                const long v_off = bs * Hkv * D;       /* V rows sit one block-half after K rows */
-                for (long g = 0; g < G; g++)            /* scores, 16 keys at a time */
-                    for (long l0 = 0; l0 < len; l0 += 16) {
-                        __m512 a[16];
-                        const long nk = len - l0 < 16 ? len - l0 : 16;
-                        for (long j = 0; j < 16; j++) {
-                            a[j] = _mm512_setzero_ps();
-                            if (j >= nk) continue;
-                            const bf16 *kr = kp[l0 + j];
-                            for (long d = 0; d < D; d += 32)
-                                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(qh + g * D + d),
-                                                        (__m512bh)_mm512_loadu_si512(kr + d));
-                        }
-                        const __mmask16 m = nk == 16 ? 0xffff : (__mmask16)((1u << nk) - 1);
-                        _mm512_mask_storeu_ps(s + g * max_len + l0, m,
-                                              _mm512_mul_ps(_mm512_set1_ps(scale), round_bf16_x16(hsum16(a))));
-                    }
-                for (long g = 0; g < G; g++) softmax_bf16(s + g * max_len, len);
-                for (long i = 0; i < G * nd; i++) acc[i] = _mm512_setzero_ps();
-                for (long l = 0; l < len; l++) {       /* p.v */
-                    const bf16 *vr = kp[l] + v_off;
-                    for (long c = 0; c < nd; c++) {
-                        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c))), 16));
-                        for (long g = 0; g < G; g++)
-                            acc[g * nd + c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * max_len + l]), v, acc[g * nd + c]);
-                    }
-                }
-                for (long g = 0; g < G; g++)
-                    for (long c = 0; c < nd; c++)
-                        _mm256_storeu_si256((__m256i *)(out + (b * Hq + h * G + g) * D + 16 * c),
-                                            (__m256i)_mm512_cvtneps_pbh(acc[g * nd + c]));
+        for (long task = 0; task < B * Hkv; task++) {
+            const long b = task / Hkv, h = task % Hkv, len = lens[b];
+            for (long l0 = 0, j = 0; l0 < len; l0 += bs, j++) {   /* no division per key */
+                const bf16 *blk = cache + tables[b * max_blocks + j] * 2 * bs * Hkv * D + h * D;
+                for (long o = 0; o < bs && l0 + o < len; o++) kp[l0 + o] = blk + o * Hkv * D;
+            }
+            const bf16 *qh = q + b * q_stride + h * G * D;
+            bf16 *oh = out + (b * Hq + h * G) * D;
+            switch (D) {
+                case 32: attn_task(32, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
+                case 64: attn_task(64, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
+                case 128: attn_task(128, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
+                default: attn_task(256, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
             }
         }
     }

@@ -140,7 +140,7 @@ def _paged_case(gen, hq: int, hkv: int, d: int, lens: list[int], bs: int = 16):
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
-@pytest.mark.parametrize("hq,hkv,d", [(16, 4, 64), (4, 4, 32), (6, 2, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(16, 4, 64), (4, 4, 32), (6, 2, 128), (8, 1, 256), (4, 2, 96)])
 def test_decode_attention_matches_torch_path(kern, make_checkpoint, n_threads, hq, hkv, d):
     spec = load_spec(make_checkpoint("qwen3_moe", num_heads=hq, num_kv_heads=hkv, head_dim=d))
     g = torch.Generator().manual_seed(hq + d)
@@ -148,7 +148,7 @@ def test_decode_attention_matches_torch_path(kern, make_checkpoint, n_threads, h
     ref_be = TorchBackend(spec, 16, torch.device("cpu"), torch.bfloat16)
     ref_be.kernels = None
     be = TorchBackend(spec, 16, torch.device("cpu"), torch.bfloat16)
-    assert be.kernels is kern
+    assert be.kernels is (None if d == 96 else kern)     # other head sizes keep the torch path
     outs = []
     for backend in (ref_be, be):
         backend.plan(batch, pos)
