@@ -459,6 +459,16 @@ int moed_decode_attn_bf16(const bf16 *q, long q_stride, long B, long Hq, long Hk
     return 0;
 }
 
+static inline __m512 bf16x16_or_zero(const bf16 *p, __mmask16 m) {   /* masked load */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline void store_bf16x16(bf16 *p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __mmask16 lanes(long left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1); }
+
 /* RMSNorm over rows of D, optionally after a residual add, as transformers computes it in bf16:
  *   if add: x = bf16(x + add), written back to resid_out (the new residual stream)
  *   out = bf16(weight * bf16(x * rsqrt(mean(x^2) + eps)))    (mean in fp32)
@@ -468,19 +478,23 @@ void moed_rms_norm_bf16(const bf16 *x, const bf16 *add, bf16 *resid_out, long R,
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (R * D >= 8192)
     for (long r = 0; r < R; r++) {
         const bf16 *xr = x + r * D;
-        float ss = 0.f;
-        for (long d = 0; d < D; d++) {
-            float f = bf16_to_f32(xr[d]);
+        __m512 ss = _mm512_setzero_ps();
+        for (long d = 0; d < D; d += 16) {
+            const __mmask16 m = lanes(D - d);
+            __m512 f = bf16x16_or_zero(xr + d, m);
             if (add) {
-                f = round_bf16(f + bf16_to_f32(add[r * D + d]));
-                resid_out[r * D + d] = f32_to_bf16(f);
+                f = round_bf16_x16(_mm512_add_ps(f, bf16x16_or_zero(add + r * D + d, m)));
+                store_bf16x16(resid_out + r * D + d, m, f);
             }
-            ss += f * f;
+            ss = _mm512_fmadd_ps(f, f, ss);
         }
         const bf16 *src = add ? resid_out + r * D : xr;   /* the (rounded) sum, read back */
-        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-        for (long d = 0; d < D; d++)
-            out[r * D + d] = f32_to_bf16(bf16_to_f32(weight[d]) * round_bf16(bf16_to_f32(src[d]) * inv));
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)D + eps));
+        for (long d = 0; d < D; d += 16) {
+            const __mmask16 m = lanes(D - d);
+            const __m512 n = round_bf16_x16(_mm512_mul_ps(bf16x16_or_zero(src + d, m), inv));
+            store_bf16x16(out + r * D + d, m, _mm512_mul_ps(bf16x16_or_zero(weight + d, m), n));
+        }
     }
 }
 
@@ -488,7 +502,7 @@ void moed_rms_norm_bf16(const bf16 *x, const bf16 *add, bf16 *resid_out, long R,
  * then rotary, as the torch path does it in bf16:
  *   y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))             (if weight)
  *   out = bf16(bf16(y * cos) + bf16(roll(y, D/2) * sin))        (sin signed: see Rotary)
- * qkv [T][row_stride] with the H heads of D first; cos/sin [T][D]; out [T][H][D]. */
+ * qkv [T][row_stride] with the H heads of D first; cos/sin [T][D]; out [T][H][D]. D even. */
 void moed_qk_norm_rope_bf16(const bf16 *qkv, long T, long row_stride, long H, long D,
                             const bf16 *weight, float eps, const bf16 *cos, const bf16 *sin,
                             bf16 *out, int nthreads) {
@@ -496,19 +510,31 @@ void moed_qk_norm_rope_bf16(const bf16 *qkv, long T, long row_stride, long H, lo
     for (long th = 0; th < T * H; th++) {
         const long t = th / H, h = th % H, half = D / 2;
         const bf16 *xr = qkv + t * row_stride + h * D;
-        float y[D];                      /* a VLA: freed every iteration (alloca would pile up) */
-        for (long d = 0; d < D; d++) y[d] = bf16_to_f32(xr[d]);
-        if (weight) {
-            float ss = 0.f;
-            for (long d = 0; d < D; d++) ss += y[d] * y[d];
-            const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-            for (long d = 0; d < D; d++) y[d] = round_bf16(bf16_to_f32(weight[h * D + d]) * round_bf16(y[d] * inv));
+        float y[2 * D];                  /* y twice over, so roll(y) is a plain offset read;
+                                          * a VLA: freed every iteration (alloca would pile up) */
+        __m512 ss = _mm512_setzero_ps();
+        for (long d = 0; d < D; d += 16) {
+            const __mmask16 m = lanes(D - d);
+            const __m512 f = bf16x16_or_zero(xr + d, m);
+            _mm512_mask_storeu_ps(y + d, m, f);
+            ss = _mm512_fmadd_ps(f, f, ss);
         }
+        if (weight) {
+            const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)D + eps));
+            for (long d = 0; d < D; d += 16) {
+                const __mmask16 m = lanes(D - d);
+                const __m512 n = round_bf16_x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, y + d), inv));
+                _mm512_mask_storeu_ps(y + d, m, round_bf16_x16(_mm512_mul_ps(bf16x16_or_zero(weight + h * D + d, m), n)));
+            }
+        }
+        memcpy(y + D, y, sizeof(float) * D);
         bf16 *o = out + th * D;
-        const bf16 *c = cos + t * D, *s = sin + t * D;
-        for (long d = 0; d < D; d++) {
-            const float rolled = y[(d + half) % D];
-            o[d] = f32_to_bf16(round_bf16(y[d] * bf16_to_f32(c[d])) + round_bf16(rolled * bf16_to_f32(s[d])));
+        const bf16 *c = cos + t * D, *sn = sin + t * D;
+        for (long d = 0; d < D; d += 16) {   /* roll(y, D/2)[d] = y[d + D/2] (mod D) */
+            const __mmask16 m = lanes(D - d);
+            const __m512 yv = _mm512_maskz_loadu_ps(m, y + d), rolled = _mm512_maskz_loadu_ps(m, y + d + half);
+            store_bf16x16(o + d, m, _mm512_add_ps(round_bf16_x16(_mm512_mul_ps(yv, bf16x16_or_zero(c + d, m))),
+                                                  round_bf16_x16(_mm512_mul_ps(rolled, bf16x16_or_zero(sn + d, m)))));
         }
     }
 }
