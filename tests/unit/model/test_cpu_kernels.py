@@ -169,10 +169,11 @@ def test_decode_attention_refuses_bad_block_ids(kern):
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_norms_and_rotary_match_torch(kern, n_threads):
+@pytest.mark.parametrize("hidden,head_dim", [(192, 64), (100, 40)])      # 16-lane tails too
+def test_norms_and_rotary_match_torch(kern, n_threads, hidden, head_dim):
     g = torch.Generator().manual_seed(5)
-    h, delta = torch.randn(9, 192, generator=g).bfloat16(), torch.randn(9, 192, generator=g).bfloat16()
-    w = (1 + 0.1 * torch.randn(192, generator=g)).bfloat16()
+    h, delta = torch.randn(9, hidden, generator=g).bfloat16(), torch.randn(9, hidden, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).bfloat16()
     with threads(n_threads):
         out, resid = kern.rms_norm_bf16(h, w, 1e-6, delta)
         plain, same = kern.rms_norm_bf16(h, w, 1e-6)
@@ -180,7 +181,7 @@ def test_norms_and_rotary_match_torch(kern, n_threads):
     _close(out, rms_norm(h + delta, w, 1e-6))
     _close(plain, rms_norm(h, w, 1e-6))
 
-    hq, hkv, d, t = 6, 2, 64, 5
+    hq, hkv, d, t = 6, 2, head_dim, 5
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).bfloat16()
     qk_w = (1 + 0.1 * torch.randn(hq + hkv, d, generator=g)).bfloat16()
     rot = Rotary(d, 10000.0, 64, torch.bfloat16, torch.device("cpu"))
