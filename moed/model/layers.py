@@ -37,15 +37,17 @@ def _onednn_bf16_works() -> bool:
 
 
 class Linear:
-    """y = x W^T (+ b). On CPU bf16 the weight is also repacked once for oneDNN at load time.
+    """y = x W^T (+ b), with a CPU bf16 fast path chosen at load time.
 
-    Skinny inputs (decode: a few rows) take one of two fast paths, and oneDNN the rest:
-    - with the native kernels (moed/model/kernels, AVX512-BF16 CPUs): up to KERNEL_MAX_ROWS rows
-      read the kernels' packed copy once at full bandwidth (1.2-1.7x oneDNN for 1-16 rows,
-      bench/engine.py); the plain weight is then dropped, so CPU bf16 keeps two copies either way.
-    - else 1 row (2 for weights up to 2 MB) skips oneDNN: torch's own bf16 gemv streams the plain
+    - With the native kernels (moed/model/kernels, AVX512-BF16 CPUs): the weight is repacked
+      once into the kernels' layout and every call goes there. That one copy replaces both the
+      plain and the oneDNN weight: 1.2-1.7x oneDNN for 1-16 rows (decode), on par for prefill
+      (bench/engine.py; 2048-token prefill within noise).
+    - Else on CPU bf16 the weight is also repacked for oneDNN (kept beside the plain one), and
+      1 row (2 for weights up to 2 MB) skips oneDNN: torch's own bf16 gemv streams the plain
       weight at full bandwidth with ~4 us of call overhead, where oneDNN reaches ~2/3 of it and
-      spends ~14 us per call on setup (measured: [1024,1024] weight, 2 threads, 72 vs 101 us)."""
+      spends ~14 us per call on setup (measured: [1024,1024] weight, 2 threads, 72 vs 101 us).
+    - Else (fp32, GPU) plain F.linear."""
 
     __slots__ = ("weight", "bias", "packed", "gemv_rows", "kernels", "kpacked", "out_features")
 
@@ -53,31 +55,29 @@ class Linear:
                  kernels: CpuKernels | None = None, kpacked: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
+        self.kernels = kernels if pack and kernels is not None and weight.shape[1] % 2 == 0 else None
+        self.kpacked = self.packed = None
         # 2 rows cost the gemv twice its 1-row time; oneDNN's fixed cost amortises on big
         # weights: 2-row gemv wins up to ~2 MB bf16 (experts), loses above (attention, lm_head).
         self.gemv_rows = 2 if weight.numel() <= GEMV_2ROW_MAX_NUMEL else 1
-        # Packed for 8-row inputs (oneDNN picks the layout by expected rows; 1-2 rows never
-        # get here): -2% decode step at batch 8 and 32 vs a 1-row layout, prefill no slower.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if pack else None
-        self.kernels = kernels if pack and kernels is not None and weight.shape[1] % 2 == 0 else None
-        self.kpacked = None
         if self.kernels is not None:
             self.kpacked = kpacked if kpacked is not None else self.kernels.pack(weight)
-            self.weight = None          # only gemv read it, and the kernels replace gemv
+            self.weight = None          # the packed copy is the only one read
+        elif pack:
+            # Packed for 8-row inputs (oneDNN picks the layout by expected rows; 1-2 rows never
+            # get here): -2% decode step at batch 8 and 32 vs a 1-row layout, prefill no slower.
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kpacked is not None:
+            return self.kernels.linear_bf16(x, self.kpacked, self.out_features, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if self.kpacked is not None:
-            if x.shape[0] <= KERNEL_MAX_ROWS:
-                return self.kernels.linear_bf16(x, self.kpacked, self.out_features, self.bias)
-        elif x.shape[0] <= self.gemv_rows:
+        if x.shape[0] <= self.gemv_rows:
             return gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-# Rows up to which the native kernel beats oneDNN (bench: 1.24-1.37x at 16 rows).
-KERNEL_MAX_ROWS = 64
 GEMV_2ROW_MAX_NUMEL = 1 << 20
 
 

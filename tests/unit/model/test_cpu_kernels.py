@@ -270,18 +270,17 @@ def test_norms_on_many_rows(kern):
     _close(got, apply_rotary(qkv[:, :16 * 64].view(3000, 16, 64), cos, sin))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, 80])
-def test_linear_layer_uses_kernels_then_onednn(kern, rows):
-    """With kernels, Linear drops the plain weight (two copies, not three) and gives the same
-    result on the kernel path (few rows) as on oneDNN (many)."""
+@pytest.mark.parametrize("rows", [1, 3, 17, 80, 300])
+def test_linear_layer_keeps_one_packed_copy(kern, rows):
+    """With kernels, Linear keeps only the kernels' packed weight (no plain, no oneDNN copy)
+    and serves any row count from it."""
     from moed.model import layers
 
     g = torch.Generator().manual_seed(rows)
     w, b = (torch.randn(96, 128, generator=g) * 0.1).bfloat16(), torch.randn(96, generator=g).bfloat16()
     lin = layers.Linear(w, b, pack=True, kernels=kern)
-    assert lin.weight is None and lin.kpacked is not None and lin.packed is not None
+    assert lin.weight is None and lin.packed is None and lin.kpacked is not None
     x = torch.randn(rows, 128, generator=g).bfloat16()
-    assert (rows <= layers.KERNEL_MAX_ROWS) == (rows < 80)
     _close(lin(x), F.linear(x.float(), w.float(), b.float()).bfloat16(), ulps=3)
 
 
@@ -294,6 +293,6 @@ def test_moe_layer_with_kernels_on_both_sides_of_the_fused_limit(kern, make_chec
     ref = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long))
     layer = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), pack=True, kernels=kern)
     monkeypatch.setattr(moe, "FUSED_MAX_TOKENS", 8)
-    for t in (5, 40):          # fused kernel; then the grouped torch path on kernel/oneDNN Linears
+    for t in (5, 40):          # fused kernel; then the grouped torch path on kernel Linears
         x = torch.randn(t, spec.hidden_size, generator=g).bfloat16()
         _close(layer(x), ref(x), ulps=4)
