@@ -41,12 +41,20 @@ def _wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_sigterm_drains_inflight_then_exits_zero(moed_server, tiny_qwen3):
-    srv = moed_server(model=tiny_qwen3, env={"MOED_SERVER_SHUTDOWN_GRACE_S": "30",
+@pytest.fixture(scope="module")
+def slow_model(make_checkpoint):
+    """Deep and wide enough that a few hundred tokens take about a second even on the fast CPU
+    kernels: the tiny model streams them in ~0.1 s, which can end a request before the test has
+    looked at the node while it drains."""
+    return make_checkpoint("qwen3_moe", num_layers=12, hidden_size=512)
+
+
+def test_sigterm_drains_inflight_then_exits_zero(moed_server, slow_model):
+    srv = moed_server(model=slow_model, env={"MOED_SERVER_SHUTDOWN_GRACE_S": "30",
                                              "MOED_ENGINE_KV_CACHE_MEMORY_MB": "16"})
     out: dict = {}
     first = threading.Event()
-    t = _stream_in_thread(srv.url, {"prompt": "drain me", "max_tokens": 40, "stream": True,
+    t = _stream_in_thread(srv.url, {"prompt": "drain me", "max_tokens": 400, "stream": True,
                                     "ignore_eos": True}, out, first)
     assert first.wait(30), "no first token"
     srv.send_signal(signal.SIGTERM)
@@ -56,17 +64,14 @@ def test_sigterm_drains_inflight_then_exits_zero(moed_server, tiny_qwen3):
     assert srv.get("/health")[0] == 200
     t.join(60)
     assert out.get("status") == 200 and "error" not in out, out
-    assert out["chunks"][-1] == b"[DONE]" and len(out["chunks"]) == 41   # 40 tokens + DONE
+    assert out["chunks"][-1] == b"[DONE]" and len(out["chunks"]) == 401   # 400 tokens + DONE
     assert srv.proc.wait(30) == 0
     events = [r["event"] for r in srv.log_records()]
     assert events.index("draining") < events.index("stopped")
 
 
-def test_grace_expiry_cuts_long_requests_and_exits_zero(moed_server, make_checkpoint):
-    # A model deep and wide enough that 1500 tokens take many seconds even on the fast CPU
-    # kernels (the tiny one streams them in ~1 s, which can beat a 0.5 s grace).
-    slow = make_checkpoint("qwen3_moe", num_layers=12, hidden_size=512)
-    srv = moed_server(model=slow, env={"MOED_SERVER_SHUTDOWN_GRACE_S": "0.5",
+def test_grace_expiry_cuts_long_requests_and_exits_zero(moed_server, slow_model):
+    srv = moed_server(model=slow_model, env={"MOED_SERVER_SHUTDOWN_GRACE_S": "0.5",
                                              "MOED_ENGINE_KV_CACHE_MEMORY_MB": "16"})
     out: dict = {}
     first = threading.Event()
