@@ -10,6 +10,8 @@ Prefix caching is off for moed so repeated runs recompute. Timings are best-of-N
 engines interleaved, so a busy machine slows both alike. transformers uses
 experts_implementation="grouped_mm" (its fastest on this CPU per notes/models-and-baselines.md)
 and attn_implementation="sdpa". Prints a table and writes bench/results/engine.json.
+moed uses its native CPU kernels when they load (moed/model/kernels; the JSON's
+moed_cpu_kernels says which); MOED_CPU_KERNELS=0 measures the plain torch path instead.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class MoedSide:
         cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=max_batch,
                            max_num_batched_tokens=2048)
         self.engine = Engine(runner, Tokenizer.from_dir(model_dir), cfg)
+        self.cpu_kernels = runner.model.kernels is not None
 
     def run(self, prompts: list[list[int]], n: int) -> None:
         self.engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -128,6 +131,9 @@ def main() -> int:
     print(f"{a.arch} bench preset, bf16, prompt {a.prompt}, {a.new} new tokens, "
           f"{torch.get_num_threads()} torch threads", flush=True)
     sides = [MoedSide(model_dir, max(batches), a.prompt, a.new)]
+    kernels = sides[0].cpu_kernels
+    print(f"moed CPU kernels: {'on' if kernels else 'off (torch path; MOED_CPU_KERNELS or the log says why)'}",
+          flush=True)
     if not a.skip_hf:
         sides.append(HFSide(model_dir))
     res = measure(sides, prompts, a.new, a.repeats)
@@ -151,6 +157,7 @@ def main() -> int:
         "arch": a.arch, "preset": "bench", "dtype": "bfloat16", "prompt_len": a.prompt,
         "new_tokens": a.new, "torch_threads": torch.get_num_threads(), "cpu": platform.processor(),
         "cpus": os.cpu_count(), "transformers_experts_implementation": "grouped_mm",
+        "moed_cpu_kernels": kernels,
         "load_average": os.getloadavg(), "results": rows}, indent=2))
     print(f"\nsaved {out}")
     return 0
