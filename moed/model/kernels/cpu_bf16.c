@@ -1,5 +1,6 @@
-/* bf16 CPU kernels for decode on x86 CPUs with AVX512-BF16: skinny matmuls, a whole MoE block,
- * paged decode attention, RMSNorm and rotary.
+/* bf16 CPU kernels for x86 CPUs with AVX512-BF16: matmuls on a packed weight, a whole MoE block,
+ * paged decode attention, RMSNorm and rotary. Built for decode; the matmuls serve prefill too
+ * (on par with oneDNN there), so a weight is held once.
  *
  * Why: decode multiplies a few rows (1-16 tokens; 1-4 per expert) by big weights. That is
  * memory-bound work: the best kernel reads each weight byte once, at full bandwidth, whatever
@@ -21,6 +22,8 @@
  *
  * Threads: the caller passes the count; OpenMP is the libgomp torch already loaded (same
  * soname), so these are torch's own pool threads, never a second pool competing for cores.
+ * Every output element is computed by one thread in a fixed order, so results are bitwise the
+ * same for any thread count (a prefill node and a decode node agree exactly).
  * Built at run time by moed/model/kernels/__init__.py with -O3 -mavx512bf16 (no -march=native:
  * one cached .so serves any AVX512-BF16 CPU).
  */

@@ -302,3 +302,24 @@ def test_moe_layer_with_kernels_on_both_sides_of_the_fused_limit(kern, make_chec
     for t in (5, 40):          # fused kernel; then the grouped torch path on kernel Linears
         x = torch.randn(t, spec.hidden_size, generator=g).bfloat16()
         _close(layer(x), ref(x), ulps=4)
+
+
+def test_results_do_not_depend_on_the_thread_count(kern, make_checkpoint):
+    """Each output element is computed by one thread in a fixed order: bitwise equal results
+    for 1, 2 and 3 threads (nodes with different thread counts agree exactly)."""
+    spec = load_spec(make_checkpoint("qwen3_moe", num_experts=7, top_k=3, hidden_size=80, moe_intermediate_size=40))
+    g = torch.Generator().manual_seed(13)
+    router, gate_up, down = _moe(spec, g)
+    layer = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), pack=True, kernels=kern)
+    x = torch.randn(30, spec.hidden_size, generator=g).bfloat16()
+    w = kern.pack((torch.randn(200, 80, generator=g) * 0.1).bfloat16())
+    cache, q, _, _, batch, _ = _paged_case(g, 16, 4, 64, [3, 40, 77])
+    tables = torch.tensor([t + [0] * (5 - len(t)) for t in batch.block_tables])
+    lens = torch.tensor([3, 40, 77])
+    outs = []
+    for n in (1, 2, 3):
+        with threads(n):
+            outs.append((layer(x), kern.linear_bf16(x, w, 200), kern.rms_norm_bf16(x, router[0], 1e-6, x)[0],
+                         kern.decode_attn_bf16(q, cache, tables, lens, 0.125)))
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
