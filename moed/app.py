@@ -111,6 +111,7 @@ class EngineComponent(BaseComponent):
         await self.engine.start()
         app.state.engine = self.engine
         app.state.model_name = served_model_name(self.cfg)
+        metrics.MODEL_INFO.info(self.engine.runner.describe())
         log.info("model_loaded", model=app.state.model_name,
                  max_model_len=self.engine.max_model_len,
                  load_s=round(time.perf_counter() - t0, 2))

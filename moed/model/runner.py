@@ -67,11 +67,16 @@ class ModelRunner:
         del weights
         self.kv_cache = torch.zeros(kv_cache_shape(self.spec, num_blocks, block_size),
                                     dtype=self.dtype, device=self.device)
-        log.info("model_runner_ready", arch=self.spec.arch, device=str(self.device),
-                 dtype=str(self.dtype).removeprefix("torch."), backend=self.backend.name,
+        log.info("model_runner_ready", **self.describe(),
                  num_blocks=num_blocks, block_size=block_size,
                  kv_mb=round(self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, 1),
                  seconds=round(time.monotonic() - t0, 2))
+
+    def describe(self) -> dict[str, str]:
+        """What runs: for the model_runner_ready log line and the moed_model_info metric."""
+        return {"arch": self.spec.arch, "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."), "backend": self.backend.name,
+                "cpu_kernels": "on" if self.model.kernels is not None else "off"}
 
     def _check(self, batch: ForwardBatch) -> None:
         if batch.num_seqs == 0:

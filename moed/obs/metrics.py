@@ -80,6 +80,8 @@ PREFIX_CACHE_HITS = Gauge("moed_prefix_cache_hit_tokens",
                           "Prompt tokens found in the prefix cache (cumulative)", registry=REGISTRY)
 READY = Gauge("moed_ready", "1 when /ready answers 200", registry=REGISTRY)
 NODE_INFO = Info("moed_node", "Role, node name, version and config digest", registry=REGISTRY)
+MODEL_INFO = Info("moed_model", "The loaded model: architecture, dtype, device, attention backend, "
+                  "and whether the native CPU kernels run (cpu_kernels on/off)", registry=REGISTRY)
 
 
 # Expert load (EPLB input, imbalance panel): one series per (MoE layer, expert) that ever got a

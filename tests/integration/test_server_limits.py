@@ -134,3 +134,16 @@ async def test_disconnects_mid_stream_leave_nothing_running(srv):
     m = _settled(srv)
     assert m["moed_client_disconnects_total"] - before == 3
     assert m['moed_requests_finished_total{finish_reason="abort"}'] >= 3
+
+
+def test_model_info_metric_says_what_runs(srv):
+    """Operators can see from /metrics what serves: arch, dtype, device, backend, CPU kernels."""
+    from moed.model.kernels import cpu_kernels
+
+    status, text = srv.get("/metrics")
+    assert status == 200
+    line = next(ln for ln in text.splitlines() if ln.startswith("moed_model_info{"))
+    kernels = "on" if cpu_kernels() is not None else "off"      # what this machine can do
+    for label in ('arch="qwen3_moe"', 'dtype="bfloat16"', 'device="cpu"', 'backend="torch"',
+                  f'cpu_kernels="{kernels}"'):
+        assert label in line, line
