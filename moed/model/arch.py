@@ -46,7 +46,8 @@ class MoEDecoder:
         keep), so nothing outlives the build that the model does not use."""
         self.spec = spec
         pack = can_pack(device, dtype)
-        # Native CPU kernels (bf16 on AVX512-BF16 x86): fused MoE, norms and rotary for decode.
+        # Native CPU kernels (bf16 on AVX512-BF16 x86): matmuls, fused MoE, norms, rotary, decode
+        # attention (moed/model/kernels); None elsewhere, and every layer keeps the torch path.
         self.kernels = cpu_kernels() if pack else None
         self.embed, self.norm = w["embed"], w["norm"]
         self.lm_head = Linear(w["lm_head"], pack=pack, kernels=self.kernels)

@@ -41,8 +41,8 @@ class Linear:
 
     - With the native kernels (moed/model/kernels, AVX512-BF16 CPUs): the weight is repacked
       once into the kernels' layout and every call goes there. That one copy replaces both the
-      plain and the oneDNN weight: 1.2-1.7x oneDNN for 1-16 rows (decode), on par for prefill
-      (bench/engine.py; 2048-token prefill within noise).
+      plain and the oneDNN weight: 1.2-1.7x oneDNN per matmul for 1-16 rows (decode), 0.8-1.0x
+      for hundreds of rows, and a whole 2048-token prefill within noise of the oneDNN path.
     - Else on CPU bf16 the weight is also repacked for oneDNN (kept beside the plain one), and
       1 row (2 for weights up to 2 MB) skips oneDNN: torch's own bf16 gemv streams the plain
       weight at full bandwidth with ~4 us of call overhead, where oneDNN reaches ~2/3 of it and
@@ -186,7 +186,8 @@ class DenseMLP:
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pack: bool = False,
                  kernels: CpuKernels | None = None) -> None:
-        self.gate_up, self.down = Linear(gate_up, pack=pack, kernels=kernels), Linear(down, pack=pack, kernels=kernels)
+        self.gate_up = Linear(gate_up, pack=pack, kernels=kernels)
+        self.down = Linear(down, pack=pack, kernels=kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x).chunk(2, dim=-1)

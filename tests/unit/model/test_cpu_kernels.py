@@ -164,6 +164,26 @@ def test_decode_attention_matches_torch_path(kern, make_checkpoint, n_threads, h
     _close(outs[1], outs[0])
 
 
+def test_mixed_batch_decode_rows_take_the_kernel(kern, make_checkpoint):
+    """A step with a prefill chunk among decode sequences: the decode rows go to the kernel,
+    the chunk to SDPA, and the result matches the torch path."""
+    spec = load_spec(make_checkpoint("qwen3_moe"))
+    hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    g = torch.Generator().manual_seed(21)
+    cache = torch.randn(12, 2, 16, hkv, d, generator=g).bfloat16()
+    batch = ForwardBatch([[1], [1, 2, 3], [1]], [20, 30, 5], [[0, 1], [2, 3, 4], [5]])
+    pos = torch.tensor([20, 30, 31, 32, 5])
+    q = torch.randn(5, hq, d, generator=g).bfloat16()
+    k, v = torch.randn(5, hkv, d, generator=g).bfloat16(), torch.randn(5, hkv, d, generator=g).bfloat16()
+    outs = []
+    for use in (None, kern):
+        be = TorchBackend(spec, 16, torch.device("cpu"), torch.bfloat16)
+        be.kernels = use
+        be.plan(batch, pos)
+        outs.append(be.forward(0, q, k, v, cache.clone()))
+    _close(outs[1], outs[0])
+
+
 def test_decode_attention_refuses_bad_block_ids(kern):
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(4, 2, 16, 2, 64, generator=g).bfloat16()
