@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any, MutableMapping, Sequence
 
 from moed.config import ROLES, Config, ConfigError, load
@@ -114,6 +115,29 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     return int(model_init.main(args) or 0)
 
 
+def cmd_model_kernels(args: argparse.Namespace) -> int:
+    """Build (or find) the native CPU kernels and print the .so path; 1 with the reason if not."""
+    from moed.model import kernels
+    from moed.obs import log as obslog
+
+    obslog.configure("console")      # log lines on stderr: stdout is just the path
+    try:
+        path = kernels.build(Path(args.cache) if args.cache else None)
+    except kernels.KernelUnavailable as e:
+        print(f"moed: CPU kernels cannot be built here: {e}", file=sys.stderr)
+        return 1
+    if not kernels.cpu_flags_ok():       # built for another machine (e.g. an image build)
+        print(f"{path}\nmoed: built, not loaded: this CPU lacks AVX512-BF16", file=sys.stderr)
+        return 0
+    try:
+        kernels.CpuKernels(path)
+    except (kernels.KernelUnavailable, OSError) as e:
+        print(f"moed: {path} does not load: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moed", description="Mixture-of-Experts serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,11 +156,15 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     msub = model.add_subparsers(dest="model_command", required=True)
     init = msub.add_parser("init", help="write a random-weight Hugging Face checkpoint")
     argv = sys.argv[1:] if argv is None else argv
-    if list(argv[:1]) == ["model"]:   # lazy: the init module imports torch and transformers
+    if list(argv[:2]) == ["model", "init"]:   # lazy: the init module imports torch and transformers
         from moed.model import init as model_init
 
         model_init.add_arguments(init)
     init.set_defaults(func=cmd_model_init)
+    kern = msub.add_parser("kernels", help="build the native CPU kernels ahead of time and print the .so path")
+    kern.add_argument("--cache", metavar="DIR",
+                      help="where to put them (default: $MOED_KERNEL_CACHE, $CACHE_DIRECTORY or ~/.cache/moed)")
+    kern.set_defaults(func=cmd_model_kernels)
     return parser
 
 

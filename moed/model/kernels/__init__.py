@@ -10,11 +10,12 @@ layout and numerics are described in cpu_bf16.c.
 
 Why build at run time rather than ship a wheel: the project installs as pure Python (no build
 step that could break a GPU install); the C file compiles in about a second with the C
-compiler any Debian/Ubuntu host has. The .so is cached by a hash of the source, flags and
-compiler, in $MOED_KERNEL_CACHE, else systemd's $CACHE_DIRECTORY (the unit has CacheDirectory=),
+compiler any Debian/Ubuntu host has. The .so is cached by a hash of the source and flags in
+$MOED_KERNEL_CACHE, else systemd's $CACHE_DIRECTORY (the unit has CacheDirectory=),
 else $XDG_CACHE_HOME/moed or ~/.cache/moed. If anything is missing (no compiler, other CPU,
 read-only cache, MOED_CPU_KERNELS=0) callers get None and keep the torch path, which computes
-the same thing; the reason is logged once.
+the same thing; the reason is logged once. `moed model kernels` builds the cache ahead of time
+(an image build, a host whose runtime has no compiler).
 """
 from __future__ import annotations
 
@@ -64,17 +65,20 @@ def _compiler() -> str:
 
 
 def build(cache: Path | None = None) -> Path:
-    """Compile cpu_bf16.c (or reuse the cached build) and return the .so path."""
-    cc = _compiler()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"C compiler {cc!r} does not run: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version]).encode()).hexdigest()[:16]
+    """Return the .so for this source and these flags, compiling it into the cache if absent.
+
+    The name hashes the source, flags and ABI version only, not the compiler: a cache filled
+    ahead of time (`moed model kernels`, e.g. in an image build) serves hosts with no compiler."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), str(ABI_VERSION)]).encode())
     cache = cache or _cache_dir()
-    out = cache / f"moed_cpu_bf16-{key}.so"
+    out = cache / f"moed_cpu_bf16-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
+    cc = _compiler()
+    try:
+        subprocess.run([cc, "--version"], capture_output=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"C compiler {cc!r} does not run: {e}") from e
     try:
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
@@ -86,6 +90,7 @@ def build(cache: Path | None = None) -> Path:
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)     # mkstemp made it 0600: other users sharing the cache load it too
         os.replace(tmp, out)     # atomic: processes building at once each install a whole file
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"compiling {SOURCE.name} failed: {e}") from e
@@ -229,7 +234,7 @@ def cpu_kernels() -> CpuKernels | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         log.info("cpu_kernels_off", reason=f"not built for {platform.system()}/{platform.machine()}")
         return None
-    if not _cpu_flags_ok():
+    if not cpu_flags_ok():
         log.info("cpu_kernels_off", reason="CPU lacks AVX512-BF16", fallback="torch")
         return None
     try:
@@ -241,7 +246,7 @@ def cpu_kernels() -> CpuKernels | None:
     return k
 
 
-def _cpu_flags_ok() -> bool:
+def cpu_flags_ok() -> bool:
     """Checked before loading the .so: its code may use AVX-512 anywhere, even in the probe."""
     try:
         with open("/proc/cpuinfo") as f:

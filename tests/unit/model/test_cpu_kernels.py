@@ -225,7 +225,9 @@ def test_build_is_cached_and_failures_are_clear(tmp_path, monkeypatch):
     assert K.build(tmp_path) == first and first.stat().st_mtime_ns == mtime    # reused, not rebuilt
     assert not list(tmp_path.glob("*.tmp"))                                     # no temp file left
 
+    # No compiler: a cache built ahead of time still serves; an empty one says why it cannot.
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert K.build(tmp_path) == first
     with pytest.raises(K.KernelUnavailable, match="does not run"):
         K.build(tmp_path / "other")
     monkeypatch.delenv("CC")
@@ -234,6 +236,17 @@ def test_build_is_cached_and_failures_are_clear(tmp_path, monkeypatch):
     blocker.write_text("")
     with pytest.raises(K.KernelUnavailable, match="not writable"):
         K.build(blocker / "cache")
+
+
+def test_cli_builds_kernels_ahead_of_time(tmp_path, capsys):
+    from moed.cli import main
+
+    assert main(["model", "kernels", "--cache", str(tmp_path / "k")]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path.parent == tmp_path / "k" and path.is_file() and path == K.build(tmp_path / "k")
+    (tmp_path / "f").write_text("")
+    assert main(["model", "kernels", "--cache", str(tmp_path / "f" / "k")]) == 1
+    assert "cannot be built here" in capsys.readouterr().err
 
 
 def test_env_switch_turns_kernels_off(monkeypatch):
