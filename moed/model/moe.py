@@ -61,7 +61,9 @@ class MoELayer:
         """Install a new map at a step boundary (EPLB); physical weights must already match."""
         if logical_to_physical.shape[0] != self.num_experts or int(logical_to_physical.max()) >= self.num_physical:
             raise ValueError("expert map does not fit this layer's experts")
-        self.logical_to_physical, self.num_replicas = logical_to_physical, num_replicas
+        # int64 and contiguous: the CPU kernel reads them as raw int64 arrays
+        self.logical_to_physical = logical_to_physical.to(torch.long).contiguous()
+        self.num_replicas = num_replicas.to(torch.long).contiguous()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k weights [T, k] (x's dtype) and logical expert ids [T, k], as transformers does."""

@@ -119,7 +119,7 @@ def test_moe_replicas_and_bad_map(kern, make_checkpoint):
     rep = MoELayer(spec, router, gate_up, down, torch.zeros(E, dtype=torch.long), kernels=kern)
     l2p, nrep = torch.tensor([[0, 5], [1, 1], [2, 6], [3, 3], [4, 4]]), torch.tensor([2, 1, 2, 1, 1])
     ref.set_expert_map(l2p, nrep)
-    rep.set_expert_map(l2p, nrep)
+    rep.set_expert_map(l2p.int(), nrep.int())          # any integer dtype: stored as int64
     x = torch.randn(12, spec.hidden_size, generator=g).bfloat16()
     _close(rep(x), ref(x), ulps=3)
     # A map pointing past the physical experts is refused by the kernel too (never read out of bounds).
