@@ -24,15 +24,8 @@ from moed.model.moe import MoELayer
 from moed.model.spec import load_spec
 
 
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 pytestmark = [
-    pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="CPU lacks AVX512-BF16 (kernels are x86 AVX512-BF16 only)"),
+    pytest.mark.skipif(not K.cpu_flags_ok(), reason="CPU lacks AVX512-BF16 (kernels are x86 AVX512-BF16 only)"),
     pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
                        reason="no C compiler to build the kernels (moed then runs the torch path)"),
 ]
