@@ -126,15 +126,15 @@ def cmd_model_kernels(args: argparse.Namespace) -> int:
     except kernels.KernelUnavailable as e:
         print(f"moed: CPU kernels cannot be built here: {e}", file=sys.stderr)
         return 1
+    print(path)                          # stdout: just the path, whatever follows
     if not kernels.cpu_flags_ok():       # built for another machine (e.g. an image build)
-        print(f"{path}\nmoed: built, not loaded: this CPU lacks AVX512-BF16", file=sys.stderr)
+        print("moed: built, not loaded: this CPU lacks AVX512-BF16", file=sys.stderr)
         return 0
     try:
         kernels.CpuKernels(path)
     except (kernels.KernelUnavailable, OSError) as e:
         print(f"moed: {path} does not load: {e}", file=sys.stderr)
         return 1
-    print(path)
     return 0
 
 

@@ -33,6 +33,19 @@ def _stream_in_thread(url: str, body: dict, out: dict, first: threading.Event) -
     return t
 
 
+def _serve_one_stream(moed_server, model, grace_s: str, prompt: str, max_tokens: int):
+    """A node with the given drain grace, one streaming request running on it (first token
+    seen) -> (server, the stream's result dict, its thread)."""
+    srv = moed_server(model=model, env={"MOED_SERVER_SHUTDOWN_GRACE_S": grace_s,
+                                        "MOED_ENGINE_KV_CACHE_MEMORY_MB": "16"})
+    out: dict = {}
+    first = threading.Event()
+    t = _stream_in_thread(srv.url, {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                                    "ignore_eos": True}, out, first)
+    assert first.wait(30), "no first token"
+    return srv, out, t
+
+
 def _wait(pred, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -50,13 +63,7 @@ def slow_model(make_checkpoint):
 
 
 def test_sigterm_drains_inflight_then_exits_zero(moed_server, slow_model):
-    srv = moed_server(model=slow_model, env={"MOED_SERVER_SHUTDOWN_GRACE_S": "30",
-                                             "MOED_ENGINE_KV_CACHE_MEMORY_MB": "16"})
-    out: dict = {}
-    first = threading.Event()
-    t = _stream_in_thread(srv.url, {"prompt": "drain me", "max_tokens": 400, "stream": True,
-                                    "ignore_eos": True}, out, first)
-    assert first.wait(30), "no first token"
+    srv, out, t = _serve_one_stream(moed_server, slow_model, "30", "drain me", 400)
     srv.send_signal(signal.SIGTERM)
     _wait(lambda: srv.get("/ready")[0] == 503, 10, "/ready to turn 503")
     status, body = _post(srv.url, {"prompt": "late", "max_tokens": 2})
@@ -71,13 +78,7 @@ def test_sigterm_drains_inflight_then_exits_zero(moed_server, slow_model):
 
 
 def test_grace_expiry_cuts_long_requests_and_exits_zero(moed_server, slow_model):
-    srv = moed_server(model=slow_model, env={"MOED_SERVER_SHUTDOWN_GRACE_S": "0.5",
-                                             "MOED_ENGINE_KV_CACHE_MEMORY_MB": "16"})
-    out: dict = {}
-    first = threading.Event()
-    t = _stream_in_thread(srv.url, {"prompt": "forever", "max_tokens": 1500, "stream": True,
-                                    "ignore_eos": True}, out, first)
-    assert first.wait(30)
+    srv, out, t = _serve_one_stream(moed_server, slow_model, "0.5", "forever", 1500)
     t0 = time.monotonic()
     srv.send_signal(signal.SIGINT)
     assert srv.proc.wait(20) == 0

@@ -70,7 +70,6 @@ class TorchBackend(AttentionBackend):
             length = nblk * bs
             dt = table_t[:, :nblk] if self.dec_all else table_t[dec, :nblk]
             lens = torch.tensor([kv_lens[i] for i in dec], device=dev)
-            self.dec_shape = (len(dec), length)
             if self.kernels is not None:       # the kernel reads the blocks itself: no gather
                 self.dec_tables, self.dec_lens = dt.contiguous(), lens
             else:
@@ -80,6 +79,7 @@ class TorchBackend(AttentionBackend):
 
     def _plan_gather(self, dt: torch.Tensor, lens: torch.Tensor, length: int) -> None:
         bs, dev, b = self.block_size, self.device, dt.shape[0]
+        self.dec_shape = (b, length)
         slot = torch.arange(length, device=dev)
         # Rows of the cache viewed as [*, D] (one per block, K/V, slot, kv head), ordered
         # [Bd, H_kv, L] so the gather lands in the layout the matmuls want (no transpose).

@@ -242,6 +242,38 @@ def test_cli_builds_kernels_ahead_of_time(tmp_path, capsys):
     assert "cannot be built here" in capsys.readouterr().err
 
 
+def test_cli_builds_for_another_cpu_without_loading(tmp_path, capsys, monkeypatch):
+    """An image built on a machine without AVX512-BF16: the .so is built and its path printed
+    (stdout stays just the path), the load is skipped and says why."""
+    from moed.cli import main
+
+    monkeypatch.setattr(K, "cpu_flags_ok", lambda: False)
+    assert main(["model", "kernels", "--cache", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert Path(out.strip()).is_file() and "lacks AVX512-BF16" in err
+
+
+def test_no_compiler_and_no_cache_serves_on_the_torch_path(tmp_path, monkeypatch, make_checkpoint):
+    """The operator's compiler-less host: cpu_kernels() gives None (not an error) and a bf16
+    model loads and runs on the torch path, saying so."""
+    from moed.model.batch import ForwardBatch
+    from moed.model.runner import ModelRunner
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MOED_KERNEL_CACHE", str(tmp_path / "empty"))
+    K.cpu_kernels.cache_clear()
+    try:
+        assert K.cpu_kernels() is None
+        r = ModelRunner(make_checkpoint("qwen3_moe"), dtype="bfloat16", device="cpu",
+                        attention_backend="torch", num_blocks=8, block_size=16)
+        assert r.describe()["cpu_kernels"] == "off" and r.backend.kernels is None
+        logits = r.forward(ForwardBatch([[5, 6, 7]], [0], [[0]]))
+        assert logits.shape == (1, r.spec.vocab_size) and torch.isfinite(logits).all()
+    finally:
+        monkeypatch.undo()
+        K.cpu_kernels.cache_clear()
+
+
 def test_env_switch_turns_kernels_off(monkeypatch):
     monkeypatch.setenv("MOED_CPU_KERNELS", "0")
     K.cpu_kernels.cache_clear()
