@@ -58,13 +58,12 @@ def to_toml(cfg: Config) -> str:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    from moed.api.auth import AuthConfigError, load_keys
+    from moed.ops.daemon import load_key_source
 
     cfg = load(args.config, environ=os.environ, overrides=_overrides(args))
-    try:  # a key source that cannot be read is a config error, found before serving
-        load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env)
-    except AuthConfigError as e:
-        raise ConfigError(str(e)) from None
+    # a key source that cannot be read (missing, a FIFO, not UTF-8) is a config error, found
+    # before serving
+    load_key_source(cfg.server.api_keys_file, cfg.server.api_keys_env, "api_keys")
     return cfg
 
 

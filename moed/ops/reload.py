@@ -12,7 +12,9 @@ Two layers:
   into one more reload afterwards, so a burst of signals never piles up work.
 
 Every reload is logged with its diff (values of anything named like a key, token or secret
-are redacted) and counted in moed_config_reloads_total{result}.
+are redacted) and counted in moed_config_reloads_total{result}. A reload that fails for any
+reason (a file that is not UTF-8 or not a regular file, a veto, or a bug while planning) is
+INVALID: the running config stays, and the reload still ends (`on_done`, i.e. READY=1).
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class ReloadOutcome(enum.Enum):
     APPLIED = "applied"                    # live changes adopted (cold ones, if any, reported)
     UNCHANGED = "unchanged"                # the file and environment say what is running
     RESTART_REQUIRED = "restart_required"  # only fields that need a restart changed: none applied
-    INVALID = "invalid"                    # the new config did not validate: nothing changed
+    INVALID = "invalid"                    # refused (bad file, unreadable key, or an internal
+                                           # error while reloading): nothing changed
 
 
 @dataclass(frozen=True)
@@ -143,27 +146,52 @@ class Reloader:
             self._pending = False
             try:
                 self.reload_now()
-            except Exception:  # a bug in a subscriber must not kill the node; it is logged
+            except Exception:  # reload_now does not raise; this is the last line of defence
                 log.exception("config_reload_crashed")
             await asyncio.sleep(0)  # let the step loop run between back-to-back reloads
             if not self._pending:
                 return
 
     def reload_now(self) -> ReloadResult:
-        """One synchronous reload: plan, let every subscriber validate, then commit all."""
-        if self._on_start:
-            self._on_start()
+        """One synchronous reload: plan, let every subscriber validate, then commit all.
+
+        Never raises. Whatever goes wrong (a bad file, or a bug while planning) ends as an
+        INVALID result that keeps the running config, is counted and logged, and reaches
+        `on_done`: systemd got RELOADING=1 from `on_start` and must get its READY=1 back, or
+        the unit stays "reloading"."""
         old = self.config
+        result = ReloadResult(ReloadOutcome.INVALID, old, error="internal error: reload aborted")
+        try:
+            if self._on_start:
+                self._on_start()
+            result = self._plan(old)
+        except Exception as e:  # a bug, not a bad file: nothing was committed, nothing changes
+            log.exception("config_reload_crashed", detail="the running config is unchanged")
+            result = ReloadResult(ReloadOutcome.INVALID, old,
+                                  error=f"internal error {type(e).__name__}: {e}")
+        finally:
+            self._finish(result)
+        return result
+
+    def _plan(self, old: Config) -> ReloadResult:
         result = plan_reload(old, self._path, self._environ(), self._overrides)
         if result.outcome is not ReloadOutcome.INVALID:
             result = self._apply(old, result)
-        if result.outcome in (ReloadOutcome.APPLIED,):
+        return result
+
+    def _finish(self, result: ReloadResult) -> None:
+        if result.outcome is ReloadOutcome.APPLIED:
             self._stats.version += 1
         self.config = result.config
-        self._record(result)
+        try:
+            self._record(result)
+        except Exception:  # a log line that cannot be written must not skip on_done
+            log.exception("config_reload_record_failed")
         if self._on_done:
-            self._on_done(result)
-        return result
+            try:
+                self._on_done(result)
+            except Exception:
+                log.exception("config_reload_on_done_failed", result=result.outcome.value)
 
     def _apply(self, old: Config, result: ReloadResult) -> ReloadResult:
         # Subscribers run even when nothing in the config changed: a secret file they read

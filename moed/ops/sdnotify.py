@@ -8,7 +8,8 @@ Messages moed sends over its life:
   STATUS=starting, loading model  while the checkpoint loads (TimeoutStartSec bounds it)
   READY=1 + STATUS=serving      once the model is loaded and the node has joined
   WATCHDOG=1                    every WatchdogSec/2 from the event loop (see `watchdog_loop`)
-  RELOADING=1 + MONOTONIC_USEC  at SIGHUP, then READY=1 when the reload is done
+  RELOADING=1 + MONOTONIC_USEC  at SIGHUP, then READY=1 when the reload is done, whatever
+                                its result (else the unit stays "reloading")
   STOPPING=1 + STATUS=draining  at SIGTERM / POST /admin/drain
 """
 from __future__ import annotations

@@ -84,3 +84,187 @@ def test_shipped_config_files_are_valid() -> None:
     for toml in sorted(root.glob("*.toml")):
         cfg = config.load(toml, environ={"MOED_MODEL_PATH": "m"})
         assert cfg.server.role in config.ROLES, toml
+
+
+# ---- file edge cases: never a traceback, never a blocked read ----------------------------
+
+def _within(fn, timeout: float = 5.0):
+    """fn() on a thread, which must finish within `timeout` (a blocked open fails the test)."""
+    import threading
+
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} still blocked after {timeout} s"
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out.get("value")
+
+
+def _unblock(fifo: Path) -> None:
+    # if a reader did block in open(), give it a writer so the thread ends
+    import contextlib
+    import os
+
+    with contextlib.suppress(OSError):
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_non_utf8_file_is_a_one_line_error(tmp_path: Path) -> None:
+    p = tmp_path / "moed.toml"
+    p.write_bytes(b'[model]\npath = "m\xff"\n')
+    with pytest.raises(ConfigError) as e:
+        config.load(p, environ={})
+    assert str(e.value) == f"{p}: not UTF-8 text at byte 17"
+
+
+def test_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "moed.toml"
+    os.mkfifo(fifo)
+    try:
+        with pytest.raises(ConfigError, match=r"not a regular file \(a FIFO\)"):
+            _within(lambda: config.load(fifo, environ={}))
+    finally:
+        _unblock(fifo)
+
+
+@pytest.mark.parametrize("kind", ["directory", "/dev/zero", "/dev/null", "huge", "sparse"])
+def test_only_small_regular_files_are_read(tmp_path: Path, kind: str) -> None:
+    p = tmp_path / "moed.toml"
+    if kind == "directory":
+        p.mkdir()
+        msg = r"not a regular file \(a directory\)"
+    elif kind.startswith("/dev/"):
+        p = Path(kind)
+        msg = r"not a regular file \(a character device\)"
+    elif kind == "huge":
+        p.write_text("# padding\n" * (config.MAX_CONFIG_BYTES // 10 + 1))
+        msg = "too large"
+    else:
+        with open(p, "wb") as f:
+            f.truncate(1 << 40)            # 1 TiB, no blocks: refused from its size alone
+        msg = r"too large \(1099511627776 bytes, at most 1048576\)"
+    with pytest.raises(ConfigError, match=msg):
+        _within(lambda: config.load(p, environ={}))
+
+
+def test_reader_bounds_files_whose_size_lies_and_follows_symlinks(tmp_path: Path) -> None:
+    with pytest.raises(config.FileRefused, match="more than 10 bytes"):
+        config.read_regular_file("/proc/self/status", 10)     # a regular file of size 0
+    real = tmp_path / "real.toml"
+    real.write_text('[model]\npath = "m"\n')
+    link = tmp_path / "link.toml"
+    link.symlink_to(real)
+    assert config.load(link, environ={}).model.path == "m"
+    assert config.read_regular_file(real, len(real.read_bytes())) == real.read_bytes()
+
+
+def test_unreadable_file_is_a_clear_error(tmp_path: Path) -> None:
+    import os
+
+    p = write(tmp_path, '[model]\npath = "m"\n')
+    sub = tmp_path / "sub"
+    sub.write_text("")
+    with pytest.raises(ConfigError, match="cannot read: Not a directory"):
+        config.load(sub / "moed.toml", environ={})
+    if os.geteuid() == 0:
+        pytest.skip("root reads a mode-0000 file anyway")
+    p.chmod(0)
+    with pytest.raises(ConfigError, match="cannot read: Permission denied"):
+        config.load(p, environ={})
+
+
+@pytest.mark.parametrize("value", ["[" * 5000 + "]" * 5000, "9" * 5000])
+def test_tomllib_limits_are_config_errors(tmp_path: Path, value: str) -> None:
+    # deep nesting (RecursionError) and > 4300-digit integers (ValueError) escape tomllib
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(write(tmp_path, f'[model]\npath = "m"\nx = {value}\n'), environ={})
+
+
+def test_non_utf8_environment_and_flags_are_refused() -> None:
+    bad = b"m\xff".decode("utf-8", "surrogateescape")      # what os.environ holds for it
+    with pytest.raises(ConfigError, match="environment: model.path: not UTF-8 text"):
+        config.load(environ={"MOED_MODEL_PATH": bad})
+    with pytest.raises(ConfigError, match="command line: model.path: not UTF-8 text"):
+        config.load(environ={}, overrides={"model": {"path": bad}})
+    with pytest.raises(ConfigError, match="environment: cluster.seeds: not UTF-8"):
+        config.load(environ={"MOED_MODEL_PATH": "m", "MOED_CLUSTER_SEEDS": "a:1," + bad})
+
+
+# ---- bounds: every number of every section ---------------------------------------------
+
+NUMERIC = config.numeric_fields()
+
+
+def test_every_numeric_field_has_bounds_within_64_bits() -> None:
+    import dataclasses
+    import typing
+
+    every = set()                                       # enumerated here, independently
+    for sec in dataclasses.fields(config.Config):
+        hints = typing.get_type_hints(sec.default_factory)
+        every |= {(sec.name, f.name) for f in dataclasses.fields(sec.default_factory)
+                  if hints[f.name] in (int, float)}
+    assert {(s, n) for s, n, *_ in NUMERIC} == every and len(every) > 40
+    for sec, name, tp, bounds in NUMERIC:
+        assert bounds is not None, f"{sec}.{name} has no bounds"
+        lo, hi = bounds
+        assert -(1 << 63) <= lo <= hi <= (1 << 63) - 1, (sec, name, bounds)
+        if tp is int:
+            assert isinstance(lo, int) and isinstance(hi, int), (sec, name, bounds)
+
+
+def test_a_field_cannot_be_declared_without_sane_bounds() -> None:
+    with pytest.raises(TypeError, match="needs bounds"):
+        config._f(1)
+    with pytest.raises(TypeError, match="needs bounds"):
+        config._f(1.5, live=True)
+    with pytest.raises(TypeError, match="take none"):
+        config._f("x", bounds=(0, 1))
+    with pytest.raises(TypeError, match="outside bounds"):
+        config._f(5, bounds=(0, 1))
+    with pytest.raises(TypeError, match="64 bits"):
+        config._f(5, bounds=(0, 1 << 64))
+    config._f(True)                                     # bools are not numbers here
+
+
+def _toml_number(v: float) -> str:
+    if v != v:
+        return "nan"
+    if v in (float("inf"), float("-inf")):
+        return "inf" if v > 0 else "-inf"
+    return repr(v)
+
+
+def _bad_values(tp: type, lo: float, hi: float) -> list[float]:
+    out: list[float] = [10 ** 20, -(10 ** 20), 2 ** 62, 10 ** 400]
+    out += [hi + 1, lo - 1] if tp is int else [hi * 2 + 1, lo - 1, 1e300, -1e300]
+    return out + [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("sec,name,tp,bounds", NUMERIC, ids=[f"{s}.{n}" for s, n, *_ in NUMERIC])
+def test_out_of_bounds_values_are_refused_naming_the_field(
+        tmp_path: Path, sec: str, name: str, tp: type, bounds: tuple[float, float]) -> None:
+    lo, hi = bounds
+    p = tmp_path / "moed.toml"
+    model = {"model": {"path": "m"}}
+    for ok in (lo, hi):                                 # both ends are inclusive
+        p.write_text(f"[{sec}]\n{name} = {_toml_number(ok)}\n")
+        assert getattr(getattr(config.load(p, environ={}, overrides=model), sec), name) == ok
+    for bad in _bad_values(tp, lo, hi):
+        p.write_text(f"[{sec}]\n{name} = {_toml_number(bad)}\n")
+        with pytest.raises(ConfigError, match=f"{sec}.{name}"):
+            config.load(p, environ={}, overrides=model)
+        env = {f"MOED_{sec.upper()}_{name.upper()}": _toml_number(bad), "MOED_MODEL_PATH": "m"}
+        with pytest.raises(ConfigError, match=f"{sec}.{name}"):
+            config.load(environ=env)

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from moed.config import ConfigError, load
 from moed.ops.reload import REDACTED, ReloadOutcome, Reloader, describe, plan_reload, redact
@@ -132,3 +133,89 @@ async def test_a_crashing_subscriber_does_not_kill_the_loop(tmp_path: Path) -> N
     rl.request()
     await rl.wait_idle()
     assert rl.counts == {"invalid": 2} and rl.config.admission.max_waiting_requests == 8
+
+
+# ---- a reload that fails in any way is counted, ends (on_done), and changes nothing ----------
+
+def _reloader(p: Path, events: list) -> Reloader:
+    return Reloader(load(p, environ={}), p, environ=lambda: {},
+                    on_start=lambda: events.append("start"), on_done=events.append)
+
+
+def _make_bad(p: Path, kind: str) -> None:
+    import os
+
+    if kind == "not-utf8":
+        p.write_bytes(BASE.replace("= 8", "= 2").encode() + b'# caf\xe9\n')
+        return
+    p.unlink()
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "directory":
+        p.mkdir()
+    elif kind == "huge":
+        with open(p, "wb") as f:
+            f.truncate(1 << 30)
+
+
+@pytest.mark.parametrize("kind,reason", [("not-utf8", "not UTF-8 text at byte"),
+                                         ("fifo", "not a regular file (a FIFO)"),
+                                         ("directory", "not a regular file (a directory)"),
+                                         ("huge", "too large")])
+async def test_a_file_gone_bad_is_refused_counted_and_ended(tmp_path: Path, kind: str,
+                                                            reason: str) -> None:
+    import asyncio
+
+    p = write(tmp_path / "c.toml", BASE)
+    events: list = []
+    rl = _reloader(p, events)
+    running = rl.config
+    _make_bad(p, kind)
+    with capture_logs() as logs:
+        rl.request()                      # what SIGHUP does; a FIFO must not block the loop
+        await asyncio.wait_for(rl.wait_idle(), 5)
+    assert events[0] == "start" and len(events) == 2
+    result = events[1]                    # on_done got the result: READY=1 follows
+    assert result.outcome is ReloadOutcome.INVALID and reason in result.error
+    assert rl.config is running and rl.version == 1 and rl.counts == {"invalid": 1}
+    assert [r["event"] for r in logs] == ["config_reload_rejected"]      # no traceback
+    assert reason in logs[0]["error"] and logs[0]["result"] == "invalid"
+
+    if kind in ("fifo", "directory"):     # back to a good file: the next reload applies
+        p.rmdir() if kind == "directory" else p.unlink()
+    write(p, BASE.replace("= 8", "= 3"))
+    assert rl.reload_now().outcome is ReloadOutcome.APPLIED and rl.version == 2
+
+
+async def test_a_crash_while_planning_is_counted_and_ended(tmp_path: Path, monkeypatch) -> None:
+    import asyncio
+
+    from moed.ops import reload as reload_mod
+
+    p = write(tmp_path / "c.toml", BASE)
+    events: list = []
+    rl = _reloader(p, events)
+    running = rl.config
+
+    def boom(*a, **kw):
+        raise RuntimeError("planner bug")
+
+    monkeypatch.setattr(reload_mod, "plan_reload", boom)
+    with capture_logs() as logs:
+        rl.request()
+        await asyncio.wait_for(rl.wait_idle(), 5)
+    assert [e if isinstance(e, str) else e.outcome for e in events] == [
+        "start", ReloadOutcome.INVALID]
+    assert events[1].error == "internal error RuntimeError: planner bug"
+    assert rl.config is running and rl.counts == {"invalid": 1}
+    # the bug with its traceback, then the one line every rejected reload gets
+    assert [r["event"] for r in logs] == ["config_reload_crashed", "config_reload_rejected"]
+    assert logs[0].get("exc_info") is True
+
+    # even a failing on_start or on_done neither raises nor skips the count
+    monkeypatch.undo()
+    bad_hooks = Reloader(running, p, environ=lambda: {}, on_start=lambda: 1 / 0,
+                         on_done=lambda r: 1 / 0)
+    r = bad_hooks.reload_now()
+    assert r.outcome is ReloadOutcome.INVALID and "ZeroDivisionError" in r.error
+    assert bad_hooks.counts == {"invalid": 1} and bad_hooks.config is running
