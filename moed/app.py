@@ -43,11 +43,13 @@ import structlog
 from aiohttp import web
 
 from moed import __version__
-from moed.api import health, openai
+from moed.api import health, limits, openai
 from moed.api.auth import load_keys
-from moed.api.middleware import auth, request_context
+from moed.api.middleware import auth, read_body, request_context
 from moed.api.state import STATE, ServerState
 from moed.config import Config
+from moed.engine.client import EngineClient
+from moed.engine.stream import StepStats
 from moed.obs import metrics
 
 log = structlog.get_logger(__name__)
@@ -96,7 +98,7 @@ class EngineComponent(BaseComponent):
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
 
     def add_routes(self, web_app: web.Application) -> None:
         openai.add_routes(web_app)
@@ -106,12 +108,12 @@ class EngineComponent(BaseComponent):
         log.info("model_loading", path=self.cfg.model.path)
         # In a thread, imports included (torch takes seconds): /health keeps answering.
         self.engine = await asyncio.to_thread(_build_engine, self.cfg)
-        self.engine.on_step = _observe_step
-        self.engine.on_expert_load = metrics.observe_expert_load
+        self.engine.subscribe_step(_observe_step)
+        self.engine.subscribe_expert_load(metrics.observe_expert_load)
         await self.engine.start()
         app.state.engine = self.engine
         app.state.model_name = served_model_name(self.cfg)
-        metrics.MODEL_INFO.info(self.engine.runner.describe())
+        metrics.MODEL_INFO.info(self.engine.model_info())
         log.info("model_loaded", model=app.state.model_name,
                  max_model_len=self.engine.max_model_len,
                  load_s=round(time.perf_counter() - t0, 2))
@@ -121,13 +123,13 @@ class EngineComponent(BaseComponent):
             await self.engine.shutdown()
 
 
-def _build_engine(cfg: Config) -> Any:
+def _build_engine(cfg: Config) -> EngineClient:
     from moed.engine.engine import Engine   # lazy: the router role never imports torch
 
     return Engine.from_config(cfg)
 
 
-def _observe_step(step: Any) -> None:
+def _observe_step(step: StepStats) -> None:
     """Engine per-step hook (moed.engine.stream.StepStats) → metrics. Runs on the event loop."""
     metrics.BATCH_SIZE.observe(step.batch_size)
     metrics.BATCH_TOKENS.observe(step.num_prefill_tokens + step.num_decode_tokens)
@@ -142,6 +144,10 @@ def build_components(cfg: Config) -> list[Component]:
     """The components of a node, in start order, by role and config."""
     role = cfg.server.role
     comps: list[Component] = []
+    # ---- node-to-node auth: the cluster secret signs /internal/* and /cluster calls ----
+    if role in ("prefill", "decode") or cfg.cluster.enabled:
+        from moed.api.internal import InternalAuth   # raises ConfigError: no key
+        comps.append(InternalAuth.from_config(cfg, node_name(cfg)))
     # ---- engine (daemon helper) ----
     if role in ("colocated", "prefill", "decode"):
         comps.append(EngineComponent(cfg))
@@ -155,7 +161,7 @@ def build_components(cfg: Config) -> list[Component]:
         comps.append(role_component(cfg, node_name(cfg)))
     # ---- ops (ops helper): sd_notify/watchdog, SIGHUP reload, /admin, router proxy ----
     if role == "router":
-        from moed.ops.router import RouterComponent
+        from moed.roles.router import RouterComponent
         comps.append(RouterComponent(cfg))
     from moed.ops.daemon import OpsComponent   # last: it drains first (STOPPING=1)
     comps.append(OpsComponent(cfg))
@@ -176,7 +182,7 @@ class App:
                                                                 cfg.server.api_keys_env))
         # client_max_size is fixed here; request_context re-binds each request to the live
         # server.max_body_bytes, so a reload can raise the limit as well as lower it
-        self.web = web.Application(middlewares=[request_context, auth],
+        self.web = web.Application(middlewares=[request_context, auth, read_body],
                                    client_max_size=cfg.server.max_body_bytes)
         self.web[STATE] = self.state
         health.add_routes(self.web)
@@ -187,6 +193,7 @@ class App:
         self._signals: list[tuple[int, Callable[[], None]]] = []
         self._runner: web.AppRunner | None = None
         self._started: list[Component] = []
+        self._exit_code = 0
         self.port: int = cfg.server.port
 
     # ---- wiring API for components ----
@@ -213,6 +220,13 @@ class App:
         self.state.set_config(cfg)
         self.state.api_keys = load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env)
 
+    def fail(self, reason: str) -> None:
+        """A component found, after start, that this node must not run (e.g. its cluster name
+        is taken): stop, and exit non-zero."""
+        log.error("node_failed", reason=reason)
+        self._exit_code = 1
+        self.request_stop()
+
     def request_stop(self) -> None:
         if self._stop.is_set():
             log.warning("second_stop_signal", action="skipping the grace period")
@@ -225,11 +239,13 @@ class App:
         """Bring the HTTP site up, start components, become ready."""
         for c in self.components:
             c.add_routes(self.web)
-        self._runner = web.AppRunner(self.web, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=1.0)
+        self._runner = web.AppRunner(self.web, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.server.host, self.config.server.port)
+        # connection limits, header/keep-alive deadlines, JSON parser errors (moed.api.limits)
+        site = limits.GuardedSite(self._runner, self.config.server,
+                                  lambda: self.state.config.server)
         await site.start()
+        self.spawn(limits.watch_fds(site.guard), "fd-watch")
         addrs = self._runner.addresses
         if addrs:
             self.port = addrs[0][1]
@@ -262,6 +278,7 @@ class App:
             log.warning("grace_expired", inflight=self.state.inflight)
         if self._runner is not None:
             await self._runner.cleanup()
+        self.state.offload.shutdown()
         for c in reversed(self._started):
             await _quietly(c.stop(), f"{c.name}.stop")
         self._started.clear()
@@ -293,7 +310,7 @@ class App:
                 return 1
             await self._stop.wait()
             await self.drain()
-            return 0
+            return self._exit_code
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, *(s for s, _ in self._signals)):
                 loop.remove_signal_handler(sig)

@@ -2,16 +2,22 @@
 
 No keys configured = no auth. Keys are compared with hmac.compare_digest against every key
 (no early exit), so timing does not reveal which key or prefix matched.
+
+Status codes (as OpenAI and vLLM): no credential, a malformed one or an unknown key is 401 with
+`WWW-Authenticate: Bearer`; 403 is kept for a key that is valid, only not for this endpoint
+(e.g. a tenant API key on /admin or /internal: pass the tenant keys as `elsewhere`).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import os
-from pathlib import Path
 from typing import Mapping
 
 from moed.api.errors import APIError
+from moed.config import FileRefused, read_regular_file
+
+MAX_KEYS_BYTES = 1 << 20     # a file of API keys or tokens; /dev/zero-like files are refused
 
 
 class AuthConfigError(ValueError):
@@ -22,11 +28,20 @@ def load_keys(keys_file: str, keys_env: str, environ: Mapping[str, str] | None =
     env = os.environ if environ is None else environ
     keys: list[str] = []
     if keys_file:
+        where = f"server.api_keys_file {keys_file}"
+        try:   # a regular file only, read without blocking (a FIFO would hang the loop)
+            raw = read_regular_file(keys_file, MAX_KEYS_BYTES)
+        except FileRefused as e:
+            raise AuthConfigError(f"{where}: {e}") from None
+        except (OSError, ValueError) as e:
+            raise AuthConfigError(f"{where}: cannot read: "
+                                  f"{getattr(e, 'strerror', None) or e}") from None
         try:
-            text = Path(keys_file).read_text()
-        except OSError as e:
-            raise AuthConfigError(f"server.api_keys_file {keys_file}: cannot read: {e.strerror}") from None
-        keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+            text = raw.decode("utf-8-sig")        # a BOM is not key material
+        except UnicodeDecodeError as e:
+            raise AuthConfigError(f"{where}: not UTF-8 text at byte {e.start}") from None
+        lines = (ln.strip() for ln in text.splitlines())     # also drops a CRLF file's \r
+        keys += [ln for ln in lines if ln and not ln.startswith("#")]
         if not keys:
             raise AuthConfigError(f"server.api_keys_file {keys_file}: holds no keys")
     if keys_env:
@@ -50,16 +65,36 @@ def key_matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
     return ok
 
 
-def check_bearer(authorization: str | None, keys: tuple[bytes, ...]) -> None:
-    """Raise 401 without credentials, 403 with a wrong key; return if allowed."""
+def bearer_token(authorization: str | None) -> bytes | None:
+    """The token of an 'Authorization: Bearer <token>' header, or None (absent, other scheme,
+    empty). Bytes as sent: aiohttp decodes header values with surrogateescape."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token.encode("utf-8", "surrogateescape")
+
+
+def _unauthorized(message: str, code: str) -> APIError:
+    return APIError(401, message, code=code, headers={"WWW-Authenticate": "Bearer"})
+
+
+def check_bearer(authorization: str | None, keys: tuple[bytes, ...], *,
+                 elsewhere: tuple[bytes, ...] = ()) -> None:
+    """Return if the Bearer token is one of `keys` (or no keys are configured). Raise 401 when it
+    is missing, malformed or unknown; 403 when it is one of `elsewhere`, the keys of another
+    endpoint (valid, but not here)."""
     if not keys:
         return
     if not authorization:
-        raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
-                       code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise APIError(401, "Malformed Authorization header: expected 'Bearer <key>'.",
-                       code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
-    if not key_matches(token.strip().encode(), keys):
-        raise APIError(403, "Invalid API key.", code="invalid_api_key")
+        raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.",
+                            "missing_api_key")
+    token = bearer_token(authorization)
+    if token is None:
+        raise _unauthorized("Malformed Authorization header: expected 'Bearer <key>'.",
+                            "missing_api_key")
+    if key_matches(token, keys):
+        return
+    if elsewhere and key_matches(token, elsewhere):
+        raise APIError(403, "This key may not use this endpoint.", code="key_not_allowed")
+    raise _unauthorized("Invalid API key.", "invalid_api_key")

@@ -9,6 +9,8 @@ import json
 from typing import Mapping
 
 from aiohttp import web
+from aiohttp.http_exceptions import (BadHttpMessage, BadHttpMethod, HttpProcessingError,
+                                     LineTooLong)
 
 # status -> OpenAI error type
 _TYPES = {
@@ -20,8 +22,10 @@ _TYPES = {
     408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -48,3 +52,24 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def unparsed_request_error(status: int, exc: BaseException | None) -> APIError:
+    """The answer to a request that never reached the middleware: aiohttp's parser refused it
+    (status 400) or the handler chain itself failed (500/504). aiohttp's own answer is text that
+    quotes the offending bytes back; this one never echoes anything the client sent."""
+    if isinstance(exc, LineTooLong):
+        return APIError(431, "A request line or header field is too long "
+                             "(server.max_header_bytes).", code="header_too_large")
+    if isinstance(exc, BadHttpMessage) and exc.message.startswith("Too many headers"):
+        return APIError(431, "Too many header fields (server.max_headers).",
+                        code="too_many_headers")
+    if isinstance(exc, BadHttpMethod):
+        # 400, not 501: llhttp refuses any method it does not know before routing, the same way
+        # as a malformed token, and client junk must not feed the 5xx alert.
+        return APIError(400, "Unsupported or malformed HTTP method.", code="unsupported_method")
+    if isinstance(exc, HttpProcessingError):
+        return APIError(400, "Malformed HTTP request.", code="bad_http_request")
+    if status == 504:
+        return APIError(504, "Request handler timed out.", code="timeout")
+    return APIError(500, "Internal server error.", code="internal_error")

@@ -1,4 +1,4 @@
-"""aiohttp middlewares: request id + access log + error shaping (outermost), then auth.
+"""aiohttp middlewares: request id + access log + error shaping (outermost), auth, body read.
 
 - request_id: X-Request-Id if sane, else generated; bound in structlog contextvars for the life
   of the request and echoed in the response header.
@@ -7,7 +7,14 @@
   Content-Length over it is refused at once, a chunked body when reading passes it; both 413.
 - Every error leaves as OpenAI-shaped JSON; an unexpected exception is logged with its
   traceback and answered 500 with only the request id.
-- Auth guards /v1/* (and /metrics when server.metrics_require_auth); /health and /ready stay open.
+- Auth guards /v1/* (and /metrics when server.metrics_require_auth); /health and /ready stay open;
+  /cluster and /internal/transfer take the admin token or a call signed with the cluster secret
+  (moed.api.internal; /internal/prefill checks its signature over the body it reads).
+- A connection on a probe slot (moed.api.limits: the node is at server.max_connections) gets
+  /health, /ready and /metrics only, and is closed after its response.
+- read_body (innermost, so only authenticated requests are buffered) reads the body within the
+  live server.body_timeout_s: past it 408 and the connection closes; a malformed body
+  (chunked framing, compression) is a 400, not a handler's 500.
 """
 from __future__ import annotations
 
@@ -19,9 +26,12 @@ from typing import Awaitable, Callable
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
+from moed.api import limits
 from moed.api.auth import check_bearer
 from moed.api.errors import APIError
+from moed.api.internal import require_operator
 from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE
 from moed.obs import metrics
 
@@ -31,6 +41,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Routes that never need a key (orchestrator probes).
 OPEN_PATHS = frozenset({"/health", "/ready"})
+# Routes that disclose the cluster: the admin token or a call signed with the cluster secret.
+# (/internal/prefill checks its signature in the handler, over the body it reads.)
+OPERATOR_PATHS = frozenset({"/cluster", "/internal/transfer"})
 
 
 def request_id_of(request: web.Request) -> str:
@@ -69,7 +82,9 @@ def _from_http_exception(e: web.HTTPException, request: web.Request) -> APIError
     if e.status == 404:
         return APIError(404, "Not found.", code="not_found")
     if e.status == 405:
-        return APIError(405, "Method not allowed.", code="method_not_allowed")
+        allow = e.headers.get("Allow")
+        return APIError(405, "Method not allowed.", code="method_not_allowed",
+                        headers={"Allow": allow} if allow else None)
     return APIError(e.status, e.reason or "HTTP error", err_type="invalid_request_error")
 
 
@@ -84,6 +99,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     with structlog.contextvars.bound_contextvars(request_id=rid):
         try:
             try:
+                if limits.probe_only(request) and request.path not in limits.PROBE_PATHS:
+                    raise limits.connection_limit_error()
                 request = _body_limit(request)
                 resp = await handler(request)
             except APIError as e:
@@ -101,6 +118,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 raise
             if not resp.prepared:
                 resp.headers["X-Request-Id"] = rid
+                if limits.probe_only(request):
+                    resp.force_close()       # a probe slot serves one request
             status = resp.status
             return resp
         finally:
@@ -122,4 +141,25 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
                                         and state.config.server.metrics_require_auth)
     if needs and path not in OPEN_PATHS:
         check_bearer(request.headers.get("Authorization"), state.api_keys)
+    elif path in OPERATOR_PATHS:
+        require_operator(request)     # members, addresses, jobs: not for tenants
+    return await handler(request)
+
+
+@web.middleware
+async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Read the body within the live server.body_timeout_s (handlers call request.read(), which
+    returns this copy). Unrouted requests (404/405) are not read."""
+    if request.body_exists and request.match_info.http_exception is None:
+        timeout = request.app[STATE].config.server.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await request.read()
+        except TimeoutError:
+            limits.body_timed_out(request)
+            raise APIError(408, f"Request body not received within {timeout:g} s "
+                                f"(server.body_timeout_s).", code="body_timeout") from None
+        except RequestPayloadError:
+            raise APIError(400, "Malformed request body (chunked framing or content "
+                                "encoding).", code="bad_body") from None
     return await handler(request)

@@ -1,7 +1,9 @@
 """Parse and validate OpenAI request bodies into frozen dataclasses (pure: no I/O, no engine).
 
 Unknown fields are ignored (load generators send extras such as `ignore_eos`); a known field of
-the wrong type or out of range is an APIError(400) naming the field in `param`.
+the wrong type or out of range is an APIError(400) naming the field in `param`. Every integer
+has a range and every string taken must encode as UTF-8 (JSON can carry a lone surrogate,
+"\ud800", that the tokenizer and every encoder refuse: a 500 if it got that far).
 """
 from __future__ import annotations
 
@@ -10,11 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.errors import APIError, bad_request
-from moed.types import SamplingParams
+from moed.types import ContextRule, SamplingParams
 
 MAX_N = 16               # choices per request: bounded so one request cannot flood the engine
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_TOKENS = 1 << 24     # token counts: no context is longer (model.max_model_len's bound)
+TOKEN_ID_LIMIT = 1 << 31  # token ids without a vocabulary at hand: int32, as every vocabulary
+# vLLM's seed range (torch.long). torch.Generator.manual_seed maps it one-to-one onto its 64-bit
+# seed space (-1 is 2**64-1), so distinct seeds never share a stream.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Prompt = str | tuple[int, ...]
@@ -45,8 +52,10 @@ class GenerationRequest:
     echo: bool = False
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
-        """Engine parameters for choice `choice` (seeds are offset per choice)."""
-        seed = None if self.seed is None else self.seed + choice
+        """Engine parameters for choice `choice`: seed + choice, wrapped within the seed range,
+        so the n choices of a request get n distinct streams and never an out-of-range seed."""
+        seed = None if self.seed is None else \
+            (self.seed + choice - SEED_MIN) % (1 << 64) + SEED_MIN
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=seed, stop=self.stop,
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
@@ -60,7 +69,7 @@ def _present(body: dict[str, Any], key: str) -> bool:
     return body.get(key) is not None
 
 
-def _int(body: dict[str, Any], key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     v = body.get(key)
     if v is None:
         return None
@@ -68,10 +77,24 @@ def _int(body: dict[str, Any], key: str, lo: int | None = None, hi: int | None =
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad_request(f"'{key}' must be an integer, got {type(v).__name__}", key)
-    if lo is not None and v < lo:
-        raise bad_request(f"'{key}' must be >= {lo}, got {v}", key)
-    if hi is not None and v > hi:
-        raise bad_request(f"'{key}' must be <= {hi}, got {v}", key)
+    if not lo <= v <= hi:
+        raise bad_request(f"'{key}' must be in [{lo}, {hi}], got {_num(v)}", key)
+    return v
+
+
+def _num(v: int) -> str:
+    s = str(v)
+    return s if len(s) <= 24 else f"a {len(s)}-digit number"
+
+
+def _text(v: str, key: str, where: str | None = None) -> str:
+    """`v`, refused if it cannot be encoded as UTF-8 (a lone surrogate)."""
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(f"'{where or key}' is not valid Unicode text: lone surrogate "
+                              f"U+{ord(v[e.start]):04X} at index {e.start}", key) from None
     return v
 
 
@@ -97,12 +120,14 @@ def _bool(body: dict[str, Any], key: str) -> bool | None:
     return v
 
 
-def _token_ids(v: Any, key: str) -> tuple[int, ...]:
+def _token_ids(v: Any, key: str, vocab_size: int | None) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in v):
         raise bad_request(f"'{key}' must be a list of integer token ids", key)
-    if any(t < 0 for t in v):
-        raise bad_request(f"'{key}' token ids must be >= 0", key)
+    limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
+    if any(t < 0 or t >= limit for t in v):
+        bound = "the vocabulary size" if vocab_size is not None else "2**31"
+        raise bad_request(f"'{key}' token ids must be >= 0 and < {bound} ({limit})", key)
     return tuple(v)
 
 
@@ -116,10 +141,10 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
         raise bad_request("'stop' must be a string or a list of strings", "stop")
     if len(v) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
-    return tuple(s for s in v if s)
+    return tuple(_text(s, "stop") for s in v if s)
 
 
-def _prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
+def _prompts(body: dict[str, Any], vocab_size: int | None) -> tuple[Prompt, ...]:
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt")
     p = body["prompt"]
@@ -138,11 +163,11 @@ def _prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("'prompt' must not be empty", "prompt")
-            out.append(item)
+            out.append(_text(item, "prompt"))
         elif isinstance(item, list):
             if not item:
                 raise bad_request("'prompt' must not be empty", "prompt")
-            out.append(_token_ids(item, "prompt"))
+            out.append(_token_ids(item, "prompt", vocab_size))
         else:
             raise bad_request("'prompt' items must be strings or lists of token ids", "prompt")
     return tuple(out)
@@ -152,7 +177,7 @@ def _content_text(content: Any, i: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _text(content, "messages", f"messages[{i}].content")
     if isinstance(content, list):
         parts = []
         for part in content:
@@ -160,7 +185,7 @@ def _content_text(content: Any, i: int) -> str:
                     not isinstance(part.get("text"), str):
                 raise bad_request(f"messages[{i}].content: only text parts are supported",
                                   "messages")
-            parts.append(part["text"])
+            parts.append(_text(part["text"], "messages", f"messages[{i}].content"))
         return "".join(parts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
                       "messages")
@@ -186,15 +211,18 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
 
 # ---- entry point ---------------------------------------------------------------------------
 
-def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
+def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> GenerationRequest:
+    """`vocab_size`, when the caller knows it, bounds token ids (prompt, stop_token_ids)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
+    if model is not None:
+        _text(model, "model")
 
-    max_tokens = _int(body, "max_tokens", lo=1)
-    mct = _int(body, "max_completion_tokens", lo=1)
+    max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_TOKENS)
+    mct = _int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS)
     if mct is not None:
         max_tokens = mct                 # the newer name wins when both are sent
 
@@ -207,7 +235,7 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     else:
         logprobs = _int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
 
-    top_k = _int(body, "top_k", lo=-1)
+    top_k = _int(body, "top_k", lo=-1, hi=TOKEN_ID_LIMIT)
     stream = bool(_bool(body, "stream"))
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -223,16 +251,17 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     return GenerationRequest(
         chat=chat,
         model=model,
-        prompts=() if chat else _prompts(body),
+        prompts=() if chat else _prompts(body, vocab_size),
         messages=_messages(body) if chat else (),
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k in (None, -1) else top_k,
-        min_tokens=_int(body, "min_tokens", lo=0) or 0,
-        seed=_int(body, "seed"),
+        min_tokens=_int(body, "min_tokens", lo=0, hi=MAX_TOKENS) or 0,
+        seed=_int(body, "seed", lo=SEED_MIN, hi=SEED_MAX),
         stop=_stop(body),
-        stop_token_ids=() if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"),
+        stop_token_ids=() if stop_ids is None else _token_ids(stop_ids, "stop_token_ids",
+                                                             vocab_size),
         n=_int(body, "n", lo=1, hi=MAX_N) or 1,
         logprobs=logprobs,
         stream=stream,
@@ -243,14 +272,16 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     )
 
 
-def resolve_max_tokens(req: GenerationRequest, prompt_len: int, max_model_len: int) -> int:
-    """The max_tokens to use for one prompt, or APIError(400) if the context cannot hold it."""
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; "
-                            f"the prompt has {prompt_len} tokens, which leaves no room to "
-                            f"generate. Shorten the prompt.",
-                       param="messages" if req.chat else "prompt", code="context_length_exceeded")
+def resolve_max_tokens(req: GenerationRequest, prompt_len: int, context: ContextRule) -> int:
+    """The max_tokens to use for one prompt, or APIError(400) if the context cannot hold it.
+    max_tokens is held to the model's context; this node's KV capacity, when smaller, ends the
+    generation early ("length") rather than refusing it."""
+    err = context.prompt_error(prompt_len)
+    if err is not None:
+        raise APIError(400, err, param="messages" if req.chat else "prompt",
+                       code="context_length_exceeded")
+    max_model_len = context.max_model_len
+    room = ContextRule(max_model_len).room(prompt_len)
     if req.max_tokens is None:
         # OpenAI's legacy completions default is 16; chat runs to EOS or the context end.
         return room if req.chat else min(16, room)

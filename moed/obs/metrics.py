@@ -130,6 +130,22 @@ def observe_engine_stats(stats: object) -> None:
     PREFIX_CACHE_HIT_RATE.set(hits / queries if queries else 0.0)
 
 
+# ---- HTTP limits (moed.api.limits): connections, deadlines, descriptors ----
+HTTP_CONNECTIONS = Gauge("moed_http_connections_open", "Client connections open now",
+                         registry=REGISTRY)
+HTTP_CONNECTIONS_SHED = Counter("moed_http_connections_shed",
+                                "Connections closed at server.max_connections: limit = a new one "
+                                "(nothing idle to close), idle_evicted = an idle one made room",
+                                ["reason"], registry=REGISTRY)
+HTTP_CONNECTIONS_TIMED_OUT = Counter("moed_http_connections_timed_out",
+                                     "Connections closed by server.header_timeout_s (header) "
+                                     "or server.body_timeout_s (body)", ["phase"],
+                                     registry=REGISTRY)
+HTTP_FD_EXHAUSTED = Counter("moed_http_fd_exhausted",
+                            "Once-a-second probes that found no free file descriptor (the loop "
+                            "then closes every new connection unseen)", registry=REGISTRY)
+
+
 # ==== cluster ==============================================================================
 # Membership metrics (gossip helper) go here.
 # Synced once a second from the protocol's counters by moed.cluster.service.
@@ -145,7 +161,9 @@ CLUSTER_DROPPED = Counter("moed_cluster_dropped",
 CLUSTER_PROTOCOL = Counter("moed_cluster_protocol_events",
                            "Protocol events: probe_failures, refutes, suspicion_timeouts, "
                            "reprobes, last_chance_probes, join_attempts, stale_updates, "
-                           "name_conflicts, transport errors",
+                           "name_conflicts, transport errors and refused streams "
+                           "(stream_auth, stream_version, stream_oversized, stream_stale_time, "
+                           "stream_truncated, stream_timeouts, stream_busy)",
                            ["event"], registry=REGISTRY)
 CLUSTER_MEMBER_EVENTS = Counter("moed_cluster_member_events",
                                 "Member state changes seen (alive also counts metadata updates)",

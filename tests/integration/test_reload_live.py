@@ -210,7 +210,7 @@ async def test_api_keys_rotate_live(baseline) -> None:
     await node.client("k1").models.list()
     node.keys.write_text("k2\n")
     await asyncio.to_thread(node.reload, "unchanged")              # same config, new file content
-    with pytest.raises(openai.PermissionDeniedError):
+    with pytest.raises(openai.AuthenticationError):                # an unknown key: 401
         await node.client("k1").models.list()
     await node.client("k2").models.list()
     secrets = [json.dumps(r) for r in node.events("config_reloaded")]

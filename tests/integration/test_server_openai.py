@@ -211,8 +211,9 @@ def test_greedy_over_http_equals_engine(client, srv, tiny_qwen3):
 
 def test_auth_errors(srv):
     bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.PermissionDeniedError):
+    with pytest.raises(openai.AuthenticationError) as wrong:     # 401, as OpenAI and vLLM
         bad.completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert wrong.value.response.headers["WWW-Authenticate"] == "Bearer"
     req = urllib.request.Request(srv.url + "/v1/models")
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=5)

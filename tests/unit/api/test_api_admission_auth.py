@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from moed.api.admission import Admission, Verdict
-from moed.api.auth import AuthConfigError, check_bearer, load_keys
+from moed.api.auth import AuthConfigError, bearer_token, check_bearer, load_keys
 from moed.api.errors import APIError
 
 
@@ -56,13 +56,48 @@ def test_keys_from_file_and_env(tmp_path):
 
 
 @pytest.mark.parametrize("header,status", [
-    (None, 401), ("", 401), ("Basic abc", 401), ("Bearer ", 401), ("Bearer wrong", 403),
-    ("Bearer alphax", 403), ("Bearer alph", 403),
+    (None, 401), ("", 401), ("Basic abc", 401), ("Bearer ", 401), ("Bearer wrong", 401),
+    ("Bearer alphax", 401), ("Bearer alph", 401), ("Bearer \udcff\udcfe", 401),
 ])
 def test_bearer_rejections(header, status):
     with pytest.raises(APIError) as e:
         check_bearer(header, (b"alpha", b"beta"))
     assert e.value.status == status
+    assert e.value.headers == {"WWW-Authenticate": "Bearer"}
+
+
+def test_a_key_valid_elsewhere_is_403_and_unknown_keys_stay_401():
+    admin, tenant = (b"adm1n",), (b"alpha", b"beta")
+    check_bearer("Bearer adm1n", admin, elsewhere=tenant)
+    with pytest.raises(APIError) as e:
+        check_bearer("Bearer beta", admin, elsewhere=tenant)
+    assert e.value.status == 403 and e.value.code == "key_not_allowed"
+    for header in ("Bearer nope", None, "Basic adm1n"):
+        with pytest.raises(APIError) as e:
+            check_bearer(header, admin, elsewhere=tenant)
+        assert e.value.status == 401
+
+
+def test_bearer_token_keeps_the_bytes_sent():
+    # aiohttp decodes header values with surrogateescape: the key's raw bytes come back
+    assert bearer_token("Bearer k\udcff") == b"k\xff"
+    assert bearer_token("bearer  tok ") == b"tok"
+    assert bearer_token("Basic tok") is None and bearer_token("Bearer ") is None
+    assert bearer_token(None) is None
+    check_bearer("Bearer k\udcff", (b"k\xff",))
+
+
+def test_key_file_comments_blank_lines_crlf_and_bom(tmp_path):
+    f = tmp_path / "keys"
+    f.write_bytes(b"\xef\xbb\xbfalpha\r\n  # indented comment\r\n\t# tab comment\r\n\r\n"
+                  b"   \r\n beta \r\n#top comment\ngamma")
+    assert load_keys(str(f), "", {}) == (b"alpha", b"beta", b"gamma")
+    f.write_text("  # only\n\t#comments\n\n")
+    with pytest.raises(AuthConfigError, match="holds no keys"):
+        load_keys(str(f), "", {})
+    f.write_bytes(b"\xff\xfe")
+    with pytest.raises(AuthConfigError, match="not UTF-8"):
+        load_keys(str(f), "", {})
 
 
 def test_bearer_accepts_any_configured_key_and_no_keys_means_open():

@@ -5,6 +5,7 @@ import pytest
 
 from moed.api.errors import APIError
 from moed.api.protocol import parse_request, resolve_max_tokens
+from moed.types import ContextRule
 
 
 def _err(body, chat=False) -> APIError:
@@ -72,12 +73,98 @@ def test_include_usage_needs_stream():
 def test_resolve_max_tokens_context_limits():
     comp = parse_request({"prompt": "x"}, chat=False)
     chat = parse_request({"messages": [{"role": "user", "content": "x"}]}, chat=True)
-    assert resolve_max_tokens(comp, 10, 100) == 16        # legacy completions default
-    assert resolve_max_tokens(chat, 10, 100) == 90        # chat: the rest of the context
+    ctx = ContextRule(100)
+    assert resolve_max_tokens(comp, 10, ctx) == 16        # legacy completions default
+    assert resolve_max_tokens(chat, 10, ctx) == 90        # chat: the rest of the context
     with pytest.raises(APIError) as e:
-        resolve_max_tokens(comp, 100, 100)
+        resolve_max_tokens(comp, 100, ctx)
     assert "100" in e.value.message and e.value.code == "context_length_exceeded"
     big = parse_request({"prompt": "x", "max_tokens": 95}, chat=False)
     with pytest.raises(APIError) as e:
-        resolve_max_tokens(big, 10, 100)
+        resolve_max_tokens(big, 10, ctx)
     assert e.value.param == "max_tokens" and "105" in e.value.message
+    # a node whose whole KV cache is smaller than the model's context: the prompt must fit
+    # it; max_tokens is still held to the model's context (generation stops at the KV limit)
+    small = ContextRule(100, kv_capacity_tokens=40)
+    with pytest.raises(APIError) as e:
+        resolve_max_tokens(comp, 40, small)
+    assert "KV cache holds 40 tokens" in e.value.message
+    assert resolve_max_tokens(chat, 39, small) == 61
+
+
+# ---- hostile input: lone surrogates, integer ranges, seeds ---------------------------------
+
+LONE = "ok \ud800 tail"   # what json.loads makes of "ok \ud800 tail"
+
+
+@pytest.mark.parametrize("body,chat,param", [
+    ({"prompt": LONE}, False, "prompt"),
+    ({"prompt": ["fine", LONE]}, False, "prompt"),
+    ({"prompt": "x", "stop": LONE}, False, "stop"),
+    ({"prompt": "x", "stop": ["a", LONE]}, False, "stop"),
+    ({"prompt": "x", "model": "m\udfff"}, False, "model"),
+    ({"messages": [{"role": "user", "content": LONE}]}, True, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]}, True,
+     "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [LONE]}, True, "stop"),
+])
+def test_lone_surrogates_are_400_naming_the_field(body, chat, param):
+    err = _err(body, chat=chat)
+    assert err.param == param and "surrogate" in err.message and "U+D" in err.message
+
+
+def test_valid_non_ascii_text_passes():
+    r = parse_request({"prompt": "héllo 😀 \u2028", "stop": ["é"], "model": "modèle"},
+                      chat=False)
+    assert r.prompts == ("héllo 😀 \u2028",) and r.stop == ("é",)
+
+
+def test_seed_range_is_int64_and_refusals_blame_seed():
+    for ok in (0, -1, 2**63 - 1, -(2**63), 2.0**62):
+        assert parse_request({"prompt": "x", "seed": ok}, chat=False).seed == int(ok)
+    for bad in (2**63, -(2**63) - 1, 2**64, 10**30, 10**400, 1.5, float("inf")):
+        err = _err({"prompt": "x", "seed": bad})
+        assert err.param == "seed"
+    # out-of-range values are named, not echoed in full
+    assert "a 31-digit number" in _err({"prompt": "x", "seed": 10**30}).message
+    assert str(2**64) in _err({"prompt": "x", "seed": 2**64}).message
+
+
+def test_per_choice_seeds_stay_in_range_and_distinct():
+    top = parse_request({"prompt": "x", "seed": 2**63 - 1, "n": 16}, chat=False)
+    seeds = [top.sampling_params(max_tokens=1, choice=i).seed for i in range(16)]
+    assert seeds[0] == 2**63 - 1 and seeds[1] == -(2**63)           # wraps, never 2**63
+    assert len(set(seeds)) == 16 and all(-(2**63) <= s < 2**63 for s in seeds)
+    low = parse_request({"prompt": "x", "seed": 5}, chat=False)
+    assert [low.sampling_params(1, i).seed for i in range(3)] == [5, 6, 7]
+    assert parse_request({"prompt": "x"}, chat=False).sampling_params(1, 3).seed is None
+
+
+@pytest.mark.parametrize("field,bad,ok", [
+    ("max_tokens", 2**24 + 1, 2**24), ("max_completion_tokens", 10**30, 5),
+    ("min_tokens", 2**24 + 1, 2**24), ("min_tokens", -1, 0), ("top_k", 2**31 + 1, 2**31),
+    ("n", 17, 16), ("logprobs", -1, 0), ("logprobs", 21, 20),
+])
+def test_every_int_field_has_a_range(field, bad, ok):
+    assert _err({"prompt": "x", field: bad}).param == field
+    parse_request({"prompt": "x", field: ok}, chat=False)
+
+
+def test_token_ids_are_bounded_without_and_with_a_vocabulary():
+    for bad in ([10**30], [2**31], [-1]):
+        assert _err({"prompt": "x", "stop_token_ids": bad}).param == "stop_token_ids"
+        assert _err({"prompt": bad}).param == "prompt"
+    assert parse_request({"prompt": [2**31 - 1], "stop_token_ids": [2**31 - 1]},
+                         chat=False).stop_token_ids == (2**31 - 1,)
+    with pytest.raises(APIError) as e:
+        parse_request({"prompt": "x", "stop_token_ids": [3, 100]}, chat=False, vocab_size=100)
+    assert e.value.param == "stop_token_ids" and "vocabulary" in e.value.message
+    with pytest.raises(APIError) as e:
+        parse_request({"prompt": [[1], [100]]}, chat=False, vocab_size=100)
+    assert e.value.param == "prompt"
+    assert parse_request({"prompt": [99], "stop_token_ids": [99]}, chat=False,
+                         vocab_size=100).prompts == ((99,),)
+    with pytest.raises(APIError) as e:
+        parse_request({"messages": [{"role": "user", "content": "x"}],
+                       "stop_token_ids": [100]}, chat=True, vocab_size=100)
+    assert e.value.param == "stop_token_ids"

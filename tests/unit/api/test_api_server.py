@@ -144,7 +144,8 @@ async def test_api_keys(http, monkeypatch):
             assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
         async with http.post(f"{url}/v1/completions", json=body,
                              headers={"Authorization": "Bearer nope"}) as r:
-            assert r.status == 403
+            assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+            assert (await r.json())["error"]["code"] == "invalid_api_key"
         async with http.post(f"{url}/v1/completions", json=body,
                              headers={"Authorization": "Bearer k2"}) as r:
             assert r.status == 200
