@@ -12,13 +12,12 @@ import dataclasses
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import structlog
 from aiohttp import web
 
-from moed.config import Config, ConfigError
+from moed.config import Config, ConfigError, FileRefused, read_regular_file
 
 from .clock import AsyncioScheduler
 from .members import SwimConfig
@@ -34,8 +33,12 @@ class ClusterError(ConfigError):
     """The membership cannot start (message fit for an operator)."""
 
 
+MAX_KEY_BYTES = 4096     # a key is 32 bytes (64 hex digits); a big file is not a key file
+
+
 def parse_key(raw: bytes, source: str) -> bytes:
-    """A key file/variable holds hex (whitespace ignored) or raw bytes; at least 16 bytes."""
+    """A key file/variable holds hex (whitespace ignored) or raw bytes; at least 16 bytes.
+    Raw bytes may be anything (head -c 32 /dev/urandom): a key need not be text."""
     text = raw.strip()
     try:
         key = bytes.fromhex(text.decode("ascii"))
@@ -47,10 +50,17 @@ def parse_key(raw: bytes, source: str) -> bytes:
 
 
 def _read_key(path: str, what: str) -> bytes:
+    # Only a small regular file, read without blocking: a FIFO here would hang the event loop
+    # (the key is read again on every SIGHUP), /dev/zero would fill memory.
     try:
-        return parse_key(Path(path).read_bytes(), f"{what} {path}")
+        raw = read_regular_file(path, MAX_KEY_BYTES)
+    except FileRefused as e:
+        raise ClusterError(f"{what} {path}: {e}") from None
     except OSError as e:
-        raise ClusterError(f"{what} {path}: cannot read: {e.strerror}") from None
+        raise ClusterError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:              # a NUL in the path
+        raise ClusterError(f"{what} {path}: cannot read: {e}") from None
+    return parse_key(raw, f"{what} {path}")
 
 
 def load_keyring(cc: Any, environ: Mapping[str, str] = os.environ) -> Keyring:
@@ -64,7 +74,9 @@ def load_keyring(cc: Any, environ: Mapping[str, str] = os.environ) -> Keyring:
         if not value:
             raise ClusterError(f"cluster.key_env: environment variable {cc.key_env} is unset "
                                f"or empty")
-        primary = parse_key(value.encode(), f"cluster.key_env {cc.key_env}")
+        # os.fsencode: the variable's own bytes, also when they are not UTF-8 (str.encode
+        # would raise on the surrogates Python decoded them to)
+        primary = parse_key(os.fsencode(value), f"cluster.key_env {cc.key_env}")
     secondary = ((_read_key(cc.secondary_key_file, "cluster.secondary_key_file"),)
                  if cc.secondary_key_file else ())
     if primary is None:
@@ -142,7 +154,9 @@ class MembershipComponent:
     async def start(self, app: Any) -> None:
         self._app = app
         cc = self.cfg.cluster
-        self.transport = UdpTransport(cc.bind_host, cc.bind_port, cc.advertise_host)
+        self.transport = UdpTransport(cc.bind_host, cc.bind_port, cc.advertise_host,
+                                      keyring=self.keyring,
+                                      replay_window_s=cc.replay_window_ms / 1000)
         try:
             await self.transport.start()
         except OSError as e:
@@ -165,9 +179,31 @@ class MembershipComponent:
             # if that is not enough, it refutes what peers tell it about itself)
             incarnation=int(time.time()))
         self.core.subscribe(self._on_event)
+        joined: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+
+        waiting = [True]                 # start is still holding for the first answer
+
+        def on_join(err: Exception | None) -> None:
+            if waiting[0]:
+                if not joined.done():
+                    joined.set_result(err)
+            elif err is not None:      # refused after the start: a seed that came up late
+                app.fail(str(err))
+        self.core.on_join = on_join
         self.core.start()
         log.info("cluster_started", node=app.node, addr=self.transport.local_address(),
                  seeds=list(seeds), incarnation=self.core.incarnation)
+        if self.core.seeds:
+            # Hold the start until a seed answers, so that a duplicate name fails it (exit 1);
+            # not for long: seeds may come up after us, and the join goes on in the background.
+            try:
+                await asyncio.wait([joined], timeout=max(1.0, 3 * cc.join_retry_ms / 1000))
+            except asyncio.CancelledError:     # stopped while starting: leave no core behind
+                self.core.stop()
+                raise
+        waiting[0] = False
+        if joined.done() and joined.result() is not None:
+            raise ClusterError(str(joined.result()))
         self._tasks.append(app.spawn(self._load_loop(), "cluster-load"))
         self._tasks.append(app.spawn(self._metrics_loop(), "cluster-metrics"))
 
@@ -201,6 +237,9 @@ class MembershipComponent:
         def commit() -> None:
             self.cfg, self.keyring = new, keyring
             core.cfg, core.codec = swim_cfg, WireCodec(keyring)
+            if self.transport is not None:      # stream headers follow the same keys
+                self.transport.keyring = keyring
+                self.transport.replay_window_s = new.cluster.replay_window_ms / 1000
             core.seeds = tuple(s for s in new.cluster.seeds if s != core.addr)
             log.info("cluster_reloaded", seeds=list(core.seeds),
                      secondary_keys=len(keyring.secondary))
@@ -263,7 +302,8 @@ class MembershipComponent:
 _MESSAGE_KEYS = {"sent_packets": ("sent", "packet"), "recv_packets": ("received", "packet"),
                  "sent_streams": ("sent", "stream"), "recv_streams": ("received", "stream")}
 _PROTOCOL_KEYS = {"probe_failures", "refutes", "suspicion_timeouts", "reprobes",
-                  "last_chance_probes", "join_attempts", "stale_updates", "name_conflicts"}
+                  "last_chance_probes", "join_attempts", "stale_updates", "name_conflicts",
+                  "name_taken"}
 
 
 def _layout_id(app: Any) -> str:

@@ -17,6 +17,10 @@ Cycle of one node:
   at once (confirmations within ~1 probe interval instead of a round-robin), and an
   unconfirmed suspicion gets one last probe before it kills (a refutation can be missed
   under loss; if the member answers we pull its state instead).
+Names are unique: a node whose join is answered with a live member holding its name at
+another address refuses to join (NameTaken through `on_join`; it stops), and no member
+merges the state of a process that claims a live member's name from elsewhere. A restart on
+the same address, or anywhere once the old entry is dead or left, is not a conflict.
 Every handler opens with its incarnation guard; member states change only in _set_state.
 """
 from __future__ import annotations
@@ -39,6 +43,16 @@ from .wire import Ack, Alive, Dead, IndirectPing, Load, Nack, Ping, PushPull, St
 
 Listener = Callable[[MemberEvent], None]
 log = structlog.get_logger(__name__)
+_LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
+
+
+class NameTaken(Exception):
+    """Our name is held by a live member at another address: we must not join."""
+
+    def __init__(self, name: str, holder: str) -> None:
+        super().__init__(f"cluster: node name {name!r} is taken by a live member at {holder}; "
+                         f"give this node a unique server.node_name")
+        self.name, self.holder = name, holder
 
 
 class Membership:
@@ -70,6 +84,10 @@ class Membership:
         self._pending_load: LoadVector | None = None
         self._limit_n = self._limit = 0
         self._conflict_until = self._skew_logged_at = float("-inf")
+        # the join outcome, once: None when a first state exchange merged, else NameTaken
+        # (a refusal can still follow a first merge: another seed's answer)
+        self.on_join: Callable[[NameTaken | None], None] = lambda err: None
+        self._joined = False
         me = Member(name, self.addr, incarnation, meta, LoadVector(), scheduler.wall_ms(),
                     self._stamp())
         self._members[name] = me
@@ -290,8 +308,13 @@ class Membership:
         got = self._decode(data, self.cfg.max_packet)
         if got is None:
             return
+        sender, msgs = got
+        if sender == self.name:                # no process sends to itself
+            if from_addr != self.addr:
+                self._conflict(self.name, self.addr, from_addr)
+            return
         self.stats["recv_packets"] += 1
-        for msg in got[1]:
+        for msg in msgs:
             handler = self._handlers.get(type(msg))
             if handler is None:                      # a PushPull inside a datagram
                 self.stats["dropped.malformed"] += 1
@@ -310,9 +333,20 @@ class Membership:
             return
         pp = msgs[0]
         self.stats["recv_streams"] += 1
-        if not pp.reply and not self._leaving:
-            self._send_push_pull(pp.source_addr, join=False, reply=True)
+        if pp.join and pp.reply:                   # a seed's answer to our join
+            holder = self._holder_of_our_name(pp.states)
+            if holder is not None:
+                self._refuse(sender, holder)
+                return
+        taken = self._claims_taken_name(sender, pp.source_addr)
+        if not pp.reply and not self._leaving:     # (our state tells a duplicate it is one)
+            self._send_push_pull(pp.source_addr, join=pp.join, reply=True)
+        if taken:
+            return
         self._merge(sender, pp.states)
+        if not self._joined:
+            self._joined = True
+            self.on_join(None)
 
     def _merge(self, sender: str, states: tuple[StateEntry, ...]) -> None:
         for e in states:
@@ -331,13 +365,7 @@ class Membership:
 
     def _on_alive(self, msg: Alive) -> None:
         if msg.name == self.name:
-            me = self._members[self.name]
-            if msg.incarnation > me.incarnation or (
-                    msg.incarnation == me.incarnation and
-                    (msg.addr, msg.meta) != (me.addr, me.meta)):
-                if msg.addr != me.addr and not self._conflict(msg.addr):
-                    return
-                self._refute(msg.incarnation)
+            self._on_alive_self(msg)
             return
         m = self._members.get(msg.name)
         if m is not None and msg.incarnation <= m.incarnation:
@@ -355,6 +383,24 @@ class Membership:
         self._clear_suspicion(msg.name)
         self._set_state(m, Event.ALIVE)
         self._updates.add(msg.name, self.codec.fragment(msg))
+
+    def _on_alive_self(self, msg: Alive) -> None:
+        """Refute what is said about us, unless we are leaving (then the name is free)."""
+        me = self._members[self.name]
+        if self._leaving:
+            return
+        if msg.addr != me.addr:
+            # Another process with our name got into someone's view. Outrank it, at most once
+            # per push-pull interval, so that the two of us cannot start an incarnation war.
+            self._conflict(self.name, me.addr, msg.addr)
+            now = self.sched.now()
+            if msg.incarnation >= me.incarnation and now >= self._conflict_until:
+                self._conflict_until = now + self.cfg.push_pull_interval_s
+                self._refute(msg.incarnation)
+            return
+        if msg.incarnation > me.incarnation or (
+                msg.incarnation == me.incarnation and msg.meta != me.meta):
+            self._refute(msg.incarnation)     # our previous life on this address
 
     def _on_suspect(self, msg: Suspect) -> None:
         m = self._accused(msg)
@@ -467,16 +513,41 @@ class Membership:
         if s is not None and s.timer:
             s.timer.cancel()
 
-    def _conflict(self, other_addr: str) -> bool:
-        """Another live process claims our name (names must be unique). Refute at most once
-        per push-pull interval, so two such nodes cannot start an incarnation war."""
-        self.stats["name_conflicts"] += 1
-        now = self.sched.now()
-        if now < self._conflict_until:
+    # ---- duplicate names ----------------------------------------------------------------
+
+    def _holder_of_our_name(self, states: tuple[StateEntry, ...]) -> str | None:
+        """The address of a live member that holds our name elsewhere (at our own address it
+        is our previous life: a restart)."""
+        for e in states:
+            if e.name == self.name and e.addr != self.addr and e.state in _LIVE:
+                return e.addr
+        return None
+
+    def _claims_taken_name(self, sender: str, addr: str) -> bool:
+        """A push-pull from `sender` at `addr` while a live member holds that name elsewhere:
+        a duplicate, whose state is not merged (its newer incarnation would move the entry)."""
+        m = self._members.get(sender)
+        if m is None or m.addr == addr or m.state not in _LIVE:
             return False
-        self._conflict_until = now + self.cfg.push_pull_interval_s
-        log.warning("cluster_name_conflict", node=self.name, addr=self.addr, other=other_addr)
+        self._conflict(sender, m.addr, addr)
         return True
+
+    def _conflict(self, name: str, holder: str, intruder: str) -> None:
+        """A second process claims a live member's name: logged every time it shows up."""
+        self.stats["name_conflicts"] += 1
+        log.warning("cluster_name_conflict", node=self.name, member=name, addr=holder,
+                    intruder=intruder)
+
+    def _refuse(self, seed: str, holder: str) -> None:
+        """Our name is taken: stop before any of our state spreads, and say why."""
+        self.stats["name_taken"] += 1
+        log.error("cluster_name_taken", node=self.name, addr=self.addr, holder=holder,
+                  seed=seed)
+        if seed != self.name:      # the holder did not answer us itself: tell it (one packet)
+            self.transport.send_packet(holder, self.codec.encode(self.name,
+                                                                 self.sched.wall_ms(), []))
+        self.stop()
+        self.on_join(NameTaken(self.name, holder))
 
     def _refute(self, incarnation: int) -> None:
         me = self._members[self.name]

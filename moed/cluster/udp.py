@@ -1,12 +1,18 @@
 """Real transport: UDP datagrams for probes and gossip, one-shot TCP streams for push-pull,
 both on the same port number, both in the daemon's asyncio event loop.
 
-Stream frame: 4-byte big-endian length, then the payload; one message per connection.
-Network errors are counted in `stats`, never raised into the protocol.
+Streams: one frame per connection (wire.frame_header, then the packet). A receiver reads the
+fixed header and checks version, length, MAC and age before it reads the packet, so an
+unauthenticated peer gets no more buffered than the stream reader's own small buffer, and an
+authenticated one no more than it announced; at most `max_inbound_streams` are read at once
+(more are closed at once), each within `stream_timeout_s`. Network errors and refused streams
+are counted in `stats` (mirrored to moed_cluster_protocol_events), never raised into the
+protocol.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import structlog
@@ -36,11 +42,19 @@ class _Datagrams(asyncio.DatagramProtocol):
 
 
 class UdpTransport(Transport):
+    """`keyring` signs and checks stream headers and `replay_window_s` (0 = off) bounds their
+    age: both are plain attributes, so a reload swaps them with the codec's."""
+
     def __init__(self, bind_host: str, bind_port: int, advertise_host: str = "", *,
-                 max_stream: int = wire.MAX_STREAM, stream_timeout_s: float = 5.0) -> None:
+                 keyring: wire.Keyring, replay_window_s: float = 0.0,
+                 max_stream: int = wire.MAX_STREAM, stream_timeout_s: float = 5.0,
+                 max_inbound_streams: int = 16) -> None:
         self.bind_host, self.bind_port = bind_host, bind_port
         self.advertise_host = advertise_host or bind_host
+        self.keyring, self.replay_window_s = keyring, replay_window_s
         self.max_stream, self.stream_timeout_s = max_stream, stream_timeout_s
+        self.max_inbound_streams = max_inbound_streams
+        self._inbound = 0
         self.stats: Counter[str] = Counter()
         self._udp: asyncio.DatagramTransport | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -99,12 +113,15 @@ class UdpTransport(Transport):
         task.add_done_callback(self._tasks.discard)
 
     async def _send_stream(self, addr: str, data: bytes) -> None:
+        if len(data) > self.max_stream:          # the receiver would refuse it unread
+            self.stats["stream_send_oversized"] += 1
+            return
         writer = None
         try:
             host, port = split_addr(addr)
             async with asyncio.timeout(self.stream_timeout_s):
                 _, writer = await asyncio.open_connection(host, port)
-                writer.write(len(data).to_bytes(4, "big") + data)
+                writer.write(wire.frame_header(self.keyring, len(data), _now_ms()) + data)
                 await writer.drain()
         except (OSError, ValueError, TimeoutError):
             self.stats["stream_send_errors"] += 1
@@ -113,19 +130,37 @@ class UdpTransport(Transport):
                 writer.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._inbound >= self.max_inbound_streams:
+            self.stats["stream_busy"] += 1
+            writer.close()
+            return
         peer = writer.get_extra_info("peername") or ("?", 0)
+        self._inbound += 1
         try:
             async with asyncio.timeout(self.stream_timeout_s):
-                n = int.from_bytes(await reader.readexactly(4), "big")
-                if n > self.max_stream:
-                    self.stats["stream_oversized"] += 1
-                    return
-                data = await reader.readexactly(n)
-            self._deliver(data, f"{peer[0]}:{peer[1]}", stream=True)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+                data = await self._read_frame(reader)
+            if data is not None:
+                self._deliver(data, f"{peer[0]}:{peer[1]}", stream=True)
+        except asyncio.IncompleteReadError:
+            self.stats["stream_truncated"] += 1
+        except TimeoutError:
+            self.stats["stream_timeouts"] += 1
+        except OSError:
             self.stats["stream_recv_errors"] += 1
         finally:
+            self._inbound -= 1
             writer.close()
+
+    async def _read_frame(self, reader: asyncio.StreamReader) -> bytes | None:
+        """The packet of one frame, or None when its header is refused (counted by reason)."""
+        head = await reader.readexactly(wire.FRAME_HEADER)
+        try:
+            n = wire.check_frame_header(self.keyring, head, self.max_stream, _now_ms(),
+                                        int(self.replay_window_s * 1000))
+        except wire.DecodeError as e:
+            self.stats[f"stream_{e.reason}"] += 1
+            return None
+        return await reader.readexactly(n)
 
     def shutdown(self) -> None:
         if self._udp is not None:
@@ -134,3 +169,7 @@ class UdpTransport(Transport):
             self._server.close()
         for t in list(self._tasks):
             t.cancel()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

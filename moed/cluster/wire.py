@@ -5,15 +5,31 @@
     message = [tag, field, ...]   (one short JSON array per message type, see _ENCODERS)
 
 Packets go over UDP (at most MAX_PACKET bytes: one probe plus as many piggybacked updates as
-fit); push-pull state goes over a stream (MAX_STREAM). Everything that fails length, version,
-MAC, JSON or field checks raises DecodeError with a short `reason` used as a metric label:
-the receive loop counts it and drops the packet, it never crashes.
+fit); push-pull state goes over a stream (at most MAX_STREAM bytes), framed as
+
+    frame  = header | HMAC-SHA256(key, header) (32 bytes) | packet
+    header = VERSION (1 byte) | len(packet) (4 bytes) | sent_at_ms (8 bytes), big-endian
+
+so a receiver authenticates the announced length before it reads (and buffers) the packet.
+
+Evolving the wire: VERSION is the major version, bumped only for a change an older node cannot
+skip (it drops such packets: "version"). Anything else is added so that the release before
+reads it: a new field goes at the END of its message, NodeMeta or LoadVector list (older
+decoders take the fields they know and ignore the rest; newer ones give a missing trailing
+field its default), and a new message type gets a new tag (older decoders skip unknown tags,
+the packet's other messages still count). tests/unit/cluster/test_cluster_wire.py gossips a
+"next release" encoder with today's decoder to keep this true.
+Everything that fails length, version, MAC, JSON or field checks raises DecodeError with a
+short `reason` used as a metric label: the receiver counts it and drops the packet (or closes
+the stream), it never crashes.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -22,7 +38,10 @@ from .state import LoadVector, MemberState, NodeMeta
 VERSION = 1
 MAC_LEN = 32
 MAX_PACKET = 1400
-MAX_STREAM = 8 * 1024 * 1024
+# A push-pull carries one state entry per member, and each entry must fit a packet (it is
+# gossiped as an Alive): 4 MiB holds ~3500 members at that worst case, 20000 at a typical
+# ~175 bytes.
+MAX_STREAM = 4 * 1024 * 1024
 MAX_NAME = 128
 MAX_FIELD = 256
 MAX_INT = (1 << 63) - 1
@@ -171,17 +190,29 @@ def _bool(v: Any) -> bool:
 
 
 def _list(v: Any, n: int | None = None) -> list:
-    if type(v) is not list or (n is not None and len(v) != n):
+    """A JSON list of at least `n` items; items past the first `n` belong to a later release
+    (see "Evolving the wire" above) and are dropped."""
+    if type(v) is not list or (n is not None and len(v) < n):
         raise DecodeError("malformed", f"bad list {v!r:.40}")
-    return v
+    return v if n is None else v[:n]
+
+
+def record(v: Any, cls: type, required: int, check: Callable[[Any], Any]) -> Any:
+    """A dataclass from its JSON list: at least `required` values (what wire version 1 had),
+    at most the fields `cls` has now; values past those are a later release's and dropped,
+    fields past the values sent keep their defaults (an earlier release sent them)."""
+    n = len(dataclasses.fields(cls))
+    if type(v) is not list or len(v) < required:
+        raise DecodeError("malformed", f"bad {cls.__name__} {v!r:.40}")
+    return cls(*(check(x) for x in v[:n]))
 
 
 def _meta(v: Any) -> NodeMeta:
-    return NodeMeta(*(_str(x) for x in _list(v, 5)))
+    return record(v, NodeMeta, 5, _str)      # role, http, model, layout, transfer
 
 
 def _load(v: Any) -> LoadVector:
-    return LoadVector(*(_int(x) for x in _list(v, 4)))
+    return record(v, LoadVector, 4, _int)    # waiting, running, free_kv_blocks, queued tokens
 
 
 _STATES = {s.value: s for s in MemberState}
@@ -247,14 +278,18 @@ def fragment(m: Message) -> bytes:
     return json.dumps(to_fields(m), separators=(",", ":")).encode()
 
 
-def from_fields(v: Any) -> Message:
+def from_fields(v: Any) -> Message | None:
+    """A message, or None for a tag this release does not know (a later release's message:
+    skipped, the rest of the packet still counts). Extra trailing fields are ignored."""
     f = _list(v)
-    if not f or type(f[0]) is not str or f[0] not in _DECODERS:
-        raise DecodeError("malformed", f"unknown message {str(f[:1]):.40}")
+    if not f or type(f[0]) is not str or not 0 < len(f[0]) <= 8:
+        raise DecodeError("malformed", f"bad message {str(f[:1]):.40}")
+    if f[0] not in _DECODERS:
+        return None
     count, dec = _DECODERS[f[0]]
-    if len(f) != count + 1:
+    if len(f) < count + 1:
         raise DecodeError("malformed", f"message {f[0]} has {len(f) - 1} fields")
-    return dec(f[1:])
+    return dec(f[1:count + 1])
 
 
 # ---- packets -----------------------------------------------------------------------------
@@ -313,6 +348,37 @@ def decode(keyring: Keyring, data: bytes, max_size: int) -> tuple[str, int, list
         raise DecodeError("malformed", f"json: {e}") from None
     try:
         f = _list(body, 3)
-        return _name(f[0]), _int(f[1]), [from_fields(m) for m in _list(f[2])]
+        msgs = (from_fields(m) for m in _list(f[2]))
+        return _name(f[0]), _int(f[1]), [m for m in msgs if m is not None]
     except RecursionError:
         raise DecodeError("malformed", "too deep") from None
+
+
+# ---- stream frames -----------------------------------------------------------------------
+
+_FRAME = struct.Struct(">BIQ")           # version, payload length, sent_at_ms
+FRAME_HEADER = _FRAME.size + MAC_LEN
+
+
+def frame_header(keyring: Keyring, length: int, sent_at_ms: int) -> bytes:
+    """The signed header that opens a stream carrying `length` bytes of packet."""
+    head = _FRAME.pack(VERSION, length, sent_at_ms)
+    return head + keyring.sign(head)
+
+
+def check_frame_header(keyring: Keyring, data: bytes, max_size: int, now_ms: int,
+                       window_ms: int) -> int:
+    """The payload length an authentic header announces, or DecodeError. Cheap checks come
+    first; `window_ms` (0 = off) bounds how long a captured header can be replayed."""
+    if len(data) != FRAME_HEADER:
+        raise DecodeError("truncated", f"{len(data)}-byte stream header")
+    version, length, sent_ms = _FRAME.unpack_from(data)
+    if version != VERSION:
+        raise DecodeError("version", f"stream version {version}")
+    if length > max_size:
+        raise DecodeError("oversized", f"stream of {length} > {max_size} bytes")
+    if not keyring.verify(data[:_FRAME.size], data[_FRAME.size:]):
+        raise DecodeError("auth")
+    if window_ms and abs(now_ms - sent_ms) > window_ms:
+        raise DecodeError("stale_time", f"stream stamped {now_ms - sent_ms} ms ago")
+    return length

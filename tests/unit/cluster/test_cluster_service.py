@@ -75,6 +75,7 @@ async def test_component_start_view_reload_leave_stop() -> None:
         commit()
         assert comp.core.cfg.probe_interval_s == 0.7
         assert comp.core.codec.keyring.primary == b"\x22" * 32
+        assert comp.transport.keyring is comp.core.codec.keyring   # stream headers too
         bad = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, key_env="NOPE"))
         with pytest.raises(ClusterError):
             comp.prepare_reload(cfg, bad)
@@ -122,3 +123,75 @@ async def test_engine_load_is_published_in_the_view() -> None:
         await comp.stop()
         for t in tasks:
             t.cancel()
+
+
+async def test_start_fails_when_a_live_member_holds_our_name() -> None:
+    """The seed's answer shows "svc" alive elsewhere: start raises (the app exits 1), the
+    holder keeps its entry."""
+    from moed.cluster.clock import AsyncioScheduler
+    from moed.cluster.members import SwimConfig
+    from moed.cluster.swim import Membership
+    from moed.cluster.udp import UdpTransport
+    from moed.cluster.wire import Keyring, WireCodec
+    ring = Keyring(b"\x11" * 32)
+    t = UdpTransport("127.0.0.1", 0, keyring=ring)
+    await t.start()
+    holder = Membership("svc", t, AsyncioScheduler(), SwimConfig(), WireCodec(ring))
+    holder.start()
+    comp = MembershipComponent(_cfg(key_env="K", seeds=(holder.addr,)),
+                               environ={"K": "11" * 32})
+    app = SimpleNamespace(port=1, node="svc", state=SimpleNamespace(engine=None),
+                          spawn=lambda coro, name: pytest.fail("spawned after a refusal"))
+    try:
+        with pytest.raises(ClusterError, match=f"'svc' is taken by a live member at {holder.addr}"):
+            await asyncio.wait_for(comp.start(app), 5.0)
+        assert comp.core._stopped
+        assert [(m.name, m.addr) for m in holder.view().members] == [("svc", holder.addr)]
+        assert holder.stats["name_conflicts"] == 1
+    finally:
+        holder.stop()
+
+
+async def test_a_name_refused_after_start_fails_the_app() -> None:
+    """The seed came up only after our start stopped waiting for it: the refusal arrives later
+    and must still stop the node with a failure (app.fail → exit 1), not a clean stop."""
+    from moed.cluster.clock import AsyncioScheduler
+    from moed.cluster.members import SwimConfig
+    from moed.cluster.swim import Membership
+    from moed.cluster.udp import UdpTransport
+    from moed.cluster.wire import Keyring, WireCodec
+    ring = Keyring(b"\x11" * 32)
+    t = UdpTransport("127.0.0.1", 0, keyring=ring)
+    await t.start()
+    seed = t.local_address()
+    t.shutdown()                       # nothing listens there yet
+    await asyncio.sleep(0.05)
+    comp = MembershipComponent(_cfg(key_env="K", seeds=(seed,), join_retry_ms=200),
+                               environ={"K": "11" * 32})
+    failed: list[str] = []
+    tasks: list[asyncio.Task] = []
+
+    def spawn(coro, name: str) -> asyncio.Task:
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+    app = SimpleNamespace(port=1, node="svc", state=SimpleNamespace(engine=None), spawn=spawn,
+                          fail=failed.append)
+    holder = None
+    try:
+        await asyncio.wait_for(comp.start(app), 5.0)        # no seed answered: it started
+        host, port = seed.rsplit(":", 1)
+        t2 = UdpTransport(host, int(port), keyring=ring)
+        await t2.start()
+        holder = Membership("svc", t2, AsyncioScheduler(), SwimConfig(), WireCodec(ring))
+        holder.start()
+        end = asyncio.get_running_loop().time() + 5
+        while not failed:
+            assert asyncio.get_running_loop().time() < end, "the late refusal never came"
+            await asyncio.sleep(0.02)
+        assert "taken" in failed[0]
+    finally:
+        if holder is not None:
+            holder.stop()
+        await comp.stop()
+        for task in tasks:
+            task.cancel()

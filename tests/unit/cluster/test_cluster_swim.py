@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from structlog.testing import capture_logs
+
 from moed.cluster import wire
 from moed.cluster.members import SwimConfig
 from moed.cluster.sim import Simulation
@@ -180,23 +182,87 @@ def test_swim_config_maps_cluster_config() -> None:
     assert dataclasses.replace(cfg, probe_timeout_s=0.1).probe_timeout_s == 0.1
 
 
-def test_a_second_process_with_the_same_name_is_reported_and_contained() -> None:
-    sim = Simulation(4, seed=13)
-    sim.run(2)
-    twin = sim.add("twin", seeds=(Simulation.addr_of(0),), start=True)
-    sim.run(3)
-    original = sim.nodes["n0002"]
-    inc0 = original.incarnation
-    # a second process wrongly configured with n0002's name (the first is still running)
-    impostor_net = sim.net.attach("10.8.8.8:7946")
+def _views_of(sim: Simulation, name: str) -> dict[str, tuple]:
+    """(state, addr, incarnation) of `name` in every other live node's view."""
+    return {m.name: (lambda i: (i.state, i.addr, i.incarnation))(m.view().get(name))
+            for m in sim.live() if m.name != name}
+
+
+def _duplicate(sim: Simulation, name: str, addr: str, seed: str, incarnation: int):
+    """A second process wrongly configured with `name` (the first still runs)."""
     from moed.cluster.swim import Membership
-    impostor = Membership("n0002", impostor_net, sim.sched, sim.cfg, sim.codec,
-                          seeds=(Simulation.addr_of(0),), incarnation=inc0 + 1)
-    impostor.start()
-    sim.run(60)
-    conflicts = original.stats["name_conflicts"] + impostor.stats["name_conflicts"]
-    assert conflicts > 0
-    # refutations stay rate-limited (one per push-pull interval per process)
-    bumps = (original.incarnation - inc0) + (impostor.incarnation - inc0 - 1)
-    assert bumps <= 2 * (60 / sim.cfg.push_pull_interval_s + 2)
-    assert twin.view().get("n0002").state is A
+    dup = Membership(name, sim.net.attach(addr), sim.sched, sim.cfg, sim.codec,
+                     seeds=(seed,), incarnation=incarnation)
+    outcomes: list = []
+    dup.on_join = outcomes.append
+    dup.start()
+    return dup, outcomes
+
+
+def test_a_duplicate_name_is_refused_at_join_and_the_holder_keeps_its_entry() -> None:
+    from moed.cluster.swim import NameTaken
+    sim = Simulation(5, seed=13)
+    sim.run(2)
+    holder = sim.nodes["n0002"]
+    before = _views_of(sim, "n0002")
+    # through the holder itself, then through another member: both refused, every time
+    for i, seed in enumerate((holder.addr, Simulation.addr_of(0))):
+        with capture_logs() as logs:
+            dup, outcomes = _duplicate(sim, "n0002", f"10.8.8.{i}:7946", seed,
+                                       incarnation=holder.incarnation + 1000)
+            sim.run(10)
+        assert len(outcomes) == 1 and isinstance(outcomes[0], NameTaken)
+        assert outcomes[0].holder == holder.addr and "n0002" in str(outcomes[0])
+        assert dup._stopped and dup.stats["name_taken"] == 1
+        taken = [e for e in logs if e["event"] == "cluster_name_taken"]
+        assert taken == [dict(taken[0], node="n0002", addr=dup.addr, holder=holder.addr)]
+        seen_by = {e["node"] for e in logs if e["event"] == "cluster_name_conflict"
+                   and e["intruder"] == dup.addr and e["addr"] == holder.addr}
+        assert "n0002" in seen_by and (seed == holder.addr or "n0000" in seen_by)
+        assert _views_of(sim, "n0002") == before      # nobody moved the entry, no refute
+    assert holder.stats["refutes"] == 0 and sim.converged() and not sim.false_deaths
+
+
+def test_a_duplicate_that_got_into_a_view_is_outranked_by_the_holder() -> None:
+    """Had a duplicate's claim reached a member anyway (a seed that did not know the holder
+    yet), the holder hears it through gossip and refutes: every view returns to it."""
+    sim = Simulation(5, seed=14)
+    sim.run(2)
+    holder = sim.nodes["n0002"]
+    with capture_logs() as logs:
+        sim.nodes["n0000"]._on_alive(Alive("n0002", holder.incarnation + 5, "10.8.8.8:7946",
+                                           NodeMeta(), 0, LoadVector()))
+        sim.run(10, until=lambda: all(v[1] == holder.addr
+                                      for v in _views_of(sim, "n0002").values()))
+    assert all(v == (A, holder.addr, holder.incarnation)
+               for v in _views_of(sim, "n0002").values())
+    assert holder.stats["refutes"] == 1
+    assert any(e["event"] == "cluster_name_conflict" and e["node"] == "n0002" and
+               e["intruder"] == "10.8.8.8:7946" for e in logs)
+
+
+def test_restarts_that_reuse_a_name_are_not_conflicts() -> None:
+    sim = Simulation(5, seed=15)
+    sim.run(2)
+    # kill -9 and back on the same address at once (its old entry still alive)
+    old = sim.nodes["n0003"]
+    inc = old.incarnation
+    sim.crash("n0003")
+    back = sim.add("n0003", seeds=(Simulation.addr_of(0),), addr=old.addr, incarnation=inc + 1)
+    outcomes: list = []
+    back.on_join = outcomes.append
+    back.start()
+    sim.run(10, until=lambda: all(v == (A, old.addr, inc + 1)
+                                  for v in _views_of(sim, "n0003").values()))
+    assert outcomes == [None] and not back._stopped
+    assert all(v == (A, old.addr, inc + 1) for v in _views_of(sim, "n0003").values())
+    # left, then started elsewhere (from incarnation 1: it outranks its LEFT entry)
+    gone = sim.nodes["n0001"]
+    gone.leave()
+    sim.run(2, until=lambda: sim.everyone_sees("n0001", (L,)))
+    gone.stop()
+    moved = sim.add("n0001", seeds=(Simulation.addr_of(0),), start=True, incarnation=1)
+    sim.run(10, until=lambda: all(v[:2] == (A, moved.addr)
+                                  for v in _views_of(sim, "n0001").values()))
+    assert all(v[:2] == (A, moved.addr) for v in _views_of(sim, "n0001").values())
+    assert sum(m.stats["name_conflicts"] for m in sim.live()) == 0
