@@ -37,10 +37,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+_KEY = os.urandom(32).hex()
+
+
 def _serve(model: str, role: str, port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
     full = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
     full.update({"OMP_NUM_THREADS": "1", "MOED_ENGINE_NUM_THREADS": "1",
-                 "MOED_SERVER_LOG_LEVEL": "warning", "MOED_MODEL_SERVED_NAME": "m", **env})
+                 "MOED_SERVER_LOG_LEVEL": "warning", "MOED_MODEL_SERVED_NAME": "m",
+                 # prefill/decode nodes sign their job calls with the cluster secret
+                 "MOED_CLUSTER_KEY_ENV": "BENCH_CLUSTER_KEY", "BENCH_CLUSTER_KEY": _KEY, **env})
     return subprocess.Popen([sys.executable, "-m", "moed", "serve", "--role", role, "--model",
                              model, "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
                             env=full, stdout=open(log, "wb"), stderr=subprocess.STDOUT,

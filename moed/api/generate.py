@@ -13,13 +13,14 @@ import asyncio
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import structlog
 
 from moed.api.admission import Admission, Ticket, Verdict
 from moed.api.errors import APIError, bad_request
 from moed.api.protocol import GenerationRequest, resolve_max_tokens
+from moed.engine.client import EngineClient
 from moed.obs import metrics
 from moed.types import ErrorKind, FinishReason, TokenEvent
 
@@ -50,8 +51,26 @@ class Choice:
         return self.finish_reason is not None
 
 
-def encode_prompts(engine: Any, req: GenerationRequest) -> list[list[int]]:
-    """Token ids for each prompt (chat: the model's template, rendered then encoded)."""
+def check_rough_length(engine: EngineClient, req: GenerationRequest) -> None:
+    """400 now, before any tokenizing, for a text prompt that cannot fit the context whatever
+    it encodes to (Tokenizer.min_tokens is a lower bound)."""
+    min_tokens = getattr(engine.tokenizer, "min_tokens", None)
+    if min_tokens is None:
+        return
+    texts = [m["content"] for m in req.messages] if req.chat else \
+        [p for p in req.prompts if isinstance(p, str)]
+    at_least = sum(min_tokens(t) for t in texts) if req.chat else \
+        max((min_tokens(t) for t in texts), default=0)
+    if at_least > engine.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {engine.max_model_len} "
+                            f"tokens; the prompt has more than {at_least} tokens. Shorten "
+                            f"the prompt.", param="messages" if req.chat else "prompt",
+                       code="context_length_exceeded")
+
+
+def encode_prompts(engine: EngineClient, req: GenerationRequest) -> list[list[int]]:
+    """Token ids for each prompt (chat: the model's template, rendered then encoded). O(prompt):
+    the handlers run it in the offload pool (moed.api.offload), never on the event loop."""
     tok = engine.tokenizer
     vocab = getattr(tok, "vocab_size", None)
     if req.chat:
@@ -91,7 +110,7 @@ def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int) -> l
 class Generation:
     """The engine side of one HTTP request; use as `async with` and iterate `events()`."""
 
-    def __init__(self, engine: Any, admission: Admission, req: GenerationRequest,
+    def __init__(self, engine: EngineClient, admission: Admission, req: GenerationRequest,
                  prompt_ids: list[list[int]], request_id: str, retry_after_s: int) -> None:
         self.engine = engine
         self.admission = admission
@@ -100,14 +119,7 @@ class Generation:
         self.request_id = request_id
         self.retry_after_s = retry_after_s
         self.arrival = time.perf_counter()
-        max_len = engine.max_model_len
-        self.max_tokens = [resolve_max_tokens(req, len(p), max_len) for p in prompt_ids]
-        capacity = getattr(getattr(engine, "kv", None), "capacity_tokens", None)
-        longest = max(len(p) for p in prompt_ids)
-        if capacity is not None and longest > capacity:
-            raise APIError(400, f"The prompt has {longest} tokens but this node's whole KV cache "
-                                f"holds {capacity} tokens.", code="context_length_exceeded",
-                           param="messages" if req.chat else "prompt")
+        self.max_tokens = [resolve_max_tokens(req, len(p), engine.context) for p in prompt_ids]
         lens = [len(p) for p in prompt_ids for _ in range(req.n)]
         if len(lens) > admission.max_waiting:     # could never be admitted: not a 429
             raise bad_request(f"{len(prompt_ids)} prompt(s) x n={req.n} = {len(lens)} sequences; "

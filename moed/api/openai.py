@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 
 from moed.api.errors import APIError, bad_request
-from moed.api.generate import Choice, Generation, encode_prompts
+from moed.api.generate import Choice, Generation, check_rough_length, encode_prompts
 from moed.api.protocol import GenerationRequest, parse_request
 from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE, ServerState
 from moed.obs import metrics
@@ -170,7 +170,7 @@ class Formatter:
 
 # ---- handlers -----------------------------------------------------------------------------
 
-async def _read_json(request: web.Request, limit: int) -> Any:
+async def _read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise APIError(413, f"Request body too large: {request.content_length} bytes "
                             f"(limit {limit}).", code="body_too_large")
@@ -178,10 +178,16 @@ async def _read_json(request: web.Request, limit: int) -> Any:
     if len(raw) > limit:
         raise APIError(413, f"Request body too large (limit {limit} bytes).",
                        code="body_too_large")
+    return raw
+
+
+def _parse(raw: bytes, chat: bool, vocab_size: int | None) -> GenerationRequest:
+    """Body bytes → a validated request (in the offload pool: O(body))."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError) as e:    # JSONDecodeError, bad UTF-8, absurd nesting
         raise bad_request(f"Malformed JSON body: {str(e)[:200]}") from None
+    return parse_request(body, chat=chat, vocab_size=vocab_size)
 
 
 def _check_serving(state: ServerState) -> Any:
@@ -202,12 +208,15 @@ def _sse(obj: Any) -> bytes:
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     engine = _check_serving(state)
-    body = await _read_json(request, state.config.server.max_body_bytes)
-    req = parse_request(body, chat=chat)
+    raw = await _read_body(request, state.config.server.max_body_bytes)
+    retry = state.config.admission.retry_after_s
+    vocab = getattr(engine.tokenizer, "vocab_size", None)     # bounds token ids
+    req = await state.offload.run(_parse, raw, chat, vocab, retry_after_s=retry)
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                             f"'{state.model_name}'.", param="model", code="model_not_found")
-    prompt_ids = encode_prompts(engine, req)
+    check_rough_length(engine, req)        # hopeless prompts never reach the tokenizer
+    prompt_ids = await state.offload.run(encode_prompts, engine, req, retry_after_s=retry)
     rid = request[REQUEST_ID]
     with state.track():
         gen = Generation(engine, state.admission, req, prompt_ids, rid,

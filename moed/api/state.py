@@ -14,20 +14,24 @@ from typing import Any, Iterator
 from aiohttp import web
 
 from moed.api.admission import Admission
+from moed.api.offload import Offload
 from moed.config import Config
+from moed.engine.client import EngineClient
 
 
 @dataclass
 class ServerState:
     config: Config
-    engine: Any | None = None             # moed.engine.Engine; None on the router role
+    engine: EngineClient | None = None    # None on the router role
     api_keys: tuple[bytes, ...] = ()
     ready: bool = False                   # /ready: started, model loaded, not draining
     draining: bool = False
     model_name: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: int = 0
+    internal_auth: Any | None = None      # moed.api.internal.InternalAuth (node-to-node calls)
     admission: Admission = field(init=False)
+    offload: Offload = field(init=False, default_factory=Offload)   # O(prompt) work, off the loop
     _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:

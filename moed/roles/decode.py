@@ -4,7 +4,7 @@ A request's lifecycle on a decode node (queues as in the engine):
 
     prealloc   add_request(remote_kv=True): the engine allocates blocks for the whole prompt,
                reusing prefix-cache hits (WAITING → WAITING_REMOTE_KV)
-    transfer   pick a prefill peer (pure policy: fewest jobs, per-peer half-open breaker), POST
+    transfer   pick a prefill peer (moed.balance.prefill: breaker, fewest jobs, same KV layout), POST
                the job (token ids, destination blocks past the cached prefix, our transfer
                endpoint, a deadline); the peer WRITEs blocks chunk by chunk and notifies with
                the first token
@@ -22,25 +22,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import quote
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from moed.config import Config
+from moed.config import Config, EngineConfig
+from moed.engine.client import EngineClient, Unsubscribe
+from moed.engine.stream import RequestStream, StepStats
 from moed.obs import metrics
-from moed.roles import policy
+from moed.balance import breaker
+from moed.balance.breaker import PeerHealth
+from moed.balance.candidate import Candidate
+from moed.balance.prefill import pick_prefill
 from moed.roles.common import new_incarnation, start_worker
 from moed.roles.protocol import FirstToken, PrefillJobSpec, ProtocolError, sampling_fields
-from moed.types import ErrorKind, FinishReason, SamplingParams, TokenEvent
+from moed.types import (ContextRule, EngineStats, ErrorKind, FinishReason, SamplingParams,
+                        TokenEvent)
 
 log = structlog.get_logger(__name__)
 
 NOTIF_GRACE_S = 2.0        # "done" on the RPC but no notification yet: how long to wait for it
+
+
+# What a client is told about a failed attempt, by kind (the log line has the peer and detail)
+_SAYS = {"expired": "the prefill lease expired", "timeout": "prefill missed the deadline",
+         "rpc_error": "a prefill node could not be reached",
+         "rejected": "a prefill node refused the job",
+         "unauthorized": "a prefill node refused this node's credentials",
+         "notif_mismatch": "the prompt's KV did not arrive", "engine": "prefill failed"}
 
 
 class AttemptFailed(Exception):
@@ -49,70 +64,96 @@ class AttemptFailed(Exception):
         self.kind, self.retry = kind, retry
 
 
-class DecodeStream:
-    """The engine's RequestStream, plus a way to end it with an error event of our own."""
-
-    def __init__(self, inner: Any, on_close: Any) -> None:
-        self.request_id = inner.request_id
-        self._inner = inner
-        self._on_close = on_close
-        self._failure: asyncio.Future[TokenEvent] = asyncio.get_running_loop().create_future()
-        self._next: asyncio.Future | None = None
-        self._done = False
-
-    def fail(self, ev: TokenEvent) -> None:
-        if not self._failure.done():
-            self._failure.set_result(ev)
-
-    def __aiter__(self) -> "DecodeStream":
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        if self._next is None:
-            self._next = asyncio.ensure_future(self._inner.__anext__())
-        await asyncio.wait({self._next, self._failure}, return_when=asyncio.FIRST_COMPLETED)
-        if self._failure.done():
-            self._next.cancel()
-            ev = self._failure.result()
-        else:
-            ev = self._next.result()
-            self._next = None
-        self._done = ev.finished
-        return ev
-
-    async def aclose(self) -> None:
-        if not self._done:
-            self._on_close(self.request_id)
-        self._done = True
-
-
 class DisaggEngine:
-    """What the HTTP layer sees on a decode node: the engine, with prompts prefilled remotely.
-    Everything but add_request/abort is the engine's own."""
+    """What the HTTP layer sees on a decode node (a moed.engine.client.EngineClient): the
+    node's engine, with prompts prefilled remotely. Only add_request and abort differ."""
 
-    def __init__(self, engine: Any, role: "DecodeComponent") -> None:
+    def __init__(self, engine: EngineClient, role: "DecodeComponent") -> None:
         self._engine = engine
         self._role = role
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, **_: Any) -> Any:
-        if len(prompt_token_ids) <= self._role.cfg.transfer.local_prefill_max_tokens:
+                    params: SamplingParams, *, remote_kv: bool = False,
+                    prefill_only: bool = False) -> RequestStream:
+        if prefill_only or len(prompt_token_ids) <= \
+                self._role.cfg.transfer.local_prefill_max_tokens:
             # short prompts: a remote round trip (and the prefill node's queue) costs more
             # TTFT than the few tokens cost this node's decode steps
-            return self._engine.add_request(request_id, prompt_token_ids, params)
-        inner = self._engine.add_request(request_id, prompt_token_ids, params, remote_kv=True)
-        stream = DecodeStream(inner, self.abort)
-        self._role.launch(request_id, list(prompt_token_ids), params, inner, stream)
+            return self._engine.add_request(request_id, prompt_token_ids, params,
+                                            prefill_only=prefill_only)
+        stream = self._engine.add_request(request_id, prompt_token_ids, params, remote_kv=True)
+        self._role.launch(request_id, list(prompt_token_ids), params, stream)
         return stream
 
     def abort(self, request_id: str) -> None:
         self._role.cancel(request_id)
         self._engine.abort(request_id)
+
+    # ---- the rest is the engine's own ----
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def context(self) -> ContextRule:
+        return self._engine.context
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.block_size
+
+    @property
+    def alive(self) -> bool:
+        return self._engine.alive
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def model_info(self) -> dict[str, str]:
+        return self._engine.model_info()
+
+    def limits(self) -> dict[str, int]:
+        return self._engine.limits()
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int,
+                                logprob: float | None = None,
+                                top_logprobs: Sequence[tuple[int, float]] | None = None) -> None:
+        self._engine.complete_remote_prefill(request_id, first_token_id, logprob, top_logprobs)
+
+    def release_kv(self, request_id: str) -> None:
+        self._engine.release_kv(request_id)
+
+    def kv_block_table(self, request_id: str) -> list[int]:
+        return self._engine.kv_block_table(request_id)
+
+    def kv_region(self) -> Any:
+        return self._engine.kv_region()
+
+    def apply_config(self, cfg: EngineConfig) -> None:
+        self._engine.apply_config(cfg)
+
+    def at_step_boundary(self, fn: Callable[[], Any]) -> asyncio.Future:
+        return self._engine.at_step_boundary(fn)
+
+    def subscribe_step(self, fn: Callable[[StepStats], None]) -> Unsubscribe:
+        return self._engine.subscribe_step(fn)
+
+    def subscribe_prefill_progress(self, fn: Callable[[str, list[int], int], None]
+                                   ) -> Unsubscribe:
+        return self._engine.subscribe_prefill_progress(fn)
+
+    def subscribe_expert_load(self, fn: Callable[[Any], None]) -> Unsubscribe:
+        return self._engine.subscribe_expert_load(fn)
+
+    async def start(self) -> None:
+        await self._engine.start()
+
+    async def shutdown(self) -> None:
+        await self._engine.shutdown()
 
 
 class DecodeComponent:
@@ -124,16 +165,17 @@ class DecodeComponent:
         self.cfg = cfg
         self.node = node
         self.incarnation = new_incarnation()
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
         self.worker: Any = None
         self.session: aiohttp.ClientSession | None = None
-        self.health: dict[str, policy.PeerHealth] = {u: policy.PeerHealth()
-                                                     for u in cfg.transfer.prefill_peers}
+        self.health: dict[str, PeerHealth] = {u: PeerHealth() for u in cfg.transfer.prefill_peers}
+        self.layout = ""                           # our KV layout id: peers must match it
         self.inflight: dict[str, int] = {}
         self.md_sent: set[str] = set()             # peers that hold our current metadata
         self.jobs: dict[str, asyncio.Task] = {}    # request id → its remote-prefill task
         self.current: dict[str, tuple[str, str]] = {}   # request id → (peer, job id) in flight
-        self.expect: dict[str, asyncio.Future[FirstToken]] = {}
+        self.expect: dict[str, tuple[str, asyncio.Future[FirstToken]]] = {}   # job → (cap, fut)
+        self.auth: Any = None                      # moed.api.internal.InternalAuth
         self._app: Any = None
         self._membership: Any = None               # moed.cluster's component when enabled
 
@@ -151,10 +193,8 @@ class DecodeComponent:
         self.engine = app.state.engine
         self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
         self.worker.on_notif = self._on_notif
-        keys = app.state.api_keys       # internal routes take the cluster's API key
-        headers = {"Authorization": f"Bearer {keys[0].decode()}"} if keys else None
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                             headers=headers)
+        self.auth = app.state.internal_auth      # signs every job call with the cluster secret
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         app.state.engine = DisaggEngine(self.engine, self)
 
     async def drain(self) -> None:
@@ -175,7 +215,7 @@ class DecodeComponent:
         def commit() -> None:
             self.cfg = new
             for u in new.transfer.prefill_peers:
-                self.health.setdefault(u, policy.PeerHealth())
+                self.health.setdefault(u, PeerHealth())
         return commit
 
     async def handle_info(self, request: web.Request) -> web.Response:
@@ -187,23 +227,28 @@ class DecodeComponent:
             "jobs": len(self.jobs)})
 
     # ---- prefill peers ---------------------------------------------------------------------
-    def candidates(self) -> dict[str, policy.PeerHealth]:
+    def candidates(self) -> list[Candidate]:
         """Prefill peers to choose from now: the static list plus, with membership, every
-        alive prefill member serving the same model (health kept across views)."""
-        urls = list(self.cfg.transfer.prefill_peers)
+        alive prefill member serving the same model (health kept across views, by URL)."""
+        found: dict[str, Candidate] = {u: Candidate(u, u, "prefill")
+                                       for u in self.cfg.transfer.prefill_peers}
         view = self._membership.view() if self._membership is not None else None
         if view is not None:
             model = getattr(self._app.state, "model_name", "")
-            urls += [m.meta.http for m in view.alive("prefill")
-                     if m.meta.http and (not model or m.meta.model in ("", model))]
-        for u in urls:
-            self.health.setdefault(u, policy.PeerHealth())
-        return {u: self.health[u] for u in dict.fromkeys(urls)}
+            for m in view.alive("prefill"):
+                if m.meta.http and (not model or m.meta.model in ("", model)):
+                    found[m.meta.http] = Candidate(m.meta.http, m.meta.http, "prefill",
+                                                   m.meta.layout, m.meta.transfer, m.load)
+        out = []
+        for url, c in found.items():
+            health = self.health.setdefault(url, PeerHealth())
+            out.append(dataclasses.replace(c, health=health, inflight=self.inflight.get(url, 0)))
+        return out
 
     # ---- per request -------------------------------------------------------------------------
-    def launch(self, rid: str, prompt: list[int], params: SamplingParams, inner: Any,
-               stream: DecodeStream) -> None:
-        task = asyncio.create_task(self._remote_prefill(rid, prompt, params, inner, stream),
+    def launch(self, rid: str, prompt: list[int], params: SamplingParams,
+               stream: RequestStream) -> None:
+        task = asyncio.create_task(self._remote_prefill(rid, prompt, params, stream),
                                    name=f"remote-prefill-{rid}")
         self.jobs[rid] = task
         metrics.TRANSFER_JOBS_INFLIGHT.labels("decode").set(len(self.jobs))
@@ -224,21 +269,24 @@ class DecodeComponent:
 
     async def _delete(self, peer: str, job_id: str) -> None:
         assert self.session is not None
+        headers = self.auth.sign("DELETE", f"/internal/prefill/{job_id}")
         with contextlib.suppress(Exception):
             async with self.session.delete(f"{peer}/internal/prefill/{quote(job_id, safe='')}",
+                                           headers=headers,
                                            timeout=aiohttp.ClientTimeout(total=1.0)):
                 pass
 
     async def _remote_prefill(self, rid: str, prompt: list[int], params: SamplingParams,
-                              inner: Any, stream: DecodeStream) -> None:
+                              stream: RequestStream) -> None:
         loop = asyncio.get_running_loop()
         t = self.cfg.transfer
         deadline = loop.time() + min(t.prefill_timeout_s, self.cfg.server.request_timeout_s)
         try:
-            blocks, cached = await asyncio.wait_for(asyncio.shield(inner.kv_blocks),
+            assert stream.kv_blocks is not None
+            blocks, cached = await asyncio.wait_for(asyncio.shield(stream.kv_blocks),
                                                    deadline - loop.time())
         except asyncio.CancelledError:
-            if inner.kv_blocks.cancelled():
+            if stream.kv_blocks.cancelled():
                 return      # the request ended before allocation (an error event says why)
             raise
         except TimeoutError:
@@ -252,60 +300,68 @@ class DecodeComponent:
         attempts = t.max_prefill_retries + 1
         for attempt in range(1, attempts + 1):
             peers = self.candidates()
-            peer = policy.pick_peer(peers, self.inflight, tried, time.monotonic(),
-                                    t.peer_error_cooldown_s)
+            pick = pick_prefill(peers, tried, time.monotonic(), t.peer_error_cooldown_s,
+                                self.layout)
             now = loop.time()
-            if peer is None or now >= deadline:
+            if pick is None or now >= deadline:
                 break
+            peer = pick.url
             # a stalled peer may use an equal share of what is left (the last try: all of it)
-            left = min(attempts - attempt + 1, sum(1 for p in peers if p not in tried))
+            left = min(attempts - attempt + 1, sum(1 for p in peers if p.name not in tried))
             until = now + (deadline - now) / max(left, 1)
             tried.add(peer)
-            self.health[peer] = policy.on_pick(self.health[peer])
+            self.health[peer] = breaker.on_pick(self.health[peer])
             job_id = f"{self.node}.{self.incarnation}.{rid}.{attempt}"   # unique cluster-wide
+            lease = max(until - now, 0.001)
+            expires_ms = int((time.time() + lease) * 1000) + 1000   # +1 s: clocks, latency
+            cap = self.auth.capability(job_id, self.node, self.incarnation, skip, dst,
+                                       expires_ms)
             spec = PrefillJobSpec(job_id, tuple(prompt), skip, tuple(dst), self.node,
-                                  self.incarnation, max(until - now, 0.001),
-                                  sampling_fields(params))
+                                  self.incarnation, lease, sampling_fields(params),
+                                  capability=cap, expires_ms=expires_ms)
             try:
                 tok = await self._attempt(rid, peer, spec, until)
             except AttemptFailed as e:
-                self.health[peer] = policy.on_failure(self.health[peer], time.monotonic())
+                self.health[peer] = breaker.on_failure(self.health[peer], time.monotonic())
                 metrics.TRANSFER_FAILURES.labels(e.kind).inc()
-                errors.append(f"{peer}: {e.kind}: {e}")
+                errors.append(e.kind)
                 log.warning("remote_prefill_attempt_failed", request_id=rid, peer=peer,
                             attempt=attempt, kind=e.kind, error=str(e))
                 if not e.retry:
                     break
                 metrics.TRANSFER_JOBS.labels("decode", "retried").inc()
                 continue
-            self.health[peer] = policy.on_success(self.health[peer])
+            self.health[peer] = breaker.on_success(self.health[peer])
             metrics.TRANSFER_JOBS.labels("decode", "done").inc()
             self.engine.complete_remote_prefill(rid, tok.token_id, tok.logprob, tok.top_logprobs)
             return
-        why = "; ".join(errors) if errors else (
-            "no prefill node available" + ("" if self.candidates() else
-                                           " (no prefill peers configured or alive)"))
+        # the client hears what kind of failure, never a peer's address or an exception text
+        # (those are on the remote_prefill_attempt_failed lines, with the request id)
+        why = ("; ".join(f"{_SAYS.get(k, k)} [{k}]" for k in errors) if errors else
+               "no prefill node available" + ("" if self.candidates() else
+                                              " (none configured or alive)"))
         self._fail(rid, stream, prompt, cached, "prefill_failed", f"remote prefill failed: {why}")
 
-    def _fail(self, rid: str, stream: DecodeStream, prompt: list[int], cached: int, kind: str,
+    def _fail(self, rid: str, stream: RequestStream, prompt: list[int], cached: int, kind: str,
               message: str) -> None:
         metrics.TRANSFER_JOBS.labels("decode", "failed").inc()
         log.error("remote_prefill_failed", request_id=rid, kind=kind, error=message)
+        stream.fail(TokenEvent.finish(rid, FinishReason.ERROR, prompt_tokens=len(prompt),
+                                      cached_tokens=cached, error=message,
+                                      error_kind=ErrorKind.UNAVAILABLE))   # the API answers 503
         self.engine.abort(rid)          # frees the destination blocks
-        stream.fail(TokenEvent(rid, (), "", (), FinishReason.ERROR, len(prompt), cached, message,
-                               error_kind=ErrorKind.UNAVAILABLE))   # the API answers 503
 
     async def _attempt(self, rid: str, peer: str, spec: PrefillJobSpec,
                        deadline: float) -> FirstToken:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[FirstToken] = loop.create_future()
-        self.expect[spec.job_id] = fut
+        self.expect[spec.job_id] = (spec.capability, fut)
         self.current[rid] = (peer, spec.job_id)
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         try:
             with self.worker.expecting():
                 async with asyncio.timeout_at(deadline):
-                    await self._rpc(peer, spec, fut)
+                    await self._rpc(rid, peer, spec, fut)
                     # "done" on the RPC: the notification is on its way (or was lost)
                     try:
                         return await asyncio.wait_for(asyncio.shield(fut), NOTIF_GRACE_S)
@@ -324,14 +380,23 @@ class DecodeComponent:
             self.current.pop(rid, None)
             self.inflight[peer] -= 1
 
-    async def _rpc(self, peer: str, spec: PrefillJobSpec, fut: asyncio.Future) -> None:
+    async def _rpc(self, rid: str, peer: str, spec: PrefillJobSpec,
+                   fut: asyncio.Future) -> None:
         """POST the job and follow its line stream to "done"; raises AttemptFailed otherwise."""
         assert self.session is not None
         for _ in range(2):
             body = spec
             if peer not in self.md_sent:
                 body = dataclasses.replace(spec, metadata=await self.worker.local_metadata())
-            async with self.session.post(f"{peer}/internal/prefill", json=body.to_json()) as r:
+            data = json.dumps(body.to_json()).encode()
+            headers = {**self.auth.sign("POST", "/internal/prefill", data),
+                       "Content-Type": "application/json",
+                       # the client's id (bound by the API middleware; the task inherited
+                       # it), so the prefill node's lines carry it
+                       "X-Request-Id": structlog.contextvars.get_contextvars().get(
+                           "request_id", rid)}
+            async with self.session.post(f"{peer}/internal/prefill", data=data,
+                                         headers=headers) as r:
                 if r.status == 409 and (await r.json()).get("error") == "need_metadata":
                     self.md_sent.discard(peer)
                     continue
@@ -339,7 +404,8 @@ class DecodeComponent:
                     text = await r.text()
                     # 400 for the job itself (bad prompt) fails everywhere; the rest may not
                     retry = r.status != 400 or '"bad_metadata"' in text
-                    raise AttemptFailed("rejected", f"HTTP {r.status}: {text[:300]}", retry)
+                    kind = "unauthorized" if r.status in (401, 403) else "rejected"
+                    raise AttemptFailed(kind, f"HTTP {r.status}: {text[:300]}", retry)
                 self.md_sent.add(peer)
                 while True:
                     raw = await r.content.readline()
@@ -367,9 +433,15 @@ class DecodeComponent:
             metrics.TRANSFER_FAILURES.labels("bad_notif").inc()
             log.warning("transfer_bad_notif", agent=agent, error=str(e))
             return
-        fut = self.expect.get(tok.job_id)
+        cap, fut = self.expect.get(tok.job_id, ("", None))
         if fut is None or fut.done():
             metrics.TRANSFER_FAILURES.labels("notif_unmatched").inc()
             log.warning("transfer_notif_unmatched", agent=agent, job=tok.job_id)
+            return
+        if not hmac.compare_digest(cap, tok.capability):
+            # not the job we issued (a forged or crossed notification): the request keeps
+            # waiting for the real one, or fails at its deadline
+            metrics.TRANSFER_FAILURES.labels("bad_capability").inc()
+            log.warning("transfer_notif_bad_capability", agent=agent, job=tok.job_id)
             return
         fut.set_result(tok)

@@ -12,8 +12,10 @@ A prefill job's lifecycle (one HTTP request POST /internal/prefill holds it):
       │        EXPIRED    the lease (the decode's timeout, capped by transfer.lease_s) ran out
       │        FAILED     a write failed (decode died: its peer entry is dropped) or the engine
       │                   could not run the prompt
-      └── 409 need_metadata: the decode's transfer metadata for its incarnation is unknown;
-          400 bad job / incompatible KV layout; 503 draining.
+      └── 401 not signed with the cluster secret (moed.api.internal); 403 the job's capability
+          does not match its node, blocks or expiry; 409 need_metadata: the decode's transfer
+          metadata for its incarnation is unknown; 400 bad job / incompatible KV layout;
+          503 draining.
 
 Ownership: whatever the outcome, the handler's `finally` aborts the engine request, which frees
 the job's blocks at the next step boundary (held or still computing) — no block outlives its job.
@@ -25,14 +27,15 @@ import enum
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 from aiohttp import web
 
-from moed.api.auth import check_bearer
+from moed.api.internal import require_signed
 from moed.api.state import STATE
 from moed.config import Config
+from moed.engine.client import EngineClient
 from moed.obs import metrics
 from moed.roles.common import new_incarnation, start_worker
 from moed.roles.protocol import (FirstToken, PrefillJobSpec, ProtocolError, first_token_params,
@@ -101,8 +104,9 @@ class PrefillComponent:
         self.cfg = cfg
         self.node = node
         self.incarnation = new_incarnation()
-        self.engine: Any = None
+        self.engine: EngineClient | None = None
         self.worker: Any = None
+        self._unsubscribe: Callable[[], None] = lambda: None
         self.jobs: dict[str, PrefillJob] = {}
         self._aborts: set[asyncio.Future] = set()
         self.draining = False
@@ -116,12 +120,13 @@ class PrefillComponent:
     async def start(self, app: Any) -> None:
         self.engine = app.state.engine
         self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
-        self.engine.on_prefill_progress = self._on_progress
+        self._unsubscribe = self.engine.subscribe_prefill_progress(self._on_progress)
 
     async def drain(self) -> None:
         self.draining = True     # running jobs finish; their decode nodes own the requests
 
     async def stop(self) -> None:
+        self._unsubscribe()
         for job in list(self.jobs.values()):
             if job.task is not None:
                 job.task.cancel()
@@ -147,7 +152,7 @@ class PrefillComponent:
                                   "jobs": {j: s.state.value for j, s in self.jobs.items()}})
 
     async def handle_cancel(self, request: web.Request) -> web.Response:
-        _authorize(request)
+        require_signed(request)
         job = self.jobs.get(request.match_info["job_id"])
         if job is None or job.task is None:
             return web.json_response({"cancelled": False}, status=404)
@@ -155,15 +160,24 @@ class PrefillComponent:
         return web.json_response({"cancelled": True})
 
     async def handle_job(self, request: web.Request) -> web.StreamResponse:
-        _authorize(request)
+        raw = await request.read()
+        caller = require_signed(request, raw)        # the cluster secret, never an API key
         if self.draining or self.worker is None:
             return _error(503, "unavailable", "prefill node is draining or not started")
         try:
-            spec = PrefillJobSpec.from_json(await request.json())
+            spec = PrefillJobSpec.from_json(json.loads(raw))
             spec.check_blocks(self.engine.block_size)
             params = first_token_params(spec.sampling)
-        except (ProtocolError, json.JSONDecodeError) as e:
+        except (ProtocolError, ValueError, RecursionError) as e:
             return _error(400, "bad_job", str(e))
+        refused = request.app[STATE].internal_auth.check_capability(
+            spec.capability, spec.job_id, spec.decode_node, spec.decode_incarnation,
+            spec.skip_blocks, spec.dst_block_ids, spec.expires_ms)
+        if refused is not None:
+            metrics.TRANSFER_FAILURES.labels("bad_capability").inc()
+            log.warning("prefill_job_refused", job=spec.job_id, caller=caller,
+                        decode=spec.decode_node, reason=refused)
+            return _error(403, "bad_capability", refused)
         if spec.job_id in self.jobs:
             return _error(409, "duplicate", f"job {spec.job_id} is already running")
         known = await self.worker.has_peer(spec.decode_node)
@@ -238,7 +252,7 @@ class PrefillComponent:
                 job.table = self.engine.kv_block_table(job.engine_id)
             tok = FirstToken(job.spec.job_id, ev.token_ids[0],
                              ev.logprobs[0] if ev.logprobs else None,
-                             ev.top_logprobs[0] if ev.top_logprobs else ())
+                             ev.top_logprobs[0] if ev.top_logprobs else (), job.spec.capability)
             await self._send(job, n_prompt_blocks, tok.encode())
             return tok
 
@@ -297,12 +311,6 @@ async def _pump(stream: Any, inbox: asyncio.Queue) -> None:
         if ev.finished:
             inbox.put_nowait(("event", ev))
             return
-
-
-def _authorize(request: web.Request) -> None:
-    """Internal routes take the node's API keys (the same across a cluster) when it has any:
-    a job names memory this node will write into."""
-    check_bearer(request.headers.get("Authorization"), request.app[STATE].api_keys)
 
 
 def _error(status: int, kind: str, message: str) -> web.Response:

@@ -34,6 +34,10 @@ class PrefillJobSpec:
     timeout_s: float               # the job's lease on the prefill node
     sampling: dict[str, Any]       # what the first token's sampling needs (see first_token_params)
     metadata: bytes | None = None  # decode node's transfer metadata, sent once per peer incarnation
+    # issued by the decode node for exactly this job's node, blocks and expiry
+    # (moed.api.internal): the prefill node writes nowhere else, and echoes it in FirstToken
+    capability: str = ""
+    expires_ms: int = 0            # wall clock: the capability is void after this
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -53,11 +57,15 @@ class PrefillJobSpec:
                        decode_node=str(d["decode_node"]),
                        decode_incarnation=int(d["decode_incarnation"]),
                        timeout_s=float(d["timeout_s"]), sampling=dict(d["sampling"]),
-                       metadata=None if md is None else base64.b64decode(md, validate=True))
+                       metadata=None if md is None else base64.b64decode(md, validate=True),
+                       capability=str(d.get("capability", "")),
+                       expires_ms=int(d.get("expires_ms", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad prefill job: {type(e).__name__}: {e}") from None
         if not spec.token_ids or not spec.job_id or spec.timeout_s <= 0 or spec.skip_blocks < 0:
             raise ProtocolError("bad prefill job: empty prompt or id, or non-positive timeout")
+        if any(b < 0 for b in spec.dst_block_ids) or any(t < 0 for t in spec.token_ids):
+            raise ProtocolError("bad prefill job: negative block or token id")
         return spec
 
     def check_blocks(self, block_size: int) -> None:
@@ -100,9 +108,11 @@ class FirstToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()   # when the request asked for them
+    capability: str = ""           # the job's, echoed: the decode node checks it again
 
     def encode(self) -> bytes:
-        d: dict[str, Any] = {"j": self.job_id, "t": self.token_id, "lp": self.logprob}
+        d: dict[str, Any] = {"j": self.job_id, "t": self.token_id, "lp": self.logprob,
+                             "c": self.capability}
         if self.top_logprobs:
             d["tl"] = [[t, v] for t, v in self.top_logprobs]
         return json.dumps(d).encode()
@@ -112,7 +122,8 @@ class FirstToken:
         try:
             d = json.loads(msg)
             return cls(str(d["j"]), int(d["t"]), None if d.get("lp") is None else float(d["lp"]),
-                       tuple((int(t), float(v)) for t, v in d.get("tl", ())))
+                       tuple((int(t), float(v)) for t, v in d.get("tl", ())),
+                       str(d.get("c", "")))
         except (ValueError, KeyError, TypeError) as e:
             raise ProtocolError(f"bad first-token notification: {e}") from None
 

@@ -67,8 +67,7 @@ class TransferWorker:
     async def close(self) -> None:
         if self._backend is not None:
             with contextlib.suppress(Exception):
-                await self._run(self._backend.close)
-            self._backend = None
+                await self._run(self._close_backend)
         await self._stop_thread()
         for _, fut, _ in self._waiters.values():
             if not fut.done():
@@ -167,6 +166,13 @@ class TransferWorker:
         self._pending[handle.id] = handle      # polled (and reported) by the next tick
         return handle
 
+    def _close_backend(self) -> None:
+        # on the transfer thread, so no tick polls a backend that is closing (it did, and
+        # logged transfer_poll_failed on every clean stop)
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()
+
     def _abort(self, handle: TransferHandle) -> TransferStatus:
         self._pending.pop(handle.id, None)
         return self.backend.abort(handle)
@@ -208,8 +214,9 @@ class TransferWorker:
                     del self._pending[h.id]
                     done.append((h.id, st))
             notifs = b.get_notifs()
-        except Exception:
-            log.exception("transfer_poll_failed")
+        except Exception as e:
+            # transfers fail through their own status; this is worth a line, not a traceback
+            log.warning("transfer_poll_failed", error=f"{type(e).__name__}: {e}"[:300])
             return
         if done or notifs:
             self._to_loop(self._deliver, done, notifs)

@@ -57,6 +57,10 @@ class ServerProcess:
 
     def get(self, path: str, timeout: float = 5.0,
             headers: Mapping[str, str] | None = None) -> tuple[int, str]:
+        """GET; operator routes (/cluster, /internal/*) carry the harness's admin token unless
+        `headers` are given."""
+        if headers is None and path.startswith(("/cluster", "/internal/")):
+            headers = ADMIN_HEADERS
         req = urllib.request.Request(self.url + path, headers=dict(headers or {}))
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -91,6 +95,29 @@ class ServerProcess:
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.logs().splitlines()[-n:])
+
+
+# Every server the harness starts shares one cluster secret (prefill/decode nodes refuse to
+# start without one) and one admin token, unless the test configures its own.
+CLUSTER_KEY = os.urandom(32).hex()
+ADMIN_TOKEN = "test-admin-" + os.urandom(8).hex()
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def _secrets_env(role: str | None, env: Mapping[str, str], toml: str | None) -> dict[str, str]:
+    """Default secrets for a child, for what the test's env or TOML leaves unset."""
+    out: dict[str, str] = {}
+    text = toml or ""
+    if role in ("prefill", "decode") and not any(
+            k in env for k in ("MOED_CLUSTER_KEY_ENV", "MOED_CLUSTER_KEY_FILE",
+                               "MOED_CLUSTER_INSECURE")) and \
+            not any(k in text for k in ("key_file", "key_env", "insecure")):
+        out.update({"MOED_CLUSTER_KEY_ENV": "TEST_MOED_CLUSTER_KEY",
+                    "TEST_MOED_CLUSTER_KEY": CLUSTER_KEY})
+    if not any(k.startswith("MOED_SERVER_ADMIN_TOKEN") for k in env) and "admin_token" not in text:
+        out.update({"MOED_SERVER_ADMIN_TOKEN_ENV": "TEST_MOED_ADMIN_TOKEN",
+                    "TEST_MOED_ADMIN_TOKEN": ADMIN_TOKEN})
+    return out
 
 
 _HANDED_OUT: set[int] = set()
@@ -143,7 +170,8 @@ def start_server(*, model: str | Path | None = None, role: str | None = None,
     """Start `python -m moed serve` (caller must stop it). `toml` writes a config file.
 
     The child gets this process's environment minus any MOED_* variable (tests stay
-    independent of the shell), plus OMP_NUM_THREADS=1, MOED_ENGINE_NUM_THREADS=1 and `env`.
+    independent of the shell), plus OMP_NUM_THREADS=1, MOED_ENGINE_NUM_THREADS=1, the
+    harness's cluster key (prefill/decode) and admin token (see `_secrets_env`), and `env`.
     """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="moed-srv-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -162,6 +190,7 @@ def start_server(*, model: str | Path | None = None, role: str | None = None,
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                      "MOED_ENGINE_NUM_THREADS": "1"})
+    full_env.update(_secrets_env(role, env or {}, toml))
     full_env.update(env or {})
     log_path = log_dir / f"moed-{port}.log"
     log_file = open(log_path, "wb")

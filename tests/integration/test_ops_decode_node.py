@@ -83,6 +83,11 @@ def test_failed_remote_prefill_is_503_with_the_reason(node) -> None:
     body = e.body if isinstance(e.body, dict) and "message" in e.body else e.body["error"]
     assert body["code"] == "unavailable" and body["type"] == "service_unavailable"
     assert "remote prefill failed" in body["message"] and "rpc_error" in body["message"]
+    # no internal address or exception text reaches the client (both are in the log)
+    for leak in ("127.0.0.1", "http://", "Error", "Connector"):
+        assert leak not in body["message"], body["message"]
+    assert any("ClientConnectorError" in r.get("error", "")
+               for r in _events(node, "remote_prefill_attempt_failed"))
     # a stream has sent its headers by then: the reason comes as an SSE error event, no [DONE]
     status, headers, text = _post(node, {"model": "tiny", "prompt": prompt, "max_tokens": 3,
                                          "stream": True})
