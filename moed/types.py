@@ -103,6 +103,44 @@ class TokenEvent:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def finish(cls, request_id: str, reason: FinishReason, *, prompt_tokens: int = 0,
+               cached_tokens: int = 0, error: str | None = None,
+               error_kind: ErrorKind | None = None) -> "TokenEvent":
+        """A bare finish (no new token): abort, error, shutdown."""
+        return cls(request_id, (), "", (), reason, prompt_tokens, cached_tokens, error,
+                   error_kind=error_kind)
+
+
+@dataclass(frozen=True)
+class ContextRule:
+    """The context-length rule, in one place (the API, the engine and the scheduler all ask
+    it): a request holds at most `limit` tokens, prompt and output together — the model's
+    context, and never more than this node's whole KV cache. A prompt must leave room for one
+    generated token."""
+
+    max_model_len: int
+    kv_capacity_tokens: int = 1 << 62
+
+    @property
+    def limit(self) -> int:
+        return min(self.max_model_len, self.kv_capacity_tokens)
+
+    def room(self, prompt_len: int) -> int:
+        """Tokens a prompt of `prompt_len` leaves to generate (< 1: it does not fit)."""
+        return self.limit - prompt_len
+
+    def prompt_error(self, prompt_len: int) -> str | None:
+        """Why a prompt of `prompt_len` tokens cannot be served, or None."""
+        if self.room(prompt_len) >= 1:
+            return None
+        if self.kv_capacity_tokens < self.max_model_len:
+            return (f"The prompt has {prompt_len} tokens but this node's whole KV cache holds "
+                    f"{self.kv_capacity_tokens} tokens.")
+        return (f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {prompt_len} tokens, which leaves no room to generate. Shorten "
+                f"the prompt.")
+
 
 @dataclass(frozen=True)
 class EngineStats:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Protocol, Sequence
+from dataclasses import replace
+from typing import Callable, Iterable, Mapping, Protocol
 
 import aiohttp
 import structlog
@@ -30,6 +30,9 @@ from multidict import CIMultiDict
 
 from moed.api.errors import APIError
 from moed.api.middleware import request_id_of
+from moed.balance.candidate import Candidate
+from moed.balance.router import pick_backend
+from moed.cluster.state import LoadVector
 from moed.config import Config, RouterConfig
 from moed.obs import metrics
 
@@ -50,31 +53,8 @@ def _forwardable(headers: Mapping[str, str]) -> CIMultiDict[str]:
                        if k.lower() not in _HOP and k.lower() not in named)
 
 
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    url: str          # base URL without a trailing slash
-    waiting: int = 0  # requests queued there, as last reported (0 when unknown)
-    running: int = 0  # requests in its running batch, as last reported (0 when unknown)
-
-
-def pick_backend(backends: Sequence[Backend], outstanding: dict[str, int],
-                 exclude: Iterable[str] = (), turn: int = 0) -> Backend | None:
-    """Least waiting requests (reported + this router's outstanding: it covers the report's
-    lag), then least running (ITL grows with the batch); remaining ties go round-robin by `turn`
-    so equal nodes share the load."""
-    skip = set(exclude)
-    cands = [b for b in backends if b.name not in skip]
-    if not cands:
-        return None
-    n = len(cands)
-    order = {b.name: (i - turn) % n for i, b in enumerate(sorted(cands, key=lambda b: b.name))}
-    return min(cands, key=lambda b: (b.waiting + outstanding.get(b.name, 0), b.running,
-                                     order[b.name]))
-
-
 class BackendSource(Protocol):
-    def backends(self) -> list[Backend]: ...
+    def backends(self) -> list[Candidate]: ...
     def mark_failed(self, name: str) -> None: ...
 
 
@@ -86,7 +66,7 @@ class MembershipBackends:
         self._config = config
         self._failed: dict[str, float] = {}   # name → until (a refused connect, before gossip knows)
 
-    def backends(self) -> list[Backend]:
+    def backends(self) -> list[Candidate]:
         view = self._view()
         if view is None:
             return []
@@ -95,8 +75,8 @@ class MembershipBackends:
         out = []
         for m in view.alive():  # type: ignore[attr-defined]
             if m.meta.role in roles and m.meta.http and self._failed.get(m.name, 0.0) < now:
-                out.append(Backend(m.name, m.meta.http.rstrip("/"), m.load.waiting,
-                                   m.load.running))
+                out.append(Candidate(m.name, m.meta.http.rstrip("/"), m.meta.role,
+                                     m.meta.layout, m.meta.transfer, m.load))
         return out
 
     def mark_failed(self, name: str) -> None:
@@ -108,10 +88,10 @@ class StaticBackends:
 
     def __init__(self, config: Callable[[], Config]) -> None:
         self._config = config
-        self._up: dict[str, Backend] = {}
+        self._up: dict[str, Candidate] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def backends(self) -> list[Backend]:
+    def backends(self) -> list[Candidate]:
         urls = {u.rstrip("/") for u in self._config().router.backends}
         return [b for u, b in self._up.items() if u in urls]
 
@@ -134,7 +114,9 @@ class StaticBackends:
             if load is None:
                 self._up.pop(url, None)
             else:
-                self._up[url] = Backend(url, url, *load)
+                waiting, running = load
+                self._up[url] = Candidate(url, url, load=LoadVector(waiting=waiting,
+                                                                    running=running))
 
     async def _ready(self, session: aiohttp.ClientSession, url: str, rc: RouterConfig
                      ) -> tuple[int, int] | None:
@@ -188,9 +170,11 @@ class Proxy:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_route("*", "/v1/{tail:.*}", self.handle)
 
-    def pick(self, exclude: Iterable[str] = ()) -> Backend | None:
+    def pick(self, exclude: Iterable[str] = ()) -> Candidate | None:
         self._turn += 1
-        return pick_backend(self._source.backends(), self._outstanding, exclude, self._turn)
+        cands = [replace(c, inflight=self._outstanding.get(c.name, 0))
+                 for c in self._source.backends()]
+        return pick_backend(cands, set(exclude), self._turn)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if self._draining():
@@ -239,7 +223,7 @@ class Proxy:
                        f"No serving node could take the request (tried {len(tried)}).",
                        code="no_backend", headers={"Retry-After": "1"})
 
-    async def _forward(self, request: web.Request, backend: Backend, body: bytes,
+    async def _forward(self, request: web.Request, backend: Candidate, body: bytes,
                        headers: CIMultiDict[str], timeout: aiohttp.ClientTimeout
                        ) -> web.StreamResponse | tuple[int, bytes, CIMultiDict[str]] | None:
         """The client's response, or (status, body, headers) for a retryable refusal, or None
@@ -279,7 +263,7 @@ class Proxy:
                 resp.close()     # cut short: the backend must see the disconnect and abort
 
     async def _pump(self, request: web.Request, out: web.StreamResponse,
-                    resp: aiohttp.ClientResponse, first: bytes, backend: Backend) -> None:
+                    resp: aiohttp.ClientResponse, first: bytes, backend: Candidate) -> None:
         sse = resp.headers.get("Content-Type", "").startswith("text/event-stream")
         try:
             chunk = first

@@ -1,4 +1,4 @@
-"""Pure policy for choosing prefill peers: per-peer error counting with a half-open retry.
+"""A per-peer circuit breaker (pure): error counting with a half-open retry.
 
 A peer is CLOSED (healthy) until a failure opens it; an OPEN peer gets no work until
 `cooldown_s` has passed, then exactly one trial job (HALF_OPEN); the trial's success closes it,
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import Mapping
 
 
 class PeerState(str, enum.Enum):
@@ -46,17 +45,3 @@ def available(h: PeerHealth, now: float, cooldown_s: float) -> bool:
 def on_pick(h: PeerHealth) -> PeerHealth:
     """An OPEN peer past its cooldown that gets picked becomes the half-open trial."""
     return replace(h, state=PeerState.HALF_OPEN) if h.state is PeerState.OPEN else h
-
-
-def pick_peer(health: Mapping[str, PeerHealth], inflight: Mapping[str, int],
-              exclude: frozenset[str] | set[str], now: float, cooldown_s: float) -> str | None:
-    """A peer whose cooldown is over gets the next job (its half-open trial: otherwise a
-    lightly loaded cluster would never try it again); else the available peer with the fewest
-    jobs in flight (ties: by name). When every remaining peer is cooling down, the one that
-    failed longest ago is tried anyway: the alternative is failing the request for sure.
-    None only when every peer is excluded."""
-    left = [p for p in health if p not in exclude]
-    cands = [p for p in left if available(health[p], now, cooldown_s)]
-    if not cands:
-        return min(left, key=lambda p: (health[p].opened_at, p)) if left else None
-    return min(cands, key=lambda p: (health[p].state is PeerState.CLOSED, inflight.get(p, 0), p))

@@ -6,14 +6,18 @@ command; the loop applies them at the next step boundary. The forward pass and s
 ONE executor thread, so the event loop keeps serving HTTP while a step computes. When there is
 nothing to do the loop sleeps on an asyncio.Event.
 
+The contract callers hold it by is `moed.engine.client.EngineClient`; commands are typed
+(`moed.engine.commands`), one handler each (`_HANDLERS`).
+
 `at_step_boundary(fn)` runs a callable between two steps (e.g. expert-map swaps).
-`on_expert_load(load)` gets the runner's expert load ([layers, experts] tokens routed since the
-last read) about every EXPERT_LOAD_INTERVAL_S while steps run, and when the loop goes idle; the
-engine is the runner's only expert-load reader (its read resets the counts).
+Expert-load subscribers (`subscribe_expert_load`) get the runner's expert load ([layers,
+experts] tokens routed since the last read) about every EXPERT_LOAD_INTERVAL_S while steps run,
+and when the loop goes idle; the engine is the runner's only expert-load reader (its read
+resets the counts), and every subscriber gets the same window.
 `apply_config(cfg)` adopts the live limits (max_num_seqs, max_num_batched_tokens).
 
 Each step:  drain commands -> scheduler.schedule() -> [executor] runner.forward + sample ->
-scheduler.update() -> publish TokenEvents to each request's stream -> on_step(StepStats).
+scheduler.update() -> publish TokenEvents to each request's stream -> step subscribers.
 
 Disaggregation hooks (used by the prefill/decode roles):
 - Decode side: `add_request(..., remote_kv=True)` allocates blocks for the WHOLE prompt (prefix
@@ -25,8 +29,8 @@ Disaggregation hooks (used by the prefill/decode roles):
   colocated run. Abort frees the blocks as usual.
 - Prefill side: `add_request(..., prefill_only=True)` runs the prompt (chunked), samples the
   first token and finishes with "stop" ("length" if the prompt reached the context limit) — but
-  KEEPS its blocks on either. After every step that computed some of its prompt,
-  `on_prefill_progress(request_id, block_ids, num_computed_tokens)` is called
+  KEEPS its blocks on either. After every step that computed some of its prompt, the
+  prefill-progress subscribers get `(request_id, block_ids, num_computed_tokens)`
   (block_ids = the whole table; blocks below num_computed_tokens // block_size are final). Call
   `release_kv(request_id)` once the KV has been sent (or abort to give up).
 """
@@ -42,12 +46,15 @@ from typing import Any
 import structlog
 
 from moed.config import Config, EngineConfig
+from moed.engine.client import Listeners, Unsubscribe
+from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary, Command,
+                                  CompleteRemotePrefill, ReleaseKV)
 from moed.engine.request import Request
 from moed.engine.scheduler import Scheduler, StepPlan
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
 from moed.model.sampler import SampleResult, SampleRow, make_generator, sample, skip_one_token
-from moed.types import EngineStats, FinishReason, SamplingParams, TokenEvent
+from moed.types import ContextRule, EngineStats, FinishReason, SamplingParams, TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -72,13 +79,18 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    on_remote_allocated=self._remote_allocated)
-        self.on_step = on_step
-        self.on_prefill_progress = on_prefill_progress
-        self.on_expert_load = on_expert_load
+        self._on_step: Listeners[Callable[[StepStats], None]] = Listeners("step")
+        self._on_progress: Listeners[Callable[[str, list[int], int], None]] = \
+            Listeners("prefill_progress")
+        self._on_load: Listeners[Callable[[Any], None]] = Listeners("expert_load")
+        for listeners, fn in ((self._on_step, on_step), (self._on_progress, on_prefill_progress),
+                              (self._on_load, on_expert_load)):
+            if fn is not None:
+                listeners.add(fn)
         self._load_read_at = time.monotonic()
         self._load_pending = False      # steps ran since the last expert-load read
         self._streams: dict[str, RequestStream] = {}
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque[Command] = deque()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -125,6 +137,35 @@ class Engine:
         return self.kv.block_size
 
     @property
+    def context(self) -> ContextRule:
+        return ContextRule(self._max_model_len, self.kv.capacity_tokens)
+
+    def model_info(self) -> dict[str, str]:
+        """Which path serves (arch, dtype, device, attention backend, CPU kernels)."""
+        return self.runner.describe()
+
+    def limits(self) -> dict[str, int]:
+        """The limits the scheduler uses now (a reload lands at the next step)."""
+        return {"max_num_seqs": self.scheduler.max_num_seqs,
+                "max_num_batched_tokens": self.scheduler.max_num_batched_tokens}
+
+    def kv_region(self) -> Any:
+        """What the transfer layer registers: this node's KV tensor (moed.roles.common)."""
+        region = getattr(self.runner, "kv_region", None)
+        return region() if region is not None else self.runner.kv_cache
+
+    # ---- subscribers (see moed.engine.client) ----------------------------------------------
+    def subscribe_step(self, fn: Callable[[StepStats], None]) -> Unsubscribe:
+        return self._on_step.add(fn)
+
+    def subscribe_prefill_progress(self, fn: Callable[[str, list[int], int], None]
+                                   ) -> Unsubscribe:
+        return self._on_progress.add(fn)
+
+    def subscribe_expert_load(self, fn: Callable[[Any], None]) -> Unsubscribe:
+        return self._on_load.add(fn)
+
+    @property
     def alive(self) -> bool:
         """True while the step loop runs: False before start(), after shutdown() and once the
         loop has crashed (every request then fails; /ready answers 503)."""
@@ -141,7 +182,7 @@ class Engine:
                                      "preemptions": float(s.num_preemptions)})
 
     def _pending_adds(self) -> int:
-        return sum(1 for c in self._inbox if c[0] == "add")
+        return sum(1 for c in self._inbox if isinstance(c, AddRequest))
 
     # ---- public API (call from the event loop's thread) ------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -157,35 +198,35 @@ class Engine:
         if remote_kv:
             stream.kv_blocks = asyncio.get_running_loop().create_future()
         self._streams[request_id] = stream
-        self._post(("add", req))
+        self._post(AddRequest(req))
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        self._post(Abort(request_id))
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
                                 logprob: float | None = None,
                                 top_logprobs: Sequence[tuple[int, float]] | None = None) -> None:
-        self._post(("remote_done", request_id, int(first_token_id), logprob, top_logprobs))
+        self._post(CompleteRemotePrefill(request_id, int(first_token_id), logprob, top_logprobs))
 
     def release_kv(self, request_id: str) -> None:
-        self._post(("release", request_id))
+        self._post(ReleaseKV(request_id))
 
     def apply_config(self, cfg: EngineConfig) -> None:
         """Adopt the live fields (max_num_seqs, max_num_batched_tokens) at the next step."""
-        self._post(("config", cfg))
+        self._post(ApplyConfig(cfg))
 
     def at_step_boundary(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Run `fn()` on the loop between two steps (no forward in flight), e.g. to read the
         runner's expert load or install a new expert map. -> a future with fn's result."""
         fut = asyncio.get_running_loop().create_future()
-        self._post(("call", fn, fut))
+        self._post(CallAtBoundary(fn, fut))
         return fut
 
     def kv_block_table(self, request_id: str) -> list[int]:
         return list(self.kv.block_table(request_id))
 
-    def _post(self, cmd: tuple) -> None:
+    def _post(self, cmd: Command) -> None:
         self._inbox.append(cmd)
         if self._wake is not None:
             self._wake.set()
@@ -195,9 +236,11 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if len(prompt) > self._max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's maximum context "
-                             f"length is {self._max_model_len} tokens")
+        # the model's context only: a prompt over this node's KV capacity is the scheduler's
+        # to refuse (an error event), so a prefill role's caller can retry on a bigger node
+        err = ContextRule(self._max_model_len).prompt_error(len(prompt))
+        if err is not None:
+            raise ValueError(err)
         vocab = self.spec.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
@@ -234,7 +277,7 @@ class Engine:
         for rid in list(self.scheduler.requests) + list(self.scheduler.held):
             self._publish([self.scheduler.abort(rid)])
         for rid in list(self._streams):     # added after the loop ended
-            self._publish([TokenEvent(rid, (), "", (), FinishReason.ABORT)])
+            self._publish([TokenEvent.finish(rid, FinishReason.ABORT)])
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -253,10 +296,9 @@ class Engine:
                     self.scheduler.finish(req, FinishReason.ERROR, msg)
                 except Exception:       # the scheduler itself may be what broke
                     log.exception("engine_crash_cleanup_failed", request_id=rid)
-                self._publish([TokenEvent(rid, (), "", (), FinishReason.ERROR,
-                                          req.num_prompt_tokens, req.num_cached_tokens, msg)])
+                self._publish([_error(req, msg)])
             for rid in list(self._streams):     # still in the inbox: never reached the scheduler
-                self._publish([TokenEvent(rid, (), "", (), FinishReason.ERROR, error=msg)])
+                self._publish([TokenEvent.finish(rid, FinishReason.ERROR, error=msg)])
 
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
@@ -283,20 +325,22 @@ class Engine:
             self._read_expert_load(force=False)
 
     def _read_expert_load(self, force: bool) -> None:
-        """Between steps: pass the runner's expert load to on_expert_load (once per interval,
-        or now with force) if any step ran since the last read."""
+        """Between steps: pass the runner's expert load to its subscribers (once per interval,
+        or now with force) if any step ran since the last read. One read per window (it
+        resets the counts): every subscriber gets the same tensor."""
         read = getattr(self.runner, "expert_load", None)
-        if self.on_expert_load is None or read is None or not self._load_pending:
+        if not self._on_load or read is None or not self._load_pending:
             return
         now = time.monotonic()
         if not force and now - self._load_read_at < EXPERT_LOAD_INTERVAL_S:
             return
         self._load_read_at, self._load_pending = now, False
-        on_load = self.on_expert_load
-
-        def deliver() -> None:
-            on_load(read())
-        self._callback(deliver)
+        try:
+            load = read()
+        except Exception:
+            log.exception("expert_load_read_failed")
+            return
+        self._on_load.emit(load)
 
     # ---- one step (shared by the async loop and generate()) --------------------------------
     def _schedule(self) -> StepPlan | None:
@@ -332,15 +376,15 @@ class Engine:
                                        None if res is None else res.top_logprobs)
         self._publish(events)
         self.steps += 1
-        if self.on_prefill_progress is not None:
+        if self._on_progress:
             for c in plan.chunks:
                 r = c.request
                 if r.prefill_only and self.kv.has(r.request_id):
-                    self._callback(self.on_prefill_progress, r.request_id,
-                                   self.kv_block_table(r.request_id), r.num_computed_tokens)
-        if self.on_step is not None:
+                    self._on_progress.emit(r.request_id, self.kv_block_table(r.request_id),
+                                           r.num_computed_tokens)
+        if self._on_step:
             st = self.kv.stats()
-            self._callback(self.on_step, StepStats(
+            self._on_step.emit(StepStats(
                 step=self.steps, batch_size=len(plan.chunks),
                 num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
                 num_sampled=len(toks), num_finished=sum(e.finished for e in events),
@@ -354,55 +398,55 @@ class Engine:
             r = c.request
             if not r.finished:
                 self.scheduler.finish(r, FinishReason.ERROR, msg)
-                self._publish([TokenEvent(r.request_id, (), "", (), FinishReason.ERROR,
-                                          r.num_prompt_tokens, r.num_cached_tokens, msg)])
+                self._publish([_error(r, msg)])
 
-    @staticmethod
-    def _callback(fn: Callable, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("engine_callback_failed", callback=getattr(fn, "__name__", str(fn)))
-
+    # ---- commands: one handler each, applied only here (the step loop's boundary) ----------
     def _apply_commands(self) -> None:
         while self._inbox:
             cmd = self._inbox.popleft()
-            kind = cmd[0]
-            if kind == "add":
-                req = cmd[1]
-                if self._stopping:
-                    self._publish([TokenEvent(req.request_id, (), "", (), FinishReason.ABORT)])
-                else:
-                    self.scheduler.add(req)
-            elif kind == "abort":
-                rid = cmd[1]
-                ev = self.scheduler.abort(rid)
-                if ev is not None:
-                    self._publish([ev])
-            elif kind == "remote_done":
-                _, rid, tok, lp, top = cmd
-                req = self.scheduler.remote.get(rid)
-                if req is not None:     # token one was drawn remotely: consume its randomness
-                    skip_one_token(req.rng, req.params, self.spec.vocab_size)
-                try:
-                    self._publish([self.scheduler.complete_remote_prefill(rid, tok, lp, top)])
-                except KeyError:
-                    log.warning("remote_prefill_unknown_request", request_id=rid)
-            elif kind == "release":
-                self.scheduler.release(cmd[1])
-            elif kind == "call":
-                _, fn, fut = cmd
-                try:
-                    res = fn()
-                except Exception as e:
-                    if not fut.done():
-                        fut.set_exception(e)
-                else:
-                    if not fut.done():
-                        fut.set_result(res)
-            elif kind == "config":
-                self.cfg = cfg = cmd[1]
-                self.scheduler.set_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+            self._HANDLERS[type(cmd)](self, cmd)
+
+    def _add(self, cmd: AddRequest) -> None:
+        if self._stopping:
+            self._publish([TokenEvent.finish(cmd.request.request_id, FinishReason.ABORT)])
+        else:
+            self.scheduler.add(cmd.request)
+
+    def _abort(self, cmd: Abort) -> None:
+        ev = self.scheduler.abort(cmd.request_id)
+        if ev is not None:
+            self._publish([ev])
+
+    def _complete_remote(self, cmd: CompleteRemotePrefill) -> None:
+        req = self.scheduler.remote.get(cmd.request_id)
+        if req is not None:     # token one was drawn remotely: consume its randomness
+            skip_one_token(req.rng, req.params, self.spec.vocab_size)
+        try:
+            self._publish([self.scheduler.complete_remote_prefill(
+                cmd.request_id, cmd.token_id, cmd.logprob, cmd.top_logprobs)])
+        except KeyError:
+            log.warning("remote_prefill_unknown_request", request_id=cmd.request_id)
+
+    def _release(self, cmd: ReleaseKV) -> None:
+        self.scheduler.release(cmd.request_id)
+
+    def _call(self, cmd: CallAtBoundary) -> None:
+        try:
+            res = cmd.fn()
+        except Exception as e:
+            if not cmd.future.done():
+                cmd.future.set_exception(e)
+        else:
+            if not cmd.future.done():
+                cmd.future.set_result(res)
+
+    def _config(self, cmd: ApplyConfig) -> None:
+        self.cfg = cfg = cmd.config
+        self.scheduler.set_limits(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+
+    _HANDLERS: dict[type, Callable[[Engine, Any], None]] = {
+        AddRequest: _add, Abort: _abort, CompleteRemotePrefill: _complete_remote,
+        ReleaseKV: _release, CallAtBoundary: _call, ApplyConfig: _config}
 
     def _remote_allocated(self, req: Request, block_ids: list[int]) -> None:
         s = self._streams.get(req.request_id)
@@ -449,3 +493,9 @@ class Engine:
             if r.finish_reason is FinishReason.ERROR:
                 raise RuntimeError(f"request {r.request_id} failed: {r.error}")
         return [r.output_token_ids for r in reqs]
+
+
+def _error(req: Request, msg: str) -> TokenEvent:
+    return TokenEvent.finish(req.request_id, FinishReason.ERROR,
+                             prompt_tokens=req.num_prompt_tokens,
+                             cached_tokens=req.num_cached_tokens, error=msg)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from moed.engine.request import Request
 from moed.kvcache.manager import KVCacheManager
 from moed.model.batch import ForwardBatch
-from moed.types import FinishReason, RequestState, TokenEvent
+from moed.types import ContextRule, FinishReason, RequestState, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         # Generation stops ("length") once a request would outgrow the whole KV pool, so a
         # lone request always fits and preemption can never loop.
-        req.max_model_len = min(req.max_model_len, self.kv.capacity_tokens)
+        req.max_model_len = ContextRule(req.max_model_len, self.kv.capacity_tokens).limit
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

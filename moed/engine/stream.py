@@ -49,6 +49,13 @@ class RequestStream:
         self.finished = ev.finished
         self._queue.put_nowait(ev)
 
+    def fail(self, ev: TokenEvent) -> None:
+        """End the stream now with `ev` (a finish), whatever the engine still publishes for
+        the request (ignored from here on): the decode role fails a request whose remote
+        prefill failed. The caller still aborts the engine request, which frees its KV."""
+        assert ev.finished, "fail() takes a finish event"
+        self.put(ev)
+
     def __aiter__(self) -> RequestStream:
         return self
 

@@ -27,6 +27,7 @@ import structlog
 from moed.api import admin
 from moed.api.auth import AuthConfigError, load_keys
 from moed.config import Config, ConfigError, diff
+from moed.engine.client import EngineClient
 from moed.obs import metrics
 from moed.ops.reload import Commit, Reloader, ReloadResult, describe, redact
 from moed.ops.sdnotify import Notifier, watchdog_interval, watchdog_loop
@@ -35,11 +36,17 @@ from moed.ops.signals import ignore_sighup, take_held_sighup
 log = structlog.get_logger(__name__)
 
 
-def _keys(file: str, env: str, what: str) -> tuple[bytes, ...]:
+
+
+def load_key_source(file: str, env: str, what: str) -> tuple[bytes, ...]:
+    """server.<what>_file / _env (api_keys, admin_token) read, or a one-line ConfigError
+    (moed.api.auth.load_keys reads only a regular file, without blocking)."""
     try:
         return load_keys(file, env)
     except AuthConfigError as e:
         raise ConfigError(str(e).replace("api_keys", what)) from None
+    except UnicodeEncodeError:           # the variable's bytes were not UTF-8 (PEP 383)
+        raise ConfigError(f"server.{what}_env: variable {env} is not UTF-8 text") from None
 
 
 class EngineProgress:
@@ -47,7 +54,7 @@ class EngineProgress:
     `stall_s` (a wedged forward thread). Waiting requests alone do not count: a decode node
     waits for remote KV, or a full KV cache, without stepping, and is not stuck."""
 
-    def __init__(self, engine: Any, stall_s: float, clock=time.monotonic) -> None:
+    def __init__(self, engine: EngineClient, stall_s: float, clock=time.monotonic) -> None:
         self._engine, self._stall_s, self._clock = engine, stall_s, clock
         self._steps, self._since = -1, clock()
 
@@ -76,8 +83,8 @@ class OpsComponent:
         # stack first, so the journal says where the event loop was stuck.
         if not faulthandler.is_enabled():
             faulthandler.enable()
-        self._admin_tokens = _keys(cfg.server.admin_token_file, cfg.server.admin_token_env,
-                                   "admin_token")
+        self._admin_tokens = load_key_source(cfg.server.admin_token_file,
+                                             cfg.server.admin_token_env, "admin_token")
         self._app: Any = None
         self.reloader: Reloader | None = None
         self._last: ReloadResult | None = None
@@ -162,8 +169,8 @@ class OpsComponent:
 
     def _prepare_auth(self, old: Config, new: Config) -> Commit:
         s = new.server
-        _keys(s.api_keys_file, s.api_keys_env, "api_keys")    # readable, or the reload is invalid
-        admin_tokens = _keys(s.admin_token_file, s.admin_token_env, "admin_token")
+        load_key_source(s.api_keys_file, s.api_keys_env, "api_keys")   # or the reload is invalid
+        admin_tokens = load_key_source(s.admin_token_file, s.admin_token_env, "admin_token")
 
         def commit() -> None:
             self._app.set_config(new)     # limits, timeouts, API keys (re-read) for the next request
@@ -183,14 +190,8 @@ class OpsComponent:
         engine = getattr(self._app.state, "engine", None)
         if engine is None or old.engine == new.engine:
             return None
-        # Engine.apply_config (a decode node's DisaggEngine forwards it): adopted by the step
-        # loop at the next step boundary
-        apply = getattr(engine, "apply_config", None)
-        if apply is None:
-            log.warning("engine_live_update_unsupported",
-                        detail="engine limits keep their running values until a restart")
-            return None
-        return lambda: apply(new.engine)
+        # EngineClient.apply_config: adopted by the step loop at the next step boundary
+        return lambda: engine.apply_config(new.engine)
 
     def _check_coverage(self, old: Config, new: Config, appliers: set[str]) -> None:
         """Log live changes that no running component applies (they wait for a restart)."""
@@ -210,11 +211,13 @@ class OpsComponent:
 
     def _reloaded(self, result: ReloadResult) -> None:
         self._last = result
-        metrics.CONFIG_RELOADS.labels(result=result.outcome.value).inc()
-        self._export_version()
-        if not self._draining:
-            self.notifier.ready(f"serving, config v{self.reloader.version} "
-                                f"({result.outcome.value})")
+        try:
+            metrics.CONFIG_RELOADS.labels(result=result.outcome.value).inc()
+            self._export_version()
+        finally:   # RELOADING=1 was sent: without READY=1 the unit stays "reloading" for good
+            if not self._draining:
+                version = self.reloader.version if self.reloader else 1
+                self.notifier.ready(f"serving, config v{version} ({result.outcome.value})")
 
     def _export_version(self) -> None:
         version = self.reloader.version if self.reloader else 1
@@ -227,11 +230,7 @@ class OpsComponent:
     def _engine_limits(self) -> dict[str, int]:
         """The limits the engine's scheduler uses now (a reload lands at the next step)."""
         engine = getattr(self._app.state, "engine", None) if self._app is not None else None
-        sched = getattr(engine, "scheduler", None)
-        if sched is None:
-            return {}
-        return {"max_num_seqs": sched.max_num_seqs,
-                "max_num_batched_tokens": sched.max_num_batched_tokens}
+        return engine.limits() if engine is not None else {}
 
     def request_drain(self) -> dict[str, Any]:
         app = self._app

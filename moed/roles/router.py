@@ -1,4 +1,5 @@
-"""RouterComponent: the router role's wiring of moed.api.proxy (no model on this node).
+"""RouterComponent: the router role's wiring of moed.api.proxy (no model on this node); the
+choice of backend is moed.balance.router.
 
 Backends come from the membership view when a cluster component exposes one (`view()`), else
 from router.backends polled on /ready. Every proxied request counts as in flight, so a draining

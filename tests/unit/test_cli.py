@@ -7,7 +7,7 @@ from pathlib import Path
 from moed import cli
 from moed.config import load
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf" / "moed.toml"
 
 

@@ -10,7 +10,7 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
-from moed.types import EngineStats, FinishReason, SamplingParams, TokenEvent
+from moed.types import ContextRule, EngineStats, FinishReason, SamplingParams, TokenEvent
 
 EOS = 256
 
@@ -52,7 +52,11 @@ class FakeEngine:
         self.on_step = None
         self._task: asyncio.Task | None = None
 
-    # -- the Engine interface --
+    # -- the Engine interface (the parts of moed.engine.client.EngineClient the API uses) --
+    @property
+    def context(self) -> ContextRule:
+        return ContextRule(self.max_model_len, self.num_blocks * self.block_size)
+
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 

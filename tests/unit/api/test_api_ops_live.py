@@ -29,7 +29,7 @@ async def test_ready_reports_load_and_the_router_reads_it(http) -> None:
                                           "router": {"backends": [url]}})
         src = StaticBackends(lambda: cfg)
         await src.poll_once(http)
-        assert [(b.waiting, b.running) for b in src.backends()] == [(0, 1)]
+        assert [(b.load.waiting, b.load.running) for b in src.backends()] == [(0, 1)]
         (await task).close()         # disconnect: the request is aborted, the drain is quick
 
 

@@ -1,4 +1,4 @@
-"""Router proxy over real loopback HTTP: least-waiting pick, streaming passthrough, retry before
+"""Router proxy over real loopback HTTP (the pick itself: tests/unit/balance), streaming passthrough, retry before
 the first byte (dead node, draining 503), clean errors after it, client disconnects propagate."""
 from __future__ import annotations
 
@@ -13,29 +13,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from moed.api.middleware import request_context
-from moed.api.proxy import Backend, Proxy, StaticBackends, pick_backend
+from moed.api.proxy import Proxy, StaticBackends
+from moed.balance.candidate import Candidate
+from moed.balance.router import pick_backend
 from moed.config import load
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def test_pick_least_waiting_then_round_robin() -> None:
-    bs = [Backend("a", "http://a", 3), Backend("b", "http://b", 1), Backend("c", "http://c", 1)]
-    assert pick_backend(bs, {}).name in ("b", "c")
-    assert pick_backend(bs, {"b": 5}).name == "c"                 # outstanding counts too
-    assert {pick_backend(bs, {}, turn=t).name for t in range(4)} == {"b", "c"}
-    assert pick_backend(bs, {}, exclude=["b", "c"]).name == "a"
-    assert pick_backend(bs, {}, exclude=["a", "b", "c"]) is None
-    assert pick_backend([], {}) is None
-
-
-def test_pick_balances_on_running_when_queues_are_equal() -> None:
-    bs = [Backend("a", "http://a", 0, 7), Backend("b", "http://b", 0, 2),
-          Backend("c", "http://c", 1, 0)]
-    assert {pick_backend(bs, {}, turn=t).name for t in range(4)} == {"b"}   # not round-robin
-    assert pick_backend(bs, {"b": 1}).name == "a"     # outstanding at b counts as queued
-    assert pick_backend(bs, {"b": 1, "a": 1}).name == "c"   # all queue 1: c runs the fewest
-    assert pick_backend(bs, {}, exclude=["b"]).name == "a"  # a queue outweighs any batch size
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -169,7 +152,7 @@ async def test_dead_or_draining_nodes_are_skipped_before_the_first_byte(cluster)
     draining, good = FakeNode("d", status=503), FakeNode("g")
     url, proxy = await cluster(draining, good, extra=["http://127.0.0.1:9"])
     # The dead URL never passed /ready; force it in to exercise the connect-failure path too.
-    proxy._source._up["http://127.0.0.1:9"] = Backend("http://127.0.0.1:9", "http://127.0.0.1:9")
+    proxy._source._up["http://127.0.0.1:9"] = Candidate("http://127.0.0.1:9", "http://127.0.0.1:9")
     for _ in range(6):
         status, text, _ = await _post(url)
         assert status == 200 and text.rstrip().endswith("[DONE]")
@@ -216,13 +199,13 @@ async def test_health_poll_follows_readiness_and_load(cluster) -> None:
     a, b = FakeNode("a", waiting=5), FakeNode("b", waiting=0, running=3)
     url, proxy = await cluster(a, b)
     assert proxy.pick().name == b.url
-    assert {x.name: x.running for x in proxy._source.backends()} == {a.url: 0, b.url: 3}
+    assert {x.name: x.load.running for x in proxy._source.backends()} == {a.url: 0, b.url: 3}
     b.ready_status = 503
     for _ in range(100):
         await asyncio.sleep(0.02)
         if [x.name for x in proxy._source.backends()] == [a.url]:
             break
-    assert [x.waiting for x in proxy._source.backends()] == [5]
+    assert [x.load.waiting for x in proxy._source.backends()] == [5]
 
 
 async def test_finished_streams_reuse_pooled_connections(cluster) -> None:
@@ -249,9 +232,9 @@ def test_membership_backends_from_the_cluster_view() -> None:
         member("d5", "decode", http="")], version=1)
     cfg = load(environ={}, overrides={"server": {"role": "router"}})
     src = MembershipBackends(lambda: view, lambda: cfg)
-    got = {b.name: (b.url, b.waiting) for b in src.backends()}
+    got = {b.name: (b.url, b.load.waiting) for b in src.backends()}
     assert got == {"d1": ("http://h:1", 4), "d2": ("http://h:1", 0), "c1": ("http://h:1", 1)}
-    assert pick_backend(src.backends(), {}).name == "d2"
+    assert pick_backend(src.backends()).name == "d2"
     src.mark_failed("d2")                      # a refused connect: skipped until gossip catches up
-    assert pick_backend(src.backends(), {}).name == "c1"
+    assert pick_backend(src.backends()).name == "c1"
     assert MembershipBackends(lambda: None, lambda: cfg).backends() == []

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
-
 VOCAB = 64
 EOS = 63
 
@@ -28,18 +26,25 @@ class FakeRunner:
         self.slots: dict[tuple[int, int], int] = {}
         self.batches = []
 
-    def forward(self, batch) -> torch.Tensor:
+    def greedy(self, batch) -> list[int]:
+        """One step without torch: write the batch's tokens, read each sequence back through
+        its block table, return each one's next token (what argmax of forward() gives)."""
         self.batches.append(batch)
         bs = self.block_size
-        out = torch.zeros(batch.num_seqs, VOCAB)
-        for i, (toks, start, table) in enumerate(zip(batch.token_ids, batch.start_pos,
-                                                     batch.block_tables)):
+        out = []
+        for toks, start, table in zip(batch.token_ids, batch.start_pos, batch.block_tables):
             for j, t in enumerate(toks):
                 p = start + j
                 self.slots[(table[p // bs], p % bs)] = t
             end = start + len(toks)
-            seq = [self.slots.get((table[p // bs], p % bs), -1) for p in range(end)]
-            nt = next_token(seq)
-            out[i] = torch.linspace(0, 1, VOCAB)      # a smooth background for sampling tests
+            out.append(next_token([self.slots.get((table[p // bs], p % bs), -1)
+                                   for p in range(end)]))
+        return out
+
+    def forward(self, batch):
+        import torch   # here, not at import: the scheduler tests run without torch
+
+        out = torch.linspace(0, 1, VOCAB).repeat(batch.num_seqs, 1)   # a smooth background
+        for i, nt in enumerate(self.greedy(batch)):                   # for sampling tests
             out[i, nt] = 8.0
         return out

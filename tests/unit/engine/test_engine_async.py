@@ -50,7 +50,7 @@ async def _until(cond, timeout=10.0):
 async def test_concurrent_streams_match_reference(ref_greedy):
     eng = _engine()
     steps: list[StepStats] = []
-    eng.on_step = steps.append
+    eng.subscribe_step(steps.append)
     await eng.start()
     try:
         prompts = [list(range(1, 4 + 7 * i)) for i in range(4)]
@@ -199,7 +199,7 @@ async def test_remote_kv_and_prefill_only_roundtrip(ref_greedy):
     (copied slot by slot, standing in for the transfer) and decodes on."""
     progress = []
     pre = _engine()
-    pre.on_prefill_progress = lambda rid, ids, n: progress.append((rid, list(ids), n))
+    pre.subscribe_prefill_progress(lambda rid, ids, n: progress.append((rid, list(ids), n)))
     dec = _engine()
     await pre.start()
     await dec.start()
@@ -228,7 +228,7 @@ async def test_remote_kv_and_prefill_only_roundtrip(ref_greedy):
 async def test_apply_config_changes_budget_at_step_boundary():
     eng = _engine(SlowRunner(64, 4))
     steps: list[StepStats] = []
-    eng.on_step = steps.append
+    eng.subscribe_step(steps.append)
     await eng.start()
     try:
         eng.apply_config(EngineConfig(block_size=4, max_num_batched_tokens=4, max_num_seqs=2))

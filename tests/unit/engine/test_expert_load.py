@@ -72,6 +72,42 @@ async def test_every_routed_token_reaches_on_expert_load_between_steps():
     assert len(windows) < eng.steps                  # batched into windows, not read per step
 
 
+async def test_two_expert_load_listeners_each_get_every_window_and_can_leave():
+    """Metrics and the expert balancer both listen: one read per window, same tensor to both;
+    a failing listener does not starve the other; unsubscribing stops delivery."""
+    runner = RoutingRunner(64, 4)
+    eng = Engine(runner, None, EngineConfig(max_num_batched_tokens=8, block_size=4))
+    first, second = [], []
+
+    def broken(load):
+        raise RuntimeError("listener bug")
+
+    eng.subscribe_expert_load(broken)
+    eng.subscribe_expert_load(first.append)
+    leave = eng.subscribe_expert_load(second.append)
+    await eng.start()
+    try:
+        async def run(rid: str) -> None:
+            async for _ in eng.add_request(rid, list(range(1, 12)),
+                                           SamplingParams(max_tokens=5, temperature=0.0)):
+                pass
+        await run("a")
+        end = time.monotonic() + 5
+        while sum(int(w.sum()) for w in first) < runner.forwarded * TOP_K:
+            assert time.monotonic() < end, "the idle flush never came"
+            await asyncio.sleep(0.01)
+        assert len(first) == len(second) and all(a is b for a, b in zip(first, second))
+        leave()
+        n_second, seen = len(second), runner.forwarded
+        await run("b")
+        while sum(int(w.sum()) for w in first) < runner.forwarded * TOP_K:
+            assert time.monotonic() < end, "the idle flush never came"
+            await asyncio.sleep(0.01)
+        assert runner.forwarded > seen and len(second) == n_second
+    finally:
+        await eng.shutdown()
+
+
 def _sample(name, **labels):
     return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 

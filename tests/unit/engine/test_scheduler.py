@@ -17,7 +17,7 @@ def _sched(num_blocks=32, bs=4, seqs=8, budget=16, prefix=True):
 
 
 def _run(s: Scheduler, runner: FakeRunner, max_steps=500):
-    """Drive schedule/forward/update with greedy argmax; return the plans."""
+    """Drive schedule/forward/update greedily (FakeRunner.greedy, no torch); return the plans."""
     plans = []
     for _ in range(max_steps):
         if not s.has_unfinished():
@@ -25,9 +25,8 @@ def _run(s: Scheduler, runner: FakeRunner, max_steps=500):
         plan, _ = s.schedule()
         assert not plan.empty, "no progress with requests pending"
         plans.append(plan)
-        logits = runner.forward(plan.batch)
-        idx = [i for i, c in enumerate(plan.chunks) if c.sample]
-        s.update(plan, logits[idx].argmax(-1).tolist() if idx else [])
+        nxt = runner.greedy(plan.batch)
+        s.update(plan, [nxt[i] for i, c in enumerate(plan.chunks) if c.sample])
     raise AssertionError("did not finish")
 
 
@@ -91,7 +90,7 @@ def test_prefix_cache_hit_skips_blocks_and_matches():
     plan, _ = s.schedule()
     assert b.num_cached_tokens == 12 and plan.batch.start_pos == [12]
     assert plan.batch.token_ids == [[50]]
-    s.update(plan, [int(r.forward(plan.batch)[0].argmax())])
+    s.update(plan, [r.greedy(plan.batch)[0]])
     _run(s, r)
     assert b.output_token_ids == _expected(b.prompt_token_ids, 8)  # read back through cached blocks
     st = s.kv.stats()

@@ -55,9 +55,8 @@ def test_random_workloads(w):
             assert not s.has_work(), "no progress with requests pending"
             continue
         assert plan.batch.num_tokens <= w["budget"] and plan.batch.num_seqs <= w["seqs"]
-        logits = runner.forward(plan.batch)
-        idx = [i for i, c in enumerate(plan.chunks) if c.sample]
-        s.update(plan, logits[idx].argmax(-1).tolist() if idx else [])
+        nxt = runner.greedy(plan.batch)
+        s.update(plan, [nxt[i] for i, c in enumerate(plan.chunks) if c.sample])
     else:
         raise AssertionError("did not finish")
     cap = w["num_blocks"] * w["block_size"]

@@ -1,49 +1,13 @@
-"""Pure parts of the prefill/decode roles: peer breaker policy, wire messages, job states."""
+"""Pure parts of the prefill/decode roles: wire messages, job states (the peer choice and its
+breaker: tests/unit/balance)."""
 from __future__ import annotations
 
 import pytest
 
-from moed.roles.policy import (PeerHealth, PeerState, available, on_failure, on_pick,
-                               on_success, pick_peer)
 from moed.roles.prefill import JOB_TRANSITIONS, JobState, PrefillJob
 from moed.roles.protocol import (FirstToken, PrefillJobSpec, ProtocolError, first_token_params,
                                  sampling_fields)
 from moed.types import SamplingParams
-
-
-def test_breaker_half_open_cycle() -> None:
-    h = PeerHealth()
-    assert available(h, 0.0, 5.0)
-    h = on_failure(h, now=10.0)
-    assert h.state is PeerState.OPEN and h.consecutive_failures == 1
-    assert not available(h, 14.9, 5.0)          # cooling down
-    assert available(h, 15.0, 5.0)              # cooldown over: one trial
-    h = on_pick(h)
-    assert h.state is PeerState.HALF_OPEN and not available(h, 100.0, 5.0)
-    h2 = on_failure(h, now=20.0)                # trial failed: open again, from now
-    assert h2.state is PeerState.OPEN and h2.total_failures == 2 and not available(h2, 24.0, 5.0)
-    h3 = on_success(h)                          # trial succeeded: healthy, count reset
-    assert h3.state is PeerState.CLOSED and h3.consecutive_failures == 0
-    assert h3.total_failures == 1
-    assert on_pick(h3) is h3
-
-
-def test_pick_peer_prefers_idle_healthy_and_skips_excluded() -> None:
-    hs = {"a": PeerHealth(), "b": PeerHealth(), "c": on_failure(PeerHealth(), 0.0)}
-    assert pick_peer(hs, {"a": 2, "b": 1}, set(), 1.0, 5.0) == "b"
-    assert pick_peer(hs, {"a": 0, "b": 0}, set(), 1.0, 5.0) == "a"      # tie → name
-    assert pick_peer(hs, {}, {"a", "b"}, 6.0, 5.0) == "c"              # c's trial
-    # only cooling peers left: the oldest failure is tried rather than failing for sure
-    assert pick_peer(hs, {}, {"a", "b"}, 1.0, 5.0) == "c"
-    cooling = {"x": on_failure(PeerHealth(), 3.0), "y": on_failure(PeerHealth(), 2.0)}
-    assert pick_peer(cooling, {}, set(), 4.0, 5.0) == "y"
-    assert pick_peer(hs, {}, {"a", "b", "c"}, 1.0, 5.0) is None        # all tried
-    # a peer whose cooldown is over gets the next job as its trial, even when busier
-    assert pick_peer({"a": on_failure(PeerHealth(), 0.0), "b": PeerHealth()}, {"a": 3}, set(),
-                     10.0, 5.0) == "a"
-    assert pick_peer({"a": on_failure(PeerHealth(), 0.0), "b": PeerHealth()}, {}, set(),
-                     4.0, 5.0) == "b"
-    assert pick_peer({}, {}, set(), 0.0, 1.0) is None
 
 
 def _spec(**kw) -> PrefillJobSpec:

@@ -1,0 +1,95 @@
+"""EngineClient: the one contract the API, the roles and ops hold an engine by.
+
+`Engine` implements it; a decode node's `DisaggEngine` (moed.roles.decode) implements it too,
+explicitly, adding remote prefill to `add_request`/`abort`. Everything is called from the event
+loop's thread. Events go to subscribers (any number each; `subscribe_*` returns the function
+that unsubscribes):
+
+    step              StepStats after every step (metrics)
+    prefill_progress  (request_id, block_ids, num_computed_tokens) for prefill-only requests
+                      after each step that computed some of their prompt (the prefill role)
+    expert_load       the runner's expert load [layers, experts] about once a second and when
+                      the loop goes idle (metrics, the expert balancer)
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+import structlog
+
+from moed.config import EngineConfig
+from moed.engine.stream import RequestStream, StepStats
+from moed.types import ContextRule, EngineStats, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+F = TypeVar("F", bound=Callable[..., None])
+Unsubscribe = Callable[[], None]
+
+
+class Listeners(Generic[F]):
+    """Subscribers to one kind of event; one failing never stops the others (it is logged)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._fns: list[F] = []
+
+    def add(self, fn: F) -> Unsubscribe:
+        self._fns.append(fn)
+        return lambda: self._fns.remove(fn) if fn in self._fns else None
+
+    def __bool__(self) -> bool:
+        return bool(self._fns)
+
+    def emit(self, *args: Any) -> None:
+        for fn in list(self._fns):
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("engine_listener_failed", kind=self.name,
+                              listener=getattr(fn, "__qualname__", repr(fn)))
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    # ---- what the API reads ----
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def context(self) -> ContextRule: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def alive(self) -> bool: ...
+    def stats(self) -> EngineStats: ...
+    def model_info(self) -> dict[str, str]: ...
+    def limits(self) -> dict[str, int]: ...
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams, *, remote_kv: bool = False,
+                    prefill_only: bool = False) -> RequestStream: ...
+    def abort(self, request_id: str) -> None: ...
+
+    # ---- disaggregation (the roles) ----
+    def complete_remote_prefill(self, request_id: str, first_token_id: int,
+                                logprob: float | None = None,
+                                top_logprobs: Sequence[tuple[int, float]] | None = None
+                                ) -> None: ...
+    def release_kv(self, request_id: str) -> None: ...
+    def kv_block_table(self, request_id: str) -> list[int]: ...
+    def kv_region(self) -> Any: ...
+
+    # ---- ops ----
+    def apply_config(self, cfg: EngineConfig) -> None: ...
+    def at_step_boundary(self, fn: Callable[[], Any]) -> asyncio.Future: ...
+    def subscribe_step(self, fn: Callable[[StepStats], None]) -> Unsubscribe: ...
+    def subscribe_prefill_progress(self, fn: Callable[[str, list[int], int], None]
+                                   ) -> Unsubscribe: ...
+    def subscribe_expert_load(self, fn: Callable[[Any], None]) -> Unsubscribe: ...
+    async def start(self) -> None: ...
+    async def shutdown(self) -> None: ...
