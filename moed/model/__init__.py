@@ -2,9 +2,13 @@
 
 Public entry points (import the submodules; nothing heavy is imported here):
   spec.load_spec / ModelSpec         architecture facts from config.json
-  runner.ModelRunner                 loads weights, owns the KV cache, forward(ForwardBatch) -> logits
+  archs.get / supported / kv_layout  architectures by model_type (one module each in archs/)
+  kv_layout.KVLayout                 the paged KV cache's entry, shape, bytes and layout id
+  context.ComputeContext             device, dtype and whether the CPU kernels serve (once)
+  runner.ModelRunner                 loads weights, owns the KV cache, forward(ForwardBatch) -> logits;
+                                     kv_layout, kv_region() (what transfer registers)
   runner.auto_num_blocks             KV blocks that fit a memory budget
-  attention.registry.get_backend     "torch" | "flashinfer" | "auto"; base.kv_bytes_per_block
+  attention.registry.get_backend     "torch" | "flashinfer" | "auto"
   tokenizer.Tokenizer / IncrementalDetokenizer
   init.init_checkpoint               random-weight HF checkpoints for tests and benchmarks
 """

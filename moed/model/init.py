@@ -6,8 +6,10 @@ byte-level BPE tokenizer trained on local text (see bpe_train). Weights use a wi
 than transformers' 0.02 so logits are not flat (greedy ties make parity tests flaky), and norm
 weights are perturbed around 1 so a missing norm weight shows up in parity.
 
-CLI: `moed model init --arch {qwen3_moe,mixtral} --out DIR [--preset tiny|bench] [--seed N]`
-calls add_arguments()/main() below.
+What differs per architecture (transformers classes, config keys, chat style, special tokens)
+is the architecture module's InitRecipe (moed/model/archs/): any registered architecture with one
+can be written. CLI: `moed model init --arch {qwen3_moe,mixtral} --out DIR [--preset tiny|bench]
+[--seed N]` calls add_arguments()/main() below.
 """
 from __future__ import annotations
 
@@ -22,69 +24,52 @@ from typing import Any
 import structlog
 import torch
 
-from moed.model import bpe_train
+from moed.model import archs, bpe_train
 
 log = structlog.get_logger(__name__)
 
-# Presets in moed's own names (mapped to each architecture's HF names by _hf_kwargs).
+# Presets in moed's own names (mapped to each architecture's config.json keys by its InitRecipe).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, num_experts=8,
                  top_k=2, moe_intermediate_size=128, vocab_size=4096, max_position_embeddings=2048),
     "bench": dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, num_experts=16,
                   top_k=2, moe_intermediate_size=512, vocab_size=32000, max_position_embeddings=4096),
 }
-ARCHS = ("qwen3_moe", "mixtral")
-_CHAT_STYLE = {"qwen3_moe": "chatml", "mixtral": "mistral"}
 
-# moed name -> (qwen3_moe HF name, mixtral HF name); None = not applicable.
-_ALIASES: dict[str, tuple[str | None, str | None]] = {
-    "hidden_size": ("hidden_size", "hidden_size"),
-    "num_layers": ("num_hidden_layers", "num_hidden_layers"),
-    "num_heads": ("num_attention_heads", "num_attention_heads"),
-    "num_kv_heads": ("num_key_value_heads", "num_key_value_heads"),
-    "head_dim": ("head_dim", "head_dim"),
-    "num_experts": ("num_experts", "num_local_experts"),
-    "top_k": ("num_experts_per_tok", "num_experts_per_tok"),
-    "moe_intermediate_size": ("moe_intermediate_size", "intermediate_size"),
-    "dense_intermediate_size": ("intermediate_size", None),
-    "vocab_size": ("vocab_size", "vocab_size"),
-    "max_position_embeddings": ("max_position_embeddings", "max_position_embeddings"),
-    "rope_theta": ("rope_theta", "rope_theta"),
-    "rms_norm_eps": ("rms_norm_eps", "rms_norm_eps"),
-    "norm_topk_prob": ("norm_topk_prob", None),
-    "mlp_only_layers": ("mlp_only_layers", None),
-    "decoder_sparse_step": ("decoder_sparse_step", None),
-    "tie_word_embeddings": ("tie_word_embeddings", "tie_word_embeddings"),
-    "init_std": ("initializer_range", "initializer_range"),
-    "dtype": ("dtype", "dtype"),
-}
+
+def init_archs() -> tuple[str, ...]:
+    """The registered architectures that `moed model init` can write."""
+    return tuple(a for a in archs.supported() if archs.get(a).init is not None)
+
+
+def _recipe(arch: str) -> archs.InitRecipe:
+    recipe = archs.get(arch).init if arch in archs.supported() else None
+    if recipe is None:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(init_archs())}")
+    return recipe
 
 
 def _hf_kwargs(arch: str, params: dict[str, Any]) -> dict[str, Any]:
-    col = ARCHS.index(arch)
+    names = _recipe(arch).names
+    known = {n for a in init_archs() for n in _recipe(a).names}
     out: dict[str, Any] = {}
     for k, v in params.items():
-        if k not in _ALIASES:
-            raise ValueError(f"unknown checkpoint override {k!r}; known: {', '.join(sorted(_ALIASES))}")
-        name = _ALIASES[k][col]
-        if name is None:
+        if k not in known:
+            raise ValueError(f"unknown checkpoint override {k!r}; known: {', '.join(sorted(known))}")
+        if k not in names:
             raise ValueError(f"override {k!r} does not apply to {arch}")
-        out[name] = v
+        out[names[k]] = v
     theta = out.pop("rope_theta", 1_000_000.0)
     out["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
     return out
 
 
 def _build_config(arch: str, params: dict[str, Any], tok_ids: dict[str, int]):
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    import transformers
 
-    kw = _hf_kwargs(arch, params)
-    if arch == "qwen3_moe":
-        kw.setdefault("intermediate_size", 4 * kw["moe_intermediate_size"])   # dense layers only
-        kw.setdefault("norm_topk_prob", True)
-        return Qwen3MoeConfig(bos_token_id=tok_ids["<|endoftext|>"], eos_token_id=tok_ids["<|im_end|>"],
-                              pad_token_id=tok_ids["<|endoftext|>"], **kw)
-    return MixtralConfig(bos_token_id=tok_ids["<s>"], eos_token_id=tok_ids["</s>"], **kw)
+    recipe = _recipe(arch)
+    kw = recipe.config_kwargs(tok_ids, _hf_kwargs(arch, params))
+    return getattr(transformers, recipe.config_class)(**kw)
 
 
 _CHATML_TEMPLATE = (
@@ -105,7 +90,7 @@ _MISTRAL_TEMPLATE = (
 
 
 def _write_tokenizer(arch: str, out: Path, vocab_size: int, max_len: int) -> dict[str, int]:
-    style = _CHAT_STYLE[arch]
+    style = _recipe(arch).chat_style
     tok = bpe_train.trained_tokenizer(style, vocab_size)
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in bpe_train.SPECIAL_TOKENS[style]}
@@ -139,13 +124,13 @@ def init_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int 
     (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]);
     max_shard_size (e.g. "2MB") writes a sharded checkpoint with an index.
     """
-    from transformers import GenerationConfig, MixtralForCausalLM, Qwen3MoeForCausalLM
+    import transformers
+    from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()   # save_pretrained's shard bar would clutter logs
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    recipe = _recipe(arch)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
     t0 = time.monotonic()
@@ -155,14 +140,12 @@ def init_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int 
     ids = _write_tokenizer(arch, out, int(params["vocab_size"]), int(params["max_position_embeddings"]))
     config = _build_config(arch, params, ids)
     torch.manual_seed(seed)
-    cls = Qwen3MoeForCausalLM if arch == "qwen3_moe" else MixtralForCausalLM
-    model = cls(config)
+    model = getattr(transformers, recipe.model_class)(config)
     _perturb_norms(model, torch.Generator().manual_seed(seed + 1))
     model = model.to(getattr(torch, params["dtype"]))
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kw)
-    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]] if arch == "qwen3_moe" else ids["</s>"]
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=recipe.eos_ids(ids),
                      pad_token_id=config.pad_token_id).save_pretrained(out)
     if write_fused:
         fuse_experts_on_disk(out)
@@ -216,7 +199,7 @@ def fuse_experts_on_disk(model_dir: str | Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arch", required=True, choices=ARCHS)
+    parser.add_argument("--arch", required=True, choices=init_archs())
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)

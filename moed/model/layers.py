@@ -6,34 +6,15 @@ match the oracle to ~1e-5.
 """
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
 import torch.nn.functional as F
 
 from moed.model.attention.base import AttentionBackend
+from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
 from moed.model.spec import ModelSpec
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN-packed bf16 weights: 1.5-2.5x faster skinny GEMMs (decode) on CPU, same numerics."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_bf16_works()
-
-
-@functools.cache
-def _onednn_bf16_works() -> bool:
-    # Older CPUs (no AVX-512) may lack oneDNN's bf16 kernels: probe once, else use F.linear.
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(4, 8, dtype=torch.bfloat16)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=torch.bfloat16),
-                                               torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
-        return bool((y == 8).all())
-    except RuntimeError:
-        return False
 
 
 class Linear:
@@ -153,12 +134,11 @@ class AttentionBlock:
     q and k are normed and rotated together as one [T, Hq + Hkv, D] view of the qkv output
     (per-head weights side by side): half the small ops of doing them apart, same numbers."""
 
-    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], pack: bool = False,
-                 kernels: CpuKernels | None = None) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], ctx: ComputeContext) -> None:
         p = f"layers.{layer}."
-        self.layer, self.kernels = layer, kernels
-        self.qkv = Linear(w[p + "qkv"], w.get(p + "qkv.bias"), pack, kernels)
-        self.o = Linear(w[p + "o_proj"], w.get(p + "o_proj.bias"), pack, kernels)
+        self.layer, self.kernels = layer, ctx.kernels
+        self.qkv = Linear(w[p + "qkv"], w.get(p + "qkv.bias"), ctx.pack, ctx.kernels)
+        self.o = Linear(w[p + "o_proj"], w.get(p + "o_proj.bias"), ctx.pack, ctx.kernels)
         self.eps = spec.rms_norm_eps
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_norm, k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
@@ -184,10 +164,9 @@ class AttentionBlock:
 class DenseMLP:
     """SwiGLU MLP of dense layers (Qwen3 mlp_only_layers)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pack: bool = False,
-                 kernels: CpuKernels | None = None) -> None:
-        self.gate_up = Linear(gate_up, pack=pack, kernels=kernels)
-        self.down = Linear(down, pack=pack, kernels=kernels)
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, ctx: ComputeContext) -> None:
+        self.gate_up = Linear(gate_up, pack=ctx.pack, kernels=ctx.kernels)
+        self.down = Linear(down, pack=ctx.pack, kernels=ctx.kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x).chunk(2, dim=-1)

@@ -1,11 +1,21 @@
 """Load a HF checkpoint's safetensors into moed's canonical weight names.
 
-Reads single-file and sharded (`model.safetensors.index.json`) checkpoints and both expert
-naming styles found on the hub:
-  per-expert  `...mlp.experts.{e}.{gate,up,down}_proj.weight` (Qwen3/DeepSeek) or
-              `...block_sparse_moe.experts.{e}.w1/w3/w2.weight` (Mixtral)
-  fused       `...experts.gate_up_proj[.weight]` [E, 2I, H] gate half first,
-              `...experts.down_proj[.weight]` [E, H, I]  (transformers 5.x in-memory layout)
+The generic machinery: single-file and sharded (`model.safetensors.index.json`) checkpoints,
+each tensor cast and placed into its slice of a preallocated canonical tensor, and checks that
+nothing is missing, partial, unexpected or mis-shaped. Which checkpoint name is which canonical
+tensor is the architecture's (`Arch.weight_names` in moed/model/archs/): (regex, kind) pairs,
+per-layer regexes matched after `[model.]layers.{i}.`, where kind is one of
+
+  embed, norm, lm_head                      whole tensors (no layer prefix)
+  input_norm, post_norm, q_norm, k_norm,    whole per-layer tensors
+  router
+  qkv        groups (q|k|v, weight|bias)    one third of the fused q/k/v projection
+  o_proj     group (weight|bias)
+  expert.gate, expert.up, expert.down       group (expert index): one expert's matrix
+  fused.gate_up, fused.down                 all experts at once ([E, 2I, H] gate half first,
+                                            [E, H, I]: transformers 5.x in-memory layout)
+  dense.gate, dense.up, dense.down          the MLP of a dense (non-MoE) layer
+
 Experts always end up fused and contiguous ([E, 2I, H] and [E, H, I]): one slice per expert
 in the MoE hot path. Attention q/k/v are fused into one [(Hq + 2 Hkv) * D, H] matrix.
 
@@ -15,6 +25,7 @@ mlp.gate_up, mlp.down (dense layers).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -23,6 +34,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from moed.model import archs
 from moed.model.spec import ModelSpec, parse_dtype
 
 log = structlog.get_logger(__name__)
@@ -35,21 +47,21 @@ class WeightError(ValueError):
 
 
 _L = r"^(?:model\.)?layers\.(\d+)\."
-_RULES: list[tuple[re.Pattern[str], str]] = [(re.compile(p), n) for p, n in [
-    (r"^(?:model\.)?embed_tokens\.weight$", "embed"),
-    (r"^(?:model\.)?norm\.weight$", "norm"),
-    (r"^lm_head\.weight$", "lm_head"),
-    (_L + r"input_layernorm\.weight$", "input_norm"),
-    (_L + r"post_attention_layernorm\.weight$", "post_norm"),
-    (_L + r"self_attn\.([qkvo])_proj\.(weight|bias)$", "attn"),
-    (_L + r"self_attn\.([qk])_norm\.weight$", "qk_norm"),
-    (_L + r"(?:mlp|block_sparse_moe)\.gate\.weight$", "router"),
-    (_L + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$", "expert"),
-    (_L + r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$", "fused"),
-    (_L + r"mlp\.(gate_proj|up_proj|down_proj)\.weight$", "dense"),
-]]
+_GLOBAL = frozenset({"embed", "norm", "lm_head"})
+_WHOLE = frozenset({"input_norm", "post_norm", "q_norm", "k_norm", "router"})
+_ROLE = {"gate": 0, "up": 1, "down": 2}
+_KINDS = _GLOBAL | _WHOLE | {"qkv", "o_proj"} | {f"{a}.{r}" for a in ("expert", "dense") for r in _ROLE} \
+    | {"fused.gate_up", "fused.down"}
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-_EXPERT_ROLE = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+
+@functools.cache
+def compile_rules(names: tuple[tuple[str, str], ...]) -> tuple[tuple[re.Pattern[str], str], ...]:
+    """An architecture's (regex, kind) pairs, anchored (per-layer ones after the layer prefix)."""
+    bad = [k for _, k in names if k not in _KINDS]
+    if bad:
+        raise ValueError(f"unknown weight kinds {bad}; expected {sorted(_KINDS)}")
+    return tuple((re.compile(("^" if k in _GLOBAL else _L) + p + "$"), k) for p, k in names)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -94,6 +106,7 @@ class _Assembler:
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
         self.spec, self.dtype, self.device = spec, dtype, device
+        self.rules = compile_rules(archs.get(spec.arch).weight_names)
         self.shapes = expected_shapes(spec)
         self.out: Weights = {}
         self.filled: dict[str, set] = {}       # canonical name -> parts written
@@ -117,50 +130,47 @@ class _Assembler:
         self.filled[name].add(part)
 
     def add(self, key: str, t: torch.Tensor) -> bool:
-        s = self.spec
-        for pat, kind in _RULES:
+        for pat, kind in self.rules:
             m = pat.match(key)
             if m is None:
                 continue
-            g = m.groups()
-            p = f"layers.{g[0]}." if g else ""
-            d, hq, hkv = s.head_dim, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-            if kind in ("embed", "norm", "lm_head", "input_norm", "post_norm", "router"):
-                self.put(p + kind, 0, 1, (), t, key)
-            elif kind == "qk_norm":
-                self.put(p + f"{g[1]}_norm", 0, 1, (), t, key)
-            elif kind == "attn":
-                which, wb = g[1], g[2]
-                if which == "o":
-                    self.put(p + "o_proj" + (".bias" if wb == "bias" else ""), 0, 1, (), t, key)
-                else:
-                    lo = {"q": 0, "k": hq, "v": hq + hkv}[which]
-                    hi = lo + (hq if which == "q" else hkv)
-                    self.put(p + "qkv" + (".bias" if wb == "bias" else ""), which, 3, (slice(lo, hi),), t, key)
-            elif kind == "expert":
-                e, role = int(g[1]), _EXPERT_ROLE[g[2]]
-                if e >= s.num_experts:
-                    raise WeightError(f"{key}: expert {e} but config has {s.num_experts} experts")
-                i = s.moe_intermediate_size
-                if role == 2:
-                    self.put(p + "experts.down", e, s.num_experts, (e,), t, key)
-                else:
-                    self.put(p + "experts.gate_up", (e, role), 2 * s.num_experts,
-                             (e, slice(role * i, (role + 1) * i)), t, key)
-            elif kind == "fused":
-                if g[1] == "gate_up_proj":
-                    self.put(p + "experts.gate_up", "all", 1, (), t, key)
-                else:
-                    self.put(p + "experts.down", "all", 1, (), t, key)
-            elif kind == "dense":
-                di = s.dense_intermediate_size
-                if g[1] == "down_proj":
-                    self.put(p + "mlp.down", 0, 1, (), t, key)
-                else:
-                    role = 0 if g[1] == "gate_proj" else 1
-                    self.put(p + "mlp.gate_up", role, 2, (slice(role * di, (role + 1) * di),), t, key)
+            if kind in _GLOBAL:
+                self.put(kind, 0, 1, (), t, key)
+            else:
+                self._place(f"layers.{m.group(1)}.", kind, m.groups()[1:], t, key)
             return True
         return False
+
+    def _place(self, p: str, kind: str, g: tuple[str, ...], t: torch.Tensor, key: str) -> None:
+        s = self.spec
+        if kind in _WHOLE:
+            self.put(p + kind, 0, 1, (), t, key)
+        elif kind == "qkv":
+            which, bias = g[0], ".bias" if g[1] == "bias" else ""
+            hq, hkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            lo = {"q": 0, "k": hq, "v": hq + hkv}[which]
+            hi = lo + (hq if which == "q" else hkv)
+            self.put(p + "qkv" + bias, which, 3, (slice(lo, hi),), t, key)
+        elif kind == "o_proj":
+            self.put(p + "o_proj" + (".bias" if g[0] == "bias" else ""), 0, 1, (), t, key)
+        elif kind.startswith("expert."):
+            e, role = int(g[0]), _ROLE[kind.split(".")[1]]
+            if e >= s.num_experts:
+                raise WeightError(f"{key}: expert {e} but config has {s.num_experts} experts")
+            i = s.moe_intermediate_size
+            if role == 2:
+                self.put(p + "experts.down", e, s.num_experts, (e,), t, key)
+            else:
+                self.put(p + "experts.gate_up", (e, role), 2 * s.num_experts,
+                         (e, slice(role * i, (role + 1) * i)), t, key)
+        elif kind.startswith("fused."):
+            self.put(p + ("experts.gate_up" if kind == "fused.gate_up" else "experts.down"), "all", 1, (), t, key)
+        else:   # dense.*
+            role, di = _ROLE[kind.split(".")[1]], s.dense_intermediate_size
+            if role == 2:
+                self.put(p + "mlp.down", 0, 1, (), t, key)
+            else:
+                self.put(p + "mlp.gate_up", role, 2, (slice(role * di, (role + 1) * di),), t, key)
 
     def finish(self) -> Weights:
         missing = [n for n in self.shapes if n not in self.out]

@@ -1,20 +1,29 @@
-"""MoE layer: softmax top-k router, experts computed grouped by physical expert.
+"""MoE layer = a router (which experts, with what weight) + an expert executor (run them, combine).
 
-Routing goes logical expert -> physical slot through `logical_to_physical` ([E, R] table,
-`num_replicas` [E]); today every expert has one replica (identity), but expert parallelism
-and EPLB replicas change only the table, never this code. Tokens are sorted by physical
-expert, each touched expert runs one gate_up and one down matmul on its contiguous slice, and
-results are scattered back with index_add_ (no per-token Python loop).
+Router: softmax top-k over the router logits (renormalised where the spec says), then logical
+expert -> physical slot through `logical_to_physical` ([E, R] table, `num_replicas` [E]); today
+every expert has one replica (identity), but expert parallelism and EPLB replicas change only
+the table. It also counts tokens per logical expert (the runner's expert-load counter).
 
-On CPU bf16, batches of up to FUSED_MAX_TOKENS tokens (decode, short prefill) take the native kernel
-(moed/model/kernels): the same router, map and expert math in one call that reads each touched
-expert once, instead of ~60 small torch ops per layer.
+ExpertExecutor: given each token's physical experts and weights, runs the experts and returns
+the weighted sum. `LocalExperts` holds every physical expert in this process: tokens sorted by
+physical expert, each touched expert runs one gate_up and one down matmul on its contiguous
+slice, results scattered back with index_add_ (no per-token Python loop). Expert parallelism
+replaces it with a dispatch to the ranks holding the experts and a combine of their results.
+
+On CPU bf16 with local experts, batches of up to FUSED_MAX_TOKENS tokens (decode, short
+prefill) take the native kernel (moed/model/kernels) instead: router, map, load count and
+expert math in one call that reads each touched expert once, instead of ~60 small torch ops.
 """
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
 from moed.model.layers import Linear
 from moed.model.spec import ModelSpec
@@ -26,33 +35,24 @@ from moed.model.spec import ModelSpec
 FUSED_MAX_TOKENS = 512
 
 
-class MoELayer:
-    def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, load: torch.Tensor, pack: bool = False,
-                 kernels: CpuKernels | None = None) -> None:
-        """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
-        (this layer's row of the runner's expert-load counter, updated in place). Experts are
-        slices of the fused tensors; pack: plus oneDNN copies per expert (CPU bf16); kernels:
-        the native CPU kernels (bf16 only), used for batches up to FUSED_MAX_TOKENS."""
-        h, i = router.shape[1], down.shape[2]
-        self.kernels = kernels if kernels is not None and h % 2 == 0 and i % 2 == 0 else None
-        if self.kernels is not None:
-            # The kernels' packed copies serve the fused path and the experts' skinny matmuls;
-            # the plain tensors are then held by nothing and freed (see Linear).
-            self.router_p, self.gate_up_p, self.down_p = (self.kernels.pack(w) for w in (router, gate_up, down))
-            self.router = Linear(router, pack=pack, kernels=kernels, kpacked=self.router_p)
-            self.experts = [(Linear(gate_up[e], pack=pack, kernels=kernels, kpacked=self.gate_up_p[e]),
-                             Linear(down[e], pack=pack, kernels=kernels, kpacked=self.down_p[e]))
-                            for e in range(gate_up.shape[0])]
-        else:
-            self.router = Linear(router, pack=pack)
-            self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
-                            for e in range(gate_up.shape[0])]
-        self.intermediate = i
-        self.top_k, self.norm_topk = spec.top_k, spec.norm_topk_prob
-        self.num_experts = spec.num_experts
-        self.num_physical = gate_up.shape[0]
-        dev = gate_up.device
+@dataclass(frozen=True)
+class Routing:
+    """The router's decision for T tokens: choice j of token t goes to physical expert
+    physical[t, j] with weight weights[t, j] (x's dtype); j runs in top-k order."""
+    weights: torch.Tensor     # [T, k]
+    physical: torch.Tensor    # [T, k] int64
+    replicated: bool          # some expert has several replicas (tokens were spread over them)
+
+
+class Router:
+    def __init__(self, weight: torch.Tensor, spec: ModelSpec, num_physical: int, load: torch.Tensor,
+                 linear: Linear) -> None:
+        """weight [E, H]; load [E] int64 (this layer's row of the runner's counter, updated in
+        place); linear: the matmul over weight (plain, oneDNN-packed or kernel-packed)."""
+        self.linear = linear
+        self.top_k, self.norm_topk, self.num_experts = spec.top_k, spec.norm_topk_prob, spec.num_experts
+        self.num_physical = num_physical
+        dev = weight.device
         self.logical_to_physical = torch.arange(self.num_experts, device=dev).unsqueeze(1)  # [E, R]
         self.num_replicas = torch.ones(self.num_experts, dtype=torch.long, device=dev)
         self.load = load
@@ -67,32 +67,63 @@ class MoELayer:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k weights [T, k] (x's dtype) and logical expert ids [T, k], as transformers does."""
-        logits = self.router(x)
+        logits = self.linear(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         w, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(x.dtype), idx
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        if self.kernels is not None and t <= FUSED_MAX_TOKENS:
-            return self.kernels.moe_bf16(x, self.router_p, self.num_experts, self.top_k, self.norm_topk,
-                                         self.logical_to_physical, self.num_replicas, self.load,
-                                         self.gate_up_p, self.down_p, self.intermediate)
+    def __call__(self, x: torch.Tensor) -> Routing:
+        """Route x [T, H], map to physical experts and count the load."""
         weights, logical = self.route(x)
-        if t == 1 and self.logical_to_physical.shape[1] == 1:
-            return self._single_token(x, weights, logical[0])
+        replicated = self.logical_to_physical.shape[1] > 1
+        if x.shape[0] == 1 and not replicated:
+            self.load.index_add_(0, logical[0], torch.ones_like(logical[0]))
+            return Routing(weights, self.logical_to_physical[logical, 0], False)
         flat = logical.reshape(-1)
-        if self.logical_to_physical.shape[1] == 1:
+        if not replicated:
             phys = self.logical_to_physical[flat, 0]
         else:   # spread a replicated expert's tokens over its replicas
             slot = torch.arange(flat.numel(), device=x.device) % self.num_replicas[flat]
             phys = self.logical_to_physical[flat, slot]
         self.load += torch.bincount(flat, minlength=self.num_experts)
+        return Routing(weights, phys.view(logical.shape), replicated)
+
+
+class ExpertExecutor(ABC):
+    """Runs routed tokens through their physical experts and combines the results."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [T, H] -> [T, H]: row t = sum_j routing.weights[t, j] * expert_{physical[t, j]}(x[t])."""
+
+
+class LocalExperts(ExpertExecutor):
+    """Every physical expert in this process, as slices of the fused weights."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pack: bool,
+                 kernels: CpuKernels | None, packed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """gate_up [P, 2I, H] (gate half first); down [P, H, I]; packed: the kernels' copies of
+        both (then the only ones kept: the plain tensors are held by nothing and freed)."""
+        self.num_physical, self.intermediate = gate_up.shape[0], down.shape[2]
+        if packed is not None:
+            self.gate_up_p, self.down_p = packed
+            self.experts = [(Linear(gate_up[e], pack=pack, kernels=kernels, kpacked=self.gate_up_p[e]),
+                             Linear(down[e], pack=pack, kernels=kernels, kpacked=self.down_p[e]))
+                            for e in range(self.num_physical)]
+        else:
+            self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
+                            for e in range(self.num_physical)]
+
+    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        t, k = routing.physical.shape
+        if t == 1 and not routing.replicated:
+            return self._single_token(x, routing)
+        phys = routing.physical.reshape(-1)
         order = torch.argsort(phys, stable=True)
         counts = torch.bincount(phys, minlength=self.num_physical).tolist()   # one host sync
-        token = order // self.top_k
+        token = order // k
         xs = x.index_select(0, token)
         ys, start = [], 0
         for e, n in enumerate(counts):           # one pass per touched expert, never per token
@@ -102,18 +133,48 @@ class MoELayer:
             g, u = gate_up(xs[start:start + n]).chunk(2, dim=-1)
             ys.append(down(F.silu(g) * u))
             start += n
-        ws = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        ws = routing.weights.reshape(-1).index_select(0, order).unsqueeze(1)
         out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
         return out.index_add_(0, token, torch.cat(ys) * ws)
 
-    def _single_token(self, x: torch.Tensor, weights: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+    def _single_token(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Batch-1 decode: no sort/scatter, just the k experts in turn (~10% less MoE time)."""
-        self.load.index_add_(0, logical, torch.ones_like(logical))
-        phys = self.logical_to_physical[logical, 0].tolist()
-        out = None
-        for j, e in enumerate(phys):
+        weights, out = routing.weights, None
+        for j, e in enumerate(routing.physical[0].tolist()):
             gate_up, down = self.experts[e]
             g, u = gate_up(x).chunk(2, dim=-1)
             y = down(F.silu(g) * u) * weights[:, j:j + 1]
             out = y if out is None else out + y
         return out
+
+
+class MoELayer:
+    def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, load: torch.Tensor, ctx: ComputeContext) -> None:
+        """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
+        (this layer's row of the runner's expert-load counter, updated in place). ctx.pack: plus
+        oneDNN copies per expert (CPU bf16); ctx.kernels: the native CPU kernels, which serve
+        batches up to FUSED_MAX_TOKENS in one fused call."""
+        h, i = router.shape[1], down.shape[2]
+        k = ctx.kernels if ctx.kernels is not None and h % 2 == 0 and i % 2 == 0 else None
+        self.kernels = k          # the fused fast path; None: router then executor, in torch
+        if k is not None:
+            # The kernels' packed copies serve the fused path and the experts' skinny matmuls.
+            self.router_p, gate_up_p, down_p = (k.pack(w) for w in (router, gate_up, down))
+            linear = Linear(router, pack=ctx.pack, kernels=k, kpacked=self.router_p)
+            self.experts = LocalExperts(gate_up, down, ctx.pack, k, (gate_up_p, down_p))
+        else:
+            linear = Linear(router, pack=ctx.pack)
+            self.experts = LocalExperts(gate_up, down, ctx.pack, None, None)
+        self.router = Router(router, spec, gate_up.shape[0], load, linear)
+
+    def set_expert_map(self, logical_to_physical: torch.Tensor, num_replicas: torch.Tensor) -> None:
+        self.router.set_expert_map(logical_to_physical, num_replicas)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.shape[0] <= FUSED_MAX_TOKENS:
+            r, e = self.router, self.experts
+            return self.kernels.moe_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
+                                         r.logical_to_physical, r.num_replicas, r.load,
+                                         e.gate_up_p, e.down_p, e.intermediate)
+        return self.experts(x, self.router(x))

@@ -1,6 +1,10 @@
 """ModelRunner: loads a checkpoint, owns the paged KV cache, runs one ForwardBatch per step.
 
-Called from the engine's single executor thread; not thread-safe by design (one writer).
+Built once per model, in this order: the spec (config.json) picks the architecture module
+(moed/model/archs), which gives the KVLayout; the ComputeContext says where the model computes
+and whether the CPU kernels serve; the attention backend, the decoder stack and the KV tensor
+all read those same two objects. Called from the engine's single executor thread; not
+thread-safe by design (one writer).
 """
 from __future__ import annotations
 
@@ -10,12 +14,15 @@ from pathlib import Path
 import structlog
 import torch
 
-from moed.model.arch import MoEDecoder
-from moed.model.attention.base import kv_bytes_per_block, kv_cache_shape
+from moed.model import archs
 from moed.model.attention.registry import get_backend
 from moed.model.batch import ForwardBatch
+from moed.model.context import ComputeContext
+from moed.model.decoder import MoEDecoder
+from moed.model.kv_layout import KVLayout
 from moed.model.loader import Weights, load_weights
 from moed.model.spec import ModelSpec, load_spec, parse_dtype
+from moed.transfer.base import KVRegion, RegionLayout
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +47,7 @@ def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: torch.devic
 
 def auto_num_blocks(spec: ModelSpec, block_size: int, dtype: str | torch.dtype, memory_mb: int) -> int:
     """How many KV blocks fit in memory_mb."""
-    per_block = kv_bytes_per_block(spec, block_size, parse_dtype(dtype))
+    per_block = archs.kv_layout(spec, block_size, parse_dtype(dtype)).bytes_per_block
     n = (memory_mb << 20) // per_block
     if n < 1:
         raise ValueError(f"{memory_mb} MB of KV memory holds no block of {per_block} bytes")
@@ -59,24 +66,31 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.spec, self.device)
         self.block_size, self.num_blocks = block_size, num_blocks
+        arch = archs.get(self.spec.arch)
+        self.kv_layout: KVLayout = arch.kv_layout(self.spec, block_size, self.dtype)
+        self.ctx = ComputeContext.build(self.device, self.dtype)
         own = weights is None
         if own:
             weights = load_weights(model_dir, self.spec, self.dtype, self.device)
-        self.backend = get_backend(attention_backend, self.spec, block_size, self.device, self.dtype)
-        self.model = MoEDecoder(self.spec, weights, self.device, self.dtype, consume=own)
+        self.backend = get_backend(attention_backend, self.spec, self.kv_layout, self.ctx)
+        self.model = MoEDecoder(self.spec, weights, arch.build_layer, self.ctx, consume=own)
         del weights
-        self.kv_cache = torch.zeros(kv_cache_shape(self.spec, num_blocks, block_size),
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = self.kv_layout.allocate(num_blocks, self.device)
         log.info("model_runner_ready", **self.describe(),
-                 num_blocks=num_blocks, block_size=block_size,
-                 kv_mb=round(self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, 1),
+                 num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
+                 kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
                  seconds=round(time.monotonic() - t0, 2))
 
     def describe(self) -> dict[str, str]:
         """What runs: for the model_runner_ready log line and the moed_model_info metric."""
         return {"arch": self.spec.arch, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "backend": self.backend.name,
-                "cpu_kernels": "on" if self.model.kernels is not None else "off"}
+                "cpu_kernels": "on" if self.ctx.kernels is not None else "off"}
+
+    def kv_region(self) -> KVRegion:
+        """The KV tensor and its byte layout, as the transfer layer registers it."""
+        return KVRegion(self.kv_cache, RegionLayout.from_kv_layout(
+            self.kv_layout, self.kv_cache.data_ptr(), self.num_blocks))
 
     def _check(self, batch: ForwardBatch) -> None:
         if batch.num_seqs == 0:

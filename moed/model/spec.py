@@ -1,8 +1,11 @@
 """ModelSpec: the architecture facts the runner needs, parsed once from a HF `config.json`.
 
-Both config dialects are read: transformers 5.x writes `rope_parameters: {rope_theta, ...}`
-where older/real checkpoints have a top-level `rope_theta`; Qwen3-MoE may say
-`num_local_experts` where real configs say `num_experts`.
+This file parses what every architecture spells alike (sizes, heads, rope, norms, token ids,
+dtype); config.json's `model_type` picks the architecture module (moed/model/archs/), which
+maps the rest (experts, dense layers, q/k norm) and refuses what it does not serve. Both config
+dialects are read: transformers 5.x writes `rope_parameters: {rope_theta, ...}` where
+older/real checkpoints have a top-level `rope_theta`; `num_local_experts` and `num_experts`
+are both accepted.
 """
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHS = ("qwen3_moe", "mixtral")
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -27,7 +29,7 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    arch: str                           # "qwen3_moe" | "mixtral"
+    arch: str                           # config.json's model_type: "qwen3_moe", "mixtral", ...
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -71,7 +73,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise SpecError(f"unsupported dtype {name!r}; expected bfloat16, float32 or float16") from None
 
 
-def _req(cfg: dict[str, Any], *keys: str) -> Any:
+def required(cfg: dict[str, Any], *keys: str) -> Any:
+    """The first of keys that config.json sets (not null), else SpecError."""
     for k in keys:
         if cfg.get(k) is not None:
             return cfg[k]
@@ -97,33 +100,19 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 
 
 def spec_from_config(cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
-    arch = cfg.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
-        raise SpecError(f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+    from moed.model import archs      # the arch modules import this one
+
+    arch = archs.get(cfg.get("model_type"))
     if cfg.get("hidden_act", "silu") != "silu":
         raise SpecError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    sw = cfg.get("sliding_window")
-    if sw is not None and (arch == "mixtral" or cfg.get("use_sliding_window")):
-        raise SpecError("sliding-window attention is not supported")
-    hidden = int(_req(cfg, "hidden_size"))
-    heads = int(_req(cfg, "num_attention_heads"))
-    layers = int(_req(cfg, "num_hidden_layers"))
-    experts = int(_req(cfg, "num_experts", "num_local_experts"))
-    if arch == "qwen3_moe":
-        moe_inter = int(_req(cfg, "moe_intermediate_size"))
-        dense_inter = int(cfg.get("intermediate_size") or 0)
-        norm_topk = bool(cfg.get("norm_topk_prob", False))
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        only = set(cfg.get("mlp_only_layers") or [])
-        dense = tuple(i for i in range(layers)
-                      if i in only or experts == 0 or (i + 1) % step != 0)
-        qk_norm = True
-    else:
-        moe_inter = int(_req(cfg, "intermediate_size"))
-        dense_inter, norm_topk, dense, qk_norm = 0, True, (), False
-    if dense and dense_inter <= 0:
+    hidden = int(required(cfg, "hidden_size"))
+    heads = int(required(cfg, "num_attention_heads"))
+    layers = int(required(cfg, "num_hidden_layers"))
+    own = arch.spec_fields(cfg, layers)
+    experts, dense = own["num_experts"], own["dense_layers"]
+    if dense and own["dense_intermediate_size"] <= 0:
         raise SpecError("config has dense layers but no intermediate_size")
-    top_k = int(_req(cfg, "num_experts_per_tok"))
+    top_k = int(required(cfg, "num_experts_per_tok"))
     if experts and not 1 <= top_k <= experts:
         raise SpecError(f"num_experts_per_tok {top_k} must be in 1..{experts}")
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -139,15 +128,13 @@ def spec_from_config(cfg: dict[str, Any], generation: dict[str, Any] | None = No
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
     parse_dtype(dtype)
     return ModelSpec(
-        arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, vocab_size=int(_req(cfg, "vocab_size")), moe_intermediate_size=moe_inter,
-        dense_intermediate_size=dense_inter, num_experts=experts, top_k=top_k,
-        norm_topk_prob=norm_topk, rope_theta=_rope_theta(cfg),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(_req(cfg, "max_position_embeddings")),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qk_norm=qk_norm,
-        attention_bias=bool(cfg.get("attention_bias", False)), dense_layers=dense,
-        eos_token_ids=eos, bos_token_id=None if bos is None else int(bos), torch_dtype=dtype)
+        arch=arch.model_type, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=int(required(cfg, "vocab_size")),
+        top_k=top_k, rope_theta=_rope_theta(cfg), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(required(cfg, "max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        eos_token_ids=eos, bos_token_id=None if bos is None else int(bos), torch_dtype=dtype, **own)
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec:

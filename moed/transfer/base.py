@@ -1,8 +1,10 @@
 """The KV transfer interface: one small ABC that every backend implements.
 
-Model: each node registers its one KV tensor `[num_layers, num_blocks, 2, block_size,
-num_kv_heads, head_dim]` (a `RegionLayout`), publishes `local_metadata()` once, and a peer that
-wants to WRITE into it calls `add_peer(name, metadata, incarnation)`. A transfer copies
+Model: each node registers its one KV tensor `[num_layers, num_blocks, *block]` with a
+`RegionLayout` built from the model's KVLayout (moed/model/kv_layout.py: bytes per block per
+layer, block format, layout id) and the tensor's address (`ModelRunner.kv_region()` gives both),
+publishes `local_metadata()` once, and a peer that wants to WRITE into it calls
+`add_peer(name, metadata, incarnation)`, which refuses a peer whose layout differs. A transfer copies
 src_block_ids[i] (local) → dst_block_ids[i] (peer) in every layer and then delivers `notif` to
 the peer, after the data. Transfers are polled, never awaited inside a backend.
 
@@ -17,7 +19,7 @@ import json
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 
 class TransferError(RuntimeError):
@@ -80,6 +82,20 @@ class TransferHandle:
     num_descs: int            # descriptors after merging contiguous runs (per all layers)
 
 
+class KVFormat(Protocol):
+    """What transfer needs of the model's KVLayout (read, never imported: transfer sits below
+    the model)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def block_format(self) -> str: ...
+    @property
+    def layout_id(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class RegionLayout:
     """A registered KV tensor: where it is and how a block maps to bytes."""
@@ -87,9 +103,10 @@ class RegionLayout:
     base_addr: int
     num_layers: int
     num_blocks: int
-    block_bytes: int          # one block in one layer: 2 * block_size * heads * head_dim * elem
+    block_bytes: int          # one block in one layer (KVLayout.block_bytes)
     layer_stride: int         # bytes between layer l and l+1 (num_blocks * block_bytes if dense)
-    block_format: str = ""    # dtype and inner shape; peers must match exactly
+    block_format: str = ""    # dtype and block shape; peers must match exactly
+    layout_id: str = ""       # KVLayout.layout_id; "" for a raw tensor (from_tensor)
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.num_blocks < 1 or self.block_bytes < 1:
@@ -102,8 +119,16 @@ class RegionLayout:
         return (self.num_layers - 1) * self.layer_stride + self.num_blocks * self.block_bytes
 
     @classmethod
+    def from_kv_layout(cls, kv: KVFormat, base_addr: int, num_blocks: int) -> "RegionLayout":
+        """The region of a dense KV tensor of num_blocks blocks laid out as kv says, at base_addr."""
+        return cls(base_addr=base_addr, num_layers=kv.num_layers, num_blocks=num_blocks,
+                   block_bytes=kv.block_bytes, layer_stride=num_blocks * kv.block_bytes,
+                   block_format=kv.block_format, layout_id=kv.layout_id)
+
+    @classmethod
     def from_tensor(cls, kv: Any) -> "RegionLayout":
-        """From a `[num_layers, num_blocks, ...]` torch tensor whose blocks are dense."""
+        """From a bare `[num_layers, num_blocks, ...]` torch tensor whose blocks are dense (tests,
+        tools; a model's region comes from its KVLayout)."""
         if kv.dim() < 2:
             raise ValueError("KV tensor needs at least [num_layers, num_blocks]")
         elem = kv.element_size()
@@ -117,13 +142,30 @@ class RegionLayout:
         return cls(base_addr=kv.data_ptr(), num_layers=kv.shape[0], num_blocks=kv.shape[1],
                    block_bytes=dense_block, layer_stride=kv.stride(0) * elem, block_format=fmt)
 
+    def check_covers(self, kv: Any) -> None:
+        """The layout describes memory inside the tensor kv (registering more would expose
+        memory the tensor does not own)."""
+        if self.base_addr != kv.data_ptr() or self.nbytes > kv.numel() * kv.element_size():
+            raise ValueError(f"KV layout ({self.nbytes} B at {self.base_addr:#x}) does not match the "
+                             f"tensor ({kv.numel() * kv.element_size()} B at {kv.data_ptr():#x})")
+
     def check_compatible(self, peer: "RegionLayout") -> None:
-        if (self.num_layers, self.block_bytes, self.block_format) != (
+        """Same layers, block bytes and format (the block count may differ); and the same
+        layout id where both sides have one."""
+        ids_differ = bool(self.layout_id and peer.layout_id and self.layout_id != peer.layout_id)
+        if ids_differ or (self.num_layers, self.block_bytes, self.block_format) != (
                 peer.num_layers, peer.block_bytes, peer.block_format):
             raise IncompatibleLayout(
                 f"KV layout mismatch: local {self.num_layers} layers x {self.block_bytes} B "
-                f"({self.block_format}) vs peer {peer.num_layers} layers x {peer.block_bytes} B "
-                f"({peer.block_format})")
+                f"({self.block_format}, {self.layout_id or 'no id'}) vs peer {peer.num_layers} "
+                f"layers x {peer.block_bytes} B ({peer.block_format}, {peer.layout_id or 'no id'})")
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """What a node registers for transfer: its KV tensor and the tensor's layout."""
+    tensor: Any
+    layout: RegionLayout
 
 
 # ---- metadata envelope: magic, header length, JSON header, backend blob ------------------
@@ -139,8 +181,11 @@ class PeerMetadata:
     blob: bytes               # the backend's own metadata (NIXL agent metadata)
 
     def encode(self) -> bytes:
+        # layout_id travels beside "layout", not in it: a node of the previous release builds
+        # RegionLayout(**layout) and would refuse an unknown key.
+        layout = asdict(self.layout)
         head = json.dumps({"backend": self.backend, "agent": self.agent,
-                           "layout": asdict(self.layout)}).encode()
+                           "layout_id": layout.pop("layout_id"), "layout": layout}).encode()
         return _MAGIC + struct.pack("<I", len(head)) + head + self.blob
 
     @classmethod
@@ -151,8 +196,9 @@ class PeerMetadata:
             (n,) = struct.unpack_from("<I", data, len(_MAGIC))
             start = len(_MAGIC) + 4
             head = json.loads(data[start:start + n])
-            return cls(backend=head["backend"], agent=head["agent"],
-                       layout=RegionLayout(**head["layout"]), blob=bytes(data[start + n:]))
+            layout = RegionLayout(**head["layout"], layout_id=str(head.get("layout_id", "")))
+            return cls(backend=head["backend"], agent=head["agent"], layout=layout,
+                       blob=bytes(data[start + n:]))
         except (struct.error, ValueError, KeyError, TypeError) as e:
             raise BadMetadata(f"peer metadata is corrupt: {e}") from None
 
@@ -165,7 +211,8 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def register_kv(self, kv: Any, layout: RegionLayout | None = None) -> RegionLayout:
-        """Register the node's KV tensor (once). Returns its layout."""
+        """Register the node's KV tensor (once) with its layout (a model's comes from its
+        KVLayout: `ModelRunner.kv_region()`; None derives one from a bare tensor). Returns it."""
 
     @abstractmethod
     def local_metadata(self) -> bytes:

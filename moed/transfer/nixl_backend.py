@@ -77,7 +77,10 @@ class NixlBackend(TransferBackend):
     def register_kv(self, kv: Any, layout: RegionLayout | None = None) -> RegionLayout:
         if self._layout is not None:
             raise TransferError("a KV region is already registered")
-        layout = layout or RegionLayout.from_tensor(kv)
+        if layout is None:
+            layout = RegionLayout.from_tensor(kv)
+        else:
+            layout.check_covers(kv)
         self._reg = self._agent.register_memory(
             [(layout.base_addr, layout.nbytes, 0, "")], "DRAM")
         self._layout = layout

@@ -254,3 +254,36 @@ async def test_worker_both_directions(kind: str, peer: Peer) -> None:
         assert torch.equal(kv[:, [20, 30]], _pattern(peer.seed)[:, [10, 11]])
     finally:
         await w.close()
+
+
+def test_model_regions_register_from_their_kv_layout(kind: str, peer: Peer) -> None:
+    """A node registers its model's region (a RegionLayout from its KVLayout, as
+    ModelRunner.kv_region() gives it): a layout that does not cover the tensor is refused, the
+    region pairs with a peer of the same block format and moves data, and two regions whose
+    layout ids differ refuse each other even when their bytes agree."""
+    from moed.model.kv_layout import KVLayout
+    from moed.transfer import RegionLayout
+
+    kvl = KVLayout.gqa(SHAPE[0], SHAPE[4], SHAPE[5], SHAPE[3], torch.float32)
+    assert kvl.shape(SHAPE[1]) == SHAPE
+    kv = kvl.allocate(SHAPE[1], "cpu")
+    kv.copy_(_pattern(seed=4))
+    b, other = create_backend(kind, "model"), create_backend(kind, "model2")
+    try:
+        small = kv[:, :8].clone()
+        with pytest.raises(ValueError, match="does not match the tensor"):
+            b.register_kv(small, RegionLayout.from_kv_layout(kvl, kv.data_ptr(), SHAPE[1]))
+        lay = b.register_kv(kv, RegionLayout.from_kv_layout(kvl, kv.data_ptr(), SHAPE[1]))
+        assert lay.layout_id == kvl.layout_id and lay == RegionLayout.from_kv_layout(kvl, kv.data_ptr(), SHAPE[1])
+        assert b.add_peer("p", peer.metadata, 1) is True       # a bare-tensor peer: formats agree
+        assert _wait(b, b.write_blocks("p", [1, 2], [43, 44], b"model")).state is TransferState.DONE
+        assert peer.ask("notifs", 1, 5.0) == [b"model"]
+        assert torch.equal(peer.ask("blocks", [43, 44]), kv[:, [1, 2]])
+        twin = torch.zeros(SHAPE)
+        forged = RegionLayout(**{**RegionLayout.from_tensor(twin).__dict__, "layout_id": "gqa-000000000000"})
+        other.register_kv(twin, forged)
+        with pytest.raises(IncompatibleLayout, match="gqa-000000000000"):
+            b.add_peer("q", other.local_metadata(), 1)
+    finally:
+        b.close()
+        other.close()

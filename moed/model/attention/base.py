@@ -1,8 +1,9 @@
-"""Attention backend interface and the one paged KV layout both backends share.
+"""Attention backend interface over the paged KV cache that moed/model/kv_layout.py describes.
 
-KV cache (FlashInfer paged NHD): one tensor [num_layers, num_blocks, 2, block_size, H_kv, D];
-a layer's view is [num_blocks, 2, block_size, H_kv, D] with K at [:, 0] and V at [:, 1].
-Transfer and tiering code works on block ids and byte ranges of this layout.
+Both backends serve the `gqa` KVLayout: a layer's view of the cache is
+[num_blocks, 2, block_size, H_kv, D] with K at [:, 0] and V at [:, 1] (FlashInfer paged NHD).
+A backend reads block size and entry shape from the KVLayout it is given, and device, dtype and
+the CPU kernels from the model's ComputeContext; it refuses a layout kind it does not implement.
 
 Per step the runner calls `plan(batch, positions)` once (build index tensors), then per layer
 `forward(layer, q, k, v, kv_layer)`, which first writes the new K/V into the paged cache and
@@ -15,24 +16,20 @@ from abc import ABC, abstractmethod
 import torch
 
 from moed.model.batch import ForwardBatch
+from moed.model.context import ComputeContext
+from moed.model.kv_layout import KVLayout
 from moed.model.spec import ModelSpec
-
-
-def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (spec.num_layers, num_blocks, 2, block_size, spec.num_kv_heads, spec.head_dim)
-
-
-def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
 class AttentionBackend(ABC):
     name: str = ""
+    kv_kinds: tuple[str, ...] = ("gqa",)        # KVLayout kinds this backend reads and writes
 
-    def __init__(self, spec: ModelSpec, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.spec, self.block_size, self.device, self.dtype = spec, block_size, device, dtype
+    def __init__(self, spec: ModelSpec, kv: KVLayout, ctx: ComputeContext) -> None:
+        if kv.kind not in self.kv_kinds:
+            raise ValueError(f"attention backend {self.name!r} does not serve KV layout kind {kv.kind!r}")
+        self.spec, self.kv = spec, kv
+        self.block_size, self.device, self.dtype = kv.block_size, ctx.device, ctx.dtype
         self.scale = spec.head_dim ** -0.5
 
     @abstractmethod

@@ -12,6 +12,8 @@ import torch
 
 from moed.model.attention.base import AttentionBackend
 from moed.model.batch import ForwardBatch
+from moed.model.context import ComputeContext
+from moed.model.kv_layout import KVLayout
 from moed.model.spec import ModelSpec
 
 _WORKSPACE_BYTES = 128 << 20
@@ -20,12 +22,12 @@ _WORKSPACE_BYTES = 128 << 20
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, spec: ModelSpec, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(spec, block_size, device, dtype)
+    def __init__(self, spec: ModelSpec, kv: KVLayout, ctx: ComputeContext) -> None:
+        super().__init__(spec, kv, ctx)
         import flashinfer
 
         self._fi = flashinfer
-        ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         # Tensor-core decode kernels cover the larger GQA group sizes the CUDA-core ones lack.
         group = spec.num_heads // spec.num_kv_heads

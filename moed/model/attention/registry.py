@@ -7,6 +7,8 @@ import importlib.util
 import torch
 
 from moed.model.attention.base import AttentionBackend
+from moed.model.context import ComputeContext
+from moed.model.kv_layout import KVLayout
 from moed.model.spec import ModelSpec
 
 BACKENDS: dict[str, str] = {
@@ -24,13 +26,11 @@ def resolve(name: str, device: torch.device) -> str:
     return "torch"
 
 
-def get_backend(name: str, spec: ModelSpec, block_size: int, device: torch.device | str,
-                dtype: torch.dtype) -> AttentionBackend:
-    device = torch.device(device)
-    name = resolve(name, device)
+def get_backend(name: str, spec: ModelSpec, kv: KVLayout, ctx: ComputeContext) -> AttentionBackend:
+    name = resolve(name, ctx.device)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected auto, {', '.join(BACKENDS)}")
-    if name == "flashinfer" and device.type != "cuda":
+    if name == "flashinfer" and ctx.device.type != "cuda":
         raise ValueError("attention backend 'flashinfer' needs a CUDA device")
     module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(spec, block_size, device, dtype)
+    return getattr(importlib.import_module(module), cls)(spec, kv, ctx)

@@ -1,13 +1,14 @@
 """Reference attention on plain torch (CPU or any device), over the shared paged NHD layout.
 
 plan() turns block tables into flat slot indices once per step: the layer's cache viewed as
-rows [num_blocks * 2 * block_size, H_kv, D] (row of K at (block*2)*bs + off, V one block-half
-later), so writes are one index_copy_ and reads one index_select per K and V. Decode
-sequences (one new token) are attended together in one batched SDPA call over their gathered
-blocks with a length mask; prefill/chunked sequences run one SDPA call each (causal, offset by
-the tokens already cached). On CPU bf16 with the native kernels (moed/model/kernels), decode
+rows [num_blocks * rows_per_block, H_kv, D] (the gqa KVLayout's block [2, bs, H_kv, D] is 2 * bs
+rows: K of slot s at block * rows_per_block + s, V one plane, bs rows, later), so writes are one
+index_copy_ and reads one index_select per K and V. Decode sequences (one new token) are
+attended together in one batched SDPA call over their gathered blocks with a length mask;
+prefill/chunked sequences run one SDPA call each (causal, offset by the tokens already cached). On CPU bf16 with the native kernels (moed/model/kernels), decode
 sequences instead go to one call that reads K/V straight from their blocks (no gather), with the
-same roundings as the torch path.
+same roundings as the torch path. Whether the kernels serve is the model's ComputeContext's
+answer; this backend only adds that the kernel is built for head sizes 32, 64, 128 and 256.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import torch.nn.functional as F
 
 from moed.model.attention.base import AttentionBackend
 from moed.model.batch import ForwardBatch
-from moed.model.kernels import CpuKernels, cpu_kernels
+from moed.model.context import ComputeContext
+from moed.model.kernels import CpuKernels
+from moed.model.kv_layout import KVLayout
 from moed.model.spec import ModelSpec
 
 
@@ -35,11 +38,12 @@ class _Prefill:
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, spec: ModelSpec, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(spec, block_size, device, dtype)
-        fits = spec.head_dim in (32, 64, 128, 256)          # the head sizes the kernel is built for
-        self.kernels: CpuKernels | None = (
-            cpu_kernels() if device.type == "cpu" and dtype == torch.bfloat16 and fits else None)
+    def __init__(self, spec: ModelSpec, kv: KVLayout, ctx: ComputeContext) -> None:
+        super().__init__(spec, kv, ctx)
+        planes, bs, self.hkv, self.d = kv.block_shape
+        self.rows_per_block, self.v_rows = planes * bs, bs      # V: one plane after K
+        fits = self.d in (32, 64, 128, 256)                     # the head sizes the kernel is built for
+        self.kernels: CpuKernels | None = ctx.kernels if fits else None
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
@@ -56,8 +60,8 @@ class TorchBackend(AttentionBackend):
         seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens), device=dev),
                                                torch.tensor(q_lens, device=dev))
         blk = table_t[seq_of_token, positions // bs]
-        self.write_k = blk * (2 * bs) + positions % bs
-        self.write_v = self.write_k + bs
+        self.write_k = blk * self.rows_per_block + positions % bs
+        self.write_v = self.write_k + self.v_rows
 
         row_of = list(accumulate(q_lens, initial=0))                       # first row per sequence
         dec = [i for i, n in enumerate(q_lens) if n == 1]
@@ -83,11 +87,11 @@ class TorchBackend(AttentionBackend):
         slot = torch.arange(length, device=dev)
         # Rows of the cache viewed as [*, D] (one per block, K/V, slot, kv head), ordered
         # [Bd, H_kv, L] so the gather lands in the layout the matmuls want (no transpose).
-        hkv = self.spec.num_kv_heads
-        row = dt[:, slot // bs] * (2 * bs) + slot % bs                              # [Bd, L]
+        hkv = self.hkv
+        row = dt[:, slot // bs] * self.rows_per_block + slot % bs                   # [Bd, L]
         head = torch.arange(hkv, device=dev)
         self.dec_k = (row[:, None, :] * hkv + head[None, :, None]).reshape(-1)
-        self.dec_v = self.dec_k + bs * hkv
+        self.dec_v = self.dec_k + self.v_rows * hkv
         valid = (slot[None, :] < lens[:, None]).view(b, 1, 1, length)
         self.dec_bias = torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
 
@@ -101,19 +105,18 @@ class TorchBackend(AttentionBackend):
             k_rows = mask = None
             if start > 0:     # chunked prefill: attend over the cached history too
                 slot = torch.arange(start + n, device=dev)
-                k_rows = table_t[i, slot // bs] * (2 * bs) + slot % bs
+                k_rows = table_t[i, slot // bs] * self.rows_per_block + slot % bs
                 mask = slot[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
             self.prefills.append(_Prefill(row_of[i], n, start, k_rows, mask))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
-        hkv, d = k.shape[1], k.shape[2]
-        flat = kv_layer.view(-1, hkv, d)
+        flat = kv_layer.view(-1, self.hkv, self.d)
         flat.index_copy_(0, self.write_k, k)
         flat.index_copy_(0, self.write_v, v)
         out = torch.empty_like(q)
         if self.has_dec:
-            od = self._decode(q if self.dec_all else q.index_select(0, self.dec_rows), flat)
+            od = self._decode(q if self.dec_all else q.index_select(0, self.dec_rows), flat, kv_layer)
             if self.dec_all:
                 return od
             out.index_copy_(0, self.dec_rows, od)
@@ -122,21 +125,20 @@ class TorchBackend(AttentionBackend):
             if p.k_rows is None:
                 ks, vs = k[p.row:p.row + p.n], v[p.row:p.row + p.n]
             else:
-                ks, vs = flat.index_select(0, p.k_rows), flat.index_select(0, p.k_rows + self.block_size)
+                ks, vs = flat.index_select(0, p.k_rows), flat.index_select(0, p.k_rows + self.v_rows)
             o = F.scaled_dot_product_attention(
                 qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                 attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True)
             out[p.row:p.row + p.n] = o.squeeze(0).transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, flat: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         """One query per sequence, batched: plain matmuls in the cache dtype (CPU SDPA is slow
         for a single bf16 query row), softmax in fp32, GQA without repeating K/V."""
         if self.kernels is not None:
-            layer = flat.view(-1, 2, self.block_size, flat.shape[1], flat.shape[2])
-            return self.kernels.decode_attn_bf16(q, layer, self.dec_tables, self.dec_lens, self.scale)
+            return self.kernels.decode_attn_bf16(q, kv_layer, self.dec_tables, self.dec_lens, self.scale)
         b, length = self.dec_shape
-        hkv, d = flat.shape[1], flat.shape[2]
+        hkv, d = self.hkv, self.d
         rows = flat.view(-1, d)
         kd = rows.index_select(0, self.dec_k).view(b, hkv, length, d)
         vd = rows.index_select(0, self.dec_v).view(b, hkv, length, d)

@@ -161,12 +161,16 @@ class CpuKernels:
     def decode_attn_bf16(self, q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
                          lens: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one new token per sequence over its paged history -> [B, Hq, D].
-        q [B, Hq, D] bf16 (heads and dims contiguous, rows may be strided); kv_layer one layer's
-        cache [num_blocks, 2, bs, Hkv, D]; tables [B, max_blocks] and lens [B] int64."""
+        q [B, Hq, D] bf16 (heads and dims contiguous, rows may be strided); kv_layer one layer of
+        a gqa KVLayout's cache, [num_blocks, 2, bs, Hkv, D] dense (K plane, then V plane, per
+        block: the C code indexes it so); tables [B, max_blocks] and lens [B] int64."""
         b, hq, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
-        num_blocks, _, bs, hkv, _ = kv_layer.shape
+        num_blocks, planes, bs, hkv, _ = kv_layer.shape
+        if planes != 2:
+            raise ValueError(f"decode_attn_bf16 reads a gqa KV layer [blocks, 2, bs, Hkv, D], "
+                             f"got {tuple(kv_layer.shape)}")
         out = torch.empty((b, hq, d), dtype=q.dtype)
         rc = self.lib.moed_decode_attn_bf16(
             q.data_ptr(), q.stride(0), b, hq, hkv, d, kv_layer.data_ptr(), num_blocks, bs,

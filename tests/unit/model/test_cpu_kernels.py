@@ -19,9 +19,23 @@ import torch.nn.functional as F
 from moed.model import kernels as K
 from moed.model.attention.torch_backend import TorchBackend
 from moed.model.batch import ForwardBatch
+from moed.model.context import ComputeContext
+from moed.model.kv_layout import KVLayout
 from moed.model.layers import Rotary, apply_rotary, rms_norm
 from moed.model.moe import MoELayer
 from moed.model.spec import load_spec
+
+CPU = torch.device("cpu")
+TORCH_BF16 = ComputeContext(CPU, torch.bfloat16)            # the torch path, no packing
+
+
+def _ctx(kern: K.CpuKernels, pack: bool = False) -> ComputeContext:
+    return ComputeContext(CPU, torch.bfloat16, pack=pack, kernels=kern)
+
+
+def _backend(spec, ctx: ComputeContext) -> TorchBackend:
+    kv = KVLayout.gqa(spec.num_layers, spec.num_kv_heads, spec.head_dim, 16, torch.bfloat16)
+    return TorchBackend(spec, kv, ctx)
 
 
 pytestmark = [
@@ -93,8 +107,8 @@ def test_moe_matches_torch_path(kern, make_checkpoint, n_threads, arch, kw):
     router, gate_up, down = _moe(spec, g)
     E = spec.num_experts
     torch_load, kern_load = torch.zeros(E, dtype=torch.long), torch.zeros(E, dtype=torch.long)
-    ref_layer = MoELayer(spec, router, gate_up, down, torch_load)
-    layer = MoELayer(spec, router, gate_up, down, kern_load, kernels=kern)
+    ref_layer = MoELayer(spec, router, gate_up, down, torch_load, TORCH_BF16)
+    layer = MoELayer(spec, router, gate_up, down, kern_load, _ctx(kern))
     for t in (1, 3, 8, 16):
         x = torch.randn(t, spec.hidden_size, generator=g).bfloat16()
         with threads(n_threads):
@@ -108,15 +122,15 @@ def test_moe_replicas_and_bad_map(kern, make_checkpoint):
     g = torch.Generator().manual_seed(7)
     router, gate_up, down = _moe(spec, g, extra_physical=2)
     E = spec.num_experts
-    ref = MoELayer(spec, router, gate_up, down, torch.zeros(E, dtype=torch.long))
-    rep = MoELayer(spec, router, gate_up, down, torch.zeros(E, dtype=torch.long), kernels=kern)
+    ref = MoELayer(spec, router, gate_up, down, torch.zeros(E, dtype=torch.long), TORCH_BF16)
+    rep = MoELayer(spec, router, gate_up, down, torch.zeros(E, dtype=torch.long), _ctx(kern))
     l2p, nrep = torch.tensor([[0, 5], [1, 1], [2, 6], [3, 3], [4, 4]]), torch.tensor([2, 1, 2, 1, 1])
     ref.set_expert_map(l2p, nrep)
     rep.set_expert_map(l2p.int(), nrep.int())          # any integer dtype: stored as int64
     x = torch.randn(12, spec.hidden_size, generator=g).bfloat16()
     _close(rep(x), ref(x), ulps=3)
     # A map pointing past the physical experts is refused by the kernel too (never read out of bounds).
-    rep.logical_to_physical = torch.tensor([[0, 9], [1, 1], [2, 2], [3, 3], [4, 4]])
+    rep.router.logical_to_physical = torch.tensor([[0, 9], [1, 1], [2, 2], [3, 3], [4, 4]])
     with pytest.raises(RuntimeError, match="expert map"):
         rep(x)
 
@@ -144,9 +158,9 @@ def test_decode_attention_matches_torch_path(kern, make_checkpoint, n_threads, h
     spec = load_spec(make_checkpoint("qwen3_moe", num_heads=hq, num_kv_heads=hkv, head_dim=d))
     g = torch.Generator().manual_seed(hq + d)
     cache, q, k, v, batch, pos = _paged_case(g, hq, hkv, d, [1, 15, 16, 17, 100, 33])
-    ref_be = TorchBackend(spec, 16, torch.device("cpu"), torch.bfloat16)
-    ref_be.kernels = None
-    be = TorchBackend(spec, 16, torch.device("cpu"), torch.bfloat16)
+    ref_be = _backend(spec, TORCH_BF16)
+    assert ref_be.kernels is None
+    be = _backend(spec, ComputeContext.build(CPU, torch.bfloat16))
     assert be.kernels is (None if d == 96 else kern)     # other head sizes keep the torch path
     outs = []
     for backend in (ref_be, be):
@@ -170,8 +184,8 @@ def test_mixed_batch_decode_rows_take_the_kernel(kern, make_checkpoint):
     k, v = torch.randn(5, hkv, d, generator=g).bfloat16(), torch.randn(5, hkv, d, generator=g).bfloat16()
     outs = []
     for use in (None, kern):
-        be = TorchBackend(spec, 16, torch.device("cpu"), torch.bfloat16)
-        be.kernels = use
+        be = _backend(spec, TORCH_BF16 if use is None else _ctx(use))
+        assert be.kernels is use
         be.plan(batch, pos)
         outs.append(be.forward(0, q, k, v, cache.clone()))
     _close(outs[1], outs[0])
@@ -354,8 +368,8 @@ def test_moe_layer_with_kernels_on_both_sides_of_the_fused_limit(kern, make_chec
     spec = load_spec(make_checkpoint("qwen3_moe", num_experts=7, top_k=3, hidden_size=80, moe_intermediate_size=40))
     g = torch.Generator().manual_seed(11)
     router, gate_up, down = _moe(spec, g)
-    ref = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long))
-    layer = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), pack=True, kernels=kern)
+    ref = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), TORCH_BF16)
+    layer = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), _ctx(kern, pack=True))
     monkeypatch.setattr(moe, "FUSED_MAX_TOKENS", 8)
     for t in (5, 40):          # fused kernel; then the grouped torch path on kernel Linears
         x = torch.randn(t, spec.hidden_size, generator=g).bfloat16()
@@ -368,7 +382,7 @@ def test_results_do_not_depend_on_the_thread_count(kern, make_checkpoint):
     spec = load_spec(make_checkpoint("qwen3_moe", num_experts=7, top_k=3, hidden_size=80, moe_intermediate_size=40))
     g = torch.Generator().manual_seed(13)
     router, gate_up, down = _moe(spec, g)
-    layer = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), pack=True, kernels=kern)
+    layer = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), _ctx(kern, pack=True))
     x = torch.randn(30, spec.hidden_size, generator=g).bfloat16()
     w = kern.pack((torch.randn(200, 80, generator=g) * 0.1).bfloat16())
     cache, q, _, _, batch, _ = _paged_case(g, 16, 4, 64, [3, 40, 77])

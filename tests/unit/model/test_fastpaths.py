@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from moed.model import layers
-from moed.model.layers import Linear, can_pack
+from moed.model.context import can_pack
+from moed.model.layers import Linear
 
 needs_pack = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
                                 reason="oneDNN bf16 kernels unavailable on this CPU")

@@ -4,13 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moed.model.attention.base import kv_bytes_per_block
+from moed.model import archs
 from moed.model.attention.registry import get_backend
 from moed.model.batch import ForwardBatch
+from moed.model.context import ComputeContext
 from moed.model.moe import MoELayer
 from moed.model.runner import ModelRunner, auto_num_blocks
 from moed.model.spec import load_spec
 
+CPU = torch.device("cpu")
+PLAIN = ComputeContext(CPU, torch.float32)
 KW = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=5, moe_intermediate_size=32)
 
 
@@ -54,23 +57,27 @@ def test_bad_batches_are_rejected(ckpt):
 
 def test_sizes_and_registry(ckpt):
     spec = load_spec(ckpt)
-    per = kv_bytes_per_block(spec, 16, torch.bfloat16)
+    per = archs.kv_layout(spec, 16, torch.bfloat16).bytes_per_block
     assert per == 2 * 2 * 16 * 2 * 16 * 2
     assert auto_num_blocks(spec, 16, "bfloat16", 1) == (1 << 20) // per
     with pytest.raises(ValueError, match="holds no block"):
         auto_num_blocks(spec, 1 << 16, torch.float32, 1)
-    assert get_backend("auto", spec, 16, "cpu", torch.float32).name == "torch"
+    kv = archs.kv_layout(spec, 16, torch.float32)
+    assert get_backend("auto", spec, kv, PLAIN).name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
-        get_backend("nope", spec, 16, "cpu", torch.float32)
+        get_backend("nope", spec, kv, PLAIN)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        get_backend("flashinfer", spec, 16, "cpu", torch.float32)
+        get_backend("flashinfer", spec, kv, PLAIN)
+    from moed.model.kv_layout import KVLayout
+    with pytest.raises(ValueError, match="does not serve KV layout kind 'mla'"):
+        get_backend("torch", spec, KVLayout.mla(2, 576, 16, torch.float32), PLAIN)
 
 
 def _naive_moe(layer: MoELayer, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    w, idx = layer.route(x)
+    w, idx = layer.router.route(x)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
-        for j in range(layer.top_k):
+        for j in range(layer.router.top_k):
             e = int(idx[t, j])
             g, u = (gate_up[e] @ x[t]).chunk(2)
             out[t] += w[t, j] * (down[e] @ (torch.nn.functional.silu(g) * u))
@@ -84,7 +91,7 @@ def test_moe_grouped_matches_naive_and_replicas(ckpt):
     router, gate_up, down = (torch.randn(E, H, generator=g), torch.randn(E, 2 * I, H, generator=g) * 0.1,
                              torch.randn(E, H, I, generator=g) * 0.1)
     load = torch.zeros(E, dtype=torch.long)
-    layer = MoELayer(spec, router, gate_up, down, load)
+    layer = MoELayer(spec, router, gate_up, down, load, PLAIN)
     x = torch.randn(23, H, generator=g)
     ref = _naive_moe(layer, x, gate_up, down)
     assert torch.allclose(layer(x), ref, atol=1e-5)
@@ -92,7 +99,7 @@ def test_moe_grouped_matches_naive_and_replicas(ckpt):
     assert torch.allclose(layer(x[:1]), ref[:1], atol=1e-5)               # batch-1 path
     assert int(load.sum()) == 24 * spec.top_k
     # Replicate experts 0 and 3 into physical slots 5 and 6: same math, new map.
-    rep = MoELayer(spec, router, torch.cat([gate_up, gate_up[[0, 3]]]), torch.cat([down, down[[0, 3]]]), load)
+    rep = MoELayer(spec, router, torch.cat([gate_up, gate_up[[0, 3]]]), torch.cat([down, down[[0, 3]]]), load, PLAIN)
     rep.set_expert_map(torch.tensor([[0, 5], [1, 1], [2, 2], [3, 6], [4, 4]]), torch.tensor([2, 1, 1, 2, 1]))
     assert torch.allclose(rep(x), ref, atol=1e-5)
     with pytest.raises(ValueError, match="does not fit"):
@@ -106,6 +113,6 @@ def test_moe_packed_bf16_matches_plain(ckpt):
     args = (torch.randn(E, H, generator=g).bfloat16(), (torch.randn(E, 2 * I, H, generator=g) * 0.1).bfloat16(),
             (torch.randn(E, H, I, generator=g) * 0.1).bfloat16())
     x = torch.randn(9, H, generator=g).bfloat16()
-    plain = MoELayer(spec, *args, torch.zeros(E, dtype=torch.long))(x)
-    packed = MoELayer(spec, *args, torch.zeros(E, dtype=torch.long), pack=True)(x)
+    plain = MoELayer(spec, *args, torch.zeros(E, dtype=torch.long), ComputeContext(CPU, torch.bfloat16))(x)
+    packed = MoELayer(spec, *args, torch.zeros(E, dtype=torch.long), ComputeContext(CPU, torch.bfloat16, pack=True))(x)
     assert torch.allclose(plain.float(), packed.float(), atol=2e-2)

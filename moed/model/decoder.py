@@ -1,0 +1,94 @@
+"""The shared decoder stack: embed -> N x (attention, MoE or dense MLP) -> norm -> lm_head.
+
+What differs between architectures lives in moed/model/archs/ (one module each): how config.json
+maps to the spec, checkpoint names, and which blocks each layer is built from (`Arch.build_layer`,
+usually from the helpers below). Weights are plain tensors in canonical names (see loader); no
+nn.Module machinery in the hot path. Every layer gets the model's one ComputeContext.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moed.model.attention.base import AttentionBackend
+from moed.model.context import ComputeContext
+from moed.model.kernels import CpuKernels
+from moed.model.layers import AttentionBlock, DenseMLP, Linear, Rotary, add_rms_norm
+from moed.model.moe import MoELayer
+from moed.model.spec import ModelSpec
+
+Weights = dict[str, torch.Tensor]
+
+
+class DecoderLayer:
+    """Pre-norm residual layer: h + attn(norm(h)), then + mlp(norm(.))."""
+
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                 attn: AttentionBlock, mlp: MoELayer | DenseMLP, kernels: CpuKernels | None) -> None:
+        self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
+        self.attn, self.mlp, self.kernels = attn, mlp, kernels
+
+    def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 backend: AttentionBackend, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream h plus the previous layer's not-yet-added output delta -> the same
+        pair for the next layer (each add is folded into the norm that follows it)."""
+        x, h = add_rms_norm(h, delta, self.input_norm, self.eps, self.kernels)
+        a = self.attn(x, cos, sin, backend, kv_layer)
+        x, h = add_rms_norm(h, a, self.post_norm, self.eps, self.kernels)
+        return h, self.mlp(x)
+
+
+def moe_block(spec: ModelSpec, i: int, w: Weights, load_row: torch.Tensor, ctx: ComputeContext) -> MoELayer:
+    p = f"layers.{i}."
+    return MoELayer(spec, w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"], load_row, ctx)
+
+
+def dense_block(i: int, w: Weights, ctx: ComputeContext) -> DenseMLP:
+    return DenseMLP(w[f"layers.{i}.mlp.gate_up"], w[f"layers.{i}.mlp.down"], ctx)
+
+
+def decoder_layer(spec: ModelSpec, i: int, w: Weights, mlp: MoELayer | DenseMLP,
+                  ctx: ComputeContext) -> DecoderLayer:
+    """Layer i with GQA attention (q/k norms when the weights have them) and the given MLP."""
+    p = f"layers.{i}."
+    return DecoderLayer(w[p + "input_norm"], w[p + "post_norm"], spec.rms_norm_eps,
+                        AttentionBlock(spec, i, w, ctx), mlp, ctx.kernels)
+
+
+# (spec, layer index, weights, this layer's expert-load row, context) -> the layer
+BuildLayer = Callable[[ModelSpec, int, Weights, torch.Tensor, ComputeContext], DecoderLayer]
+
+
+class MoEDecoder:
+    def __init__(self, spec: ModelSpec, w: Weights, build_layer: BuildLayer, ctx: ComputeContext,
+                 consume: bool = False) -> None:
+        """consume: drop each layer's entries from `w` once built (the layers hold what they
+        keep), so nothing outlives the build that the model does not use."""
+        self.spec, self.ctx = spec, ctx
+        self.kernels = ctx.kernels        # None: the torch path throughout (see ComputeContext)
+        self.embed, self.norm = w["embed"], w["norm"]
+        self.lm_head = Linear(w["lm_head"], pack=ctx.pack, kernels=ctx.kernels)
+        # Tokens routed per logical expert since the last read ([layers, experts], int64).
+        self.expert_load = torch.zeros((spec.num_layers, max(spec.num_experts, 1)), dtype=torch.long,
+                                       device=ctx.device)
+        self.layers = []
+        for i in range(spec.num_layers):
+            self.layers.append(build_layer(spec, i, w, self.expert_load[i], ctx))
+            if consume:
+                for name in [n for n in w if n.startswith(f"layers.{i}.")]:
+                    del w[name]
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, ctx.dtype, ctx.device)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
+                 last_rows: torch.Tensor, backend: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] -> fp32 logits [B, vocab] of the rows in last_rows."""
+        h = self.embed.index_select(0, input_ids)
+        cos, sin = self.rotary.tables(positions, max_pos)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            h, delta = layer(h, delta, cos, sin, backend, kv_cache[i])
+        x, _ = add_rms_norm(h.index_select(0, last_rows),
+                            None if delta is None else delta.index_select(0, last_rows),
+                            self.norm, self.spec.rms_norm_eps, self.kernels)
+        return self.lm_head(x).float()

@@ -1,0 +1,103 @@
+"""KVLayout: what one token's KV entry is, and from it the paged KV tensor's shape and size.
+
+The KV cache is one tensor `[num_layers, num_blocks, *block_shape]`, so a block of one layer
+is one contiguous run of `block_bytes`: transfer and tiering work on block ids and byte ranges
+and never look inside. Kinds of entry (per token, per layer):
+
+  gqa  K and V apart: entry [2, num_kv_heads, head_dim]; a block is [2, block_size, H_kv, D]
+       with K at [0] and V at [1] (FlashInfer's paged NHD layout). Qwen3-MoE, Mixtral.
+  mla  one latent vector, no separate V (DeepSeek-V3: kv_lora_rank + qk_rope_head_dim = 576):
+       entry [latent]; a block is [block_size, latent]. Not served yet; sized and named here.
+
+Everything that sizes, allocates, registers or compares the KV tensor reads it from here (the
+architecture module says which layout its model has); nothing else assumes 2 x H_kv x D.
+`layout_id` hashes only arch-independent facts (kind, entry shape, dtype, block size, layers):
+two nodes with equal ids can read each other's KV blocks byte for byte.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("gqa", "mla")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    kind: str                       # "gqa" | "mla"
+    entry_shape: tuple[int, ...]    # one token in one layer: (2, H_kv, D) | (latent,)
+    dtype: torch.dtype
+    block_size: int                 # tokens per block
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown KV layout kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+        if self.block_size < 1 or self.num_layers < 1 or not self.entry_shape or min(self.entry_shape) < 1:
+            raise ValueError(f"empty KV layout: {self}")
+        if self.kind == "gqa" and (len(self.entry_shape) != 3 or self.entry_shape[0] != 2):
+            raise ValueError(f"a gqa entry is (2, num_kv_heads, head_dim), got {self.entry_shape}")
+        if self.kind == "mla" and len(self.entry_shape) != 1:
+            raise ValueError(f"an mla entry is one latent vector (latent,), got {self.entry_shape}")
+
+    @classmethod
+    def gqa(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+            dtype: torch.dtype) -> KVLayout:
+        return cls("gqa", (2, num_kv_heads, head_dim), dtype, block_size, num_layers)
+
+    @classmethod
+    def mla(cls, num_layers: int, latent_dim: int, block_size: int, dtype: torch.dtype) -> KVLayout:
+        """latent_dim: kv_lora_rank + the rope part of the key (DeepSeek-V3: 512 + 64)."""
+        return cls("mla", (latent_dim,), dtype, block_size, num_layers)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one layer. gqa puts the K/V plane outermost, so each plane of a block
+        is contiguous (what FlashInfer's NHD pages and the CPU decode kernel read)."""
+        if self.kind == "gqa":
+            return (self.entry_shape[0], self.block_size, *self.entry_shape[1:])
+        return (self.block_size, *self.entry_shape)
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The whole KV tensor for num_blocks blocks."""
+        return (self.num_layers, num_blocks, *self.block_shape)
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """One block in one layer (the unit transfer moves)."""
+        return self.block_size * math.prod(self.entry_shape) * self.elem_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block across all layers (what a block costs the memory budget)."""
+        return self.num_layers * self.block_bytes
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def block_format(self) -> str:
+        """dtype and block shape, e.g. "bfloat16:2x16x4x128" (the string RegionLayout has always
+        carried, so peers of the previous release still compare equal)."""
+        return f"{self.dtype_name}:{'x'.join(map(str, self.block_shape))}"
+
+    @property
+    def layout_id(self) -> str:
+        """Stable across processes and releases: a hash of the facts, never Python's hash()."""
+        facts = (f"{self.kind}|{'x'.join(map(str, self.entry_shape))}|{self.dtype_name}|"
+                 f"bs{self.block_size}|l{self.num_layers}")
+        return f"{self.kind}-{hashlib.sha256(facts.encode()).hexdigest()[:12]}"
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:
+        """The zeroed KV tensor (dense: block b of layer l at (l * num_blocks + b) * block_bytes)."""
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        return torch.zeros(self.shape(num_blocks), dtype=self.dtype, device=device)

@@ -1,0 +1,172 @@
+"""The MoE layer split into a router and an expert executor: bit-identical to the layer it
+replaced on the torch path (fp32, bf16, bf16 oneDNN-packed), with and without replicas, and the
+executor is a seam another implementation (expert parallelism) can take."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moed.model.context import ComputeContext, can_pack
+from moed.model.layers import Linear
+from moed.model.moe import ExpertExecutor, LocalExperts, MoELayer, Routing
+from moed.model.spec import spec_from_config
+
+CPU = torch.device("cpu")
+E, H, I = 6, 64, 32
+REPLICAS = (torch.tensor([[0, 6], [1, 1], [2, 2], [3, 7], [4, 4], [5, 5]]), torch.tensor([2, 1, 1, 2, 1, 1]))
+
+
+class PreSplitMoE:
+    """The MoELayer torch path as it was before the split (moed 2026-12, verbatim math): the oracle."""
+
+    def __init__(self, spec, router, gate_up, down, load, pack: bool) -> None:
+        self.router = Linear(router, pack=pack)
+        self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack)) for e in range(gate_up.shape[0])]
+        self.top_k, self.norm_topk, self.num_experts = spec.top_k, spec.norm_topk_prob, spec.num_experts
+        self.num_physical = gate_up.shape[0]
+        self.logical_to_physical = torch.arange(self.num_experts).unsqueeze(1)
+        self.num_replicas = torch.ones(self.num_experts, dtype=torch.long)
+        self.load = load
+
+    def route(self, x):
+        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(x.dtype), idx
+
+    def __call__(self, x):
+        t = x.shape[0]
+        weights, logical = self.route(x)
+        if t == 1 and self.logical_to_physical.shape[1] == 1:
+            self.load.index_add_(0, logical[0], torch.ones_like(logical[0]))
+            out = None
+            for j, e in enumerate(self.logical_to_physical[logical[0], 0].tolist()):
+                gate_up, down = self.experts[e]
+                g, u = gate_up(x).chunk(2, dim=-1)
+                y = down(F.silu(g) * u) * weights[:, j:j + 1]
+                out = y if out is None else out + y
+            return out
+        flat = logical.reshape(-1)
+        if self.logical_to_physical.shape[1] == 1:
+            phys = self.logical_to_physical[flat, 0]
+        else:
+            slot = torch.arange(flat.numel()) % self.num_replicas[flat]
+            phys = self.logical_to_physical[flat, slot]
+        self.load += torch.bincount(flat, minlength=self.num_experts)
+        order = torch.argsort(phys, stable=True)
+        counts = torch.bincount(phys, minlength=self.num_physical).tolist()
+        token = order // self.top_k
+        xs = x.index_select(0, token)
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate_up, down = self.experts[e]
+            g, u = gate_up(xs[start:start + n]).chunk(2, dim=-1)
+            ys.append(down(F.silu(g) * u))
+            start += n
+        ws = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        out = torch.zeros((t, x.shape[1]), dtype=x.dtype)
+        return out.index_add_(0, token, torch.cat(ys) * ws)
+
+
+def _spec(top_k: int, norm_topk: bool):
+    return spec_from_config({
+        "model_type": "qwen3_moe", "hidden_size": H, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 64, "moe_intermediate_size": I, "num_experts": E,
+        "num_experts_per_tok": top_k, "norm_topk_prob": norm_topk, "rope_theta": 1e6,
+        "max_position_embeddings": 64})
+
+
+def _weights(dtype: torch.dtype, seed: int, replicated: bool):
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, H, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    if replicated:      # experts 0 and 3 get a second replica in physical slots 6 and 7
+        gate_up, down = torch.cat([gate_up, gate_up[[0, 3]]]), torch.cat([down, down[[0, 3]]])
+    return router.to(dtype), gate_up.to(dtype), down.to(dtype)
+
+
+CASES = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False)]
+if can_pack(CPU, torch.bfloat16):
+    CASES.append(("bf16-onednn", torch.bfloat16, True))
+
+
+@pytest.mark.parametrize("name,dtype,pack", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("top_k,norm_topk", [(2, True), (3, False)])
+@pytest.mark.parametrize("replicated", [False, True])
+def test_split_is_bit_identical_to_the_pre_split_layer(name, dtype, pack, top_k, norm_topk, replicated):
+    spec = _spec(top_k, norm_topk)
+    w = _weights(dtype, seed=top_k, replicated=replicated)
+    old_load, new_load = torch.zeros(E, dtype=torch.long), torch.zeros(E, dtype=torch.long)
+    old = PreSplitMoE(spec, *w, old_load, pack)
+    new = MoELayer(spec, *w, new_load, ComputeContext(CPU, dtype, pack=pack))    # kernels off: torch path
+    if replicated:
+        old.logical_to_physical, old.num_replicas = REPLICAS
+        new.set_expert_map(*REPLICAS)
+    g = torch.Generator().manual_seed(5)
+    for t in (1, 2, 7, 33):
+        x = torch.randn(t, H, generator=g).to(dtype)
+        a, b = old(x), new(x)
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b), (t, (a.float() - b.float()).abs().max())
+    assert torch.equal(old_load, new_load) and int(new_load.sum()) == 43 * top_k
+
+
+def test_router_maps_through_replicas_and_counts_logical_load():
+    spec = _spec(2, True)
+    router_w, gate_up, down = _weights(torch.float32, seed=1, replicated=True)
+    load = torch.zeros(E, dtype=torch.long)
+    layer = MoELayer(spec, router_w, gate_up, down, load, ComputeContext(CPU, torch.float32))
+    layer.set_expert_map(*REPLICAS)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(2))
+    r = layer.router(x)
+    _, logical = layer.router.route(x)
+    assert r.replicated and r.physical.shape == logical.shape == (40, 2)
+    l2p = REPLICAS[0]
+    assert all(int(p) in l2p[int(e)].tolist() for p, e in zip(r.physical.reshape(-1), logical.reshape(-1)))
+    assert {6, 7} <= set(r.physical.reshape(-1).tolist())       # the replicas do get tokens
+    assert torch.equal(load, torch.bincount(logical.reshape(-1), minlength=E))   # logical, not physical
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.set_expert_map(torch.tensor([[0], [1], [2], [3], [4], [8]]), torch.ones(E, dtype=torch.long))
+
+
+def test_local_experts_compute_the_weighted_sum_of_their_assignment():
+    _, gate_up, down = _weights(torch.float32, seed=3, replicated=False)
+    ex = LocalExperts(gate_up, down, pack=False, kernels=None, packed=None)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, H, generator=g)
+    physical = torch.tensor([[0, 5], [2, 2], [1, 4], [3, 0], [5, 1]])     # any assignment, repeats too
+    weights = torch.rand(5, 2, generator=g)
+    out = ex(x, Routing(weights, physical, replicated=False))
+    for t in range(5):
+        ref = torch.zeros(H)
+        for j, e in enumerate(physical[t].tolist()):
+            g_, u = (gate_up[e] @ x[t]).chunk(2)
+            ref += weights[t, j] * (down[e] @ (F.silu(g_) * u))
+        torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_executor_is_a_seam():
+    """Expert parallelism replaces `layer.experts` with its dispatch/combine: the layer hands
+    it the router's decision and returns what it combines."""
+    spec = _spec(2, True)
+    layer = MoELayer(spec, *_weights(torch.float32, seed=6, replicated=False),
+                     torch.zeros(E, dtype=torch.long), ComputeContext(CPU, torch.float32))
+    local = layer.experts
+
+    class Recording(ExpertExecutor):
+        def __init__(self) -> None:
+            self.seen: list[Routing] = []
+
+        def __call__(self, x, routing):
+            self.seen.append(routing)
+            return local(x, routing)
+
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(7))
+    want = layer(x)
+    layer.experts = rec = Recording()
+    assert torch.equal(layer(x), want) and len(rec.seen) == 1 and rec.seen[0].physical.shape == (9, 2)
+    with pytest.raises(TypeError):
+        ExpertExecutor()        # abstract: one method to implement
