@@ -43,3 +43,30 @@ def tiny_qwen3(make_checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mixtral(make_checkpoint) -> Path:
     return make_checkpoint("mixtral")
+
+
+def _within(fn, timeout: float = 5.0):
+    """fn() on a thread that must finish within `timeout` (a blocked open fails the test)."""
+    import threading
+
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} still blocked after {timeout} s"
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out.get("value")
+
+
+@pytest.fixture
+def within():
+    """within(fn, timeout=5.0) -> fn(): fails the test if fn blocks (a FIFO opened, say)."""
+    return _within

@@ -171,7 +171,10 @@ class MembershipComponent:
             cc.advertise_host or cc.bind_host)
         meta = NodeMeta(role=self.cfg.server.role, http=f"http://{host}:{app.port}",
                         model=getattr(app.state, "model_name", "") or "",
-                        layout=_layout_id(app), transfer="")
+                        # the transfer endpoint is added by the prefill/decode role once its
+                        # transfer agent exists (moed.roles.common.advertise_transfer)
+                        layout=getattr(app.state.engine, "kv_layout_id", "") or "",
+                        transfer="")
         self.core = Membership(
             app.node, self.transport, AsyncioScheduler(), SwimConfig.from_cluster(cc),
             WireCodec(self.keyring), meta=meta, seeds=seeds,
@@ -304,13 +307,3 @@ _MESSAGE_KEYS = {"sent_packets": ("sent", "packet"), "recv_packets": ("received"
 _PROTOCOL_KEYS = {"probe_failures", "refutes", "suspicion_timeouts", "reprobes",
                   "last_chance_probes", "join_attempts", "stale_updates", "name_conflicts",
                   "name_taken"}
-
-
-def _layout_id(app: Any) -> str:
-    """The engine's KV layout id when it has one (prefill/decode pairing check)."""
-    engine = getattr(app.state, "engine", None)
-    for attr in ("kv_layout_id", "layout_id"):
-        v = getattr(engine, attr, None)
-        if isinstance(v, str):
-            return v
-    return ""

@@ -150,9 +150,16 @@ class Engine:
                 "max_num_batched_tokens": self.scheduler.max_num_batched_tokens}
 
     def kv_region(self) -> Any:
-        """What the transfer layer registers: this node's KV tensor (moed.roles.common)."""
-        region = getattr(self.runner, "kv_region", None)
-        return region() if region is not None else self.runner.kv_cache
+        """What the transfer layer registers: this node's KV tensor and its layout
+        (moed.transfer.KVRegion; moed.roles.common)."""
+        return self.runner.kv_region()
+
+    @property
+    def kv_layout_id(self) -> str:
+        """The KV layout's id (moed.model.kv_layout): two nodes can exchange KV only when
+        theirs are equal. Gossiped in the member metadata."""
+        layout = getattr(self.runner, "kv_layout", None)
+        return layout.layout_id if layout is not None else ""
 
     # ---- subscribers (see moed.engine.client) ----------------------------------------------
     def subscribe_step(self, fn: Callable[[StepStats], None]) -> Unsubscribe:

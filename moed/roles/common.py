@@ -6,6 +6,7 @@ from typing import Any
 
 import structlog
 
+from moed.engine.client import EngineClient
 from moed.obs import metrics
 from moed.transfer import TransferHandle, TransferState, TransferStatus, create_backend
 from moed.transfer.worker import TransferWorker
@@ -24,18 +25,28 @@ def observe_transfer(handle: TransferHandle, status: TransferStatus, seconds: fl
         metrics.TRANSFER_FAILURES.labels(status.reason.split(":")[0] or "transfer_error").inc()
 
 
-async def start_worker(kind: str, node: str, engine: Any) -> TransferWorker:
-    """A started worker with the engine's KV tensor registered (one per process)."""
+async def start_worker(kind: str, node: str, engine: EngineClient) -> TransferWorker:
+    """A started worker with the engine's KV region (tensor + layout from the model's KVLayout)
+    registered (one per process)."""
+    region = engine.kv_region()
     worker = TransferWorker(lambda: create_backend(kind, node), observer=observe_transfer)
     await worker.start()
     try:
-        layout = await worker.register_kv(engine.runner.kv_cache)
+        layout = await worker.register_kv(region.tensor, region.layout)
     except BaseException:
         await worker.close()
         raise
     log.info("transfer_ready", backend=kind, agent=worker.name, layers=layout.num_layers,
-             blocks=layout.num_blocks, block_bytes=layout.block_bytes)
+             blocks=layout.num_blocks, block_bytes=layout.block_bytes, kv_layout=layout.layout_id)
     return worker
+
+
+def advertise_transfer(app: Any, worker: TransferWorker) -> None:
+    """Put our transfer endpoint (the agent name) in the gossip metadata, next to the KV
+    layout id the membership already carries, so peers can pair with us knowingly."""
+    membership = next((c for c in app.components if getattr(c, "name", "") == "cluster"), None)
+    if membership is not None:
+        membership.update_meta(transfer=worker.name)
 
 
 def new_incarnation() -> int:

@@ -40,7 +40,7 @@ from moed.balance import breaker
 from moed.balance.breaker import PeerHealth
 from moed.balance.candidate import Candidate
 from moed.balance.prefill import pick_prefill
-from moed.roles.common import new_incarnation, start_worker
+from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.protocol import FirstToken, PrefillJobSpec, ProtocolError, sampling_fields
 from moed.types import (ContextRule, EngineStats, ErrorKind, FinishReason, SamplingParams,
                         TokenEvent)
@@ -109,6 +109,10 @@ class DisaggEngine:
     @property
     def alive(self) -> bool:
         return self._engine.alive
+
+    @property
+    def kv_layout_id(self) -> str:
+        return self._engine.kv_layout_id
 
     def stats(self) -> EngineStats:
         return self._engine.stats()
@@ -193,6 +197,8 @@ class DecodeComponent:
         self.engine = app.state.engine
         self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
         self.worker.on_notif = self._on_notif
+        self.layout = self.engine.kv_layout_id
+        advertise_transfer(app, self.worker)
         self.auth = app.state.internal_auth      # signs every job call with the cluster secret
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         app.state.engine = DisaggEngine(self.engine, self)

@@ -37,7 +37,7 @@ from moed.api.state import STATE
 from moed.config import Config
 from moed.engine.client import EngineClient
 from moed.obs import metrics
-from moed.roles.common import new_incarnation, start_worker
+from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.protocol import (FirstToken, PrefillJobSpec, ProtocolError, first_token_params,
                                  line)
 from moed.transfer import (BadMetadata, IncompatibleLayout, StalePeer, TransferState,
@@ -120,6 +120,7 @@ class PrefillComponent:
     async def start(self, app: Any) -> None:
         self.engine = app.state.engine
         self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
+        advertise_transfer(app, self.worker)
         self._unsubscribe = self.engine.subscribe_prefill_progress(self._on_progress)
 
     async def drain(self) -> None:

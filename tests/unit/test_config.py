@@ -88,25 +88,6 @@ def test_shipped_config_files_are_valid() -> None:
 
 # ---- file edge cases: never a traceback, never a blocked read ----------------------------
 
-def _within(fn, timeout: float = 5.0):
-    """fn() on a thread, which must finish within `timeout` (a blocked open fails the test)."""
-    import threading
-
-    out: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"{fn} still blocked after {timeout} s"
-    if "error" in out:
-        raise out["error"]  # type: ignore[misc]
-    return out.get("value")
 
 
 def _unblock(fifo: Path) -> None:
@@ -126,20 +107,20 @@ def test_non_utf8_file_is_a_one_line_error(tmp_path: Path) -> None:
     assert str(e.value) == f"{p}: not UTF-8 text at byte 17"
 
 
-def test_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+def test_fifo_is_refused_without_blocking(tmp_path: Path, within) -> None:
     import os
 
     fifo = tmp_path / "moed.toml"
     os.mkfifo(fifo)
     try:
         with pytest.raises(ConfigError, match=r"not a regular file \(a FIFO\)"):
-            _within(lambda: config.load(fifo, environ={}))
+            within(lambda: config.load(fifo, environ={}))
     finally:
         _unblock(fifo)
 
 
 @pytest.mark.parametrize("kind", ["directory", "/dev/zero", "/dev/null", "huge", "sparse"])
-def test_only_small_regular_files_are_read(tmp_path: Path, kind: str) -> None:
+def test_only_small_regular_files_are_read(tmp_path: Path, kind: str, within) -> None:
     p = tmp_path / "moed.toml"
     if kind == "directory":
         p.mkdir()
@@ -155,7 +136,7 @@ def test_only_small_regular_files_are_read(tmp_path: Path, kind: str) -> None:
             f.truncate(1 << 40)            # 1 TiB, no blocks: refused from its size alone
         msg = r"too large \(1099511627776 bytes, at most 1048576\)"
     with pytest.raises(ConfigError, match=msg):
-        _within(lambda: config.load(p, environ={}))
+        within(lambda: config.load(p, environ={}))
 
 
 def test_reader_bounds_files_whose_size_lies_and_follows_symlinks(tmp_path: Path) -> None:

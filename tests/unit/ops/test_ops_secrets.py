@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,23 +13,6 @@ from moed.config import ClusterConfig, ConfigError
 from moed.ops.daemon import load_key_source
 
 
-def _within(fn, timeout: float = 5.0):
-    """fn() on a thread that must finish within `timeout` (a blocked open fails the test)."""
-    out: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"still blocked after {timeout} s"
-    if "error" in out:
-        raise out["error"]  # type: ignore[misc]
-    return out.get("value")
 
 
 @pytest.fixture
@@ -65,11 +47,12 @@ REASONS = {"fifo": r"not a regular file \(a FIFO\)",
 
 @pytest.mark.parametrize("kind", sorted(REASONS))
 @pytest.mark.parametrize("field", ["key_file", "secondary_key_file"])
-def test_cluster_key_file_must_be_a_small_regular_file(special, kind: str, field: str) -> None:
+def test_cluster_key_file_must_be_a_small_regular_file(special, kind: str, field: str,
+                                                       within) -> None:
     p = special(kind)
     cc = ClusterConfig(**{"key_env": "K", field: str(p)})
     with pytest.raises(ClusterError, match=f"cluster.{field} {p}: {REASONS[kind]}"):
-        _within(lambda: load_keyring(cc, {"K": "ab" * 16}))
+        within(lambda: load_keyring(cc, {"K": "ab" * 16}))
 
 
 def test_cluster_key_bytes_that_are_not_text(tmp_path: Path) -> None:
@@ -89,10 +72,11 @@ def test_cluster_key_bytes_that_are_not_text(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
 @pytest.mark.parametrize("what", ["api_keys", "admin_token"])
-def test_api_and_admin_key_files_must_be_regular_files(special, kind: str, what: str) -> None:
+def test_api_and_admin_key_files_must_be_regular_files(special, kind: str, what: str,
+                                                       within) -> None:
     p = special(kind)
     with pytest.raises(ConfigError, match=f"server.{what}_file {p}: {REASONS[kind]}"):
-        _within(lambda: load_key_source(str(p), "", what))
+        within(lambda: load_key_source(str(p), "", what))
 
 
 @pytest.mark.parametrize("what", ["api_keys", "admin_token"])
