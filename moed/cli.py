@@ -1,7 +1,10 @@
-"""`moed` command line: serve, check-config, model init.
+"""`moed` command line: serve, check-config, model init, model kernels.
 
 Precedence of settings: defaults < TOML (--config) < MOED_<SECTION>_<FIELD> environment <
-flags. Errors in any of them stop the command with a one-line message and exit code 2.
+flags. Each flag of `FLAGS` sets one config field; the flags vLLM operators know take vLLM's
+names, and one moed cannot honour (`REFUSED`) is an error, never ignored. Errors in any of
+them stop the command with a one-line message and exit code 2; `serve` and `check-config`
+refuse the same things (moed/preflight.py).
 """
 from __future__ import annotations
 
@@ -10,32 +13,124 @@ import dataclasses
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, MutableMapping, Sequence
+from typing import Any, Callable, MutableMapping, Sequence
 
-from moed.config import ROLES, Config, ConfigError, load
+from moed import __version__
+from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES, ROLES,
+                         Config, ConfigError, load)
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    return {
-        "server": {"role": getattr(args, "role", None), "host": getattr(args, "host", None),
-                   "port": getattr(args, "port", None),
-                   "node_name": getattr(args, "node_name", None),
-                   "log_format": getattr(args, "log_format", None),
-                   "log_level": getattr(args, "log_level", None)},
-        "model": {"path": getattr(args, "model", None)},
-    }
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag that sets one config field ("section.field")."""
+    name: str
+    field: str
+    help: str
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+# vLLM's spellings, which moed's config reads under its own names
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _dtype(value: str) -> str:
+    return DTYPE_ALIASES.get(value, value)
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--role", "server.role", "what this node does", choices=ROLES),
+    Flag("--host", "server.host", "address the HTTP API listens on"),
+    Flag("--port", "server.port", "HTTP port (0: any free one)", int),
+    Flag("--node-name", "server.node_name", "unique in the cluster (default: hostname-port)",
+         metavar="NAME"),
+    Flag("--served-model-name", "model.served_name",
+         "the model id in the API (default: the directory name)", metavar="NAME"),
+    Flag("--max-model-len", "model.max_model_len",
+         "context length in tokens (default: the checkpoint's max_position_embeddings)", int,
+         metavar="TOKENS"),
+    Flag("--max-num-seqs", "engine.max_num_seqs", "requests running at once", int, metavar="N"),
+    Flag("--max-num-batched-tokens", "engine.max_num_batched_tokens",
+         "tokens per engine step (chunked prefill)", int, metavar="N"),
+    Flag("--kv-cache-memory", "engine.kv_cache_memory_mb",
+         "KV cache size in MB (unless engine.num_kv_blocks is set)", int, metavar="MB"),
+    Flag("--block-size", "engine.block_size", "tokens per KV block", int, metavar="N"),
+    Flag("--dtype", "model.dtype", "weights and KV dtype; auto: the checkpoint's (vLLM's "
+         "half and float are float16 and float32)", _dtype, MODEL_DTYPES),
+    Flag("--device", "model.device", "auto, cpu, cuda or cuda:N"),
+    Flag("--attention-backend", "engine.attention_backend", "attention kernels",
+         choices=ATTENTION_BACKENDS),
+    Flag("--log-format", "server.log_format", "console: human-readable lines instead of JSON",
+         choices=LOG_FORMATS),
+    Flag("--log-level", "server.log_level", "lowest level logged", choices=LOG_LEVELS),
+)
+
+# vLLM flags with no honest moed equivalent: refused with the reason, never ignored
+REFUSED = {
+    "--gpu-memory-utilization": "moed sizes the KV cache in MB, not as a share of GPU memory "
+                                "(it runs on CPUs too): use --kv-cache-memory MB",
+}
+
+# --api-key: the keys go to the server through this variable of the process's own
+# environment, named by server.api_keys_env, which moed.api.auth.load_keys reads (also on
+# SIGHUP): the key stays out of the config, of check-config's output and of /admin/config.
+API_KEYS_ENV = "_MOED_CLI_API_KEYS"
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", choices=ROLES)
+    p.add_argument("--version", action="version", version=f"moed {__version__}")
+    p.add_argument("--config", metavar="FILE", help="TOML config (default: built-in defaults)")
     p.add_argument("--model", metavar="DIR", help="checkpoint directory (model.path)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--node-name", dest="node_name")
-    p.add_argument("--log-format", dest="log_format", choices=("json", "console"),
-                   help="console: human-readable lines instead of JSON")
-    p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--api-key", dest="api_key", action="append", metavar="KEY",
+                   help="require this Bearer key on /v1/* (may repeat; server.api_keys_file's "
+                   "keys still count, server.api_keys_env is replaced). Visible in ps: prefer "
+                   "server.api_keys_file in production")
+    for f in FLAGS:
+        p.add_argument(f.name, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
+                       help=f"{f.help} ({f.field})")
+    for name, why in REFUSED.items():
+        p.add_argument(name, dest=_refused_dest(name), metavar="X", help=f"refused: {why}")
+
+
+def _refused_dest(name: str) -> str:
+    return "refused_" + name.removeprefix("--").replace("-", "_")
+
+
+def _one(what: str, positional: str | None, flag: str | None) -> str | None:
+    if positional and flag and Path(positional) != Path(flag):
+        raise ConfigError(f"command line: {what} {positional} and --{what.lower()} {flag} "
+                          f"differ; give one")
+    return positional or flag
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    """The positional MODEL/CONFIG folded into --model/--config; refused flags and bad keys
+    as ConfigErrors."""
+    args.model = _one("MODEL", getattr(args, "model_pos", None), args.model)
+    args.config = _one("CONFIG", getattr(args, "config_pos", None), args.config)
+    for name in REFUSED:
+        if getattr(args, _refused_dest(name)) is not None:
+            raise ConfigError(f"command line: {name} is not supported: {REFUSED[name]}")
+    for key in args.api_key or ():
+        if not key.strip() or "," in key:   # server.api_keys_env holds comma-separated keys
+            raise ConfigError("command line: --api-key: a key must be non-empty and hold no comma")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {"model": {"path": args.model}, "server": {}}
+    for f in FLAGS:
+        section, key = f.field.split(".")
+        out.setdefault(section, {})[key] = getattr(args, f.dest)
+    if args.api_key:
+        out["server"]["api_keys_env"] = API_KEYS_ENV
+    return out
 
 
 def _toml_value(v: Any) -> str:
@@ -58,17 +153,40 @@ def to_toml(cfg: Config) -> str:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    from moed.ops.daemon import load_key_source
-
+    _resolve(args)
+    if args.api_key:
+        os.environ[API_KEYS_ENV] = ",".join(k.strip() for k in args.api_key)
     cfg = load(args.config, environ=os.environ, overrides=_overrides(args))
-    # a key source that cannot be read (missing, a FIFO, not UTF-8) is a config error, found
-    # before serving
-    load_key_source(cfg.server.api_keys_file, cfg.server.api_keys_env, "api_keys")
+    _refuse_model_flags_on_a_router(args, cfg)
     return cfg
 
 
+def _refuse_model_flags_on_a_router(args: argparse.Namespace, cfg: Config) -> None:
+    """A router has no model and no engine: their flags would do nothing there."""
+    if cfg.server.role != "router":
+        return
+    given = (["--model"] if args.model else []) + [
+        f.name for f in FLAGS
+        if f.field.startswith(("model.", "engine.")) and getattr(args, f.dest) is not None]
+    if given:
+        raise ConfigError(f"command line: {', '.join(given)}: a router node has no model or "
+                          f"engine for {'them' if len(given) > 1 else 'it'}")
+
+
+def _configure_logs(cfg: Config) -> None:
+    from moed.app import node_name
+    from moed.obs import log as obslog
+
+    obslog.configure(cfg.server.log_format, cfg.server.log_level, role=cfg.server.role,
+                     node=node_name(cfg))
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from moed import preflight
+
     cfg = _load(args)
+    _configure_logs(cfg)         # on stderr: stdout is the config alone
+    preflight.check(cfg)
     sys.stdout.write(to_toml(cfg))
     return 0
 
@@ -92,11 +210,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import structlog
     import uvloop
 
-    from moed.app import App, node_name
-    from moed.obs import log as obslog
+    from moed import preflight
+    from moed.app import App
 
-    obslog.configure(cfg.server.log_format, cfg.server.log_level, role=cfg.server.role,
-                     node=node_name(cfg))
+    _configure_logs(cfg)
+    preflight.check(cfg)         # what check-config checks: refused before listening
     if cfg.server.role != "router":
         structlog.get_logger(__name__).info("cpu_huge_pages", thp_alloc=thp)
     # torch threads are set by Engine.from_config, in the loader thread (the router never
@@ -139,15 +257,18 @@ def cmd_model_kernels(args: argparse.Namespace) -> int:
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moed", description="Mixture-of-Experts serving daemon")
+    parser.add_argument("--version", action="version", version=f"moed {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run a node (HTTP API, engine, membership)")
-    serve.add_argument("--config", metavar="FILE", help="TOML config (default: built-in defaults)")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL",
+                       help="checkpoint directory (model.path), as --model")
     _add_config_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    check = sub.add_parser("check-config", help="validate a config and print the effective one")
-    check.add_argument("config", metavar="FILE")
+    check = sub.add_parser("check-config", help="run serve's checks without serving; print "
+                           "the effective config")
+    check.add_argument("config_pos", nargs="?", metavar="CONFIG", help="TOML config, as --config")
     _add_config_flags(check)
     check.set_defaults(func=cmd_check_config)
 

@@ -5,6 +5,9 @@ uses that for SIGHUP reload. Unknown keys are errors. Secrets never live in the 
 a file or an environment variable that holds them.
 
 Environment: MOED_<SECTION>_<FIELD>, e.g. MOED_SERVER_PORT=9000, MOED_CLUSTER_SEEDS=a:1,b:2.
+Any other MOED_* variable is an error naming it and the closest valid name (a misspelt
+setting must not be ignored), except the few moed reads itself (`OTHER_ENV`) and those the
+config names as holding a secret (server.api_keys_env, admin_token_env, cluster.key_env).
 
 Every number has bounds (`bounds=(lo, hi)` on its field, required by `_f`): a value outside
 them, NaN or infinity is refused, so no typo (max_num_seqs = 10**20) reaches a running node.
@@ -14,6 +17,7 @@ a FIFO or device is refused without being opened, so neither a start nor a SIGHU
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -23,9 +27,13 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 ROLES = ("colocated", "prefill", "decode", "router")
+LOG_FORMATS = ("json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MODEL_DTYPES = ("auto", "bfloat16", "float32", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 MAX_CONFIG_BYTES = 1 << 20          # a config file is a few KiB; more is a mistake (or /dev/zero)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 MS_HOUR, MS_DAY = 3_600_000, 86_400_000
@@ -93,8 +101,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check_bounds("server", self)
         _choice("server.role", self.role, ROLES)
-        _choice("server.log_format", self.log_format, ("json", "console"))
-        _choice("server.log_level", self.log_level, ("debug", "info", "warning", "error"))
+        _choice("server.log_format", self.log_format, LOG_FORMATS)
+        _choice("server.log_level", self.log_level, LOG_LEVELS)
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_bounds("model", self)
-        _choice("model.dtype", self.dtype, ("auto", "bfloat16", "float32", "float16"))
+        _choice("model.dtype", self.dtype, MODEL_DTYPES)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device: {_short(self.device)} is not auto, cpu, cuda "
                               f"or cuda:N")
@@ -128,7 +136,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_bounds("engine", self)
-        _choice("engine.attention_backend", self.attention_backend, ("auto", "torch", "flashinfer"))
+        _choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -459,33 +467,75 @@ def _merge(base: dict[str, dict[str, Any]], overlay: Mapping[str, Any], source: 
                 f"{source}: {sec_name}.{key}", hints[key], value, from_env)
 
 
+# MOED_* variables that moed reads and that are not config fields: the one list of them
+# (anything else spelt MOED_* is taken for a misspelt setting and refused)
+OTHER_ENV: Mapping[str, str] = {
+    "MOED_CPU_KERNELS": "0 turns the native CPU kernels off (moed/model/kernels)",
+    "MOED_KERNEL_CACHE": "where the native CPU kernels are built (moed/model/kernels)",
+    "MOED_CACHE_DIR": "`moed model init`'s tokenizer cache (moed/model/bpe_train.py)",
+    "MOED_BENCH_CACHE": "bench/engine.py's checkpoint cache",
+}
+
+
+def env_name(section: str, key: str) -> str:
+    """The environment variable of a config field: MOED_<SECTION>_<FIELD>."""
+    return f"MOED_{section}_{key}".upper()
+
+
+def _env_fields() -> dict[str, tuple[str, str]]:
+    return {env_name(sec, f.name): (sec, f.name)
+            for sec, cls in _sections().items() for f in dataclasses.fields(cls)}
+
+
 def env_overlay(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    """MOED_<SECTION>_<FIELD> variables as a nested dict. Unknown MOED_ names are errors."""
-    sections = _sections()
+    """The MOED_<SECTION>_<FIELD> variables of `environ` as a nested dict (the other MOED_*
+    names: `unknown_env`)."""
+    fields = _env_fields()
     out: dict[str, dict[str, str]] = {}
     for name, value in environ.items():
-        if not name.startswith("MOED_"):
-            continue
-        rest = name[5:].lower()
-        sec = next((s for s in sections if rest.startswith(s + "_")), None)
-        if sec is None:
-            continue  # MOED_* names outside config sections (e.g. tools) are not ours
-        out.setdefault(sec, {})[rest[len(sec) + 1:]] = value
+        if name in fields:
+            sec, key = fields[name]
+            out.setdefault(sec, {})[key] = value
     return out
+
+
+def unknown_env(environ: Mapping[str, str], named: Collection[str] = ()) -> list[str]:
+    """Each MOED_* variable that is no config field, not in OTHER_ENV and not `named` (by a
+    *_env field), with the closest valid name when one is close."""
+    fields = _env_fields()
+    valid = [*fields, *OTHER_ENV]
+    out = []
+    for name in sorted(environ):
+        if not name.startswith("MOED_") or name in fields or name in OTHER_ENV or name in named:
+            continue
+        close = difflib.get_close_matches(name.upper(), valid, n=1)   # MOED_server_port too
+        out.append(f"{name} (did you mean {close[0]}?)" if close
+                   else f"{name} (no setting is named like it)")
+    return out
+
+
+def _check_env(environ: Mapping[str, str], merged: Mapping[str, Mapping[str, Any]]) -> None:
+    named = {v for values in merged.values() for k, v in values.items()
+             if k.endswith("_env") and isinstance(v, str)}
+    unknown = unknown_env(environ, named)
+    if unknown:
+        raise ConfigError(f"environment: unknown variable{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(unknown)}")
 
 
 def load(path: str | Path | None = None, *, environ: Mapping[str, str] | None = None,
          overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
     """Build the effective config. Raises ConfigError with a message fit for an operator."""
+    env = os.environ if environ is None else environ
     merged: dict[str, dict[str, Any]] = {}
     if path:
         p = Path(path)
         _merge(merged, _read_toml(p), str(p))
-    _merge(merged, env_overlay(os.environ if environ is None else environ), "environment",
-           from_env=True)
+    _merge(merged, env_overlay(env), "environment", from_env=True)
     if overrides:
         _merge(merged, {k: {kk: vv for kk, vv in v.items() if vv is not None}
                         for k, v in overrides.items()}, "command line")
+    _check_env(env, merged)     # after every layer: any of them may name a variable (*_env)
     sections = _sections()
     try:
         built = {name: cls(**merged.get(name, {})) for name, cls in sections.items()}

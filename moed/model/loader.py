@@ -25,11 +25,14 @@ mlp.gate_up, mlp.down (dense layers).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import re
 import time
 from pathlib import Path
+from typing import Any, Iterator, TextIO
 
 import structlog
 import torch
@@ -189,29 +192,82 @@ class _Assembler:
 
 def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu") -> Weights:
-    """All tensors of the checkpoint in canonical names, cast to dtype ("auto" = config's)."""
+    """All tensors of the checkpoint in canonical names, cast to dtype ("auto" = config's).
+    Logs a `shard_loaded` line per file (a big checkpoint loads for minutes); a progress bar
+    too when the logs are console lines on a terminal."""
     from safetensors import safe_open
 
     d = Path(model_dir)
     tdtype = spec.dtype if dtype == "auto" else parse_dtype(dtype)
     asm = _Assembler(spec, tdtype, torch.device(device))
     files = checkpoint_files(d)
+    sizes = [p.stat().st_size for p in files]
     t0, nbytes, ntensors, unexpected = time.monotonic(), 0, 0, []
-    for n, path in enumerate(files):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if _IGNORED.search(key):
-                    continue
-                t = f.get_tensor(key)
-                if not asm.add(key, t):
-                    unexpected.append(key)
-                    continue
-                ntensors += 1
-                nbytes += t.numel() * t.element_size()
-        log.debug("shard_loaded", shard=path.name, index=n + 1, of=len(files))
+    with _progress(sum(sizes)) as bar:
+        for n, (path, size) in enumerate(zip(files, sizes)):
+            t_shard, read = time.monotonic(), 0
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if _IGNORED.search(key):
+                        continue
+                    t = f.get_tensor(key)
+                    size_t = t.numel() * t.element_size()
+                    read += size_t
+                    bar.update(size_t)
+                    if not asm.add(key, t):
+                        unexpected.append(key)
+                        continue
+                    ntensors += 1
+                    nbytes += size_t
+            bar.update(size - read)          # the file's header and skipped tensors
+            _log_shard(path.name, n + 1, len(files), size, time.monotonic() - t_shard)
     if unexpected:
         raise WeightError(f"{d}: unexpected tensors: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
     weights = asm.finish()
     log.info("weights_loaded", model_dir=str(d), shards=len(files), tensors=ntensors, bytes=nbytes,
              dtype=str(tdtype).removeprefix("torch."), seconds=round(time.monotonic() - t0, 3))
     return weights
+
+
+def _log_shard(name: str, index: int, of: int, size: int, seconds: float) -> None:
+    log.info("shard_loaded", shard=name, index=index, of=of, bytes=size,
+             seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / max(seconds, 1e-6), 1))
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _progress(total: int) -> Iterator[Any]:
+    """A tqdm bar of `total` bytes on the terminal the console logs go to, log lines printed
+    above it; a no-op bar for JSON logs or when that stream is no terminal."""
+    stream = _console_terminal()
+    if stream is None:
+        yield _NoBar()
+        return
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(), tqdm(total=total, desc="loading weights", unit="B",
+                                       unit_scale=True, file=stream, leave=False) as bar:
+        yield bar
+
+
+def _console_terminal() -> TextIO | None:
+    """The stream of the root logger's console renderer (moed.obs.log) if it is a terminal."""
+    for h in logging.getLogger().handlers:
+        processors = getattr(h.formatter, "processors", ())
+        stream = getattr(h, "stream", None)
+        if any(isinstance(p, structlog.dev.ConsoleRenderer) for p in processors) and \
+                _isatty(stream):
+            return stream
+    return None
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (ValueError, OSError):       # closed (a finished test's capture), or no fd
+        return False

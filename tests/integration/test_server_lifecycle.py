@@ -102,8 +102,10 @@ def test_router_role_starts_without_model(moed_server):
 
 
 def test_bad_model_dir_fails_start_with_clear_error(moed_server, tmp_path):
-    with pytest.raises(AssertionError, match="exited with 1"):
+    # refused by the pre-flight checks, before listening (exit 2, like any config error)
+    with pytest.raises(AssertionError, match="exited with 2") as e:
         moed_server(model=tmp_path / "no-such-model", ready_timeout=60)
+    assert "not a Hugging Face checkpoint directory" in str(e.value)
 
 
 def test_invalid_config_exits_2_before_listening(moed_server, tmp_path):

@@ -1,14 +1,39 @@
-"""`moed check-config` and flag/env/TOML precedence, in-process."""
+"""`moed check-config`, the serve flags and flag/env/TOML precedence, in-process; and
+check-config refusing what a real `moed serve` refuses, in the same words."""
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
-from moed import cli
-from moed.config import load
+import pytest
+import structlog
+
+from moed import __version__, cli
+from moed.api.auth import load_keys
+from moed.config import ConfigError, load
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf" / "moed.toml"
+
+
+@pytest.fixture(autouse=True)
+def _own_process_state(monkeypatch):
+    """check-config configures logging and --api-key writes the environment: both go back
+    after each test. No MOED_* variable of the shell reaches a test."""
+    handlers, level = logging.getLogger().handlers[:], logging.getLogger().level
+    saved = structlog.get_config()
+    for name in [n for n in os.environ if n.startswith("MOED_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(cli.API_KEYS_ENV, "")      # set, so that teardown removes it
+    yield
+    logging.getLogger().handlers[:] = handlers
+    logging.getLogger().setLevel(level)
+    structlog.configure(**saved)
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -17,33 +42,40 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def test_check_config_prints_effective_toml(capsys, monkeypatch, tmp_path):
-    monkeypatch.delenv("MOED_SERVER_PORT", raising=False)
-    rc, out, _ = _run(capsys, "check-config", str(CONF), "--model", "/models/x")
+def _cfg(*argv: str):
+    """The effective config of `moed serve ARGV`, without serving (and without preflight)."""
+    return cli._load(cli.build_parser(["serve", *argv]).parse_args(["serve", *argv]))
+
+
+def test_check_config_prints_effective_toml(capsys, tmp_path, tiny_qwen3):
+    rc, out, _ = _run(capsys, "check-config", str(CONF), "--model", str(tiny_qwen3))
     assert rc == 0
     parsed = tomllib.loads(out)
-    assert parsed["model"]["path"] == "/models/x" and parsed["server"]["port"] == 8000
+    assert parsed["model"]["path"] == str(tiny_qwen3) and parsed["server"]["port"] == 8000
     # the printed config is a valid config file that loads back to the same effective config
     printed = tmp_path / "printed.toml"
     printed.write_text(out)
     assert load(printed, environ={}) == load(CONF, environ={},
-                                             overrides={"model": {"path": "/models/x"}})
+                                             overrides={"model": {"path": str(tiny_qwen3)}})
 
 
-def test_precedence_flag_over_env_over_toml(capsys, monkeypatch, tmp_path):
+def test_precedence_flag_over_env_over_toml(capsys, monkeypatch, tmp_path, tiny_qwen3):
     f = tmp_path / "m.toml"
-    f.write_text('[server]\nport = 8100\nhost = "0.0.0.0"\n[model]\npath = "/m"\n')
+    f.write_text(f'[server]\nport = 8100\nhost = "0.0.0.0"\n[engine]\nmax_num_seqs = 3\n'
+                 f'[model]\npath = "{tiny_qwen3}"\n')
     monkeypatch.setenv("MOED_SERVER_PORT", "8200")
+    monkeypatch.setenv("MOED_ENGINE_MAX_NUM_SEQS", "4")
     rc, out, _ = _run(capsys, "check-config", str(f))
-    assert rc == 0 and tomllib.loads(out)["server"]["port"] == 8200
-    assert tomllib.loads(out)["server"]["host"] == "0.0.0.0"
-    rc, out, _ = _run(capsys, "check-config", str(f), "--port", "8300", "--role", "router")
     parsed = tomllib.loads(out)
-    assert (parsed["server"]["port"], parsed["server"]["role"]) == (8300, "router")
+    assert rc == 0 and parsed["server"]["port"] == 8200 and parsed["engine"]["max_num_seqs"] == 4
+    assert parsed["server"]["host"] == "0.0.0.0"
+    rc, out, _ = _run(capsys, "check-config", "--config", str(f), "--port", "8300",
+                      "--max-num-seqs", "5")
+    parsed = tomllib.loads(out)
+    assert (parsed["server"]["port"], parsed["engine"]["max_num_seqs"]) == (8300, 5)
 
 
-def test_errors_exit_2_with_a_clear_message(capsys, monkeypatch, tmp_path):
-    monkeypatch.delenv("MOED_SERVER_PORT", raising=False)
+def test_errors_exit_2_with_a_clear_message(capsys, monkeypatch, tmp_path, tiny_qwen3):
     bad = tmp_path / "bad.toml"
     bad.write_text("[server]\nprot = 1\n")
     rc, out, err = _run(capsys, "check-config", str(bad))
@@ -53,14 +85,121 @@ def test_errors_exit_2_with_a_clear_message(capsys, monkeypatch, tmp_path):
     rc, _, err = _run(capsys, "check-config", str(tmp_path / "none.toml"))
     assert rc == 2 and "does not exist" in err
     monkeypatch.setenv("MOED_SERVER_API_KEYS_FILE", str(tmp_path / "nokeys"))
-    rc, _, err = _run(capsys, "check-config", str(CONF), "--model", "/m")
+    rc, _, err = _run(capsys, "check-config", str(CONF), "--model", str(tiny_qwen3))
     assert rc == 2 and "api_keys_file" in err
 
 
-def test_documented_default_file_matches_builtin_defaults():
-    """conf/moed.toml documents the defaults: loading it changes nothing but what it must."""
-    o = {"model": {"path": "/m"}}
-    assert load(CONF, environ={}, overrides=o) == load(None, environ={}, overrides=o)
+# ---- every flag sets its field ------------------------------------------------------------
+
+FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to cli.FLAGS needs a row
+    "--role": ("router", "router"), "--host": ("0.0.0.0", "0.0.0.0"),
+    "--port": ("9123", 9123), "--node-name": ("n1", "n1"),
+    "--served-model-name": ("my-model", "my-model"), "--max-model-len": ("1234", 1234),
+    "--max-num-seqs": ("7", 7), "--max-num-batched-tokens": ("333", 333),
+    "--kv-cache-memory": ("77", 77), "--block-size": ("32", 32),
+    "--dtype": ("half", "float16"), "--device": ("cuda:1", "cuda:1"),
+    "--attention-backend": ("torch", "torch"), "--log-format": ("console", "console"),
+    "--log-level": ("debug", "debug"),
+}
+
+
+def test_every_flag_has_a_test_row():
+    assert {f.name for f in cli.FLAGS} == set(FLAG_VALUES)
+
+
+@pytest.mark.parametrize("flag", cli.FLAGS, ids=[f.name for f in cli.FLAGS])
+def test_each_flag_sets_its_config_field_over_env_and_toml(flag, monkeypatch, tmp_path):
+    arg, expect = FLAG_VALUES[flag.name]
+    section, key = flag.field.split(".")
+    default = getattr(getattr(_cfg("/m"), section), key)
+    assert default != expect                       # the flag, not the default, made it so
+    p = tmp_path / "m.toml"
+    p.write_text(f"[{section}]\n{key} = {cli._toml_value(default)}\n")
+    monkeypatch.setenv(f"MOED_{section}_{key}".upper(), str(default))
+    model = [] if flag.name == "--role" else ["/m"]         # a router takes no model
+    cfg = _cfg(*model, "--config", str(p), flag.name, arg)
+    assert getattr(getattr(cfg, section), key) == expect
+
+
+def test_model_is_positional_or_a_flag_never_two_different_ones(capsys):
+    assert _cfg("/models/a").model.path == "/models/a"
+    assert _cfg("--model", "/models/a").model.path == "/models/a"
+    assert _cfg("--api-key", "k", "/models/a", "--port", "1").model.path == "/models/a"
+    assert _cfg("/models/a/", "--model", "/models/a").model.path == "/models/a/"
+    with pytest.raises(ConfigError, match="MODEL /models/a and --model /models/b differ"):
+        _cfg("/models/a", "--model", "/models/b")
+    rc, _, err = _run(capsys, "check-config", "a.toml", "--config", "b.toml", "--role", "router")
+    assert rc == 2 and "CONFIG a.toml and --config b.toml differ" in err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["serve", "--version"],
+                                  ["check-config", "--version"]])
+def test_version(capsys, argv):
+    sighup = signal.getsignal(signal.SIGHUP)      # `serve` holds SIGHUP from its first line
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+    finally:
+        signal.signal(signal.SIGHUP, sighup)
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"moed {__version__}"
+
+
+def test_version_is_the_packaged_one():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == __version__
+
+
+def test_flags_moed_cannot_honour_are_refused_not_ignored(capsys):
+    rc, out, err = _run(capsys, "check-config", "--role", "router",
+                        "--gpu-memory-utilization", "0.9")
+    assert rc == 2 and out == ""
+    assert err.strip() == ("moed: config error: command line: --gpu-memory-utilization is not "
+                           "supported: " + cli.REFUSED["--gpu-memory-utilization"])
+    assert "--kv-cache-memory" in err
+
+
+def test_model_and_engine_flags_are_refused_on_a_router(capsys):
+    rc, out, err = _run(capsys, "check-config", "--role", "router", "--max-num-seqs", "3")
+    assert rc == 2 and out == ""
+    assert err.strip() == ("moed: config error: command line: --max-num-seqs: a router node "
+                           "has no model or engine for it")
+    with pytest.raises(ConfigError, match="--model, --dtype: a router node"):
+        _cfg("/m", "--role", "router", "--dtype", "half")
+    assert _cfg("--role", "router", "--port", "1", "--api-key", "k").server.port == 1
+
+
+def test_api_key_reaches_the_key_loader_and_no_printed_config(capsys):
+    cfg = _cfg("/m", "--api-key", "k1", "--api-key", " k2 ")
+    assert cfg.server.api_keys_env == cli.API_KEYS_ENV
+    assert load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env) == (b"k1", b"k2")
+    rc, out, _ = _run(capsys, "check-config", "--role", "router", "--api-key", "sk-secret")
+    assert rc == 0 and "sk-secret" not in out
+    assert tomllib.loads(out)["server"]["api_keys_env"] == cli.API_KEYS_ENV
+    for bad in ("a,b", " "):      # the variable holds comma-separated keys
+        with pytest.raises(ConfigError, match="--api-key"):
+            _cfg("/m", "--api-key", bad)
+
+
+def test_api_key_flag_counts_beside_a_keys_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("from-file\n")
+    p = tmp_path / "m.toml"
+    p.write_text(f'[server]\napi_keys_file = "{keys}"\n')
+    cfg = _cfg("/m", "--config", str(p), "--api-key", "from-flag")
+    assert load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env) == (b"from-file",
+                                                                            b"from-flag")
+
+
+def test_check_config_runs_the_model_checks(capsys, tmp_path, tiny_qwen3):
+    rc, _, err = _run(capsys, "check-config", "--model", str(tmp_path))
+    assert rc == 2 and err.strip() == (f"moed: config error: model.path: {tmp_path}/config.json "
+                                       f"not found: not a Hugging Face checkpoint directory")
+    rc, _, err = _run(capsys, "check-config", "--model", str(tiny_qwen3), "--max-model-len",
+                      "100000")
+    assert rc == 2 and "model.max_model_len: 100000 is beyond" in err
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    rc, _, err = _run(capsys, "check-config", "--model", str(tmp_path))
+    assert rc == 2 and "llama" in err and "qwen3_moe" in err      # names what is served
 
 
 def test_kv_transfer_nodes_get_huge_pages_unless_the_operator_chose():
@@ -70,3 +209,51 @@ def test_kv_transfer_nodes_get_huge_pages_unless_the_operator_chose():
         assert env.get(cli.THP_ENV) == expect
     env = {cli.THP_ENV: "0"}                       # an explicit opt-out is kept
     assert cli.kv_transfer_env("decode", env) is False and env[cli.THP_ENV] == "0"
+
+
+def test_documented_default_file_matches_builtin_defaults():
+    """conf/moed.toml documents the defaults: loading it changes nothing but what it must."""
+    o = {"model": {"path": "/m"}}
+    assert load(CONF, environ={}, overrides=o) == load(None, environ={}, overrides=o)
+
+
+# ---- check-config refuses what serve refuses, in the same words (real processes) ----------
+
+def _error_line(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+    r = subprocess.run([sys.executable, "-m", "moed", *argv], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=90)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("moed: ")]
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.returncode, lines[-1] if lines else r.stdout + r.stderr
+
+
+def _refusals(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], dict[str, str], str]]:
+    no_key = {"MOED_CLUSTER_KEY_FILE": "", "MOED_CLUSTER_KEY_ENV": ""}
+    return {  # case -> (config and flags, environment, what the message says)
+        "router-without-cluster-key": (["--config", str(ROOT / "conf" / "router.toml"),
+                                        "--host", "127.0.0.1"], no_key, "no cluster key"),
+        "decode-insecure-off-loopback": (["--role", "decode", "--model", str(model),
+                                          "--host", "0.0.0.0"],
+                                         {**no_key, "MOED_CLUSTER_INSECURE": "true"},
+                                         "cluster.insecure: a decode node"),
+        "admin-token-file-missing": (["--model", str(model)],
+                                     {"MOED_SERVER_ADMIN_TOKEN_FILE": str(tmp_path / "none")},
+                                     "server.admin_token_file"),
+        "not-a-checkpoint": (["--model", str(tmp_path)], {}, "not a Hugging Face checkpoint"),
+        "misspelt-variable": (["--model", str(model)], {"MOED_SERVR_PORT": "1"},
+                              "did you mean MOED_SERVER_PORT?"),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_check_config_refuses_what_serve_refuses_in_the_same_words(tmp_path, tiny_qwen3):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
+    base["OMP_NUM_THREADS"] = "1"
+    for case, (argv, env, says) in _refusals(tmp_path, tiny_qwen3).items():
+        env = {**base, **env}
+        # serve on a free port of loopback, in case it did not refuse
+        served = _error_line(["serve", *argv, "--port", "0"], env)
+        checked = _error_line(["check-config", *argv, "--port", "0"], env)
+        assert served == checked, case
+        assert served[0] == 2 and served[1].startswith("moed: config error: ") and \
+            says in served[1], (case, served)
