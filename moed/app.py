@@ -51,6 +51,7 @@ from moed.config import Config
 from moed.engine.client import EngineClient
 from moed.engine.stream import StepStats
 from moed.obs import metrics
+from moed.preflight import needs_cluster_key
 
 log = structlog.get_logger(__name__)
 
@@ -113,6 +114,7 @@ class EngineComponent(BaseComponent):
         await self.engine.start()
         app.state.engine = self.engine
         app.state.model_name = served_model_name(self.cfg)
+        metrics.set_model_name(app.state.model_name)
         metrics.MODEL_INFO.info(self.engine.model_info())
         log.info("model_loaded", model=app.state.model_name,
                  max_model_len=self.engine.max_model_len,
@@ -136,8 +138,7 @@ def _observe_step(step: StepStats) -> None:
     metrics.STEP_TIME.observe(step.step_seconds)
     metrics.RUNNING.set(step.running)
     metrics.WAITING.set(step.waiting)
-    metrics.KV_BLOCKS_USED.set(step.kv_blocks_used)
-    metrics.KV_BLOCKS_FREE.set(step.kv_blocks_free)
+    metrics.observe_kv(step.kv_blocks_used, step.kv_blocks_free)
 
 
 def build_components(cfg: Config) -> list[Component]:
@@ -145,7 +146,7 @@ def build_components(cfg: Config) -> list[Component]:
     role = cfg.server.role
     comps: list[Component] = []
     # ---- node-to-node auth: the cluster secret signs /internal/* and /cluster calls ----
-    if role in ("prefill", "decode") or cfg.cluster.enabled:
+    if needs_cluster_key(cfg):
         from moed.api.internal import InternalAuth   # raises ConfigError: no key
         comps.append(InternalAuth.from_config(cfg, node_name(cfg)))
     # ---- engine (daemon helper) ----

@@ -84,6 +84,16 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class RequestTimings:
+    """Where a finished request's time went in the engine, in seconds (on its finish event;
+    None: it never got that far, e.g. aborted while queued)."""
+
+    queue_s: float | None = None     # arrival (add_request) -> first scheduled (KV allocated)
+    prefill_s: float | None = None   # first scheduled -> first token (decode role: remote prefill)
+    decode_s: float | None = None    # first token -> finish
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """What the engine publishes per request per step (one new token, or the finish)."""
 
@@ -98,6 +108,7 @@ class TokenEvent:
     # per token in token_ids, when params.top_logprobs > 0: ((token_id, logprob), ...) best first
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     error_kind: ErrorKind | None = None  # with ERROR; None is treated as INTERNAL
+    timings: RequestTimings | None = None  # on the engine's finish event
 
     @property
     def finished(self) -> bool:

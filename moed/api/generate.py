@@ -203,20 +203,21 @@ class Generation:
 
     def _observe(self, ch: Choice, ev: TokenEvent) -> None:
         now = time.perf_counter()
+        m = metrics.request_series()
         if ev.token_ids:
             if ch.t_first is None:
                 ch.t_first = now
-                metrics.TTFT.observe(now - self.arrival)
+                m.ttft.observe(now - self.arrival)
                 self.admission.started(ch.ticket)
             elif ch.t_last is not None:
                 gap = (now - ch.t_last) / len(ev.token_ids)
                 for _ in ev.token_ids:
-                    metrics.ITL.observe(gap)
+                    m.itl.observe(gap)
             ch.t_last = now
             ch.token_ids.extend(ev.token_ids)
             ch.logprobs.extend(ev.logprobs)
             ch.top_logprobs.extend(ev.top_logprobs)
-            metrics.GENERATION_TOKENS.inc(len(ev.token_ids))
+            m.generation_tokens.inc(len(ev.token_ids))
         ch.text += ev.text
         if ev.finished:
             reason = ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) \
@@ -224,9 +225,17 @@ class Generation:
             ch.finish_reason = reason
             ch.error = ev.error
             self.admission.release(ch.ticket)
-            metrics.E2E.observe(now - self.arrival)
-            metrics.PROMPT_TOKENS.inc(len(ch.prompt_ids))
-            metrics.REQUESTS_FINISHED.labels(reason).inc()
+            m.e2e.observe(now - self.arrival)
+            m.prompt_tokens.inc(len(ch.prompt_ids))
+            m.request_prompt_tokens.observe(len(ch.prompt_ids))
+            m.request_generation_tokens.observe(len(ch.token_ids))
+            m.finished(reason).inc()
+            t = ev.timings          # the engine's own clock: queue, prefill, decode phases
+            if t is not None:
+                for hist, s in ((m.queue_time, t.queue_s), (m.prefill_time, t.prefill_s),
+                                (m.decode_time, t.decode_s)):
+                    if s is not None:
+                        hist.observe(s)
         metrics.ADMISSION_PENDING.set(self.admission.pending)
         metrics.ADMISSION_PENDING_TOKENS.set(self.admission.pending_tokens)
 
@@ -235,7 +244,7 @@ class Generation:
         for ch in self.choices:
             if ch.added and not ch.finished:
                 ch.finish_reason = FinishReason.ABORT.value
-                metrics.REQUESTS_FINISHED.labels(FinishReason.ABORT.value).inc()
+                metrics.request_series().finished(FinishReason.ABORT.value).inc()
                 try:
                     res = self.engine.abort(ch.engine_id)
                     if inspect.isawaitable(res):

@@ -35,7 +35,8 @@ async def metrics_handler(request: web.Request) -> web.Response:
     alive = state.engine is None or getattr(state.engine, "alive", True)
     metrics.READY.set(1 if state.ready and not state.draining and alive else 0)
     metrics.HTTP_INFLIGHT.set(state.inflight)
-    body, ctype = metrics.render()
+    cfg = state.config   # only this role's areas: no router gauge on an engine node, etc.
+    body, ctype = metrics.render(cfg.server.role, cluster=cfg.cluster.enabled)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = ctype
     return resp

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from moed.types import FinishReason, RequestState, SamplingParams, check_transition
+from moed.types import (FinishReason, RequestState, RequestTimings, SamplingParams,
+                         check_transition)
 
 
 class Detokenizer(Protocol):
@@ -69,6 +70,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None   # time.monotonic(), like arrival_time
+    first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     rng: Any = None                  # sampler state (a torch.Generator for seeded requests)
@@ -109,11 +112,22 @@ class Request:
         self.finish_reason = reason
         self.error = error
 
+    def timings(self, now: float | None = None) -> RequestTimings:
+        """Queue / prefill / decode time so far (at the finish: the request's whole life)."""
+        now = time.monotonic() if now is None else now
+        sched, first = self.first_scheduled_time, self.first_token_time
+        return RequestTimings(
+            queue_s=None if sched is None else sched - self.arrival_time,
+            prefill_s=None if sched is None or first is None else first - sched,
+            decode_s=None if first is None else now - first)
+
     # ---- one new token ---------------------------------------------------------------------
     def append_token(self, token_id: int) -> tuple[str, FinishReason | None]:
         """Record a sampled token; -> (text to emit, finish reason or None). Does not change
         `state` (the scheduler does, since finishing also frees blocks)."""
         self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         p = self.params
         n_out = self.num_output_tokens
         past_min = n_out > p.min_tokens

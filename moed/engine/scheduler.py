@@ -19,6 +19,7 @@ Per step:
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -164,6 +165,7 @@ class Scheduler:
                     break
                 alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, req.num_tokens)
                 self.waiting.popleft()
+                _scheduled(req)
                 req.num_cached_tokens = alloc.num_cached_tokens
                 req.num_computed_tokens = alloc.num_cached_tokens
                 req.set_state(RequestState.WAITING_REMOTE_KV)
@@ -176,6 +178,7 @@ class Scheduler:
                 break
             alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, hit.num_tokens + n)
             self.waiting.popleft()
+            _scheduled(req)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = alloc.num_cached_tokens
             req.num_computed_tokens = alloc.num_cached_tokens
@@ -277,8 +280,15 @@ def _top(req: Request, row: Sequence[tuple[int, float]] | None
     return (tuple((int(t), float(v)) for t, v in list(row)[:n]),)
 
 
+def _scheduled(req: Request) -> None:
+    """A request leaves WAITING with KV blocks: its queue time ends the first time."""
+    if req.first_scheduled_time is None:
+        req.first_scheduled_time = time.monotonic()
+
+
 def _event(req: Request, toks: tuple[int, ...], text: str, lps: tuple[float, ...],
            reason: FinishReason | None, error: str | None = None,
            top: tuple[tuple[tuple[int, float], ...], ...] = ()) -> TokenEvent:
     return TokenEvent(req.request_id, toks, text, lps, reason, req.num_prompt_tokens,
-                      req.num_cached_tokens, error, top)
+                      req.num_cached_tokens, error, top,
+                      timings=None if reason is None else req.timings())

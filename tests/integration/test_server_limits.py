@@ -133,7 +133,7 @@ async def test_disconnects_mid_stream_leave_nothing_running(srv):
                 await r.content.readuntil(b"\n\n")      # one token, then hang up
     m = _settled(srv)
     assert m["moed_client_disconnects_total"] - before == 3
-    assert m['moed_requests_finished_total{finish_reason="abort"}'] >= 3
+    assert m['moed_requests_finished_total{finish_reason="abort",model_name="tiny"}'] >= 3
 
 
 def test_model_info_metric_says_what_runs(srv):

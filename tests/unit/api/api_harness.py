@@ -9,6 +9,7 @@ from api_fake_engine import FakeEngine
 
 from moed import config as mconfig
 from moed.api import openai
+from moed.obs import metrics
 
 
 class FakeEngineComponent:
@@ -24,6 +25,7 @@ class FakeEngineComponent:
         await self.engine.start()
         app.state.engine = self.engine
         app.state.model_name = "fake"
+        metrics.set_model_name("fake")   # what EngineComponent does: the model_name label
 
     async def drain(self) -> None:
         pass

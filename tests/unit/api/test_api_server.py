@@ -221,7 +221,7 @@ async def test_request_id_echo_models_and_metrics(server, http):
         text = await r.text()
     for name in ("moed_time_to_first_token_seconds_bucket", "moed_inter_token_latency_seconds",
                  "moed_e2e_request_latency_seconds", "moed_prompt_tokens_total",
-                 "moed_generation_tokens_total", 'moed_requests_finished_total{finish_reason="length"}',
+                 "moed_generation_tokens_total", 'moed_requests_finished_total{finish_reason="length",model_name="fake"}',
                  "moed_http_requests_total", "moed_kv_blocks_free", "moed_prefix_cache_hit_rate",
                  "moed_step_seconds", "moed_batch_size"):
         assert name in text, name
