@@ -9,24 +9,39 @@ DEMO_MODEL ?= demo-model
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test test-unit bench clean
+# Where torch comes from. Empty: pip's configured indexes (PyPI serves the CUDA build on Linux;
+# a machine whose pip config finds a local CPU wheel, like this project's, gets that one).
+# A CPU machine with the PyTorch index: make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
-# Marker file: re-run setup only when the project's dependencies change.
-$(VENV)/.setup-done: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+.PHONY: setup setup-serve serve test test-unit bench clean
+
+# Marker files: re-run a step only when the project's dependencies change.
+# torch first, pinned: every unpinned torch requirement resolved later (moed's own, nixl's) is
+# then already satisfied, so pip never swaps in another build (no CUDA download on a CPU box).
+$(VENV)/.torch-done:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first, pinned: on a CPU machine this is the local CPU wheel; any unpinned
-	# requirement resolved later is then already satisfied (no CUDA download).
-	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e '.[test,nixl]'
+	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	touch $@
 
+# make serve: the runtime dependencies and the init extra (the demo checkpoint), nothing else.
+$(VENV)/.setup-serve: pyproject.toml $(VENV)/.torch-done
+	$(PIP) install -q -e '.[init]'
+	touch $@
+
+# make test (and setup): the test and NIXL extras too.
+$(VENV)/.setup-done: pyproject.toml $(VENV)/.torch-done
+	$(PIP) install -q -e '.[init,test,nixl]'
+	touch $@
+
+setup-serve: $(VENV)/.setup-serve
 setup: $(VENV)/.setup-done
 
-$(DEMO_MODEL)/config.json: | setup
+$(DEMO_MODEL)/config.json: | setup-serve
 	$(VENV)/bin/moed model init --arch qwen3_moe --preset tiny --out $(DEMO_MODEL)
 
-serve: setup $(DEMO_MODEL)/config.json
+serve: setup-serve $(DEMO_MODEL)/config.json
 	@echo "moed: serving $(DEMO_MODEL) on http://$(HOST):$(PORT) (Ctrl-C drains and stops). Once it logs 'ready', try:"
 	@echo "  curl -N http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"model\": \"$(notdir $(DEMO_MODEL))\", \"prompt\": \"def fib(n):\", \"max_tokens\": 16, \"stream\": true}'"
@@ -43,3 +58,9 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(DEMO_MODEL) .pytest_cache
+
+# One router + 2 prefill + 2 decode on 127.0.0.1 with conf/{router,prefill,decode}.toml
+# (docs/cluster.md); Ctrl-C stops all five. CLUSTER_ARGS: e.g. --port-offset 1000.
+.PHONY: cluster
+cluster: setup
+	exec $(PY) -m moed.devcluster --model $(DEMO_MODEL) $(CLUSTER_ARGS)

@@ -37,6 +37,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+class MissingInitExtra(RuntimeError):
+    """transformers (the `init` extra) is not installed: serving never needs it, init does."""
+
+
+def _transformers():
+    try:
+        import transformers
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "transformers":
+            raise
+        raise MissingInitExtra(
+            "model init needs transformers (moed's init extra; serving does not): "
+            "pip install '.[init]' in moed's checkout, or pip install 'transformers>=4.51'") from None
+    return transformers
+
+
 def init_archs() -> tuple[str, ...]:
     """The registered architectures that `moed model init` can write."""
     return tuple(a for a in archs.supported() if archs.get(a).init is not None)
@@ -65,8 +81,7 @@ def _hf_kwargs(arch: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build_config(arch: str, params: dict[str, Any], tok_ids: dict[str, int]):
-    import transformers
-
+    transformers = _transformers()
     recipe = _recipe(arch)
     kw = recipe.config_kwargs(tok_ids, _hf_kwargs(arch, params))
     return getattr(transformers, recipe.config_class)(**kw)
@@ -124,7 +139,7 @@ def init_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int 
     (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]);
     max_shard_size (e.g. "2MB") writes a sharded checkpoint with an index.
     """
-    import transformers
+    transformers = _transformers()
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -207,6 +222,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        _transformers()     # before touching --out: a missing extra leaves nothing behind
+    except MissingInitExtra as e:
+        print(f"moed: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         if not getattr(args, "force", False):
