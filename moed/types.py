@@ -63,6 +63,12 @@ class SamplingParams:
     logprobs: bool = False              # logprob of each chosen token
     min_tokens: int = 0
     top_logprobs: int = 0               # also the N most likely tokens' logprobs (0..20)
+    # logits processing (moed.model.sampler; vLLM's definitions and order)
+    presence_penalty: float = 0.0       # OpenAI: -= p * (count in the output > 0)
+    frequency_penalty: float = 0.0      # OpenAI: -= f * count in the output
+    repetition_penalty: float = 1.0     # vLLM: over prompt + output; > 0 divided, < 0 multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added to the logits
+    min_p: float = 0.0                  # vLLM: drop p < min_p * p(top token)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -77,10 +83,26 @@ class SamplingParams:
             raise ValueError("min_tokens must be >= 0")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before sampling (penalties or logit_bias): such rows
+        need the token history, the others skip that path entirely."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
 
 
 @dataclass(frozen=True)

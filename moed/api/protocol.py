@@ -1,7 +1,9 @@
 """Parse and validate OpenAI request bodies into frozen dataclasses (pure: no I/O, no engine).
 
 Unknown fields are ignored (load generators send extras such as `ignore_eos`); a known field of
-the wrong type or out of range is an APIError(400) naming the field in `param`. Every integer
+the wrong type or out of range is an APIError(400) naming the field in `param`. A field moed
+knows but does not implement (tools, structured outputs, `suffix`, ...) is refused with a 400
+naming it, never silently dropped (`_refuse_unsupported`). Every integer
 has a range and every string taken must encode as UTF-8 (JSON can carry a lone surrogate,
 "\ud800", that the tokenizer and every encoder refuse: a 500 if it got that far).
 """
@@ -17,6 +19,7 @@ from moed.types import ContextRule, SamplingParams
 MAX_N = 16               # choices per request: bounded so one request cannot flood the engine
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300     # OpenAI's limit on logit_bias entries
 MAX_TOKENS = 1 << 24     # token counts: no context is longer (model.max_model_len's bound)
 TOKEN_ID_LIMIT = 1 << 31  # token ids without a vocabulary at hand: int32, as every vocabulary
 # vLLM's seed range (torch.long). torch.Generator.manual_seed maps it one-to-one onto its 64-bit
@@ -50,6 +53,11 @@ class GenerationRequest:
     ignore_eos: bool = False
     return_token_ids: bool = False
     echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Engine parameters for choice `choice`: seed + choice, wrapped within the seed range,
@@ -60,7 +68,11 @@ class GenerationRequest:
                               top_p=self.top_p, top_k=self.top_k, seed=seed, stop=self.stop,
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                               logprobs=self.logprobs is not None, min_tokens=self.min_tokens,
-                              top_logprobs=self.logprobs or 0)
+                              top_logprobs=self.logprobs or 0,
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty,
+                              logit_bias=self.logit_bias, min_p=self.min_p)
 
 
 # ---- field readers --------------------------------------------------------------------------
@@ -209,6 +221,74 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
+def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to biases",
+                          "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries",
+                          "logit_bias")
+    limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        ks = str(k)
+        if not (ks.isascii() and ks.isdigit()) or int(ks) >= limit:
+            raise bad_request(f"'logit_bias' keys must be token ids in [0, {limit}), got "
+                              f"{ks[:32]!r}", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                or not -100 <= b <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {b!r} "
+                              f"for token {ks}", "logit_bias")
+        out[int(ks)] = out.get(int(ks), 0.0) + float(b)   # "01" and "1" are one token
+    return tuple(sorted(out.items()))
+
+
+def _unsupported(name: str, why: str = "is not supported by this server") -> APIError:
+    return bad_request(f"'{name}' {why}", name)
+
+
+# fields whose mere presence (non-null) asks for something moed does not do
+_UNSUPPORTED_ANY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs")
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool, n: int) -> None:
+    """OpenAI / vLLM fields moed does not implement: a 400 naming the field rather than a
+    silently different answer. Their neutral values (the defaults) pass."""
+    for name in _UNSUPPORTED_ANY:
+        if body.get(name) is not None:
+            raise _unsupported(name)
+    if body.get("suffix") not in (None, ""):
+        raise _unsupported("suffix")
+    best_of = _int(body, "best_of", lo=1, hi=MAX_N)
+    if best_of is not None and best_of != n:
+        raise _unsupported("best_of", f"other than n ({n}) is not supported by this server")
+    so = body.get("stream_options")
+    if isinstance(so, dict) and so.get("continuous_usage_stats"):
+        raise bad_request("'stream_options.continuous_usage_stats' is not supported by this "
+                          "server", "stream_options.continuous_usage_stats")
+    if body.get("tools"):
+        raise _unsupported("tools", "(tool calling) is not supported by this server")
+    if body.get("tool_choice") not in (None, "none"):
+        raise _unsupported("tool_choice", "other than \"none\" is not supported by this server")
+    if body.get("functions") or body.get("function_call") not in (None, "none"):
+        raise _unsupported("functions" if body.get("functions") else "function_call")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise _unsupported("response_format",
+                           "other than {\"type\": \"text\"} is not supported by this server")
+    if body.get("chat_template_kwargs"):
+        raise _unsupported("chat_template_kwargs")
+    if chat:
+        if body.get("continue_final_message"):
+            raise _unsupported("continue_final_message")
+        if body.get("echo"):
+            raise _unsupported("echo", "is not supported for chat completions")
+
+
 # ---- entry point ---------------------------------------------------------------------------
 
 def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> GenerationRequest:
@@ -221,6 +301,8 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
     if model is not None:
         _text(model, "model")
 
+    n = _int(body, "n", lo=1, hi=MAX_N) or 1
+    _refuse_unsupported(body, chat, n)
     max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_TOKENS)
     mct = _int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS)
     if mct is not None:
@@ -247,6 +329,7 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
     stop_ids = body.get("stop_token_ids")
     temperature = _float(body, "temperature", 0.0, 2.0)
     top_p = _float(body, "top_p", 0.0, 1.0, lo_open=True)
+    rep = _float(body, "repetition_penalty", 0.0, 2.0, lo_open=True)
 
     return GenerationRequest(
         chat=chat,
@@ -262,13 +345,18 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
         stop=_stop(body),
         stop_token_ids=() if stop_ids is None else _token_ids(stop_ids, "stop_token_ids",
                                                              vocab_size),
-        n=_int(body, "n", lo=1, hi=MAX_N) or 1,
+        n=n,
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
         ignore_eos=bool(_bool(body, "ignore_eos")),
         return_token_ids=bool(_bool(body, "return_token_ids")),
         echo=bool(_bool(body, "echo")),
+        presence_penalty=_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=1.0 if rep is None else rep,
+        logit_bias=_logit_bias(body, vocab_size),
+        min_p=_float(body, "min_p", 0.0, 1.0) or 0.0,
     )
 
 

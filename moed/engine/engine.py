@@ -374,7 +374,11 @@ class Engine:
         banned: tuple[int, ...] = ()
         if req.num_output_tokens < p.min_tokens:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
-        return SampleRow(p, req.rng, banned)
+        if not p.penalized:
+            return SampleRow(p, req.rng, banned)
+        # the penalties' history: read here, in the executor thread, while the loop waits (it
+        # appends this step's token only after)
+        return SampleRow(p, req.rng, banned, req.token_ids, req.num_prompt_tokens)
 
     def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
                      fwd_s: float) -> None:

@@ -5,12 +5,18 @@ filtered by top-k then top-p, and drawn with the exponential-race trick (argmax 
 E ~ Exp(1)), which equals sampling from p. A seeded request draws its noise from its own
 torch.Generator, only for its own row, so the same seed gives the same tokens whatever the
 batch mates. Logprobs (the chosen token's, and the top-N when a row asks for `top_logprobs`)
-are log_softmax of the raw model logits (before temperature, filtering and masking): what
-OpenAI's `logprobs` report.
+are log_softmax of the raw model logits (before penalties, logit_bias, temperature, filtering
+and masking): what vLLM returns by default (logprobs_mode "raw_logprobs").
+
+Order, as vLLM's: logit_bias, then repetition_penalty (prompt + output), then frequency and
+presence penalties (output only) on the logits; greedy rows take the argmax of THESE logits;
+the others then apply temperature, top-k, top-p and min-p (vLLM's v0 order; min-p's cut is
+relative to the top token, so only its place after top-p matters). Rows with none of these
+extras (`params.penalized` false) skip that path: their logits are not touched.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +29,9 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None = None     # seeded requests only
     banned_ids: tuple[int, ...] = ()             # e.g. EOS while min_tokens are not out yet
+    # penalized rows only: prompt + output so far, and how many of them are the prompt
+    token_ids: Sequence[int] = ()
+    num_prompt: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
     logits = logits.float()
     raw = logits
+    pen = [i for i, r in enumerate(rows) if r.params.penalized]
+    if pen:
+        logits = _penalize(logits, rows, pen)
     if any(r.banned_ids for r in rows):
         logits = logits.clone()
         for i, r in enumerate(rows):
@@ -92,6 +104,9 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list
     top_ps = [r.params.top_p for r in rows]
     if any(p < 1.0 for p in top_ps) or any(k > 0 for k in top_ks):
         scaled = _filter_top_k_top_p(scaled, top_ks, top_ps)
+    min_ps = [0.0 if g else r.params.min_p for r, g in zip(rows, greedy)]
+    if any(m > 0.0 for m in min_ps):
+        scaled = _filter_min_p(scaled, min_ps)
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
@@ -135,3 +150,52 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[fl
         mask |= before >= ps.unsqueeze(1)
     mask[:, 0] = False
     return scaled.scatter(1, idx, srt.masked_fill(mask, float("-inf")))
+
+
+def _filter_min_p(scaled: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the top token's (rows with 0 keep all)."""
+    probs = torch.softmax(scaled, dim=-1)
+    mp = torch.tensor(min_ps, device=scaled.device, dtype=torch.float32).unsqueeze(1)
+    thr = probs.max(dim=-1, keepdim=True).values * mp
+    return scaled.masked_fill(probs < thr, float("-inf"))
+
+
+def _penalize(logits: torch.Tensor, rows: Sequence[SampleRow], pen: list[int]) -> torch.Tensor:
+    """A copy of `logits` with rows `pen` biased and penalised (vectorised over those rows;
+    the other rows are copied bit for bit)."""
+    dev, vocab = logits.device, logits.shape[1]
+    ps = [rows[i].params for i in pen]
+    sub = logits[pen] if len(pen) < len(rows) else logits.clone()
+    n = len(pen)
+    bias = [(j, t, b) for j, p in enumerate(ps) for t, b in p.logit_bias if t < vocab]
+    if bias:
+        rj, tj, bj = zip(*bias)
+        sub.index_put_((torch.tensor(rj, device=dev), torch.tensor(tj, device=dev)),
+                       torch.tensor(bj, device=dev, dtype=sub.dtype), accumulate=True)
+
+    def occurrences(start: Callable[[SampleRow], int]) -> torch.Tensor:
+        """[n, V] counts of each row's token_ids[start(row):] (one scatter for all rows)."""
+        seqs = [list(rows[i].token_ids[start(rows[i]):]) for i in pen]
+        lens = torch.tensor([len(q) for q in seqs], device=dev)
+        flat = torch.tensor([t for q in seqs for t in q], device=dev, dtype=torch.long)
+        counts = torch.zeros((n, vocab), device=dev, dtype=sub.dtype)
+        if flat.numel():
+            ri = torch.repeat_interleave(torch.arange(n, device=dev), lens)
+            counts.index_put_((ri, flat), torch.ones_like(flat, dtype=sub.dtype), accumulate=True)
+        return counts
+
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        seen = occurrences(lambda r: 0) > 0
+        rp = torch.tensor([p.repetition_penalty for p in ps], device=dev,
+                          dtype=sub.dtype).unsqueeze(1).expand_as(sub)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in ps):
+        counts = occurrences(lambda r: r.num_prompt)
+        fp = torch.tensor([p.frequency_penalty for p in ps], device=dev, dtype=sub.dtype)
+        pp = torch.tensor([p.presence_penalty for p in ps], device=dev, dtype=sub.dtype)
+        sub = sub - fp.unsqueeze(1) * counts - pp.unsqueeze(1) * (counts > 0).to(sub.dtype)
+    if len(pen) == len(rows):
+        return sub
+    out = logits.clone()
+    out[pen] = sub
+    return out

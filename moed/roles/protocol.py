@@ -16,7 +16,8 @@ from typing import Any
 from moed.types import SamplingParams
 
 _FIRST_TOKEN_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids",
-                       "ignore_eos", "logprobs", "top_logprobs")
+                       "ignore_eos", "logprobs", "top_logprobs", "presence_penalty",
+                       "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
 
 
 class ProtocolError(ValueError):
@@ -79,13 +80,16 @@ class PrefillJobSpec:
 def sampling_fields(p: SamplingParams) -> dict[str, Any]:
     d = {k: getattr(p, k) for k in _FIRST_TOKEN_FIELDS}
     d["stop_token_ids"] = list(p.stop_token_ids)
+    d["logit_bias"] = [[t, b] for t, b in p.logit_bias]
     return d
 
 
 def first_token_params(d: dict[str, Any]) -> SamplingParams:
     """Params for the prefill node's prefill-only request: sample the first token exactly as the
     decode node would, but never finish for a reason that frees the KV before it is sent (the
-    decode node applies its own stop checks to the token). EOS stays banned under min_tokens."""
+    decode node applies its own stop checks to the token). EOS stays banned under min_tokens.
+    Token one has no output history: of the penalties only repetition_penalty (over the prompt)
+    and logit_bias can change it, and they are applied here as on the decode node."""
     try:
         min_tokens = int(d.get("min_tokens", 0))
         return SamplingParams(
@@ -95,7 +99,12 @@ def first_token_params(d: dict[str, Any]) -> SamplingParams:
             stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())) if min_tokens else (),
             ignore_eos=bool(d.get("ignore_eos", False)) if min_tokens else True,
             logprobs=bool(d.get("logprobs", False)),
-            top_logprobs=int(d.get("top_logprobs", 0)))
+            top_logprobs=int(d.get("top_logprobs", 0)),
+            presence_penalty=float(d.get("presence_penalty", 0.0)),
+            frequency_penalty=float(d.get("frequency_penalty", 0.0)),
+            repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+            min_p=float(d.get("min_p", 0.0)),
+            logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"bad sampling params: {e}") from None
 

@@ -168,3 +168,83 @@ def test_token_ids_are_bounded_without_and_with_a_vocabulary():
         parse_request({"messages": [{"role": "user", "content": "x"}],
                        "stop_token_ids": [100]}, chat=True, vocab_size=100)
     assert e.value.param == "stop_token_ids"
+
+
+# ---- penalties, logit_bias, min_p; refused fields -------------------------------------------
+
+def test_penalties_and_min_p_reach_the_sampling_params():
+    r = parse_request({"prompt": "x", "presence_penalty": -2, "frequency_penalty": 1.5,
+                       "repetition_penalty": 1.2, "min_p": 0.05,
+                       "logit_bias": {"7": 100, "3": -0.5, "03": -0.5}}, chat=False)
+    sp = r.sampling_params(max_tokens=4, choice=0)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p) == \
+        (-2.0, 1.5, 1.2, 0.05)
+    assert sp.logit_bias == ((3, -1.0), (7, 100.0)) and sp.penalized
+    d = parse_request({"prompt": "x"}, chat=False).sampling_params(max_tokens=4, choice=0)
+    assert not d.penalized and d.min_p == 0.0 and d.repetition_penalty == 1.0
+
+
+@pytest.mark.parametrize("field,bad", [
+    ("presence_penalty", 2.01), ("presence_penalty", -3), ("presence_penalty", "1"),
+    ("frequency_penalty", 2.5), ("frequency_penalty", -2.01),
+    ("repetition_penalty", 0), ("repetition_penalty", 2.1), ("repetition_penalty", -1),
+    ("min_p", -0.1), ("min_p", 1.01),
+    ("logit_bias", [1, 2]), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"5": -100.5}), ("logit_bias", {"5": "1"}),
+    ("logit_bias", {"5": True}), ("logit_bias", {"1000": 1}),
+    ("logit_bias", {str(i): 1 for i in range(301)}),
+])
+def test_penalty_ranges_are_400s_naming_the_field(field, bad):
+    with pytest.raises(APIError) as e:
+        parse_request({"prompt": "x", field: bad}, chat=False, vocab_size=1000)
+    assert e.value.status == 400 and e.value.param == field
+
+
+def test_logit_bias_bounds():
+    ok = parse_request({"prompt": "x", "logit_bias": {"999": -100, "0": 100}}, chat=False,
+                       vocab_size=1000)
+    assert ok.logit_bias == ((0, 100.0), (999, -100.0))
+    assert len(parse_request({"prompt": "x", "logit_bias": {str(i): 1 for i in range(300)}},
+                             chat=False).logit_bias) == 300
+
+
+_CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("chat,field,value,param", [
+    (False, "suffix", "tail", "suffix"),
+    (False, "best_of", 3, "best_of"),
+    (False, "stream_options", {"include_usage": True, "continuous_usage_stats": True},
+     "stream_options.continuous_usage_stats"),
+    (True, "chat_template_kwargs", {"enable_thinking": False}, "chat_template_kwargs"),
+    (True, "continue_final_message", True, "continue_final_message"),
+    (True, "echo", True, "echo"),
+    (True, "tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
+    (True, "tool_choice", "auto", "tool_choice"),
+    (True, "tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice"),
+    (True, "response_format", {"type": "json_object"}, "response_format"),
+    (True, "response_format", {"type": "json_schema", "json_schema": {}}, "response_format"),
+    (True, "guided_json", {"type": "object"}, "guided_json"),
+    (False, "guided_regex", "a+", "guided_regex"),
+    (True, "guided_choice", ["a", "b"], "guided_choice"),
+    (False, "guided_grammar", "root ::= 'a'", "guided_grammar"),
+    (True, "structured_outputs", {"json": {}}, "structured_outputs"),
+])
+def test_unimplemented_fields_are_refused_by_name(chat, field, value, param):
+    body = dict(_CHAT) if chat else {"prompt": "x"}
+    body.update({field: value, "stream": True})
+    with pytest.raises(APIError) as e:
+        parse_request(body, chat=chat)
+    assert e.value.status == 400 and e.value.param == param and field in e.value.message
+
+
+def test_neutral_values_of_refused_fields_pass():
+    parse_request({**_CHAT, "tool_choice": "none", "response_format": {"type": "text"},
+                   "tools": [], "chat_template_kwargs": {}, "continue_final_message": False,
+                   "echo": False, "guided_json": None,
+                   "stream": True, "stream_options": {"continuous_usage_stats": False}},
+                  chat=True)
+    r = parse_request({"prompt": "x", "best_of": 2, "n": 2, "suffix": "", "echo": True},
+                      chat=False)
+    assert r.n == 2 and r.echo
+    parse_request({"prompt": "x", "best_of": 1}, chat=False)

@@ -1,0 +1,102 @@
+"""Penalties, logit_bias and refused fields through the official openai client, against a real
+colocated `moed serve` (tiny Qwen3-MoE)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import openai
+import pytest
+
+from moed_server import serve_process
+
+KEY = "sk-test-sampling"
+N = 30
+
+
+@pytest.fixture(scope="module")
+def client(tiny_qwen3, tmp_path_factory):
+    env = {"MOED_SERVER_API_KEYS_ENV": "TEST_KEYS", "TEST_KEYS": KEY,
+           "MOED_ENGINE_KV_CACHE_MEMORY_MB": "16", "MOED_MODEL_MAX_MODEL_LEN": "256",
+           "MOED_MODEL_SERVED_NAME": "tiny"}
+    with serve_process(model=tiny_qwen3, env=env,
+                       log_dir=tmp_path_factory.mktemp("srv")) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _greedy(client, **extra) -> tuple[list[int], list[int]]:
+    """-> (prompt token ids, the N greedy output token ids)."""
+    kw = {k: extra.pop(k) for k in ("frequency_penalty", "presence_penalty", "logit_bias")
+          if k in extra}
+    r = client.completions.create(model="tiny", prompt="The cat sat on the", max_tokens=N,
+                                  temperature=0.0, **kw,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True,
+                                              **extra})
+    ch = r.choices[0]
+    assert len(ch.token_ids) == N
+    return list(ch.prompt_token_ids), list(ch.token_ids)
+
+
+def _repeats(ids: list[int]) -> int:
+    return len(ids) - len(set(ids))
+
+
+def test_frequency_penalty_changes_greedy_output_and_repeats_less(client):
+    _, plain = _greedy(client)
+    _, again = _greedy(client)
+    assert plain == again                               # greedy is deterministic
+    _, pen = _greedy(client, frequency_penalty=2.0)
+    assert pen != plain
+    assert _repeats(pen) < _repeats(plain)
+    assert max(Counter(pen).values()) <= max(Counter(plain).values())
+
+
+def test_repetition_penalty_is_applied(client):
+    _, plain = _greedy(client)
+    _, pen = _greedy(client, repetition_penalty=2.0)
+    assert pen != plain and _repeats(pen) <= _repeats(plain)
+
+
+def test_logit_bias_forces_and_removes_tokens(client):
+    prompt, plain = _greedy(client)
+    t = next(x for x in prompt if x not in plain)
+    _, forced = _greedy(client, logit_bias={str(t): 100})
+    assert forced == [t] * N
+    first = plain[0]
+    _, banned = _greedy(client, logit_bias={str(first): -100})
+    assert first not in banned
+
+
+@pytest.mark.parametrize("chat,extra,param", [
+    (False, {"suffix": "tail"}, "suffix"),
+    (False, {"best_of": 2}, "best_of"),
+    (False, {"stream_options": {"continuous_usage_stats": True}, "stream": True},
+     "stream_options.continuous_usage_stats"),
+    (False, {"guided_regex": "a+"}, "guided_regex"),
+    (False, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    (True, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    (True, {"continue_final_message": True}, "continue_final_message"),
+    (True, {"echo": True}, "echo"),
+    (True, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools"),
+    (True, {"tool_choice": "required"}, "tool_choice"),
+    (True, {"response_format": {"type": "json_object"}}, "response_format"),
+    (True, {"guided_json": {"type": "object"}}, "guided_json"),
+    (True, {"guided_choice": ["a", "b"]}, "guided_choice"),
+    (True, {"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    (False, {"frequency_penalty": 2.5}, "frequency_penalty"),
+    (False, {"presence_penalty": -2.5}, "presence_penalty"),
+    (False, {"repetition_penalty": 0}, "repetition_penalty"),
+    (False, {"min_p": 1.5}, "min_p"),
+    (False, {"logit_bias": {"10000000": 1}}, "logit_bias"),
+    (False, {"logit_bias": {"5": 200}}, "logit_bias"),
+])
+def test_refused_fields_answer_400_naming_them(client, chat, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        if chat:
+            client.chat.completions.create(model="tiny", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}],
+                                           extra_body=extra)
+        else:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param, e.value.body
