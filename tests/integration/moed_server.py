@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -136,6 +137,54 @@ def free_port() -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+class NotifyListener:
+    """A fake systemd: the sd_notify datagrams a node sends to NOTIFY_SOCKET, as
+    (arrival time, fields), collected on a thread so a test can block. `on_message` is a hook
+    for subclasses (called on that thread before the message is stored)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, dict[str, str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def on_message(self, fields: dict[str, str]) -> None:
+        pass
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(4096).decode()
+            except (socket.timeout, OSError):
+                continue
+            fields = dict(line.split("=", 1) for line in data.split("\n") if "=" in line)
+            self.on_message(fields)
+            self.messages.append((time.monotonic(), fields))
+
+    def fields(self, i: int) -> dict[str, str]:
+        return self.messages[i][1]
+
+    def wait_for(self, key: str, value: str = "1", after: int = 0, timeout: float = 30.0) -> int:
+        """Index of the first message at or after `after` with key=value (fails after timeout)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i, (_, f) in enumerate(self.messages[after:], start=after):
+                if f.get(key) == value:
+                    return i
+            time.sleep(0.02)
+        raise AssertionError(f"no {key}={value} after #{after} within {timeout} s: "
+                             f"{[f for _, f in self.messages]}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
 
 
 _METRIC = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)")

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from moed_server import ROOT, free_port
+from moed_server import ROOT, NotifyListener, free_port
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -84,45 +82,9 @@ def test_cli_refuses_a_bad_config_in_one_line(tmp_path: Path, command: str, kind
     assert "Traceback" not in out
 
 
-class NotifySocket:
-    """sd_notify datagrams a fake systemd receives (a thread, so the test can block)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.settimeout(0.2)
-        self.messages: list[dict[str, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(4096).decode()
-            except (socket.timeout, OSError):
-                continue
-            self.messages.append(dict(ln.split("=", 1) for ln in data.split("\n") if "=" in ln))
-
-    def wait_for(self, key: str, after: int, timeout: float = 15.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for i, m in enumerate(self.messages[after:], start=after):
-                if m.get(key) == "1":
-                    return i
-            time.sleep(0.02)
-        raise AssertionError(f"no {key}=1 after #{after} within {timeout} s: {self.messages}")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
-
-
 @pytest.fixture
 def notify(tmp_path: Path):
-    ns = NotifySocket(tmp_path / "notify")
+    ns = NotifyListener(tmp_path / "notify")
     yield ns
     ns.close()
 
@@ -141,15 +103,15 @@ def test_running_node_refuses_bad_files_on_sighup(moed_server, notify, tmp_path:
     conf = tmp_path / "node.toml"
     make_good(conf, 8)
     srv = moed_server(role="router", config=conf, env={"NOTIFY_SOCKET": notify.path})
-    ready = notify.wait_for("READY", after=0)
+    ready = notify.wait_for("READY", after=0, timeout=15.0)
     mark = ready + 1
     for kind in ("not-utf8", "fifo", "directory"):
         make_bad(conf, kind)
         before = _reloads(srv, "invalid")
         srv.send_signal(signal.SIGHUP)
-        i = notify.wait_for("RELOADING", after=mark)
-        j = notify.wait_for("READY", after=i + 1)        # the unit does not stay "reloading"
-        assert notify.messages[j]["STATUS"] == "serving, config v1 (invalid)", kind
+        i = notify.wait_for("RELOADING", after=mark, timeout=15.0)
+        j = notify.wait_for("READY", after=i + 1, timeout=15.0)        # the unit does not stay "reloading"
+        assert notify.fields(j)["STATUS"] == "serving, config v1 (invalid)", kind
         mark = j + 1
         _health_within(srv, 2.0)                          # the event loop is not blocked
         deadline = time.monotonic() + 10
@@ -164,9 +126,9 @@ def test_running_node_refuses_bad_files_on_sighup(moed_server, notify, tmp_path:
 
     make_good(conf, 4)                                    # a good file applies again
     srv.send_signal(signal.SIGHUP)
-    i = notify.wait_for("RELOADING", after=mark)
-    j = notify.wait_for("READY", after=i + 1)
-    assert notify.messages[j]["STATUS"] == "serving, config v2 (applied)"
+    i = notify.wait_for("RELOADING", after=mark, timeout=15.0)
+    j = notify.wait_for("READY", after=i + 1, timeout=15.0)
+    assert notify.fields(j)["STATUS"] == "serving, config v2 (applied)"
     assert _reloads(srv, "applied") == 1 and _reloads(srv, "invalid") == 3
     logs = srv.logs()
     assert "Traceback" not in logs and "config_reload_crashed" not in logs

@@ -7,58 +7,30 @@ the event loop, RELOADING=1 … READY=1 around a SIGHUP, STOPPING=1 on SIGTERM, 
 from __future__ import annotations
 
 import signal
-import socket
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from moed_server import NotifyListener
 
-class FakeSystemd:
-    """Collects sd_notify datagrams with their arrival time (a thread, so the test can block)."""
+
+class FakeSystemd(NotifyListener):
+    """The harness's listener, plus /ready's status at the moment READY=1 arrived."""
 
     def __init__(self, path: Path) -> None:
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.settimeout(0.2)
-        self.messages: list[tuple[float, dict[str, str]]] = []
         self.on_ready: list[int] = []          # /ready status seen right when READY=1 arrived
         self.ready_url = ""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(path)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def on_message(self, fields: dict[str, str]) -> None:
+        if fields.get("READY") == "1" and self.ready_url and not self.on_ready:
             try:
-                data = self.sock.recv(4096).decode()
-            except (socket.timeout, OSError):
-                continue
-            fields = dict(line.split("=", 1) for line in data.split("\n") if "=" in line)
-            if fields.get("READY") == "1" and self.ready_url and not self.on_ready:
-                try:
-                    with urllib.request.urlopen(self.ready_url, timeout=2) as r:
-                        self.on_ready.append(r.status)
-                except Exception as e:  # 503 raises HTTPError
-                    self.on_ready.append(getattr(e, "code", -1))
-            self.messages.append((time.monotonic(), fields))
-
-    def wait_for(self, key: str, value: str = "1", after: int = 0, timeout: float = 30.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for i, (_, f) in enumerate(self.messages[after:], start=after):
-                if f.get(key) == value:
-                    return i
-            time.sleep(0.02)
-        raise AssertionError(f"no {key}={value} after #{after}: {self.messages}")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
+                with urllib.request.urlopen(self.ready_url, timeout=2) as r:
+                    self.on_ready.append(r.status)
+            except Exception as e:  # 503 raises HTTPError
+                self.on_ready.append(getattr(e, "code", -1))
 
 
 def _health(srv) -> int:
