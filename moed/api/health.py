@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from moed import __version__
 from moed.api.state import STATE
 from moed.obs import metrics
 
@@ -42,7 +43,12 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return resp
 
 
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_handler)

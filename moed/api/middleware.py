@@ -39,8 +39,10 @@ log = structlog.get_logger("moed.access")
 _RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Routes that never need a key (orchestrator probes).
-OPEN_PATHS = frozenset({"/health", "/ready"})
+# Routes that never need a key (orchestrator probes, the version).
+OPEN_PATHS = frozenset({"/health", "/ready", "/version"})
+# Tenant routes outside /v1 (vLLM's utility endpoints): the API key, like /v1/*.
+TENANT_PATHS = frozenset({"/tokenize", "/detokenize"})
 # Routes that disclose the cluster: the admin token or a call signed with the cluster secret.
 # (/internal/prefill checks its signature in the handler, over the body it reads.)
 OPERATOR_PATHS = frozenset({"/cluster", "/internal/transfer"})
@@ -137,8 +139,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
 async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     path = request.path
-    needs = path.startswith("/v1/") or (path == "/metrics"
-                                        and state.config.server.metrics_require_auth)
+    needs = path.startswith("/v1/") or path in TENANT_PATHS or (
+        path == "/metrics" and state.config.server.metrics_require_auth)
     if needs and path not in OPEN_PATHS:
         check_bearer(request.headers.get("Authorization"), state.api_keys)
     elif path in OPERATOR_PATHS:

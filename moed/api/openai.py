@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from moed.api import tokens
 from moed.api.errors import APIError, bad_request
 from moed.api.generate import Choice, Generation, check_rough_length, encode_prompts
 from moed.api.protocol import GenerationRequest, parse_request
@@ -309,6 +310,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    tokens.add_routes(app)          # /tokenize, /detokenize, /v1/models/{id}
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

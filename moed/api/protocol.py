@@ -360,6 +360,12 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
     )
 
 
+# The same rules for the same fields on the utility endpoints (moed.api.tokens).
+check_text = _text
+parse_messages = _messages
+parse_token_ids = _token_ids
+
+
 def resolve_max_tokens(req: GenerationRequest, prompt_len: int, context: ContextRule) -> int:
     """The max_tokens to use for one prompt, or APIError(400) if the context cannot hold it.
     max_tokens is held to the model's context; this node's KV capacity, when smaller, ends the

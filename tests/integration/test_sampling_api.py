@@ -100,3 +100,31 @@ def test_refused_fields_answer_400_naming_them(client, chat, extra, param):
             client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param, e.value.body
+
+
+def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_and_detokenize_agree_with_serving(client):
+    """/tokenize gives the ids the completion was served with; /detokenize reverses them
+    (the real checkpoint tokenizer, through the real server and its API key)."""
+    prompt_ids, _ = _greedy(client)
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, body = _post(base + "/tokenize", {"model": "tiny", "prompt": "The cat sat on the"},
+                         auth)
+    assert status == 200 and body["tokens"] == prompt_ids and body["max_model_len"] == 256
+    status, body = _post(base + "/detokenize", {"tokens": prompt_ids}, auth)
+    assert status == 200 and body["prompt"].endswith("The cat sat on the")
+    assert _post(base + "/tokenize", {"prompt": "x"})[0] == 401
