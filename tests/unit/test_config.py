@@ -205,7 +205,8 @@ def test_reader_bounds_files_whose_size_lies_and_follows_symlinks(tmp_path: Path
     assert config.read_regular_file(real, len(real.read_bytes())) == real.read_bytes()
 
 
-def test_unreadable_file_is_a_clear_error(tmp_path: Path) -> None:
+def test_unreadable_file_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    import errno
     import os
 
     p = write(tmp_path, '[model]\npath = "m"\n')
@@ -213,9 +214,15 @@ def test_unreadable_file_is_a_clear_error(tmp_path: Path) -> None:
     sub.write_text("")
     with pytest.raises(ConfigError, match="cannot read: Not a directory"):
         config.load(sub / "moed.toml", environ={})
-    if os.geteuid() == 0:
-        pytest.skip("root reads a mode-0000 file anyway")
-    p.chmod(0)
+    if os.geteuid() != 0:           # a real mode-0000 file (root would read it anyway)
+        p.chmod(0)
+        with pytest.raises(ConfigError, match="cannot read: Permission denied"):
+            config.load(p, environ={})
+        p.chmod(0o600)
+    # the same refusal for every user, root included: the open itself is denied
+    def denied(path, *a, **kw):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    monkeypatch.setattr(config.os, "open", denied)
     with pytest.raises(ConfigError, match="cannot read: Permission denied"):
         config.load(p, environ={})
 
