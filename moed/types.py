@@ -49,6 +49,23 @@ def check_transition(old: RequestState, new: RequestState) -> None:
 
 MAX_TOP_LOGPROBS = 20
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the generated text (structured outputs), as data: the grammar engine
+    (moed.model.grammar) compiles it. `source` is the JSON schema text (json_schema), unused
+    (json_object: any JSON object), a regular expression (regex), a JSON list of strings
+    (choice) or a Lark grammar (lark; also what tool calling builds)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -69,6 +86,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # vLLM: over prompt + output; > 0 divided, < 0 multiplied
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added to the logits
     min_p: float = 0.0                  # vLLM: drop p < min_p * p(top token)
+    grammar: GrammarSpec | None = None  # structured outputs: the token mask's source
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.errors import APIError, bad_request
-from moed.types import ContextRule, SamplingParams
+from moed.types import ContextRule, GrammarSpec, SamplingParams
 
 MAX_N = 16               # choices per request: bounded so one request cannot flood the engine
 MAX_LOGPROBS = 20
@@ -58,6 +58,7 @@ class GenerationRequest:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    grammar: GrammarSpec | None = None         # structured outputs / forced tool calls
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Engine parameters for choice `choice`: seed + choice, wrapped within the seed range,
@@ -72,7 +73,8 @@ class GenerationRequest:
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
-                              logit_bias=self.logit_bias, min_p=self.min_p)
+                              logit_bias=self.logit_bias, min_p=self.min_p,
+                              grammar=self.grammar)
 
 
 # ---- field readers --------------------------------------------------------------------------
