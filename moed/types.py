@@ -25,18 +25,25 @@ class ErrorKind(str, enum.Enum):
 
 
 class RequestState(str, enum.Enum):
-    """A request's life in the engine. Allowed moves are in REQUEST_TRANSITIONS."""
+    """A request's life in the engine. Allowed moves are in REQUEST_TRANSITIONS.
+
+    The two *waiting for KV* states (KV_WAIT_STATES) are one shape: the request holds fresh
+    blocks for the part of its prompt whose K/V arrive from elsewhere, is not scheduled, and
+    moves to RUNNING when they have landed (the scheduler learns at the next step) or ends."""
 
     WAITING = "waiting"                  # queued, no KV yet (or preempted and freed)
     WAITING_REMOTE_KV = "waiting_remote_kv"  # decode role: blocks allocated, prefill node writing them
+    WAITING_TIER_KV = "waiting_tier_kv"  # blocks allocated, being loaded from host/disk tiers
     RUNNING = "running"                  # holds KV blocks, scheduled every step
     FINISHED = "finished"
 
 
+KV_WAIT_STATES = frozenset({RequestState.WAITING_REMOTE_KV, RequestState.WAITING_TIER_KV})
+
 REQUEST_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset(
-        {RequestState.RUNNING, RequestState.WAITING_REMOTE_KV, RequestState.FINISHED}),
-    RequestState.WAITING_REMOTE_KV: frozenset({RequestState.RUNNING, RequestState.FINISHED}),
+        {RequestState.RUNNING, RequestState.FINISHED, *KV_WAIT_STATES}),
+    **{s: frozenset({RequestState.RUNNING, RequestState.FINISHED}) for s in KV_WAIT_STATES},
     RequestState.RUNNING: frozenset({RequestState.WAITING, RequestState.FINISHED}),  # WAITING = preempted
     RequestState.FINISHED: frozenset(),
 }
@@ -87,6 +94,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) added to the logits
     min_p: float = 0.0                  # vLLM: drop p < min_p * p(top token)
     grammar: GrammarSpec | None = None  # structured outputs: the token mask's source
+    # logprob of every prompt token after the first (+ this many top tokens): the runner then
+    # returns the logits of every prompt position and the prefix cache is not used; None = off
+    prompt_logprobs: int | None = None
+    # vLLM's: special tokens (added tokens marked special) are left out of the output text;
+    # false for tool calling whose markers are special tokens (Mistral's [TOOL_CALLS])
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -101,6 +114,9 @@ class SamplingParams:
             raise ValueError("min_tokens must be >= 0")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and \
+                not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_TOP_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2]")
@@ -134,6 +150,18 @@ class RequestTimings:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's logprob given the tokens before it (log_softmax of the raw logits, as
+    for sampled tokens), its rank in the vocabulary (1 = the likeliest) and the top-N
+    (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """What the engine publishes per request per step (one new token, or the finish)."""
 
@@ -149,6 +177,9 @@ class TokenEvent:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     error_kind: ErrorKind | None = None  # with ERROR; None is treated as INTERNAL
     timings: RequestTimings | None = None  # on the engine's finish event
+    # with params.prompt_logprobs, on the request's first token: prompt tokens 1.. (token 0
+    # has no logprob: nothing precedes it)
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -20,9 +20,12 @@ import structlog
 from moed.api.admission import Admission, Ticket, Verdict
 from moed.api.errors import APIError, bad_request
 from moed.api.protocol import GenerationRequest, resolve_max_tokens
+from moed.api.tools import template_args
+from moed.balance import capacity
+from moed.balance.budget import retry_after_s
 from moed.engine.client import EngineClient
-from moed.obs import metrics
-from moed.types import ErrorKind, FinishReason, TokenEvent
+from moed.obs import metrics, trace
+from moed.types import ErrorKind, FinishReason, PromptLogprob, RequestTimings, TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +43,7 @@ class Choice:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()   # prompt tokens 1.. (params.prompt_logprobs)
     finish_reason: str | None = None
     error: str | None = None
     t_first: float | None = None
@@ -75,7 +79,7 @@ def encode_prompts(engine: EngineClient, req: GenerationRequest) -> list[list[in
     vocab = getattr(tok, "vocab_size", None)
     if req.chat:
         try:
-            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            text = tok.apply_chat_template(list(req.messages), **template_args(req))
         except ValueError as e:   # TokenizerError: no template / template raised
             raise bad_request(str(e), "messages") from None
         ids_list = [text if isinstance(text, list) else tok.encode(text, add_special_tokens=False)]
@@ -95,6 +99,23 @@ def encode_prompts(engine: EngineClient, req: GenerationRequest) -> list[list[in
     return ids_list
 
 
+def reject_early(engine: EngineClient, prompt_lens: list[int], timeout_s: float | None) -> None:
+    """429 now, with the predicted wait, for a request the cost model says cannot get its
+    first token before its deadline (balance.reject_over_target × its bucket's TTFT target,
+    at most the request timeout): better than a timeout after a full queue wait. Engines
+    without the cost policy (or not yet fitted) predict nothing and admit."""
+    check = getattr(engine, "ttft_over_deadline", None)
+    over = check(max(prompt_lens), timeout_s) if check is not None and prompt_lens else None
+    if over is None:
+        return
+    predicted, limit = over
+    retry = retry_after_s(predicted, limit)
+    metrics.ADMISSION_REJECTED.labels("predicted_ttft").inc()
+    raise APIError(429, f"Server is at capacity: this request's predicted time to first token is "
+                        f"{predicted:.1f}s, past its {limit:.1f}s deadline; retry after {retry}s.",
+                   code="predicted_ttft", headers={"Retry-After": str(retry)})
+
+
 def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int) -> list[Ticket]:
     verdict, tickets = admission.try_admit(prompt_lens)
     metrics.ADMISSION_PENDING.set(admission.pending)
@@ -111,7 +132,8 @@ class Generation:
     """The engine side of one HTTP request; use as `async with` and iterate `events()`."""
 
     def __init__(self, engine: EngineClient, admission: Admission, req: GenerationRequest,
-                 prompt_ids: list[list[int]], request_id: str, retry_after_s: int) -> None:
+                 prompt_ids: list[list[int]], request_id: str, retry_after_s: int,
+                 timeout_s: float | None = None) -> None:
         self.engine = engine
         self.admission = admission
         self.req = req
@@ -119,12 +141,14 @@ class Generation:
         self.request_id = request_id
         self.retry_after_s = retry_after_s
         self.arrival = time.perf_counter()
+        self.trace_parent = trace.current()    # the request's span (None: not traced)
         self.max_tokens = [resolve_max_tokens(req, len(p), engine.context) for p in prompt_ids]
         lens = [len(p) for p in prompt_ids for _ in range(req.n)]
         if len(lens) > admission.max_waiting:     # could never be admitted: not a 429
             raise bad_request(f"{len(prompt_ids)} prompt(s) x n={req.n} = {len(lens)} sequences; "
                               f"this server takes at most {admission.max_waiting} per request",
                               "n" if req.n > 1 else "prompt")
+        reject_early(engine, lens, timeout_s)
         tickets = admit(admission, lens, retry_after_s)
         self.choices = [
             Choice(index=pi * req.n + c, prompt_index=pi, prompt_ids=p,
@@ -217,6 +241,8 @@ class Generation:
             ch.token_ids.extend(ev.token_ids)
             ch.logprobs.extend(ev.logprobs)
             ch.top_logprobs.extend(ev.top_logprobs)
+            if ev.prompt_logprobs:
+                ch.prompt_logprobs = ev.prompt_logprobs
             m.generation_tokens.inc(len(ev.token_ids))
         ch.text += ev.text
         if ev.finished:
@@ -236,8 +262,29 @@ class Generation:
                                 (m.decode_time, t.decode_s)):
                     if s is not None:
                         hist.observe(s)
+                capacity.METER.on_finish(t)         # queue vs compute time (capacity signals)
+                if self.trace_parent is not None:
+                    self._trace_phases(ch, ev, t)
         metrics.ADMISSION_PENDING.set(self.admission.pending)
         metrics.ADMISSION_PENDING_TOKENS.set(self.admission.pending_tokens)
+
+    def _trace_phases(self, ch: Choice, ev: TokenEvent, t: RequestTimings) -> None:
+        """The engine's phases of a traced request, as spans laid back from its finish (the
+        engine measured them; nothing per token was traced)."""
+        end = trace.now_ns()
+        at = end
+        phases = (("engine.decode", t.decode_s, dict(completion_tokens=len(ch.token_ids),
+                                                     finish_reason=ch.finish_reason)),
+                  ("engine.prefill", t.prefill_s, dict(prompt_tokens=len(ch.prompt_ids),
+                                                       cached_tokens=ev.num_cached_tokens)),
+                  ("engine.queue", t.queue_s, {}))
+        for name, seconds, attrs in phases:
+            if seconds is None:
+                continue
+            start = at - int(seconds * 1e9)
+            trace.record(name, start, at, parent=self.trace_parent, engine_request=ch.engine_id,
+                         **attrs)
+            at = start
 
     async def close(self) -> None:
         """Abort unfinished engine requests, stop pumps, release tickets. Idempotent."""

@@ -2,8 +2,14 @@
 
 Streaming is SSE (`data: {json}\\n\\n`, ending with `data: [DONE]`); with
 stream_options.include_usage every chunk carries `"usage": null` and one last chunk with no
-choices carries the exact usage. `return_token_ids` adds prompt and completion token ids the
-way vLLM does (completions: per choice; chat: prompt ids at the top level).
+choices carries the exact usage; with stream_options.continuous_usage_stats every chunk carries
+the request's usage so far (prompt tokens, completion tokens up to and including that chunk's).
+Completions `echo` with `logprobs` puts the prompt's tokens first in `logprobs` (the first one
+with null logprob and top_logprobs); `text_offset`s index the returned text, echo included;
+`prompt_logprobs` (vLLM) adds them per choice in vLLM's shape. `return_token_ids` adds prompt
+and completion token ids the way vLLM does (completions: per choice; chat: prompt ids at the
+top level). A chat choice's text becomes content and tool_calls in moed.api.tools.ChatOutput
+(parsed per model family, streamed as OpenAI's deltas; chat echo too).
 """
 from __future__ import annotations
 
@@ -20,8 +26,11 @@ from moed.api import tokens
 from moed.api.errors import APIError, bad_request
 from moed.api.generate import Choice, Generation, check_rough_length, encode_prompts
 from moed.api.protocol import GenerationRequest, parse_request
+from moed.api.structured import compile_checked
+from moed.api.tools import ChatOutput, bind
 from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE, ServerState
-from moed.obs import metrics
+from moed.obs import metrics, trace
+from moed.types import PromptLogprob
 
 log = structlog.get_logger(__name__)
 
@@ -42,25 +51,79 @@ def _tops(ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> list[Top
             for i, (t, lp) in enumerate(zip(ids, lps))]
 
 
+class TextOffsets:
+    """Legacy `text_offset`s of a run of tokens: where each token's text starts in the returned
+    text, i.e. `start` + the length of what the tokens before it decode to. Incremental, so an
+    incomplete UTF-8 character adds nothing until its last byte and the offsets stay on the
+    returned text's characters (summing each token's own string would not: each half of a
+    character decodes to U+FFFD)."""
+
+    def __init__(self, tok: Any, start: int, context: list[int] | tuple[int, ...] = (),
+                 skip_special_tokens: bool = True) -> None:
+        from moed.model.tokenizer import IncrementalDetokenizer   # torch-free
+
+        # decoded as the engine decodes the text (skip_special_tokens: the request's)
+        self._detok = IncrementalDetokenizer(tok, context, skip_special_tokens)
+        self.pos = start
+
+    def take(self, ids: list[int]) -> list[int]:
+        out = []
+        for t in ids:
+            out.append(self.pos)
+            self.pos += len(self._detok.add(t))
+        return out
+
+
+def _top_dict(tok: Any, row: TopLogprobs) -> dict[str, float]:
+    """{token text: logprob}; two ids that decode to the same text keep the likelier one."""
+    d: dict[str, float] = {}
+    for t, v in row:
+        d.setdefault(_token_str(tok, t), v)
+    return d
+
+
 def completion_logprobs(tok: Any, ids: list[int], lps: list[float], top: int,
-                        offset0: int, tops: list[TopLogprobs] = ()) -> dict[str, Any]:
-    """Legacy completions logprobs: top_logprobs is one {token text: logprob} per token (two ids
-    that decode to the same text keep the likelier one)."""
-    tokens = [_token_str(tok, t) for t in ids]
-    offsets, pos = [], offset0
-    for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
-    top_lps = None
-    if top > 0:
-        top_lps = []
-        for row in _tops(ids, lps, list(tops)):
-            d: dict[str, float] = {}
-            for t, v in row:
-                d.setdefault(_token_str(tok, t), v)
-            top_lps.append(d)
-    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top_lps,
+                        offsets: list[int], tops: list[TopLogprobs] = ()) -> dict[str, Any]:
+    """Legacy completions logprobs: top_logprobs is one {token text: logprob} per token."""
+    top_lps = [_top_dict(tok, row) for row in _tops(ids, lps, list(tops))] if top > 0 else None
+    return {"tokens": [_token_str(tok, t) for t in ids], "token_logprobs": list(lps),
+            "top_logprobs": top_lps, "text_offset": offsets}
+
+
+def echo_logprobs(tok: Any, prompt_ids: list[int], plps: tuple[PromptLogprob, ...], top: int,
+                  offsets: list[int]) -> dict[str, Any]:
+    """The prompt's part of echo + logprobs (OpenAI's legacy API, vLLM): the first token has
+    no logprob (null, and null top_logprobs); the others have the engine's prompt logprobs."""
+    rest: list[PromptLogprob | None] = list(plps[:len(prompt_ids) - 1])
+    rest += [None] * (len(prompt_ids) - 1 - len(rest))   # an engine that computed none
+    entries = [None] + rest
+    return {"tokens": [_token_str(tok, t) for t in prompt_ids],
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": None if top <= 0 else
+            [None if e is None else _top_dict(tok, e.top[:top]) for e in entries],
             "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tok: Any, plps: tuple[PromptLogprob, ...], top: int
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id:
+    {logprob, rank, decoded_token}} for the prompt token and the top `top` tokens."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for e in plps:
+        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank,
+                               "decoded_token": _token_str(tok, e.token_id)}}
+        for k, (t, v) in enumerate(e.top[:top]):
+            d.setdefault(str(t), {"logprob": v, "rank": k + 1,
+                                  "decoded_token": _token_str(tok, t)})
+        out.append(d)
+    return out
+
+
+def _join(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
+    """Two legacy logprobs objects, one after the other."""
+    if b is None:
+        return a
+    return {k: None if a[k] is None else a[k] + b[k] for k in a}   # top_logprobs: both or none
 
 
 def _chat_entry(tok: Any, tid: int, lp: float) -> dict[str, Any]:
@@ -78,6 +141,7 @@ def chat_logprobs(tok: Any, ids: list[int], lps: list[float], top: int,
 
 
 def usage_dict(gen: Generation) -> dict[str, Any]:
+    """Exact token counts of the whole request (so far, while it streams)."""
     p, c = gen.prompt_tokens, gen.completion_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -89,38 +153,53 @@ class Formatter:
         self.req, self.tok, self.model, self.gen = req, tok, model, gen
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self._text_pos = [0] * len(gen.choices)      # completions text_offset per choice
+        self._offsets: list[TextOffsets | None] = [None] * len(gen.choices)   # completions
         self._started = [False] * len(gen.choices)   # chat: role sent / prompt ids sent
+        # chat: content and tool calls per choice (the parser keeps state across chunks)
+        self._out = [ChatOutput(req) for _ in gen.choices] if req.chat else []
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _logprobs(self, ch: Choice, ids: list[int], lps: list[float],
-                  tops: list[TopLogprobs]) -> dict[str, Any] | None:
+                  tops: list[TopLogprobs], first: bool) -> dict[str, Any] | None:
         if self.req.logprobs is None:
             return None
         if self.req.chat:
             return chat_logprobs(self.tok, ids, lps, self.req.logprobs, tops)
-        out = completion_logprobs(self.tok, ids, lps, self.req.logprobs, self._text_pos[ch.index],
-                                  tops)
-        self._text_pos[ch.index] += sum(len(s) for s in out["tokens"])
-        return out
+        off = self._offsets[ch.index]
+        if off is None:     # the completion's offsets start after the echoed prompt
+            off = self._offsets[ch.index] = TextOffsets(
+                self.tok, len(self._echo(ch)) if self.req.echo else 0, ch.prompt_ids,
+                self.req.skip_special_tokens is not False)
+        comp = completion_logprobs(self.tok, ids, lps, self.req.logprobs, off.take(ids), tops)
+        if not (first and self.req.echo):
+            return comp
+        prompt = echo_logprobs(self.tok, ch.prompt_ids, ch.prompt_logprobs, self.req.logprobs,
+                               TextOffsets(self.tok, 0).take(ch.prompt_ids))
+        return _join(prompt, comp)
 
     def _echo(self, ch: Choice) -> str:
         p = self.req.prompts[ch.prompt_index]
         return p if isinstance(p, str) else self.tok.decode(list(p))
 
+    def heavy(self, ch: Choice) -> bool:
+        """This choice's next chunk is O(prompt) to build (echo with logprobs): build it in the
+        offload pool, not on the event loop."""
+        return not self._started[ch.index] and self.req.echo and self.req.logprobs is not None \
+            and not self.req.chat
+
     def chunk(self, ch: Choice, ids: list[int], text: str, lps: list[float],
               finish: str | None, tops: list[TopLogprobs] = ()) -> dict[str, Any]:
         first = not self._started[ch.index]
         self._started[ch.index] = True
-        lp = self._logprobs(ch, ids, lps, list(tops)) if ids else None
+        echo_lp = first and self.req.echo and not self.req.chat    # the prompt's logprobs
+        lp = self._logprobs(ch, ids, lps, list(tops), first) if ids or echo_lp else None
         if self.req.chat:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta = {"role": "assistant", "content": text}
-            c: dict[str, Any] = {"index": ch.index, "delta": delta, "logprobs": lp,
-                                 "finish_reason": finish}
+            out = self._out[ch.index]
+            c: dict[str, Any] = {"index": ch.index,
+                                 "delta": out.delta(text, first, finish is not None),
+                                 "logprobs": lp, "finish_reason": out.finish_reason(finish)}
             body = self._base("chat.completion.chunk")
         else:
             if first and self.req.echo:
@@ -134,7 +213,9 @@ class Formatter:
         if first and self.req.chat and self.req.return_token_ids:
             body["prompt_token_ids"] = list(ch.prompt_ids)     # as in the non-stream response
         body["choices"] = [c]
-        if self.req.include_usage:
+        if self.req.continuous_usage:     # vLLM's continuous_usage_stats: the counts so far
+            body["usage"] = usage_dict(self.gen)
+        elif self.req.include_usage:
             body["usage"] = None
         return body
 
@@ -147,15 +228,19 @@ class Formatter:
     def response(self) -> dict[str, Any]:
         choices = []
         for ch in self.gen.choices:
-            lp = self._logprobs(ch, ch.token_ids, ch.logprobs, ch.top_logprobs)
+            lp = self._logprobs(ch, ch.token_ids, ch.logprobs, ch.top_logprobs, True)
             if self.req.chat:
-                c: dict[str, Any] = {"index": ch.index,
-                                     "message": {"role": "assistant", "content": ch.text},
-                                     "logprobs": lp, "finish_reason": ch.finish_reason}
+                msg, called = self._out[ch.index].message(ch.text)
+                c: dict[str, Any] = {"index": ch.index, "message": msg, "logprobs": lp,
+                                     "finish_reason": self._out[ch.index].finish_reason(
+                                         ch.finish_reason, called)}
             else:
                 text = (self._echo(ch) if self.req.echo else "") + ch.text
                 c = {"index": ch.index, "text": text, "logprobs": lp,
                      "finish_reason": ch.finish_reason}
+                if self.req.prompt_logprobs is not None:
+                    c["prompt_logprobs"] = vllm_prompt_logprobs(
+                        self.tok, ch.prompt_logprobs, self.req.prompt_logprobs)
             if self.req.return_token_ids:
                 c["token_ids"] = list(ch.token_ids)
                 if not self.req.chat:
@@ -209,6 +294,7 @@ def _sse(obj: Any) -> bytes:
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     engine = _check_serving(state)
+    t_prep = trace.now_ns()        # body, parse, template, tokenize: one span when traced
     raw = await _read_body(request, state.config.server.max_body_bytes)
     retry = state.config.admission.retry_after_s
     vocab = getattr(engine.tokenizer, "vocab_size", None)     # bounds token ids
@@ -216,18 +302,29 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                             f"'{state.model_name}'.", param="model", code="model_not_found")
+    if chat and (req.tools is not None or req.template.kwargs):   # needs the checkpoint
+        req = await state.offload.run(bind, req, engine.tokenizer,
+                                      state.config.model.tool_parser, retry_after_s=retry)
+    if req.grammar is not None:    # compiled off the loop before any engine work: bad = 400
+        await state.offload.run(compile_checked, engine.tokenizer, req.grammar,
+                                retry_after_s=retry)
     check_rough_length(engine, req)        # hopeless prompts never reach the tokenizer
     prompt_ids = await state.offload.run(encode_prompts, engine, req, retry_after_s=retry)
     rid = request[REQUEST_ID]
+    t_admit = trace.now_ns()
+    trace.record("request.prepare", t_prep, t_admit, prompts=len(prompt_ids),
+                 prompt_tokens=sum(len(p) for p in prompt_ids))
     with state.track():
         gen = Generation(engine, state.admission, req, prompt_ids, rid,
-                         state.config.admission.retry_after_s)
+                         state.config.admission.retry_after_s,
+                         timeout_s=state.config.server.request_timeout_s)
+        trace.record("admission", t_admit, trace.now_ns(), sequences=len(gen.choices))
         fmt = Formatter(req, engine.tokenizer, state.model_name, gen)
         timeout = state.config.server.request_timeout_s
         try:
             async with gen:
                 if req.stream:
-                    return await _stream(request, gen, fmt, timeout)
+                    return await _stream(request, gen, fmt, timeout, state)
                 try:
                     async with asyncio.timeout(timeout):
                         async for _ in gen.events():
@@ -236,7 +333,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                     metrics.REQUEST_TIMEOUTS.inc()
                     raise APIError(408, f"Request timed out after {timeout:g}s "
                                         f"(server.request_timeout_s).", code="timeout") from None
-                return web.json_response(fmt.response())
+                body = await state.offload.run(fmt.response, retry_after_s=retry) \
+                    if req.logprobs is not None or req.prompt_logprobs is not None \
+                    else fmt.response()       # logprobs: O(tokens x top) to format
+                return web.json_response(body)
         except asyncio.CancelledError:
             request[FINISH] = "client_disconnect"
             metrics.CLIENT_DISCONNECTS.inc()
@@ -248,7 +348,16 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
-                  timeout: float) -> web.StreamResponse:
+                  timeout: float, state: ServerState) -> web.StreamResponse:
+    with trace.span("stream.client") as span:     # SSE to the client, first byte to the last
+        try:
+            return await _stream_events(request, gen, fmt, timeout, state)
+        finally:
+            span.set(completion_tokens=gen.completion_tokens, finish_reason=request.get(FINISH))
+
+
+async def _stream_events(request: web.Request, gen: Generation, fmt: Formatter,
+                         timeout: float, state: ServerState) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no",   # proxies: do not buffer
@@ -260,9 +369,11 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
                 async for ch, ev in gen.events():
                     if not ev.token_ids and not ev.text and not ev.finished:
                         continue
-                    await resp.write(_sse(fmt.chunk(ch, list(ev.token_ids), ev.text,
-                                                     list(ev.logprobs), ch.finish_reason,
-                                                     list(ev.top_logprobs))))
+                    args = (ch, list(ev.token_ids), ev.text, list(ev.logprobs),
+                            ch.finish_reason, list(ev.top_logprobs))
+                    body = await state.offload.run(fmt.chunk, *args) if fmt.heavy(ch) \
+                        else fmt.chunk(*args)
+                    await resp.write(_sse(body))
         except TimeoutError:
             metrics.REQUEST_TIMEOUTS.inc()
             request[FINISH] = "timeout"
@@ -271,6 +382,7 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
             await _write_soon(resp, _sse(err.body()))
             return resp
         except APIError as e:     # headers are gone: report in-band, as OpenAI does
+            trace.mark_error(e.code or e.err_type, e.message)
             await gen.close()
             await _write_soon(resp, _sse(e.body()))
             return resp

@@ -1,9 +1,12 @@
 """Parse and validate OpenAI request bodies into frozen dataclasses (pure: no I/O, no engine).
 
-Unknown fields are ignored (load generators send extras such as `ignore_eos`); a known field of
-the wrong type or out of range is an APIError(400) naming the field in `param`. A field moed
-knows but does not implement (tools, structured outputs, `suffix`, ...) is refused with a 400
-naming it, never silently dropped (`_refuse_unsupported`). Every integer
+The fields the parser reads are declared once, per endpoint (COMPLETION_FIELDS, CHAT_FIELDS):
+the parser reads the body only through a view that refuses an undeclared name (a bug, caught by
+any test that sends the field), and tests/unit/api/test_request_fields.py proves every declared
+field applied or refused. A field not declared is unknown and ignored (load generators send
+extras a server may not know); a known field of the wrong type or out of range is an
+APIError(400) naming the field in `param`. A field moed knows but does not implement is refused
+with a 400 naming it, never silently dropped (`_refuse_unsupported`). Every integer
 has a range and every string taken must encode as UTF-8 (JSON can carry a lone surrogate,
 "\ud800", that the tokenizer and every encoder refuse: a 500 if it got that far).
 """
@@ -14,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.errors import APIError, bad_request
+from moed.api.structured import parse_structured
+from moed.api.tools import (TemplateArgs, ToolRequest, history_fields, parse_template,
+                            parse_tools, spaces_refused)
 from moed.types import ContextRule, GrammarSpec, SamplingParams
 
 MAX_N = 16               # choices per request: bounded so one request cannot flood the engine
@@ -29,6 +35,63 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Prompt = str | tuple[int, ...]
 
+# ---- the accepted fields: every body key the parser reads, per endpoint -----------------------
+# One list (not one per reader): `parse_request` reads the body through `_Body`, which refuses
+# a name not listed here, so a field cannot be read without being declared, and the walker
+# (tests/unit/api/test_request_fields.py) needs evidence for each: a test that shows it applied
+# or refused. "a.b" names key b of the object in field a.
+_COMMON_FIELDS = (
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "min_tokens", "seed", "stop", "stop_token_ids", "n", "stream", "stream_options",
+    "stream_options.include_usage", "stream_options.continuous_usage_stats", "ignore_eos",
+    "return_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "logprobs", "echo", "prompt_logprobs",
+    # refused or (being) implemented by structured outputs and tool calling
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend", "tools",
+    "tool_choice", "functions", "function_call",
+    "chat_template_kwargs",
+    # vLLM's decoding fields (special tokens in the output text)
+    "skip_special_tokens", "spaces_between_special_tokens")
+COMPLETION_FIELDS: frozenset[str] = frozenset(_COMMON_FIELDS + ("prompt", "suffix", "best_of"))
+CHAT_FIELDS: frozenset[str] = frozenset(_COMMON_FIELDS + (
+    "messages", "top_logprobs", "continue_final_message", "add_generation_prompt",
+    "parallel_tool_calls"))
+
+
+class UndeclaredField(AssertionError):
+    """The parser read a field missing from COMPLETION_FIELDS / CHAT_FIELDS (a bug in moed)."""
+
+
+class _Body(dict):
+    """A request body (or a nested object of it) that only answers for declared fields."""
+
+    def __init__(self, d: dict[str, Any], declared: frozenset[str], prefix: str = "") -> None:
+        super().__init__(d)
+        self.declared, self.prefix = declared, prefix
+
+    def _check(self, key: str) -> None:
+        if self.prefix + key not in self.declared:
+            raise UndeclaredField(f"the parser reads {self.prefix + key!r}, which is not in "
+                                  f"moed.api.protocol's declared fields")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._check(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self._check(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._check(str(key))
+        return super().__contains__(key)
+
+    def sub(self, key: str) -> Any:
+        """Field `key`; an object there answers for "key.<name>" fields only."""
+        v = self.get(key)
+        return _Body(v, self.declared, f"{self.prefix}{key}.") if isinstance(v, dict) else v
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -37,7 +100,7 @@ class GenerationRequest:
     chat: bool
     model: str | None
     prompts: tuple[Prompt, ...] = ()           # completions: each is text or token ids
-    messages: tuple[dict[str, str], ...] = ()  # chat: {"role", "content"} with text content
+    messages: tuple[dict[str, Any], ...] = ()  # chat: {"role", "content": text} + tool fields
     max_tokens: int | None = None              # None: the endpoint's default
     temperature: float = 1.0
     top_p: float = 1.0
@@ -50,15 +113,22 @@ class GenerationRequest:
     logprobs: int | None = None                # completions: int; chat: 0 when logprobs=true
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False             # stream_options.continuous_usage_stats
     ignore_eos: bool = False
     return_token_ids: bool = False
     echo: bool = False
+    prompt_logprobs: int | None = None         # completions (vLLM): top-N per prompt token
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     grammar: GrammarSpec | None = None         # structured outputs / forced tool calls
+    tools: ToolRequest | None = None           # chat: tools + tool_choice (moed.api.tools)
+    template: TemplateArgs = TemplateArgs()    # chat: the template fields (moed.api.tools)
+    # None: not sent (true, unless the tools' markers are special tokens: moed.api.tools.bind)
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool = True   # false: only where special tokens are skipped
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Engine parameters for choice `choice`: seed + choice, wrapped within the seed range,
@@ -74,7 +144,18 @@ class GenerationRequest:
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
                               logit_bias=self.logit_bias, min_p=self.min_p,
-                              grammar=self.grammar)
+                              grammar=self.grammar,
+                              prompt_logprobs=self.engine_prompt_logprobs,
+                              skip_special_tokens=self.skip_special_tokens is not False)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Top-N the engine computes per prompt token: for `prompt_logprobs`, and for echo with
+        logprobs (the prompt's tokens head the legacy logprobs); None: not computed."""
+        asks = [v for v in (self.prompt_logprobs,
+                            self.logprobs if self.echo and not self.chat else None)
+                if v is not None]
+        return max(asks) if asks else None
 
 
 # ---- field readers --------------------------------------------------------------------------
@@ -205,7 +286,7 @@ def _content_text(content: Any, i: int) -> str:
                       "messages")
 
 
-def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
+def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -217,8 +298,9 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         if role not in CHAT_ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
                               "messages")
-        out.append({"role": role, "content": _content_text(m.get("content"), i)})
-    if not any(m["content"] for m in out):
+        out.append({"role": role, "content": _content_text(m.get("content"), i),
+                    **history_fields(m, i, role)})
+    if not any(m["content"] or m.get("tool_calls") for m in out):
         raise bad_request("'messages' must contain some text", "messages")
     return tuple(out)
 
@@ -253,8 +335,7 @@ def _unsupported(name: str, why: str = "is not supported by this server") -> API
 
 
 # fields whose mere presence (non-null) asks for something moed does not do
-_UNSUPPORTED_ANY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                    "structured_outputs")
+_UNSUPPORTED_ANY: tuple[str, ...] = ()
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool, n: int) -> None:
@@ -263,32 +344,26 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool, n: int) -> None:
     for name in _UNSUPPORTED_ANY:
         if body.get(name) is not None:
             raise _unsupported(name)
-    if body.get("suffix") not in (None, ""):
-        raise _unsupported("suffix")
-    best_of = _int(body, "best_of", lo=1, hi=MAX_N)
-    if best_of is not None and best_of != n:
-        raise _unsupported("best_of", f"other than n ({n}) is not supported by this server")
-    so = body.get("stream_options")
-    if isinstance(so, dict) and so.get("continuous_usage_stats"):
-        raise bad_request("'stream_options.continuous_usage_stats' is not supported by this "
-                          "server", "stream_options.continuous_usage_stats")
-    if body.get("tools"):
-        raise _unsupported("tools", "(tool calling) is not supported by this server")
-    if body.get("tool_choice") not in (None, "none"):
-        raise _unsupported("tool_choice", "other than \"none\" is not supported by this server")
-    if body.get("functions") or body.get("function_call") not in (None, "none"):
-        raise _unsupported("functions" if body.get("functions") else "function_call")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise _unsupported("response_format",
-                           "other than {\"type\": \"text\"} is not supported by this server")
-    if body.get("chat_template_kwargs"):
-        raise _unsupported("chat_template_kwargs")
-    if chat:
-        if body.get("continue_final_message"):
-            raise _unsupported("continue_final_message")
-        if body.get("echo"):
-            raise _unsupported("echo", "is not supported for chat completions")
+    if not chat:
+        if body.get("suffix") not in (None, ""):
+            raise _unsupported("suffix")
+        best_of = _int(body, "best_of", lo=1, hi=MAX_N)
+        if best_of is not None and best_of != n:
+            raise _unsupported("best_of", f"other than n ({n}) is not supported by this server")
+    if not chat:       # chat reads these in moed.api.tools
+        for name in ("tools", "tool_choice", "functions", "function_call",
+                     "chat_template_kwargs"):
+            if body.get(name) not in (None, "none", [], {}):
+                raise _unsupported(name, "applies to /v1/chat/completions only")
+
+
+def _skip_special(body: dict[str, Any]) -> bool | None:
+    """skip_special_tokens (None: not sent); spaces_between_special_tokens false only where
+    special tokens are skipped (moed.api.tools.spaces_refused says why)."""
+    skip = _bool(body, "skip_special_tokens")
+    if _bool(body, "spaces_between_special_tokens") is False and skip is False:
+        raise spaces_refused()
+    return skip
 
 
 # ---- entry point ---------------------------------------------------------------------------
@@ -297,6 +372,7 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
     """`vocab_size`, when the caller knows it, bounds token ids (prompt, stop_token_ids)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    body = _Body(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
@@ -321,13 +397,19 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
 
     top_k = _int(body, "top_k", lo=-1, hi=TOKEN_ID_LIMIT)
     stream = bool(_bool(body, "stream"))
-    so = body.get("stream_options")
+    so = body.sub("stream_options")
     if so is not None and not isinstance(so, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = bool(_bool(so, "include_usage")) if so else False
-    if include_usage and not stream:
+    continuous_usage = bool(_bool(so, "continuous_usage_stats")) if so else False
+    if (include_usage or continuous_usage) and not stream:
         raise bad_request("'stream_options' is only allowed with 'stream': true",
                           "stream_options")
+    prompt_logprobs = _int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if prompt_logprobs is not None and (chat or stream):   # as vLLM: not with stream
+        where = "chat completions" if chat else "'stream': true"
+        raise bad_request(f"'prompt_logprobs' is not supported with {where}; use "
+                          f"/v1/completions without stream", "prompt_logprobs")
     stop_ids = body.get("stop_token_ids")
     temperature = _float(body, "temperature", 0.0, 2.0)
     top_p = _float(body, "top_p", 0.0, 1.0, lo_open=True)
@@ -351,14 +433,21 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         ignore_eos=bool(_bool(body, "ignore_eos")),
         return_token_ids=bool(_bool(body, "return_token_ids")),
         echo=bool(_bool(body, "echo")),
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
         frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,
         repetition_penalty=1.0 if rep is None else rep,
         logit_bias=_logit_bias(body, vocab_size),
         min_p=_float(body, "min_p", 0.0, 1.0) or 0.0,
+        grammar=parse_structured(body),     # structured outputs (moed.api.structured)
+        tools=parse_tools(body) if chat else None,
+        template=parse_template(body) if chat else TemplateArgs(),
+        skip_special_tokens=_skip_special(body),
+        spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens") is not False,
     )
 
 

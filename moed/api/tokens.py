@@ -1,8 +1,10 @@
 """vLLM's utility endpoints: POST /tokenize, POST /detokenize, GET /v1/models/{model_id}.
 
 /tokenize takes `{"prompt": str, "add_special_tokens": bool = true}` or `{"messages": [...],
-"add_generation_prompt": bool = true}` (the checkpoint's chat template, as /v1/chat/completions
-renders it) and answers `{"count", "max_model_len", "tokens"}`; /detokenize takes
+"tools", "chat_template_kwargs", "add_generation_prompt": bool = true,
+"continue_final_message": bool = false}` (read by the chat parsers of moed.api.protocol and
+moed.api.tools, rendered and encoded by the same call as /v1/chat/completions: the same body
+gives its prompt_tokens) and answers `{"count", "max_model_len", "tokens"}`; /detokenize takes
 `{"tokens": [int]}` and answers `{"prompt": str}`. Both need a tenant API key when keys are
 configured (moed.api.middleware.TENANT_PATHS), run their O(prompt) work in the offload pool, and
 refuse fields they do not apply.
@@ -15,11 +17,14 @@ from typing import Any
 from aiohttp import web
 
 from moed.api.errors import APIError, bad_request
-from moed.api.protocol import check_text, parse_messages, parse_token_ids
+from moed.api.generate import encode_prompts
+from moed.api.protocol import GenerationRequest, check_text, parse_messages, parse_token_ids
 from moed.api.state import STATE, ServerState
+from moed.api.tools import check_template_kwargs, parse_template, parse_tools
 
-_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
-                              "add_generation_prompt"})
+# what shapes a chat prompt (tool_choice and the like shape the output, not the prompt)
+_CHAT_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", *_CHAT_ONLY})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -65,19 +70,19 @@ def _tokenize(engine: Any, raw: bytes, model: str) -> dict[str, Any]:
         if not isinstance(prompt, str):
             raise bad_request("'prompt' must be a string", "prompt")
         check_text(prompt, "prompt")
+        for name in _CHAT_ONLY:
+            if name in body:
+                raise bad_request(f"'{name}' applies to 'messages' only", name)
         ids = tok.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens"))
     else:
         if "add_special_tokens" in body:
             raise bad_request("'add_special_tokens' applies to 'prompt' only (the chat "
                               "template places the special tokens)", "add_special_tokens")
-        messages = parse_messages(body)
-        try:
-            text = tok.apply_chat_template(list(messages),
-                                           add_generation_prompt=_flag(body,
-                                                                       "add_generation_prompt"))
-        except ValueError as e:      # no template, or it raised
-            raise bad_request(str(e), "messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
+        req = GenerationRequest(chat=True, model=body.get("model"),
+                                messages=parse_messages(body), tools=parse_tools(body),
+                                template=parse_template(body))
+        check_template_kwargs(req.template, tok)
+        ids = encode_prompts(engine, req)[0]
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
 
 

@@ -4,6 +4,13 @@ Tokens: `token_ids` = prompt + output so far (*known*); the first `num_computed_
 have K/V in the cache. Text: each new token goes through an incremental detokenizer, then a
 stop-string filter that holds back text that could still become a stop string (OpenAI
 semantics: the stop string itself never reaches the client).
+
+Structured outputs: `grammar` (a moed.model.grammar.GrammarMatcher, None without one) is fed
+every token appended here, and only here: the first token too (sampled here or, on a decode
+node, by the prefill node), never again on a preemption's recompute (that recomputes K/V, it
+appends nothing). Once the grammar is complete (only EOS could follow) the request finishes
+with "stop"; a token the grammar refuses (a bug, or a prefill node that ignored the grammar)
+finishes it with an error.
 """
 from __future__ import annotations
 
@@ -75,6 +82,11 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     rng: Any = None                  # sampler state (a torch.Generator for seeded requests)
+    grammar: Any = None              # structured outputs: this request's GrammarMatcher
+    # params.prompt_logprobs: prompt tokens 1.. so far (moed.types.PromptLogprob), and whether
+    # they went out (on the first token's event)
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     token_ids: list[int] = field(init=False)
     stop_strings: StopStrings = field(init=False)
 
@@ -86,6 +98,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Asks for prompt logprobs and some are not computed yet: the prompt must be computed
+        here, so no prefix-cache hit may skip it (vLLM does the same)."""
+        return self.params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +149,12 @@ class Request:
             self.first_token_time = time.monotonic()
         p = self.params
         n_out = self.num_output_tokens
+        done = False                 # the grammar is complete: nothing but EOS may follow
+        if self.grammar is not None:
+            if not self.grammar.accept(token_id):
+                self.error = f"structured output: token {token_id} refused ({self.grammar.error})"
+                return self._drain()[0], FinishReason.ERROR
+            done = self.grammar.stopped
         past_min = n_out > p.min_tokens
         if past_min and ((not p.ignore_eos and token_id in self.eos_token_ids)
                          or token_id in p.stop_token_ids):
@@ -142,9 +167,9 @@ class Request:
             self.stop_strings.held = ""
         if hit:
             return text, FinishReason.STOP
-        if n_out >= p.max_tokens or self.num_tokens >= self.max_model_len:
+        if done or n_out >= p.max_tokens or self.num_tokens >= self.max_model_len:
             rest, hit = self._drain()
-            return text + rest, FinishReason.STOP if hit else FinishReason.LENGTH
+            return text + rest, FinishReason.STOP if hit or done else FinishReason.LENGTH
         return text, None
 
     def _drain(self) -> tuple[str, bool]:

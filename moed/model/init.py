@@ -8,7 +8,7 @@ weights are perturbed around 1 so a missing norm weight shows up in parity.
 
 What differs per architecture (transformers classes, config keys, chat style, special tokens)
 is the architecture module's InitRecipe (moed/model/archs/): any registered architecture with one
-can be written. CLI: `moed model init --arch {qwen3_moe,mixtral} --out DIR [--preset tiny|bench]
+can be written. CLI: `moed model init --arch {qwen3_moe,mixtral,deepseek_v3} --out DIR [--preset tiny|bench]
 [--seed N]` calls add_arguments()/main() below.
 """
 from __future__ import annotations
@@ -76,7 +76,8 @@ def _hf_kwargs(arch: str, params: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"override {k!r} does not apply to {arch}")
         out[names[k]] = v
     theta = out.pop("rope_theta", 1_000_000.0)
-    out["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
+    scaling = out.pop("rope_scaling", None) or {}       # e.g. DeepSeek-V3's yarn parameters
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta), **scaling}
     return out
 
 
@@ -87,21 +88,75 @@ def _build_config(arch: str, params: dict[str, Any], tok_ids: dict[str, int]):
     return getattr(transformers, recipe.config_class)(**kw)
 
 
+# The templates speak each family's published tool-calling format, so tool calling is tested on
+# the real path: Qwen3's (<tools> in the system turn, <tool_call> JSON blocks, <tool_response>
+# in a user turn, enable_thinking) and Mistral's v3 markers ([AVAILABLE_TOOLS] before the last
+# user turn, [TOOL_CALLS] JSON array, [TOOL_RESULTS]). Without tools they render as before.
 _CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + message['content'] }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{%- if call.function.arguments is string %}{{- call.function.arguments }}"
+    "{%- else %}{{- call.function.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
 _MISTRAL_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set ns = namespace(system='') %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
-    "{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}"
-    "{% set ns.system = '' %}"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
-    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
-    "{% endfor %}")
+    "{{- bos_token }}"
+    "{%- set ns = namespace(system='', last_user=-1) %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{%- set ns.system = message['content'] + '\\n\\n' %}"
+    "{%- elif message['role'] == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last_user %}"
+    "{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{{- '[INST] ' + ns.system + message['content'] + ' [/INST]' }}"
+    "{%- set ns.system = '' %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- message['content'] + '[TOOL_CALLS] [' }}"
+    "{%- for call in message.tool_calls %}{%- if not loop.first %}{{- ', ' }}{%- endif %}"
+    "{{- '{\"name\": ' + (call.function.name | tojson) + ', \"arguments\": ' + "
+    "(call.function.arguments | tojson) + ', \"id\": ' + (call.id | tojson) + '}' }}"
+    "{%- endfor %}"
+    "{{- ']' + eos_token }}"
+    "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '[TOOL_RESULTS] {\"content\": ' + (message['content'] | tojson) + ', \"call_id\": ' + "
+    "(message.tool_call_id | tojson) + '}[/TOOL_RESULTS]' }}"
+    "{%- else %}{{- raise_exception('unknown role: ' + message['role']) }}{%- endif %}"
+    "{%- endfor %}")
 
 
 def _write_tokenizer(arch: str, out: Path, vocab_size: int, max_len: int) -> dict[str, int]:
@@ -127,6 +182,11 @@ def _perturb_norms(model: torch.nn.Module, gen: torch.Generator) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        # DeepSeek-V3's routing bias starts at 0: make it matter, so parity covers "add it
+        # for choosing, not for the weights"
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 def init_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int = 0, *,

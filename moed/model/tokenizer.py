@@ -42,7 +42,9 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._compiled = None
+        self._variables: frozenset[str] | None = None
         self._max_token_bytes: int | None = None
+        self.model_type: str | None = None      # config.json's (picks the tool-call parser)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -65,7 +67,9 @@ class Tokenizer:
         eos_text = _token_text(config.get("eos_token"))
         if eos_text is not None and tok.token_to_id(eos_text) is not None:
             eos.append(tok.token_to_id(eos_text))
-        return cls(tok, config, template, eos)
+        out = cls(tok, config, template, eos)
+        out.model_type = _read_json(d / "config.json").get("model_type")
+        return out
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works, encode does not: a 4 MB prompt held
@@ -94,9 +98,18 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """tokenizer.json's content (the structured-output engine builds its vocabulary from it)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True, **extra: Any) -> str:
-        """Render the checkpoint's own chat template (the prompt text, special tokens included)."""
+                            add_generation_prompt: bool = True, *,
+                            tools: Sequence[dict[str, Any]] | None = None,
+                            continue_final_message: bool = False, **extra: Any) -> str:
+        """Render the checkpoint's own chat template (the prompt text, special tokens included),
+        as transformers does: `tools` (OpenAI-shaped function dicts, None when there are none)
+        and `extra` (chat_template_kwargs) are template variables; continue_final_message cuts
+        the text after the last message's content, so the model continues that message."""
         if not self.chat_template:
             raise TokenizerError("this checkpoint has no chat template; use the completions API")
         if self._compiled is None:
@@ -104,11 +117,40 @@ class Tokenizer:
         from jinja2.exceptions import TemplateError
 
         try:
-            return self._compiled.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
+            text = self._compiled.render(
+                messages=list(messages), tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
-        except TemplateError as e:
+        except (TemplateError, TypeError, ValueError, LookupError) as e:   # a 400, not a 500
             raise TokenizerError(f"chat template failed: {e}") from None
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip():
+                raise TokenizerError("continue_final_message needs a last message with text")
+            # some templates trim messages (transformers tries the stripped text next, too)
+            at = text.rfind(final)
+            if at < 0:
+                final = final.strip()
+                at = text.rfind(final)
+            if at < 0:
+                raise TokenizerError("continue_final_message: the chat template does not "
+                                     "render the last message's text")
+            text = text[:at + len(final)]
+        return text
+
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (what chat_template_kwargs may
+        set); empty without a template."""
+        if self._variables is None:
+            if not self.chat_template:
+                self._variables = frozenset()
+            else:
+                from jinja2 import meta
+
+                env = _compile(self.chat_template).environment
+                self._variables = frozenset(
+                    meta.find_undeclared_variables(env.parse(self.chat_template)))
+        return self._variables
 
 
 def _read_json(path: Path) -> dict[str, Any]:

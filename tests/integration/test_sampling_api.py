@@ -69,20 +69,21 @@ def test_logit_bias_forces_and_removes_tokens(client):
 @pytest.mark.parametrize("chat,extra,param", [
     (False, {"suffix": "tail"}, "suffix"),
     (False, {"best_of": 2}, "best_of"),
-    (False, {"stream_options": {"continuous_usage_stats": True}, "stream": True},
-     "stream_options.continuous_usage_stats"),
-    (False, {"guided_regex": "a+"}, "guided_regex"),
-    (False, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-    (True, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-    (True, {"continue_final_message": True}, "continue_final_message"),
-    (True, {"echo": True}, "echo"),
-    (True, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools"),
-    (True, {"tool_choice": "required"}, "tool_choice"),
-    (True, {"response_format": {"type": "json_object"}}, "response_format"),
-    (True, {"guided_json": {"type": "object"}}, "guided_json"),
-    (True, {"guided_choice": ["a", "b"]}, "guided_choice"),
-    (True, {"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    # structured outputs are applied (tests/integration/test_structured_outputs.py); what the
+    # grammar engine cannot compile, or a malformed constraint, is refused with its reason:
+    (False, {"guided_regex": "(a"}, "guided_regex"),
+    (False, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),     # GBNF wants "a"
+    # tools and the chat-template fields are applied (tests/integration/test_tool_calling.py);
+    # what is still refused:
+    (True, {"chat_template_kwargs": {"not_in_the_template": 1}}, "chat_template_kwargs"),
+    (True, {"continue_final_message": True}, "continue_final_message"),   # + generation prompt
+    (True, {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    (True, {"tool_choice": "required"}, "tool_choice"),                   # without tools
+    (True, {"functions": [{"name": "f"}]}, "functions"),
+    (True, {"response_format": {"type": "xml"}}, "response_format.type"),
+    (True, {"guided_json": "{not json"}, "guided_json"),
+    (True, {"guided_choice": []}, "guided_choice"),
+    (True, {"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),   # two constraints
     (False, {"frequency_penalty": 2.5}, "frequency_penalty"),
     (False, {"presence_penalty": -2.5}, "presence_penalty"),
     (False, {"repetition_penalty": 0}, "repetition_penalty"),

@@ -71,7 +71,8 @@ def test_chat_templates_match_transformers(tiny_qwen3, tiny_mixtral):
 
 def test_chat_template_errors(tiny_mixtral, tmp_path):
     with pytest.raises(TokenizerError, match="unknown role"):
-        Tokenizer.from_dir(tiny_mixtral).apply_chat_template([{"role": "tool", "content": "x"}])
+        Tokenizer.from_dir(tiny_mixtral).apply_chat_template([{"role": "developer",
+                                                                "content": "x"}])
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
         (tmp_path / name).write_bytes((tiny_mixtral / name).read_bytes())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
