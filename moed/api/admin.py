@@ -1,4 +1,6 @@
-"""Admin API: POST /admin/drain and GET /admin/config, behind a Bearer admin token.
+"""Admin API behind a Bearer admin token: POST /admin/drain, GET /admin/config,
+GET /admin/config/history, POST /admin/config/rollback?to=HASH (and, on a router,
+GET /admin/canary: moed.roles.router).
 
 The token comes from server.admin_token_file / server.admin_token_env (several lines or
 comma-separated values are all accepted, for rotation). With no token configured the admin API
@@ -7,6 +9,7 @@ The daemon supplies what the handlers do through AdminHooks (moed.api never impo
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,18 +19,25 @@ from moed.api.auth import check_bearer
 from moed.api.errors import APIError
 from moed.api.state import STATE
 
+_HASH = re.compile(r"[0-9a-f]{4,64}")
+
 
 @dataclass(frozen=True)
 class AdminHooks:
     tokens: Callable[[], tuple[bytes, ...]]   # the current admin tokens (reloaded on SIGHUP)
     drain: Callable[[], dict[str, Any]]       # start draining (idempotent); returns a status body
     config: Callable[[], dict[str, Any]]      # running config, version, hash, last reload
+    # applied configs, oldest first (moed.ops.history)
+    history: Callable[[], dict[str, Any]] | None = None
+    # apply an earlier config by hash through the reload path: (HTTP status, body)
+    rollback: Callable[[str], tuple[int, dict[str, Any]]] | None = None
 
 
 ADMIN: web.AppKey[AdminHooks] = web.AppKey("moed_admin", AdminHooks)
 
 
-def _authorize(request: web.Request) -> AdminHooks:
+def authorize(request: web.Request) -> AdminHooks:
+    """The hooks, for a caller holding the admin token; APIError 401/403 otherwise."""
     hooks = request.app[ADMIN]
     tokens = hooks.tokens()
     if not tokens:
@@ -40,15 +50,36 @@ def _authorize(request: web.Request) -> AdminHooks:
 
 
 async def drain(request: web.Request) -> web.Response:
-    body = _authorize(request).drain()
+    body = authorize(request).drain()
     return web.json_response(body, status=202)
 
 
 async def config(request: web.Request) -> web.Response:
-    return web.json_response(_authorize(request).config())
+    return web.json_response(authorize(request).config())
+
+
+async def history(request: web.Request) -> web.Response:
+    hooks = authorize(request)
+    if hooks.history is None:
+        raise APIError(503, "The config history is not available yet.", code="not_ready")
+    return web.json_response(hooks.history())
+
+
+async def rollback(request: web.Request) -> web.Response:
+    hooks = authorize(request)
+    to = request.query.get("to", "")
+    if not _HASH.fullmatch(to):
+        raise APIError(400, "Give the config to roll back to as ?to=HASH (hex, from GET "
+                            "/admin/config/history).", param="to", code="bad_hash")
+    if hooks.rollback is None:
+        raise APIError(503, "Config rollback is not available yet.", code="not_ready")
+    status, body = hooks.rollback(to)
+    return web.json_response(body, status=status)
 
 
 def add_routes(app: web.Application, hooks: AdminHooks) -> None:
     app[ADMIN] = hooks
     app.router.add_post("/admin/drain", drain)
     app.router.add_get("/admin/config", config)
+    app.router.add_get("/admin/config/history", history)
+    app.router.add_post("/admin/config/rollback", rollback)

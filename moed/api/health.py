@@ -19,6 +19,9 @@ async def ready(request: web.Request) -> web.Response:
         # the step loop crashed (or stopped): nothing here can serve; let the balancer move on
         return web.json_response({"status": "engine_failed", "role": state.config.server.role},
                                  status=503)
+    why = state.unready_reason() if state.unready_reason is not None else ""
+    if state.ready and not state.draining and why:
+        return web.json_response({"status": why, "role": state.config.server.role}, status=503)
     if state.ready and not state.draining:
         body = {"status": "ready", "role": state.config.server.role}
         if state.engine is not None:   # the router's static-backend mode balances on these
@@ -32,9 +35,13 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.engine is not None:
-        metrics.observe_engine_stats(state.engine.stats())
+        stats = state.engine.stats()
+        metrics.observe_engine_stats(stats)
+        if state.capacity is not None:
+            metrics.observe_capacity(state.capacity(), stats.queued_prompt_tokens)
     alive = state.engine is None or getattr(state.engine, "alive", True)
-    metrics.READY.set(1 if state.ready and not state.draining and alive else 0)
+    why = state.unready_reason() if state.unready_reason is not None else ""
+    metrics.READY.set(1 if state.ready and not state.draining and alive and not why else 0)
     metrics.HTTP_INFLIGHT.set(state.inflight)
     cfg = state.config   # only this role's areas: no router gauge on an engine node, etc.
     body, ctype = metrics.render(cfg.server.role, cluster=cfg.cluster.enabled)

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from aiohttp import web
 
@@ -27,9 +27,16 @@ class ServerState:
     ready: bool = False                   # /ready: started, model loaded, not draining
     draining: bool = False
     model_name: str = ""
+    model_id: str = ""                    # moed.model.identity: the checkpoint's hash
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: int = 0
     internal_auth: Any | None = None      # moed.api.internal.InternalAuth (node-to-node calls)
+    # why this node cannot take work although started ("" = it can): the router's, when no
+    # serving node is alive (moed.roles.router); /ready answers 503 with it
+    unready_reason: Callable[[], str] | None = None
+    # this node's capacity signals now (moed.balance.capacity.Capacity; set by moed.app for a
+    # node with an engine): /metrics and the gossip load vector read them
+    capacity: Callable[[], Any] | None = None
     admission: Admission = field(init=False)
     offload: Offload = field(init=False, default_factory=Offload)   # O(prompt) work, off the loop
     _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)

@@ -12,16 +12,19 @@ import dataclasses
 import os
 import socket
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
 import structlog
 from aiohttp import web
 
+from moed import __version__
 from moed.config import Config, ConfigError, FileRefused, read_regular_file
 
 from .clock import AsyncioScheduler
 from .members import SwimConfig
-from .state import ClusterView, LoadVector, MemberEvent, NodeMeta
+from .state import (MAX_BUCKETS, MAX_DIGEST, MAX_QUEUED, PROTOCOL, ClusterView, LoadVector,
+                    MemberEvent, NodeMeta, digest_key, incompatible_counts)
 from .swim import Membership
 from .udp import UdpTransport, split_addr
 from .wire import Keyring, WireCodec
@@ -174,7 +177,9 @@ class MembershipComponent:
                         # the transfer endpoint is added by the prefill/decode role once its
                         # transfer agent exists (moed.roles.common.advertise_transfer)
                         layout=getattr(app.state.engine, "kv_layout_id", "") or "",
-                        transfer="")
+                        transfer="", version=__version__, label=self.cfg.release.label(),
+                        model_id=getattr(app.state, "model_id", "") or "",
+                        config=self.cfg.digest(), protocol=PROTOCOL, **_ep_fields(self.cfg))
         self.core = Membership(
             app.node, self.transport, AsyncioScheduler(), SwimConfig.from_cluster(cc),
             WireCodec(self.keyring), meta=meta, seeds=seeds,
@@ -260,19 +265,19 @@ class MembershipComponent:
                  new=ev.new.value, incarnation=ev.incarnation)
 
     async def _load_loop(self) -> None:
-        interval = self.cfg.cluster.load_update_interval_ms / 1000.0
+        digest = PrefixDigest()
         while True:
             engine = getattr(self._app.state, "engine", None)
             if engine is not None and self.core is not None:
                 try:
-                    s = engine.stats()
-                    self.core.set_load(LoadVector(
-                        waiting=s.waiting + s.waiting_remote_kv, running=s.running,
-                        free_kv_blocks=s.kv_blocks_free,
-                        queued_prefill_tokens=s.queued_prompt_tokens))
+                    # the app's config: balance.prefix_digest_size is live on SIGHUP
+                    size = getattr(self._app, "config", self.cfg).balance.prefix_digest_size
+                    signals = getattr(self._app.state, "capacity", None)   # moed.app wires it
+                    self.core.set_load(load_of(engine, digest, size,
+                                               signals() if signals is not None else None))
                 except Exception as e:          # load is advisory; never kill the loop
                     log.warning("cluster_load_failed", error=repr(e))
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.cfg.cluster.load_update_interval_ms / 1000.0)
 
     async def _metrics_loop(self) -> None:
         while True:
@@ -286,6 +291,12 @@ class MembershipComponent:
         for state, n in self.core.view().counts().items():
             metrics.CLUSTER_MEMBERS.labels(state).set(n)
         metrics.CLUSTER_LOCAL_HEALTH.set(self.core.awareness)
+        view = self.core.view()
+        me = view.get(view.self_name)
+        if me is not None:       # the compatibility rule every placement policy applies
+            others = [m.meta for m in view.alive() if m.name != view.self_name]
+            for reason, n in incompatible_counts(me.meta, others).items():
+                metrics.CLUSTER_INCOMPATIBLE.labels(reason).set(n)
         stats = dict(self.core.stats)
         if self.transport is not None:
             stats.update({f"transport.{k}": v for k, v in self.transport.stats.items()})
@@ -302,8 +313,87 @@ class MembershipComponent:
                 metrics.CLUSTER_PROTOCOL.labels(key.replace("transport.", "")).inc(delta)
 
 
+class PrefixDigest:
+    """The node's cached leading blocks, most recent first (what LoadVector.prefix_digest
+    carries): each load tick adds the hashes at depths 1, 2, 4, ... of every live block table
+    and of the tables freed since the last tick, and drops those the pool no longer holds. A
+    read of the KV manager on the event loop's thread (the step loop's one writer runs there
+    too): O(tables · log depth + entries), once a second."""
+
+    MAX_TRACKED = 4 * MAX_DIGEST       # remembered beyond what is advertised (LRU)
+
+    def __init__(self) -> None:
+        self._recent: OrderedDict[int, None] = OrderedDict()     # full hash → (LRU order)
+        self._seen = 0                                           # kv.freed_since cursor
+
+    def update(self, kv: Any, size: int) -> tuple[int, ...]:
+        if size <= 0 or kv is None or not getattr(kv, "enable_prefix_caching", False):
+            self._recent.clear()
+            return ()
+        self._seen, freed = kv.freed_since(self._seen)
+        for lead in [*freed, *kv.leading_hashes()]:       # live tables last: the most recent
+            for h in lead:
+                self._recent[h] = None
+                self._recent.move_to_end(h)
+        for h in [h for h in self._recent if not kv.is_cached(h)]:
+            del self._recent[h]
+        while len(self._recent) > self.MAX_TRACKED:
+            self._recent.popitem(last=False)
+        newest = list(reversed(self._recent))[:min(size, MAX_DIGEST)]
+        return tuple(digest_key(h) for h in newest)
+
+
+def _sig(x: float) -> float:
+    """4 significant digits: the coefficients' noise is larger, and the Alive stays small."""
+    return float(f"{x:.4g}")
+
+
+def load_of(engine: Any, digest: PrefixDigest, digest_size: int,
+            capacity: Any = None) -> LoadVector:
+    """What this node gossips: queue and KV from engine.stats(); the prefill cost state
+    (queued tokens per length bucket, fitted coefficients) when the cost policy runs with a
+    fitted model; the prefix digest from the KV manager; the capacity signals when given
+    (a moed.balance.capacity.Capacity)."""
+    s = engine.stats()
+    local = getattr(engine, "local", engine)          # a decode node's DisaggEngine wraps it
+    kv = getattr(local, "kv", None)
+    sched = getattr(local, "scheduler", None)
+    adv = sched.advertised() if sched is not None and hasattr(sched, "advertised") else None
+    fields: dict[str, Any] = {}
+    if adv is not None and len(adv.queued_tokens) <= MAX_BUCKETS:
+        # clamped: the largest load must leave an Alive that fits a packet (cluster.state)
+        fields = dict(bucket_edges=tuple(adv.bucket_edges),
+                      queued_tokens=tuple(min(int(v), MAX_QUEUED) for v in adv.queued_tokens),
+                      queued_requests=tuple(min(int(v), MAX_QUEUED)
+                                            for v in adv.queued_requests),
+                      cost=tuple(_sig(max(c, 0.0)) for c in adv.coefficients.as_tuple()),
+                      prefill_share=_sig(min(max(adv.prefill_share, 0.0), 1.0)),
+                      chunk_tokens=min(int(adv.chunk_tokens), 1 << 24))
+    c = capacity
+    if c is not None:
+        def m(x: float) -> float:       # -1 = not measured; else 4 digits, within the wire's
+            return -1.0 if x < 0 else _sig(min(x, 1e15))
+        fields.update(prefill_tps=m(c.prefill_tps), decode_step_s=m(c.decode_step_s),
+                      queue_s=m(c.queue_s), compute_s=m(c.compute_s),
+                      predicted_ttft_s=m(c.predicted_ttft_s),
+                      capacity_tokens=min(c.capacity_tokens, MAX_QUEUED))
+    return LoadVector(waiting=s.waiting + s.waiting_remote_kv, running=s.running,
+                      free_kv_blocks=s.kv_blocks_free,
+                      queued_prefill_tokens=s.queued_prompt_tokens,
+                      block_size=int(getattr(kv, "block_size", 0) or 0),
+                      prefix_digest=digest.update(kv, digest_size), **fields)
+
+
 _MESSAGE_KEYS = {"sent_packets": ("sent", "packet"), "recv_packets": ("received", "packet"),
                  "sent_streams": ("sent", "stream"), "recv_streams": ("received", "stream")}
 _PROTOCOL_KEYS = {"probe_failures", "refutes", "suspicion_timeouts", "reprobes",
                   "last_chance_probes", "join_attempts", "stale_updates", "name_conflicts",
                   "name_taken"}
+
+
+def _ep_fields(cfg: Any) -> dict[str, str]:
+    """An expert-parallel rank advertises its group and place in it (moed.parallel)."""
+    p = cfg.parallel
+    if p.ep_size <= 1:
+        return {}
+    return {"ep_group": p.ep_init, "ep_rank": str(p.ep_rank), "ep_size": str(p.ep_size)}

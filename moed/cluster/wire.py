@@ -33,7 +33,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from .state import LoadVector, MemberState, NodeMeta
+from .state import (DIGEST_BYTES, MAX_BUCKETS, MAX_DIGEST, LoadVector, MemberState, NodeMeta,
+                    digest_of_text)
 
 VERSION = 1
 MAC_LEN = 32
@@ -208,11 +209,63 @@ def record(v: Any, cls: type, required: int, check: Callable[[Any], Any]) -> Any
 
 
 def _meta(v: Any) -> NodeMeta:
-    return record(v, NodeMeta, 5, _str)      # role, http, model, layout, transfer
+    # role, http, model, layout, transfer (wire version 1), then the release fields
+    # version, label, model_id, config, protocol, then ep_group, ep_rank, ep_size (missing
+    # from a release before: "")
+    return record(v, NodeMeta, 5, _str)
+
+
+def _float(v: Any) -> float:
+    """A finite, non-negative number (JSON may send 0 as an integer)."""
+    if type(v) not in (int, float) or not (0.0 <= v <= 1e18):    # NaN fails both sides
+        raise DecodeError("malformed", f"bad number {v!r:.40}")
+    return float(v)
+
+
+def _ints(v: Any, limit: int) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > limit:
+        raise DecodeError("malformed", f"bad list {v!r:.40}")
+    return tuple(_int(x) for x in v)
+
+
+def _digest(v: Any) -> tuple[int, ...]:
+    if type(v) is not str or len(v) > 4 * -(-MAX_DIGEST * DIGEST_BYTES // 3):
+        raise DecodeError("malformed", f"bad digest {v!r:.40}")
+    try:
+        return digest_of_text(v)
+    except (ValueError, UnicodeEncodeError):
+        raise DecodeError("malformed", f"bad digest {v!r:.40}") from None
+
+
+def _measured(v: Any) -> float:
+    """A capacity signal: a _float, or -1 (not measured yet)."""
+    return -1.0 if type(v) in (int, float) and v == -1 else _float(v)
+
+
+# LoadVector after wire version 1's four integers (waiting, running, free_kv_blocks, queued
+# tokens), in order; each one a node of the release before does not send keeps its default
+_LOAD_TAIL: tuple[Callable[[Any], Any], ...] = (
+    lambda v: _ints(v, MAX_BUCKETS),                             # bucket_edges
+    lambda v: _ints(v, MAX_BUCKETS), lambda v: _ints(v, MAX_BUCKETS),   # queued tokens, requests
+    lambda v: tuple(_float(x) for x in _ints_or_floats(v)),      # cost coefficients
+    _float, _int, _int,                                          # prefill_share, chunk, block
+    _digest,                                                     # prefix_digest
+    # the capacity signals (moed.balance.capacity): tok/s, step, queue, compute, TTFT, tokens
+    *(_measured,) * 5, _int)
+
+
+def _ints_or_floats(v: Any) -> list:
+    if type(v) is not list or len(v) > 16:
+        raise DecodeError("malformed", f"bad list {v!r:.40}")
+    return v
 
 
 def _load(v: Any) -> LoadVector:
-    return record(v, LoadVector, 4, _int)    # waiting, running, free_kv_blocks, queued tokens
+    if type(v) is not list or len(v) < 4:
+        raise DecodeError("malformed", f"bad LoadVector {v!r:.40}")
+    head = [_int(x) for x in v[:4]]
+    tail = [check(x) for check, x in zip(_LOAD_TAIL, v[4:])]    # a later release's: dropped
+    return LoadVector(*head, *tail)
 
 
 _STATES = {s.value: s for s in MemberState}

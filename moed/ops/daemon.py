@@ -10,6 +10,9 @@ Lifecycle it reports to systemd (and to /metrics):
 
 Reload reaches other components without them importing this module: any component with a
 `prepare_reload(old, new) -> commit | None` method is subscribed (see moed.ops.reload).
+Every applied config (the one it started with, each applied reload or rollback) goes into the
+config history (moed.ops.history); POST /admin/config/rollback applies an entry again through
+the same reload path, and the membership's `config` hash follows the running config.
 Placed last in the component list so it drains first (STOPPING=1 before anything else).
 """
 from __future__ import annotations
@@ -24,12 +27,15 @@ from typing import Any, Mapping
 
 import structlog
 
+from moed import __version__
 from moed.api import admin
 from moed.api.auth import AuthConfigError, load_keys
-from moed.config import Config, ConfigError, diff
+from moed.cluster.state import PROTOCOL
+from moed.config import Config, ConfigError, diff, from_dict, load
 from moed.engine.client import EngineClient
 from moed.obs import metrics
-from moed.ops.reload import Commit, Reloader, ReloadResult, describe, redact
+from moed.ops.history import ConfigHistory, state_dir
+from moed.ops.reload import (Commit, Reloader, ReloadOutcome, ReloadResult, describe, redact)
 from moed.ops.sdnotify import Notifier, watchdog_interval, watchdog_loop
 from moed.ops.signals import ignore_sighup, take_held_sighup
 
@@ -91,12 +97,14 @@ class OpsComponent:
         self._serving = False
         self._deferred_reload = False
         self._draining = False
+        self.history: ConfigHistory | None = None
 
     # ---- Component protocol ----------------------------------------------------------------
 
     def add_routes(self, web_app: Any) -> None:
         admin.add_routes(web_app, admin.AdminHooks(
-            tokens=lambda: self._admin_tokens, drain=self.request_drain, config=self.config_view))
+            tokens=lambda: self._admin_tokens, drain=self.request_drain, config=self.config_view,
+            history=self.history_view, rollback=self.rollback))
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
         if take_held_sighup():    # one arrived while `moed serve` was still importing
             log.info("config_reload_deferred", reason="signal during process start")
@@ -122,6 +130,14 @@ class OpsComponent:
                 appliers.add(c.name)
         self.reloader.subscribe("coverage", lambda old, new: self._check_coverage(
             old, new, appliers))
+        self.history = await asyncio.to_thread(
+            ConfigHistory.open, state_dir(app.config, self._environ),
+            app.config.release.config_history)
+        self.history.record(app.config, "start")
+        metrics.CONFIG_HISTORY.set(len(self.history.entries()))
+        metrics.RELEASE_INFO.info({"version": __version__, "label": app.config.release.label(),
+                                   "model_id": getattr(app.state, "model_id", "") or "",
+                                   "protocol": PROTOCOL})
         self._export_version()
         app.spawn(self._announce_ready(app), "sd-ready")
 
@@ -139,6 +155,12 @@ class OpsComponent:
             pass
         self.notifier.status("stopped")
         self.notifier.close()
+        if self.history is not None:
+            try:
+                await self.history.flush()
+            except (TimeoutError, OSError) as e:
+                log.warning("config_history_flush_failed", error=repr(e))
+            self.history.close()
 
     # ---- readiness and watchdog ------------------------------------------------------------
 
@@ -188,10 +210,16 @@ class OpsComponent:
 
     def _prepare_engine(self, old: Config, new: Config) -> Commit | None:
         engine = getattr(self._app.state, "engine", None)
-        if engine is None or old.engine == new.engine:
+        if engine is None or (old.engine == new.engine and old.balance == new.balance):
             return None
-        # EngineClient.apply_config: adopted by the step loop at the next step boundary
-        return lambda: engine.apply_config(new.engine)
+        # EngineClient.apply_config / Engine.apply_balance ([balance]: the prefill balancer):
+        # adopted by the step loop at the next step boundary
+        def commit() -> None:
+            if old.engine != new.engine:
+                engine.apply_config(new.engine)
+            if old.balance != new.balance:
+                engine.apply_balance(new.balance)
+        return commit
 
     def _check_coverage(self, old: Config, new: Config, appliers: set[str]) -> None:
         """Log live changes that no running component applies (they wait for a restart)."""
@@ -212,12 +240,89 @@ class OpsComponent:
     def _reloaded(self, result: ReloadResult) -> None:
         self._last = result
         try:
-            metrics.CONFIG_RELOADS.labels(result=result.outcome.value).inc()
+            counter = metrics.CONFIG_ROLLBACKS if result.source == "rollback" else \
+                metrics.CONFIG_RELOADS
+            counter.labels(result=result.outcome.value).inc()
+            if result.outcome is ReloadOutcome.APPLIED:
+                self._applied(result)
             self._export_version()
         finally:   # RELOADING=1 was sent: without READY=1 the unit stays "reloading" for good
             if not self._draining:
                 version = self.reloader.version if self.reloader else 1
                 self.notifier.ready(f"serving, config v{version} ({result.outcome.value})")
+
+    def _applied(self, result: ReloadResult) -> None:
+        """A new running config: into the history, and its hash into the membership."""
+        cfg = result.config
+        if self.history is not None:
+            self.history.resize(cfg.release.config_history)
+            self.history.record(cfg, result.source)
+            metrics.CONFIG_HISTORY.set(len(self.history.entries()))
+        cluster = next((c for c in getattr(self._app, "components", ())
+                        if getattr(c, "name", "") == "cluster"), None)
+        if cluster is not None and getattr(cluster, "core", None) is not None:
+            try:
+                cluster.update_meta(config=cfg.digest())
+            except (RuntimeError, ValueError) as e:   # advisory: the reload itself stands
+                log.warning("cluster_meta_update_failed", error=str(e))
+
+    # ---- config history and rollback (admin) ---------------------------------------------------
+
+    def history_view(self) -> dict[str, Any]:
+        if self.history is None:
+            return {"entries": [], "path": None, "running": self.cfg.digest()}
+        running = self.reloader.config if self.reloader else self.cfg
+        return {"running": running.digest(), "size": self.history.size,
+                "path": str(self.history.path) if self.history.path else None,
+                "entries": [{"hash": e.hash, "at": e.at,
+                             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.at)),
+                             "source": e.source,
+                             "config": {sec: {k: redact(f"{sec}.{k}", v) for k, v in f.items()}
+                                        for sec, f in e.config.items()
+                                        if isinstance(f, dict)}}
+                            for e in self.history.entries()]}
+
+    def rollback(self, ref: str) -> tuple[int, dict[str, Any]]:
+        """Apply the newest history entry with this hash (or unique hash prefix) through the
+        reload path; (HTTP status, body)."""
+        if self.reloader is None or self.history is None or not self._serving:
+            return 503, {"error": {"message": "The node is starting or draining; retry.",
+                                   "code": "not_ready"}}
+        entry = self.history.find(ref)
+        if entry is None:
+            metrics.CONFIG_ROLLBACKS.labels(result="unknown_hash").inc()
+            return 404, {"error": {"message": f"No config {ref} in the history (GET "
+                                              f"/admin/config/history lists them).",
+                                   "code": "unknown_hash"}}
+        try:
+            target = from_dict(entry.config, f"config history entry {entry.hash}")
+        except ConfigError as e:     # e.g. written by another release, with other keys
+            metrics.CONFIG_ROLLBACKS.labels(result="invalid").inc()
+            return 409, {"result": "invalid", "target": entry.hash, "error": str(e)}
+        log.info("config_rollback_requested", target=entry.hash, source="admin")
+        result = self.reloader.apply_now(target)
+        body: dict[str, Any] = {
+            "result": result.outcome.value, "target": entry.hash,
+            "hash": result.config.digest(), "version": self.reloader.version,
+            "applied": describe(result.applied), "needs_restart": describe(result.needs_restart)}
+        if result.error:
+            body["error"] = result.error
+        if result.outcome in (ReloadOutcome.APPLIED, ReloadOutcome.UNCHANGED):
+            body["file_differs"] = self._file_differs(result.config)
+            if body["file_differs"]:
+                log.warning("config_rollback_file_differs", path=str(self._path or ""),
+                            detail="the config file still says otherwise: the next reload "
+                                   "reads it again; restore it (moed config show)")
+            return 200, body
+        return 409, body
+
+    def _file_differs(self, running: Config) -> bool:
+        """Whether a reload now would change the running config (the file was not restored)."""
+        try:
+            return bool(diff(running, load(self._path, environ=self._environ,
+                                           overrides=self._overrides)))
+        except ConfigError:
+            return True
 
     def _export_version(self) -> None:
         version = self.reloader.version if self.reloader else 1

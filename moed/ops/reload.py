@@ -3,8 +3,10 @@
 Two layers:
 - `plan_reload` is pure-ish (reads the file): path + environment + running Config → ReloadResult
   saying which changes apply live, which need a restart (and are left as they were), or why the
-  new config is invalid (then nothing changes).
-- `Reloader` owns the running config and its version. Components subscribe with a two-phase
+  new config is invalid (then nothing changes). `plan_change` is the same for a Config given
+  whole (a rollback to a config history entry, moed.ops.history).
+- `Reloader` owns the running config and its version; `reload_now` (SIGHUP) and `apply_now`
+  (rollback) take the same path through the subscribers. Components subscribe with a two-phase
   hook: `prepare(old, new)` checks what only the component can check (e.g. the API-key file is
   readable) and returns a `commit()` that only stores values; the engine's commit hands the new
   values to its step loop, which adopts them at the next step boundary. If any prepare fails,
@@ -50,6 +52,7 @@ class ReloadResult:
     applied: tuple[Change, ...] = ()
     needs_restart: tuple[Change, ...] = ()
     error: str = ""
+    source: str = "reload"                   # reload (SIGHUP) | rollback (apply_now)
 
 
 def plan_reload(running: Config, path: str | Path | None, environ: Mapping[str, str],
@@ -59,6 +62,11 @@ def plan_reload(running: Config, path: str | Path | None, environ: Mapping[str, 
         new = load(path, environ=environ, overrides=overrides)
     except ConfigError as e:
         return ReloadResult(ReloadOutcome.INVALID, running, error=str(e))
+    return plan_change(running, new)
+
+
+def plan_change(running: Config, new: Config, source: str = "reload") -> ReloadResult:
+    """What adopting `new` on a node running `running` changes (pure)."""
     changes = diff(running, new)
     live = tuple(c for c in changes if c.live)
     cold = tuple(c for c in changes if not c.live)
@@ -68,7 +76,8 @@ def plan_reload(running: Config, path: str | Path | None, environ: Mapping[str, 
         outcome = ReloadOutcome.RESTART_REQUIRED
     else:
         outcome = ReloadOutcome.UNCHANGED
-    return ReloadResult(outcome, apply_live(running, new) if live else running, live, cold)
+    return ReloadResult(outcome, apply_live(running, new) if live else running, live, cold,
+                        source=source)
 
 
 def redact(key: str, value: Any) -> Any:
@@ -152,6 +161,12 @@ class Reloader:
             if not self._pending:
                 return
 
+    def apply_now(self, new: Config, source: str = "rollback") -> ReloadResult:
+        """Adopt `new` (e.g. a config history entry) through the same path as a reload: live
+        fields through every subscriber's prepare/commit, restart-only ones reported and left.
+        Never raises; synchronous, so it never interleaves with a SIGHUP reload."""
+        return self._once(lambda old: plan_change(old, new, source), source)
+
     def reload_now(self) -> ReloadResult:
         """One synchronous reload: plan, let every subscriber validate, then commit all.
 
@@ -159,22 +174,27 @@ class Reloader:
         INVALID result that keeps the running config, is counted and logged, and reaches
         `on_done`: systemd got RELOADING=1 from `on_start` and must get its READY=1 back, or
         the unit stays "reloading"."""
+        return self._once(lambda old: plan_reload(old, self._path, self._environ(),
+                                                  self._overrides), "reload")
+
+    def _once(self, plan: Callable[[Config], ReloadResult], source: str) -> ReloadResult:
         old = self.config
-        result = ReloadResult(ReloadOutcome.INVALID, old, error="internal error: reload aborted")
+        result = ReloadResult(ReloadOutcome.INVALID, old, error="internal error: reload aborted",
+                              source=source)
         try:
             if self._on_start:
                 self._on_start()
-            result = self._plan(old)
+            result = self._plan(old, plan)
         except Exception as e:  # a bug, not a bad file: nothing was committed, nothing changes
             log.exception("config_reload_crashed", detail="the running config is unchanged")
             result = ReloadResult(ReloadOutcome.INVALID, old,
-                                  error=f"internal error {type(e).__name__}: {e}")
+                                  error=f"internal error {type(e).__name__}: {e}", source=source)
         finally:
             self._finish(result)
         return result
 
-    def _plan(self, old: Config) -> ReloadResult:
-        result = plan_reload(old, self._path, self._environ(), self._overrides)
+    def _plan(self, old: Config, plan: Callable[[Config], ReloadResult]) -> ReloadResult:
+        result = plan(old)
         if result.outcome is not ReloadOutcome.INVALID:
             result = self._apply(old, result)
         return result
@@ -201,11 +221,13 @@ class Reloader:
             try:
                 commit = hook(old, result.config)
             except ConfigError as e:
-                return ReloadResult(ReloadOutcome.INVALID, old, error=f"{name}: {e}")
+                return ReloadResult(ReloadOutcome.INVALID, old, error=f"{name}: {e}",
+                                    source=result.source)
             except Exception as e:  # a bug, not a bad file; still nothing may change
                 log.exception("config_reload_prepare_crashed", subscriber=name)
                 return ReloadResult(ReloadOutcome.INVALID, old,
-                                    error=f"{name}: internal error {type(e).__name__}: {e}")
+                                    error=f"{name}: internal error {type(e).__name__}: {e}",
+                                    source=result.source)
             if commit is not None:
                 commits.append((name, commit))
         for name, commit in commits:
@@ -219,7 +241,7 @@ class Reloader:
         outcome = r.outcome.value
         self._stats.counts[outcome] = self._stats.counts.get(outcome, 0) + 1
         fields = dict(result=outcome, version=self.version, config_hash=self.config.digest(),
-                      path=str(self._path or ""))
+                      path=str(self._path or ""), source=r.source)
         if r.outcome is ReloadOutcome.INVALID:
             log.error("config_reload_rejected", error=r.error,
                       detail="the running config is unchanged", **fields)

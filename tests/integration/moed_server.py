@@ -249,6 +249,9 @@ def start_server(*, model: str | Path | None = None, role: str | None = None,
     finally:
         log_file.close()
     srv = ServerProcess(f"http://127.0.0.1:{port}", port, proc, log_path, argv)
+    if wait == "ready" and role == "router":
+        wait = "health"     # a router's /ready needs a live serving node, which one started
+        #                     first (a seed) does not know yet
     if wait:
         try:
             _wait_ready(srv, "/ready" if wait == "ready" else "/health",

@@ -11,6 +11,8 @@ Every wait has a deadline.
 """
 from __future__ import annotations
 
+import json
+
 import os
 import signal
 import subprocess
@@ -105,6 +107,9 @@ def test_running_node_refuses_bad_files_on_sighup(moed_server, notify, tmp_path:
     srv = moed_server(role="router", config=conf, env={"NOTIFY_SOCKET": notify.path})
     ready = notify.wait_for("READY", after=0, timeout=15.0)
     mark = ready + 1
+    # a router with no backend alive is not ready (503 no_backend); a bad reload changes nothing
+    status0, body0 = srv.get("/ready")
+    assert status0 == 503 and "no_backend" in json.dumps(body0), body0
     for kind in ("not-utf8", "fifo", "directory"):
         make_bad(conf, kind)
         before = _reloads(srv, "invalid")
@@ -122,7 +127,7 @@ def test_running_node_refuses_bad_files_on_sighup(moed_server, notify, tmp_path:
         rejected = [r for r in srv.log_records() if r.get("event") == "config_reload_rejected"]
         assert rejected and BAD[kind] in rejected[-1]["error"], srv.tail()
         assert rejected[-1]["level"] == "error" and str(conf) in rejected[-1]["error"]
-        assert srv.alive and srv.get("/ready")[0] == 200
+        assert srv.alive and srv.get("/ready") == (status0, body0)
 
     make_good(conf, 4)                                    # a good file applies again
     srv.send_signal(signal.SIGHUP)

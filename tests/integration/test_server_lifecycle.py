@@ -91,7 +91,8 @@ def test_grace_expiry_cuts_long_requests_and_exits_zero(moed_server, slow_model)
 def test_router_role_starts_without_model(moed_server):
     srv = moed_server(role="router", args=["--log-format", "console", "--node-name", "r1"])
     assert srv.get("/health")[0] == 200
-    assert srv.get("/ready")[0] == 200
+    status, body = srv.get("/ready")      # no serving node is alive: not ready for traffic
+    assert status == 503 and "no_backend" in body, (status, body)
     status, text = srv.get("/metrics")
     assert status == 200 and 'moed_node_info{' in text and 'role="router"' in text
     assert 'node="r1"' in text

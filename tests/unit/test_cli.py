@@ -100,6 +100,8 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to cli.F
     "--dtype": ("half", "float16"), "--device": ("cuda:1", "cuda:1"),
     "--attention-backend": ("torch", "torch"), "--log-format": ("console", "console"),
     "--log-level": ("debug", "debug"),
+    "--ep-size": ("4", 4), "--ep-rank": ("3", 3),
+    "--ep-init": ("tcp://10.0.0.1:29500", "tcp://10.0.0.1:29500"),
 }
 
 
@@ -163,8 +165,10 @@ def test_model_and_engine_flags_are_refused_on_a_router(capsys):
     assert rc == 2 and out == ""
     assert err.strip() == ("moed: config error: command line: --max-num-seqs: a router node "
                            "has no model or engine for it")
-    with pytest.raises(ConfigError, match="--model, --dtype: a router node"):
+    with pytest.raises(ConfigError, match="--dtype: a router node"):
         _cfg("/m", "--role", "router", "--dtype", "half")
+    # the router's tokenizer (prefix affinity) comes from the checkpoint: --model is applied
+    assert _cfg("/m", "--role", "router").model.path == "/m"
     assert _cfg("--role", "router", "--port", "1", "--api-key", "k").server.port == 1
 
 

@@ -181,7 +181,8 @@ def _next_release(fields: list) -> list:
     NodeMeta and LoadVector lists inside it, and a message type we do not know."""
     out = list(fields)
     for i, v in enumerate(out):
-        if isinstance(v, list) and v and all(isinstance(x, str) for x in v) and len(v) == 5:
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v) and \
+                len(v) == len(dataclasses.fields(NodeMeta)):
             out[i] = v + ["kv=mla-v2"]                    # NodeMeta grew a field
         elif isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) for x in v):
             out[i] = v + [12345]                          # LoadVector grew a field
