@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moed.model.kernels import CpuKernels, cpu_kernels
+
+if TYPE_CHECKING:
+    from moed.model.moe import ExpertPlacement
 
 
 @dataclass(frozen=True)
@@ -22,13 +26,15 @@ class ComputeContext:
     dtype: torch.dtype
     pack: bool = False                  # CPU bf16: weights repacked for oneDNN (see layers.Linear)
     kernels: CpuKernels | None = None   # the native CPU kernels; None = the torch path
+    placement: ExpertPlacement | None = None   # expert parallelism: this rank's experts
 
     @classmethod
-    def build(cls, device: torch.device | str, dtype: torch.dtype) -> ComputeContext:
+    def build(cls, device: torch.device | str, dtype: torch.dtype,
+              placement: ExpertPlacement | None = None) -> ComputeContext:
         """The one decision: packing where oneDNN's bf16 works, the kernels where they load."""
         device = torch.device(device)
         pack = can_pack(device, dtype)
-        return cls(device, dtype, pack, cpu_kernels() if pack else None)
+        return cls(device, dtype, pack, cpu_kernels() if pack else None, placement)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -41,7 +41,8 @@ class DecoderLayer:
 
 def moe_block(spec: ModelSpec, i: int, w: Weights, load_row: torch.Tensor, ctx: ComputeContext) -> MoELayer:
     p = f"layers.{i}."
-    return MoELayer(spec, w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"], load_row, ctx)
+    return MoELayer(spec, w[p + "router"], w[p + "experts.gate_up"], w[p + "experts.down"], load_row, ctx,
+                    ctx.placement)
 
 
 def dense_block(i: int, w: Weights, ctx: ComputeContext) -> DenseMLP:
@@ -78,7 +79,21 @@ class MoEDecoder:
             if consume:
                 for name in [n for n in w if n.startswith(f"layers.{i}.")]:
                     del w[name]
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, ctx.dtype, ctx.device)
+        if spec.attention_kind == "mla":     # rotary over the rope dims, YaRN-scaled when configured
+            from moed.model.attention.mla import mla_rotary
+            self.rotary = mla_rotary(spec, ctx)
+        else:
+            self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, ctx.dtype, ctx.device)
+
+    def empty_step(self) -> None:
+        """Expert parallelism, a rank with no tokens this step: every MoE layer's exchange, in
+        layer order, so the ranks that have tokens get their experts run."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoELayer):
+                layer.mlp.empty_step(self.ctx.dtype)
+
+    def resident_expert_bytes(self) -> int:
+        return sum(layer.mlp.resident_bytes() for layer in self.layers if isinstance(layer.mlp, MoELayer))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
                  last_rows: torch.Tensor, backend: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:

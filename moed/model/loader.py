@@ -15,6 +15,8 @@ per-layer regexes matched after `[model.]layers.{i}.`, where kind is one of
   fused.gate_up, fused.down                 all experts at once ([E, 2I, H] gate half first,
                                             [E, H, I]: transformers 5.x in-memory layout)
   dense.gate, dense.up, dense.down          the MLP of a dense (non-MoE) layer
+  whole.<name>                              an architecture's own per-layer tensor, kept as is
+                                            under `layers.{i}.<name>` (shape: Arch.layer_shapes)
 
 Experts always end up fused and contiguous ([E, 2I, H] and [E, H, I]): one slice per expert
 in the MoE hot path. Attention q/k/v are fused into one [(Hq + 2 Hkv) * D, H] matrix.
@@ -56,12 +58,13 @@ _ROLE = {"gate": 0, "up": 1, "down": 2}
 _KINDS = _GLOBAL | _WHOLE | {"qkv", "o_proj"} | {f"{a}.{r}" for a in ("expert", "dense") for r in _ROLE} \
     | {"fused.gate_up", "fused.down"}
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_LAYER = re.compile(_L)
 
 
 @functools.cache
 def compile_rules(names: tuple[tuple[str, str], ...]) -> tuple[tuple[re.Pattern[str], str], ...]:
     """An architecture's (regex, kind) pairs, anchored (per-layer ones after the layer prefix)."""
-    bad = [k for _, k in names if k not in _KINDS]
+    bad = [k for _, k in names if k not in _KINDS and not k.startswith("whole.")]
     if bad:
         raise ValueError(f"unknown weight kinds {bad}; expected {sorted(_KINDS)}")
     return tuple((re.compile(("^" if k in _GLOBAL else _L) + p + "$"), k) for p, k in names)
@@ -81,17 +84,23 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    h, d, e, i = spec.hidden_size, spec.head_dim, spec.num_experts, spec.moe_intermediate_size
+def expected_shapes(spec: ModelSpec, num_slots: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape; num_slots: expert slots held (expert parallelism), default all."""
+    h, d, i = spec.hidden_size, spec.head_dim, spec.moe_intermediate_size
+    e = spec.num_experts if num_slots is None else num_slots
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
     shapes: dict[str, tuple[int, ...]] = {"embed": (spec.vocab_size, h), "norm": (h,)}
     if not spec.tie_word_embeddings:
         shapes["lm_head"] = (spec.vocab_size, h)
+    own = archs.get(spec.arch).layer_shapes
     for n in range(spec.num_layers):
         p = f"layers.{n}."
-        shapes.update({p + "input_norm": (h,), p + "post_norm": (h,), p + "qkv": (qkv, h),
-                       p + "o_proj": (h, spec.num_heads * d)})
-        if spec.attention_bias:
+        shapes.update({p + "input_norm": (h,), p + "post_norm": (h,)})
+        if own is not None:
+            shapes.update({p + k: v for k, v in own(spec, n).items()})
+        if spec.attention_kind == "gqa":
+            shapes.update({p + "qkv": (qkv, h), p + "o_proj": (h, spec.num_heads * d)})
+        if spec.attention_bias and spec.attention_kind == "gqa":
             shapes.update({p + "qkv.bias": (qkv,), p + "o_proj.bias": (h,)})
         if spec.qk_norm:
             shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
@@ -99,18 +108,31 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             di = spec.dense_intermediate_size
             shapes.update({p + "mlp.gate_up": (2 * di, h), p + "mlp.down": (h, di)})
         else:
-            shapes.update({p + "router": (e, h), p + "experts.gate_up": (e, 2 * i, h),
+            shapes.update({p + "router": (spec.num_experts, h), p + "experts.gate_up": (e, 2 * i, h),
                            p + "experts.down": (e, h, i)})
     return shapes
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
 
 
 class _Assembler:
     """Places each checkpoint tensor into its slice of a preallocated canonical tensor."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 slots: tuple[int, ...] | None = None) -> None:
+        """slots: the logical expert of each expert slot to fill (expert parallelism: this
+        rank's, replicas included); None: every expert, slot e = expert e."""
         self.spec, self.dtype, self.device = spec, dtype, device
         self.rules = compile_rules(archs.get(spec.arch).weight_names)
-        self.shapes = expected_shapes(spec)
+        # DeepSeek-V3's MTP head: layers past num_hidden_layers in real checkpoints, not served
+        self.skip_past_end = archs.get(spec.arch).skip_layers_past_end
+        self.slots = tuple(range(spec.num_experts)) if slots is None else tuple(slots)
+        self.slots_of: dict[int, list[int]] = {}
+        for j, x in enumerate(self.slots):
+            self.slots_of.setdefault(x, []).append(j)
+        self.shapes = expected_shapes(spec, len(self.slots))
         self.out: Weights = {}
         self.filled: dict[str, set] = {}       # canonical name -> parts written
         self.parts: dict[str, int] = {}        # canonical name -> parts needed
@@ -132,6 +154,20 @@ class _Assembler:
         dst.copy_(t)
         self.filled[name].add(part)
 
+    def skip(self, key: str) -> bool:
+        """A per-expert tensor of an expert this process does not hold, or a layer past the
+        model's end of an architecture that says so (an MTP head): not even read."""
+        if self.skip_past_end:
+            m = _LAYER.match(key)
+            if m is not None and int(m.group(1)) >= self.spec.num_layers:
+                return True
+        for pat, kind in self.rules:
+            m = pat.match(key)
+            if m is not None:
+                return kind.startswith("expert.") and 0 <= int(m.groups()[1]) < self.spec.num_experts \
+                    and int(m.groups()[1]) not in self.slots_of
+        return False
+
     def add(self, key: str, t: torch.Tensor) -> bool:
         for pat, kind in self.rules:
             m = pat.match(key)
@@ -148,6 +184,8 @@ class _Assembler:
         s = self.spec
         if kind in _WHOLE:
             self.put(p + kind, 0, 1, (), t, key)
+        elif kind.startswith("whole."):
+            self.put(p + kind.removeprefix("whole."), 0, 1, (), t, key)
         elif kind == "qkv":
             which, bias = g[0], ".bias" if g[1] == "bias" else ""
             hq, hkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -161,12 +199,17 @@ class _Assembler:
             if e >= s.num_experts:
                 raise WeightError(f"{key}: expert {e} but config has {s.num_experts} experts")
             i = s.moe_intermediate_size
-            if role == 2:
-                self.put(p + "experts.down", e, s.num_experts, (e,), t, key)
-            else:
-                self.put(p + "experts.gate_up", (e, role), 2 * s.num_experts,
-                         (e, slice(role * i, (role + 1) * i)), t, key)
+            for j in self.slots_of.get(e, ()):
+                if role == 2:
+                    self.put(p + "experts.down", j, len(self.slots), (j,), t, key)
+                else:
+                    self.put(p + "experts.gate_up", (j, role), 2 * len(self.slots),
+                             (j, slice(role * i, (role + 1) * i)), t, key)
         elif kind.startswith("fused."):
+            if t.shape[0] != s.num_experts:
+                raise WeightError(f"{key}: shape {tuple(t.shape)}, expected {s.num_experts} experts")
+            if self.slots != tuple(range(s.num_experts)):     # expert parallelism: our slots
+                t = t.index_select(0, torch.tensor(self.slots, dtype=torch.long))
             self.put(p + ("experts.gate_up" if kind == "fused.gate_up" else "experts.down"), "all", 1, (), t, key)
         else:   # dense.*
             role, di = _ROLE[kind.split(".")[1]], s.dense_intermediate_size
@@ -191,15 +234,17 @@ class _Assembler:
 
 
 def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "cpu") -> Weights:
+                 device: str | torch.device = "cpu", slots: tuple[int, ...] | None = None) -> Weights:
     """All tensors of the checkpoint in canonical names, cast to dtype ("auto" = config's).
+    slots: expert parallelism: fill only these experts' slots (logical expert per slot, this
+    rank's share); the other experts' tensors are skipped unread.
     Logs a `shard_loaded` line per file (a big checkpoint loads for minutes); a progress bar
     too when the logs are console lines on a terminal."""
     from safetensors import safe_open
 
     d = Path(model_dir)
     tdtype = spec.dtype if dtype == "auto" else parse_dtype(dtype)
-    asm = _Assembler(spec, tdtype, torch.device(device))
+    asm = _Assembler(spec, tdtype, torch.device(device), slots)
     files = checkpoint_files(d)
     sizes = [p.stat().st_size for p in files]
     t0, nbytes, ntensors, unexpected = time.monotonic(), 0, 0, []
@@ -208,7 +253,7 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtyp
             t_shard, read = time.monotonic(), 0
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    if _IGNORED.search(key):
+                    if _IGNORED.search(key) or asm.skip(key):
                         continue
                     t = f.get_tensor(key)
                     size_t = t.numel() * t.element_size()

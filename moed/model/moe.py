@@ -1,15 +1,21 @@
 """MoE layer = a router (which experts, with what weight) + an expert executor (run them, combine).
 
 Router: softmax top-k over the router logits (renormalised where the spec says), then logical
-expert -> physical slot through `logical_to_physical` ([E, R] table, `num_replicas` [E]); today
-every expert has one replica (identity), but expert parallelism and EPLB replicas change only
-the table. It also counts tokens per logical expert (the runner's expert-load counter).
+expert -> physical slot through `logical_to_physical` ([E, R] table, `num_replicas` [E]): one
+replica each in one process (identity); expert parallelism and EPLB replicas change only the
+table. A replicated expert's tokens are numbered per expert and split modulo its replicas,
+offset by the call count (balance/experts_route.py; the CPU kernel does the same). It also
+counts tokens per logical expert (the runner's expert-load counter). The expert balancer
+swaps a slot's weights in place (`LocalExperts.load_slot`) before the layer's map switches.
 
 ExpertExecutor: given each token's physical experts and weights, runs the experts and returns
 the weighted sum. `LocalExperts` holds every physical expert in this process: tokens sorted by
 physical expert, each touched expert runs one gate_up and one down matmul on its contiguous
 slice, results scattered back with index_add_ (no per-token Python loop). Expert parallelism
-replaces it with a dispatch to the ranks holding the experts and a combine of their results.
+(an `ExpertPlacement`, moed/parallel) wraps the rank's LocalExperts into an executor that
+dispatches tokens to the ranks holding their slots and combines the results; the router then
+maps logical experts to the group's physical slots, and the fused kernel's two halves run on
+either side of the exchange (MoELayer._parallel).
 
 On CPU bf16 with local experts, batches of up to FUSED_MAX_TOKENS tokens (decode, short
 prefill) take the native kernel (moed/model/kernels) instead: router, map, load count and
@@ -19,10 +25,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from moed.balance.experts_route import split_over_replicas
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
 from moed.model.layers import Linear
@@ -56,6 +64,11 @@ class Router:
         self.logical_to_physical = torch.arange(self.num_experts, device=dev).unsqueeze(1)  # [E, R]
         self.num_replicas = torch.ones(self.num_experts, dtype=torch.long, device=dev)
         self.load = load
+        self.calls = 0      # the replica split's offset (rotates who takes an expert's extra token)
+
+    def next_offset(self) -> int:
+        self.calls += 1
+        return self.calls - 1
 
     def set_expert_map(self, logical_to_physical: torch.Tensor, num_replicas: torch.Tensor) -> None:
         """Install a new map at a step boundary (EPLB); physical weights must already match."""
@@ -84,9 +97,9 @@ class Router:
         flat = logical.reshape(-1)
         if not replicated:
             phys = self.logical_to_physical[flat, 0]
-        else:   # spread a replicated expert's tokens over its replicas
-            slot = torch.arange(flat.numel(), device=x.device) % self.num_replicas[flat]
-            phys = self.logical_to_physical[flat, slot]
+        else:   # each expert's own tokens numbered, modulo its replicas (an even split)
+            phys = split_over_replicas(logical, self.logical_to_physical, self.num_replicas,
+                                       self.next_offset()).reshape(-1)
         self.load += torch.bincount(flat, minlength=self.num_experts)
         return Routing(weights, phys.view(logical.shape), replicated)
 
@@ -137,6 +150,22 @@ class LocalExperts(ExpertExecutor):
         out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
         return out.index_add_(0, token, torch.cat(ys) * ws)
 
+    def slot_weights(self, slot: int) -> list[torch.Tensor]:
+        """The tensors that hold physical slot `slot` (what the expert balancer moves between
+        ranks): the kernels' packed gate_up and down when kept, else the plain weights."""
+        if getattr(self, "gate_up_p", None) is not None:
+            return [self.gate_up_p[slot], self.down_p[slot]]
+        return [lin.weight for lin in self.experts[slot]]
+
+    def load_slot(self, slot: int, weights: list[torch.Tensor]) -> None:
+        """Overwrite slot `slot` with another expert's weights (slot_weights' shapes), in place,
+        at a step boundary; oneDNN copies are re-packed from the new plain weights."""
+        for dst, src in zip(self.slot_weights(slot), weights, strict=True):
+            dst.copy_(src)
+        for lin in self.experts[slot]:
+            if lin.packed is not None:
+                lin.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight, 8)
+
     def _single_token(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Batch-1 decode: no sort/scatter, just the k experts in turn (~10% less MoE time)."""
         weights, out = routing.weights, None
@@ -148,14 +177,30 @@ class LocalExperts(ExpertExecutor):
         return out
 
 
+class ExpertPlacement(Protocol):
+    """Expert parallelism as the model sees it (moed.parallel.dispatch.Placement): this rank
+    holds `local_slots` (the logical expert of each local slot, what the loader loads) of
+    `num_physical` slots in the group; `executor` wraps the local experts into the one that
+    dispatches tokens to the ranks of their slots and combines the results."""
+    num_physical: int
+
+    @property
+    def local_slots(self) -> tuple[int, ...]: ...
+    def expert_map(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def executor(self, local: LocalExperts, kernels: CpuKernels | None) -> ExpertExecutor: ...
+
+
 class MoELayer:
     def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, load: torch.Tensor, ctx: ComputeContext) -> None:
+                 down: torch.Tensor, load: torch.Tensor, ctx: ComputeContext,
+                 placement: ExpertPlacement | None = None) -> None:
         """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
         (this layer's row of the runner's expert-load counter, updated in place). ctx.pack: plus
         oneDNN copies per expert (CPU bf16); ctx.kernels: the native CPU kernels, which serve
-        batches up to FUSED_MAX_TOKENS in one fused call."""
+        batches up to FUSED_MAX_TOKENS in one fused call. placement: expert parallelism (then
+        gate_up/down hold only this rank's slots, [S, ...])."""
         h, i = router.shape[1], down.shape[2]
+        self.hidden = h
         k = ctx.kernels if ctx.kernels is not None and h % 2 == 0 and i % 2 == 0 else None
         self.kernels = k          # the fused fast path; None: router then executor, in torch
         if k is not None:
@@ -166,15 +211,53 @@ class MoELayer:
         else:
             linear = Linear(router, pack=ctx.pack)
             self.experts = LocalExperts(gate_up, down, ctx.pack, None, None)
-        self.router = Router(router, spec, gate_up.shape[0], load, linear)
+        self.placement = placement
+        if placement is None:
+            self.router = Router(router, spec, gate_up.shape[0], load, linear)
+        else:
+            self.router = Router(router, spec, placement.num_physical, load, linear)
+            self.router.set_expert_map(*placement.expert_map())
+            self.dist = placement.executor(self.experts, k)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the expert weights this process holds for this layer (tensors, not config)."""
+        e = self.experts
+        if getattr(e, "gate_up_p", None) is not None:
+            return e.gate_up_p.nbytes + e.down_p.nbytes
+        return sum(lin.weight.nbytes for pair in e.experts for lin in pair if lin.weight is not None)
 
     def set_expert_map(self, logical_to_physical: torch.Tensor, num_replicas: torch.Tensor) -> None:
         self.router.set_expert_map(logical_to_physical, num_replicas)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.placement is not None:
+            return self._parallel(x)
         if self.kernels is not None and x.shape[0] <= FUSED_MAX_TOKENS:
             r, e = self.router, self.experts
             return self.kernels.moe_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
                                          r.logical_to_physical, r.num_replicas, r.load,
-                                         e.gate_up_p, e.down_p, e.intermediate)
+                                         e.gate_up_p, e.down_p, e.intermediate, r.next_offset())
         return self.experts(x, self.router(x))
+
+    def _parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: route here as EP=1 would (the fused kernel's router half up to
+        FUSED_MAX_TOKENS, else the torch router), then dispatch/compute/combine over the group."""
+        from_kernel = self.kernels is not None and x.shape[0] <= FUSED_MAX_TOKENS
+        r = self.router
+        if from_kernel:
+            phys, w = self.kernels.route_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
+                                              r.logical_to_physical, r.num_replicas, r.load,
+                                              r.num_physical, r.next_offset())
+            routing = Routing(w, phys, r.logical_to_physical.shape[1] > 1)
+        else:
+            routing = r(x)
+        return self.dist(x, routing, mode=int(from_kernel))    # 1: FUSED, 0: TORCH (dispatch.py)
+
+    def empty_step(self, dtype: torch.dtype) -> None:
+        """Take part in this layer's exchange with no tokens (a rank with no work this step)."""
+        if self.placement is None:
+            return
+        dev = self.router.logical_to_physical.device
+        x = torch.empty((0, self.hidden), dtype=dtype, device=dev)
+        empty = torch.empty((0, self.router.top_k), dtype=torch.long, device=dev)
+        self.dist(x, Routing(empty.to(dtype), empty, False), mode=int(self.kernels is not None))

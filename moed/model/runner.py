@@ -21,6 +21,7 @@ from moed.model.context import ComputeContext
 from moed.model.decoder import MoEDecoder
 from moed.model.kv_layout import KVLayout
 from moed.model.loader import Weights, load_weights
+from moed.model.moe import ExpertPlacement
 from moed.model.spec import ModelSpec, load_spec, parse_dtype
 from moed.transfer.base import KVRegion, RegionLayout
 
@@ -58,7 +59,9 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "auto", attention_backend: str = "auto",
                  num_blocks: int, block_size: int, spec: ModelSpec | None = None,
-                 weights: Weights | None = None) -> None:
+                 weights: Weights | None = None, placement: ExpertPlacement | None = None) -> None:
+        """placement: expert parallelism (moed.parallel.dispatch.Placement): only this rank's
+        expert slots are loaded, and every MoE layer dispatches over the group."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         t0 = time.monotonic()
@@ -68,10 +71,11 @@ class ModelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
         arch = archs.get(self.spec.arch)
         self.kv_layout: KVLayout = arch.kv_layout(self.spec, block_size, self.dtype)
-        self.ctx = ComputeContext.build(self.device, self.dtype)
+        self.ctx = ComputeContext.build(self.device, self.dtype, placement)
         own = weights is None
         if own:
-            weights = load_weights(model_dir, self.spec, self.dtype, self.device)
+            weights = load_weights(model_dir, self.spec, self.dtype, self.device,
+                                   None if placement is None else placement.local_slots)
         self.backend = get_backend(attention_backend, self.spec, self.kv_layout, self.ctx)
         self.model = MoEDecoder(self.spec, weights, arch.build_layer, self.ctx, consume=own)
         del weights
@@ -108,16 +112,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits [B, vocab] of each sequence's last new token (K/V of all new tokens cached)."""
+        """fp32 logits of `batch.logit_rows` (K/V of all new tokens cached): [B, vocab], one per
+        sequence's last new token, unless `batch.all_logits` asks for every row of some."""
         self._check(batch)
         dev = self.device
         ids = [t for toks in batch.token_ids for t in toks]
         pos = [p for toks, s in zip(batch.token_ids, batch.start_pos) for p in range(s, s + len(toks))]
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        last_rows = torch.tensor([len(t) for t in batch.token_ids], device=dev).cumsum(0) - 1
+        if batch.all_logits:
+            last_rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=dev)
+        else:
+            last_rows = torch.tensor([len(t) for t in batch.token_ids], device=dev).cumsum(0) - 1
         self.backend.plan(batch, positions)
         return self.model(input_ids, positions, max(pos), last_rows, self.backend, self.kv_cache)
+
+    @torch.inference_mode()
+    def forward_empty(self) -> None:
+        """Expert parallelism: this rank has no tokens this step but takes part in every MoE
+        layer's exchange (moed.parallel.agree)."""
+        self.model.empty_step()
+
+    def resident_expert_bytes(self) -> int:
+        """Bytes of expert weights this process holds, summed over the tensors themselves."""
+        return self.model.resident_expert_bytes()
 
     def expert_load(self) -> torch.Tensor:
         """Tokens routed per logical expert [layers, experts] since the last call (then reset).

@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("cpu_bf16.c")
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-fPIC", "-shared", "-fopenmp",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-ABI_VERSION = 2
+ABI_VERSION = 4
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -112,8 +112,12 @@ class CpuKernels:
             raise KernelUnavailable(f"{path} has ABI {lib.moed_abi_version()}, expected {ABI_VERSION}")
         if not lib.moed_cpu_supported():
             raise KernelUnavailable("this CPU lacks AVX512-BF16")
-        lib.moed_moe_bf16.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _p, _p, _p, _l, _l, _p, _i]
+        lib.moed_moe_bf16.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _p, _p, _l, _l, _p, _i]
         lib.moed_moe_bf16.restype = _i
+        lib.moed_route_bf16.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _l, _p, _p, _i]
+        lib.moed_route_bf16.restype = _i
+        lib.moed_experts_bf16.argtypes = [_p, _l, _l, _p, _p, _p, _l, _l, _p, _i]
+        lib.moed_experts_bf16.restype = _i
         lib.moed_linear_bf16.argtypes = [_p, _l, _l, _p, _l, _p, _p, _i]
         lib.moed_linear_bf16.restype = _i
         lib.moed_decode_attn_bf16.argtypes = [_p, _l, _l, _l, _l, _l, _p, _l, _l, _p, _l, _p,
@@ -141,21 +145,57 @@ class CpuKernels:
     def moe_bf16(self, x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int,
                  norm_topk: bool, logical_to_physical: torch.Tensor, num_replicas: torch.Tensor,
                  load: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor,
-                 intermediate: int) -> torch.Tensor:
+                 intermediate: int, offset: int = 0) -> torch.Tensor:
         """MoE block output [T, H] for x [T, H]; the same contract as MoELayer's torch path.
         router, gate_up, down: packed (pack()) from [E, H], [P, 2I, H] and [P, H, I];
-        int64 logical_to_physical [E, R], num_replicas [E] and load [E] (updated in place)."""
+        int64 logical_to_physical [E, R], num_replicas [E] and load [E] (updated in place);
+        offset: rotates which replica of an expert takes its extra token (the router's call
+        count; see map_slots in cpu_bf16.c)."""
         x = x.contiguous()
         t, h = x.shape
         out = torch.empty_like(x)
         rc = self.lib.moed_moe_bf16(
             x.data_ptr(), t, h, router.data_ptr(), num_experts, top_k, int(norm_topk),
             logical_to_physical.data_ptr(), logical_to_physical.shape[1], num_replicas.data_ptr(),
-            None if load is None else load.data_ptr(),
+            offset, None if load is None else load.data_ptr(),
             gate_up.data_ptr(), down.data_ptr(), gate_up.shape[0], intermediate, out.data_ptr(),
             torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("moed_moe_bf16: " + ("out of memory" if rc == -1 else "expert map out of range"))
+        return out
+
+    def route_bf16(self, x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int,
+                   norm_topk: bool, logical_to_physical: torch.Tensor, num_replicas: torch.Tensor,
+                   load: torch.Tensor | None, num_physical: int,
+                   offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """moe_bf16's router half (expert parallelism): -> (physical slot [T, k] int64,
+        weight [T, k] bf16) for x [T, H]; the same choices and weights moe_bf16 uses."""
+        x = x.contiguous()
+        t, h = x.shape
+        phys = torch.empty((t, top_k), dtype=torch.long)
+        wts = torch.empty((t, top_k), dtype=torch.float32)
+        rc = self.lib.moed_route_bf16(
+            x.data_ptr(), t, h, router.data_ptr(), num_experts, top_k, int(norm_topk),
+            logical_to_physical.data_ptr(), logical_to_physical.shape[1], num_replicas.data_ptr(),
+            offset, None if load is None else load.data_ptr(), num_physical, phys.data_ptr(),
+            wts.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("moed_route_bf16: " + ("out of memory" if rc == -1 else "expert map out of range"))
+        return phys, wts.to(torch.bfloat16)     # exact: the kernel rounded them to bf16
+
+    def experts_bf16(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor, intermediate: int) -> torch.Tensor:
+        """moe_bf16's expert half (expert parallelism): rows xs [R, H] grouped by local slot
+        (counts [P] int64 rows per slot, in slot order) -> each row's expert output [R, H]
+        bf16, unweighted. gate_up, down: packed [P, ...] as for moe_bf16."""
+        xs, counts = xs.contiguous(), counts.to(torch.long).contiguous()
+        r, h = xs.shape
+        out = torch.empty_like(xs)
+        rc = self.lib.moed_experts_bf16(xs.data_ptr(), r, h, counts.data_ptr(), gate_up.data_ptr(),
+                                        down.data_ptr(), gate_up.shape[0], intermediate,
+                                        out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("moed_experts_bf16: " + ("out of memory" if rc == -1 else "row counts do not add up"))
         return out
 
     def decode_attn_bf16(self, q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,

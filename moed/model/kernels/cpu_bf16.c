@@ -39,7 +39,7 @@ typedef uint16_t bf16;
 #define NB 32        /* output columns per packed block */
 #define ROW_TILE 8   /* input rows per pass over a block: 2 x 8 accumulators + loads fit 32 zmm */
 
-int moed_abi_version(void) { return 2; }
+int moed_abi_version(void) { return 4; }
 
 int moed_cpu_supported(void) {
     __builtin_cpu_init();
@@ -227,19 +227,45 @@ static int route(const float *logits, long ldl, long T, long E, long k, int norm
     return 0;
 }
 
+/* Logical expert -> physical slot for each of the rows (t, j) in flat order t*k + j: the n-th
+ * row routed to expert e (n counted per expert, in flat order) goes to replica
+ * (n + offset) % nrep[e], so every replica gets floor or ceil of e's rows / replicas (the flat
+ * index modulo replicas put all of an expert's rows on one replica when it was mostly some
+ * token's j-th choice); offset (the router's call count) rotates which replica takes the extra
+ * row. The same split as moed/balance/experts_route.py. load [E] (may be NULL) counts rows per
+ * logical expert. Returns 0; -1 out of memory; -2 a bad expert map. */
+static int map_slots(const long *ids, long rows, long E, const int64_t *l2p, long max_rep,
+                     const int64_t *nrep, long offset, long P, int64_t *phys, int64_t *load) {
+    long *seen = calloc(E + 1, sizeof(long));
+    if (!seen) return -1;
+    int rc = 0;
+    for (long s = 0; s < rows; s++) {
+        long e = ids[s];
+        if (e < 0 || e >= E) { rc = -2; break; }
+        long n = nrep[e];
+        if (n < 1 || n > max_rep) { rc = -2; break; }
+        long p = l2p[e * max_rep + (seen[e]++ + offset) % n];
+        if (p < 0 || p >= P) { rc = -2; break; }
+        phys[s] = p;
+        if (load) load[e]++;
+    }
+    free(seen);
+    return rc;
+}
+
 /* A whole MoE block (router + routed experts) for a few tokens, in one call:
  *   out[t] = sum_j w[t][j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = phys(expert[t][j])
  * x [T][H]; out [T][H]; weights packed P32 (H and I even): router from [E][H], each expert's
  * gate_up from [2I][H] (gate rows first), its down from [H][I].
- * Logical expert ids go to physical slots through l2p [E][max_rep] (replica j % nrep[e], spread
- * by slot like the torch path); load [E] (may be NULL) counts tokens per logical expert. Each
+ * Logical expert ids go to physical slots through l2p [E][max_rep] (map_slots: each expert's
+ * rows numbered, plus offset, modulo its replicas, as the torch path); load [E] (may be NULL) counts tokens per logical expert. Each
  * expert's weights are read once for all its tokens. Rounding follows a bf16 torch run: the
  * router logits, gate/up, silu(g), silu(g)*u, the down output and its product with the weight
  * are each rounded to bf16; the k expert outputs are summed in fp32 and rounded once (torch
  * rounds after each add: results at most 1 ulp apart). Returns 0; -1 out of memory; -2 a bad
  * expert map. */
 int moed_moe_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, long k, int norm_topk,
-                  const int64_t *l2p, long max_rep, const int64_t *nrep, int64_t *load,
+                  const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
                   const bf16 *gate_up, const bf16 *down, long P, long I, bf16 *out, int nthreads) {
     const long rows = T * k;
     const long ldl = nblocks(E) * NB, ldg = nblocks(2 * I) * NB, ldh = nblocks(H) * NB;
@@ -266,15 +292,8 @@ int moed_moe_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, lon
         gemm_packed(x, T, H, router, H, b0, b1, logits, ldl);
     }
     if (route(logits, ldl, T, E, k, norm_topk, ids, wts)) { rc = -1; goto done; }
-    for (long s = 0; s < rows; s++) {
-        long e = ids[s], n = nrep[e];
-        if (n < 1 || n > max_rep) { rc = -2; goto done; }
-        long p = l2p[e * max_rep + s % n];
-        if (p < 0 || p >= P) { rc = -2; goto done; }
-        phys[s] = p;
-        count[p + 1]++;
-        if (load) load[e]++;
-    }
+    if ((rc = map_slots(ids, rows, E, l2p, max_rep, nrep, offset, P, (int64_t *)phys, load))) goto done;
+    for (long s = 0; s < rows; s++) count[phys[s] + 1]++;
     for (long e = 0; e < P; e++) count[e + 1] += count[e];   /* count[e] = first slot of e */
     memcpy(fill, count, sizeof(long) * P);
     for (long s = 0; s < rows; s++) order[fill[phys[s]]++] = s;
@@ -313,6 +332,76 @@ int moed_moe_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, lon
 done:
     free(logits); free(ids); free(phys); free(wts); free(count); free(fill); free(order);
     free(xs); free(gu); free(act); free(ys); free(acc);
+    return rc;
+}
+
+/* Expert parallelism splits moed_moe_bf16 in two around the token exchange, with the same
+ * arithmetic, so an EP group's output equals one process's bit for bit:
+ * moed_route_bf16 is its router half (logits, top-k, expert map, load count) -> physical slot
+ * phys[T][k] and weight wts[T][k] (bf16 values held in fp32) per choice; moed_experts_bf16 its
+ * expert half on rows already grouped by local slot (count[e] rows of slot e, in slot order):
+ * out[r] = bf16(down_e(silu(gate_e(x_r)) * up_e(x_r))). The caller multiplies each row by its
+ * weight in bf16 and sums a token's k rows in fp32 in ascending slot order, as the fused scatter
+ * does. Both return 0; -1 out of memory; -2 a bad expert map. */
+int moed_route_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, long k, int norm_topk,
+                    const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
+                    long P, int64_t *phys, float *wts, int nthreads) {
+    const long rows = T * k, ldl = nblocks(E) * NB;
+    float *logits = malloc(sizeof(float) * (T * ldl + 1));
+    long *ids = malloc(sizeof(long) * (rows + 1));
+    int rc = 0;
+    if (!logits || !ids) { rc = -1; goto done; }
+#pragma omp parallel num_threads(nthreads)
+    {
+        long b0, b1;
+        split(nblocks(E), omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+        gemm_packed(x, T, H, router, H, b0, b1, logits, ldl);
+    }
+    if (route(logits, ldl, T, E, k, norm_topk, ids, wts)) { rc = -1; goto done; }
+    rc = map_slots(ids, rows, E, l2p, max_rep, nrep, offset, P, phys, load);
+done:
+    free(logits); free(ids);
+    return rc;
+}
+
+int moed_experts_bf16(const bf16 *xs, long R, long H, const int64_t *count_in, const bf16 *gate_up,
+                      const bf16 *down, long P, long I, bf16 *out, int nthreads) {
+    const long ldg = nblocks(2 * I) * NB, ldh = nblocks(H) * NB;
+    const long gu_stride = ldg * H, down_stride = ldh * I;
+    long *count = malloc(sizeof(long) * (P + 1));      /* count[e] = first row of slot e */
+    float *gu = malloc(sizeof(float) * (R * ldg + 1));
+    bf16 *act = malloc(sizeof(bf16) * (R * I + 1));
+    float *ys = malloc(sizeof(float) * (R * ldh + 1));
+    int rc = 0;
+    if (!count || !gu || !act || !ys) { rc = -1; goto done; }
+    count[0] = 0;
+    for (long e = 0; e < P; e++) {
+        if (count_in[e] < 0) { rc = -2; goto done; }
+        count[e + 1] = count[e] + count_in[e];
+    }
+    if (count[P] != R) { rc = -2; goto done; }
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        long lo, hi, b0, b1;
+        for (long e = 0; e < P; e++) {       /* the expert loop of moed_moe_bf16 */
+            const long s0 = count[e], n = count[e + 1] - s0;
+            if (n == 0) continue;
+            split(nblocks(2 * I), tid, nt, &b0, &b1);
+            gemm_packed(xs + s0 * H, n, H, gate_up + e * gu_stride, H, b0, b1, gu + s0 * ldg, ldg);
+#pragma omp barrier
+            split(n, tid, nt, &lo, &hi);
+            for (long r = s0 + lo; r < s0 + hi; r++) silu_mul_row(gu + r * ldg, I, act + r * I);
+#pragma omp barrier
+            split(nblocks(H), tid, nt, &b0, &b1);
+            gemm_packed(act + s0 * I, n, I, down + e * down_stride, I, b0, b1, ys + s0 * ldh, ldh);
+        }
+        split_cols(H, tid, nt, &lo, &hi);      /* the columns this thread's down blocks wrote */
+        for (long r = 0; r < R; r++)
+            for (long h = lo; h < hi; h++) out[r * H + h] = f32_to_bf16(ys[r * ldh + h]);
+    }
+done:
+    free(count); free(gu); free(act); free(ys);
     return rc;
 }
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moed.balance.experts_route import split_over_replicas
 from moed.model.context import ComputeContext, can_pack
 from moed.model.layers import Linear
 from moed.model.moe import ExpertExecutor, LocalExperts, MoELayer, Routing
@@ -28,6 +29,7 @@ class PreSplitMoE:
         self.logical_to_physical = torch.arange(self.num_experts).unsqueeze(1)
         self.num_replicas = torch.ones(self.num_experts, dtype=torch.long)
         self.load = load
+        self.calls = 0
 
     def route(self, x):
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float)
@@ -52,8 +54,11 @@ class PreSplitMoE:
         if self.logical_to_physical.shape[1] == 1:
             phys = self.logical_to_physical[flat, 0]
         else:
-            slot = torch.arange(flat.numel()) % self.num_replicas[flat]
-            phys = self.logical_to_physical[flat, slot]
+            # the one change since: each expert's own tokens numbered, modulo its replicas,
+            # offset by the call count (balance/experts_route.py; was flat index % replicas)
+            phys = split_over_replicas(logical, self.logical_to_physical, self.num_replicas,
+                                       self.calls).reshape(-1)
+            self.calls += 1
         self.load += torch.bincount(flat, minlength=self.num_experts)
         order = torch.argsort(phys, stable=True)
         counts = torch.bincount(phys, minlength=self.num_physical).tolist()
