@@ -1,6 +1,6 @@
 """Engine throughput: moed vs transformers `generate` on the same bf16 checkpoint, one run.
 
-    .venv/bin/python bench/engine.py [--arch qwen3_moe] [--batches 1,8,32] [--prompt 128] [--new 64]
+    .venv/bin/python bench/engine.py [--arch qwen3_moe|mixtral|deepseek_v3] [--batches 1,8,32] [--prompt 128] [--new 64]
 
 Both sides get the same random prompts (all the same length, so transformers needs no padding)
 and generate greedily with EOS ignored. Per batch size:
@@ -9,7 +9,9 @@ and generate greedily with EOS ignored. Per batch size:
 Prefix caching is off for moed so repeated runs recompute. Timings are best-of-N with the two
 engines interleaved, so a busy machine slows both alike. transformers uses
 experts_implementation="grouped_mm" (its fastest on this CPU per notes/models-and-baselines.md)
-and attn_implementation="sdpa". Prints a table and writes bench/results/engine.json.
+and attn_implementation="sdpa". Prints a table and writes bench/results/engine.json, with the
+checkpoint's KV bytes per token beside a GQA and an MHA cache of the same width (DeepSeek-V3's
+latent cache vs the per-head K/V it replaces).
 moed uses its native CPU kernels when they load (moed/model/kernels; the JSON's
 moed_cpu_kernels says which); MOED_CPU_KERNELS=0 measures the plain torch path instead.
 """
@@ -108,9 +110,27 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def kv_bytes_per_token(model_dir: Path) -> dict:
+    """The checkpoint's KV bytes per token (all layers, bf16) beside a GQA and an MHA cache of
+    the same width (hidden, heads, layers; GQA with the bench preset's KV heads)."""
+    from moed.model import archs
+    from moed.model.init import PRESETS
+    from moed.model.kv_layout import KVLayout
+    from moed.model.spec import load_spec
+
+    spec = load_spec(model_dir)
+    ours = archs.kv_layout(spec, 16, torch.bfloat16)
+    d = spec.hidden_size // spec.num_heads
+    gqa = KVLayout.gqa(spec.num_layers, PRESETS["bench"]["num_kv_heads"], d, 16, torch.bfloat16)
+    mha = KVLayout.gqa(spec.num_layers, spec.num_heads, d, 16, torch.bfloat16)
+    return {"kind": ours.kind, "bytes_per_token": ours.bytes_per_block // 16,
+            "gqa_kv_heads": PRESETS["bench"]["num_kv_heads"], "gqa_head_dim": d,
+            "gqa_bytes_per_token": gqa.bytes_per_block // 16, "mha_bytes_per_token": mha.bytes_per_block // 16}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral"))
+    ap.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
@@ -151,6 +171,7 @@ def main() -> int:
         print(f"{b:>5} | {o['prefill_tok_s']:12.0f} {t['prefill_tok_s'] if t else 0:10.0f} "
               f"{row.get('prefill_ratio', 0):5.2f} | {o['decode_tok_s']:11.1f} "
               f"{t['decode_tok_s'] if t else 0:9.1f} {row.get('decode_ratio', 0):5.2f}")
+    kv = kv_bytes_per_token(model_dir)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
@@ -158,7 +179,10 @@ def main() -> int:
         "new_tokens": a.new, "torch_threads": torch.get_num_threads(), "cpu": platform.processor(),
         "cpus": os.cpu_count(), "transformers_experts_implementation": "grouped_mm",
         "moed_cpu_kernels": kernels,
-        "load_average": os.getloadavg(), "results": rows}, indent=2))
+        "load_average": os.getloadavg(), "kv_cache": kv, "results": rows}, indent=2))
+    print(f"\nKV cache bytes per token (all layers, bf16): {a.arch} {kv['bytes_per_token']}, "
+          f"GQA of equal width ({kv['gqa_kv_heads']} KV heads x {kv['gqa_head_dim']}) {kv['gqa_bytes_per_token']}, "
+          f"MHA {kv['mha_bytes_per_token']}")
     print(f"\nsaved {out}")
     return 0
 

@@ -7,7 +7,9 @@ and never look inside. Kinds of entry (per token, per layer):
   gqa  K and V apart: entry [2, num_kv_heads, head_dim]; a block is [2, block_size, H_kv, D]
        with K at [0] and V at [1] (FlashInfer's paged NHD layout). Qwen3-MoE, Mixtral.
   mla  one latent vector, no separate V (DeepSeek-V3: kv_lora_rank + qk_rope_head_dim = 576):
-       entry [latent]; a block is [block_size, latent]. Not served yet; sized and named here.
+       entry [latent] = c_kv (the normed compressed KV, kv_lora_rank) then the rotated shared
+       key k_rope (rope_dim); a block is [block_size, latent]. Served by archs/deepseek_v3.py
+       with the attention in moed/model/attention/mla*.py.
 
 Everything that sizes, allocates, registers or compares the KV tensor reads it from here (the
 architecture module says which layout its model has); nothing else assumes 2 x H_kv x D.
@@ -32,6 +34,12 @@ class KVLayout:
     dtype: torch.dtype
     block_size: int                 # tokens per block
     num_layers: int
+    rope_dim: int = 0               # mla: the trailing k_rope part of the entry (0 for gqa)
+
+    @property
+    def latent_rank(self) -> int:
+        """mla: c_kv's width (the entry minus the rotary key)."""
+        return self.entry_shape[0] - self.rope_dim if self.kind == "mla" else 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -42,6 +50,9 @@ class KVLayout:
             raise ValueError(f"a gqa entry is (2, num_kv_heads, head_dim), got {self.entry_shape}")
         if self.kind == "mla" and len(self.entry_shape) != 1:
             raise ValueError(f"an mla entry is one latent vector (latent,), got {self.entry_shape}")
+        if self.rope_dim < 0 or (self.kind == "gqa" and self.rope_dim) or \
+                (self.kind == "mla" and self.rope_dim >= self.entry_shape[0]):
+            raise ValueError(f"rope_dim {self.rope_dim} does not fit a {self.kind} entry {self.entry_shape}")
 
     @classmethod
     def gqa(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -49,9 +60,11 @@ class KVLayout:
         return cls("gqa", (2, num_kv_heads, head_dim), dtype, block_size, num_layers)
 
     @classmethod
-    def mla(cls, num_layers: int, latent_dim: int, block_size: int, dtype: torch.dtype) -> KVLayout:
-        """latent_dim: kv_lora_rank + the rope part of the key (DeepSeek-V3: 512 + 64)."""
-        return cls("mla", (latent_dim,), dtype, block_size, num_layers)
+    def mla(cls, num_layers: int, latent_dim: int, block_size: int, dtype: torch.dtype,
+            rope_dim: int = 0) -> KVLayout:
+        """latent_dim: kv_lora_rank + the rope part of the key (DeepSeek-V3: 512 + 64);
+        rope_dim: that rope part (0: unsaid, for sizing only)."""
+        return cls("mla", (latent_dim,), dtype, block_size, num_layers, rope_dim)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -94,6 +107,8 @@ class KVLayout:
         """Stable across processes and releases: a hash of the facts, never Python's hash()."""
         facts = (f"{self.kind}|{'x'.join(map(str, self.entry_shape))}|{self.dtype_name}|"
                  f"bs{self.block_size}|l{self.num_layers}")
+        if self.rope_dim:       # where c_kv ends is part of the meaning (gqa ids unchanged)
+            facts += f"|r{self.rope_dim}"
         return f"{self.kind}-{hashlib.sha256(facts.encode()).hexdigest()[:12]}"
 
     def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:

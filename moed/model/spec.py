@@ -51,9 +51,22 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str                    # the checkpoint's dtype name, e.g. "bfloat16"
-    # Room for DeepSeek-V3 (not built yet): "gqa" today, "mla" later; shared experts.
-    attention_kind: str = "gqa"
-    shared_expert_intermediate_size: int = 0
+    # DeepSeek-V3 (archs/deepseek_v3.py); the defaults are what the GQA architectures mean.
+    attention_kind: str = "gqa"                 # "gqa" | "mla" (latent KV cache)
+    shared_expert_intermediate_size: int = 0    # all shared experts as one MLP; 0: none
+    q_lora_rank: int = 0                        # MLA: q through a low-rank bottleneck; 0: direct q_proj
+    kv_lora_rank: int = 0                       # MLA: the cached latent c_kv's width
+    qk_nope_head_dim: int = 0                   # MLA: per-head q/k part without rotary
+    qk_rope_head_dim: int = 0                   # MLA: rotary part (one key head shared by all)
+    v_head_dim: int = 0                         # MLA: per-head value width
+    rope_interleave: bool = False               # rotary pairs (x0, x1), (x2, x3) instead of halves
+    # YaRN rotary scaling as sorted (key, value) pairs: factor, original_max_position_embeddings,
+    # beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate; () = plain RoPE
+    rope_yarn: tuple[tuple[str, float], ...] = ()
+    router_scoring: str = "softmax"             # "softmax" | "sigmoid" (bias-corrected, grouped)
+    n_group: int = 1                            # expert groups (grouped routing)
+    topk_group: int = 1                         # groups kept per token
+    routed_scaling_factor: float = 1.0          # routed experts' weights scaled by this
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -87,13 +100,15 @@ def _ids(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
+def _rope_theta(cfg: dict[str, Any], yarn: bool = False) -> float:
+    """yarn: the architecture parsed YaRN scaling itself (spec field rope_yarn)."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise SpecError(f"rope type {kind!r} is not supported (only default RoPE)")
-    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if kind != "default" and not (yarn and kind == "yarn"):
+        raise SpecError(f"rope type {kind!r} is not supported for {cfg.get('model_type')} "
+                        f"(only default RoPE{', yarn' if yarn else ''})")
+    theta = cfg["rope_theta"] if cfg.get("rope_theta") is not None else params.get("rope_theta")
     if theta is None:
         raise SpecError("config.json lacks rope_theta (top level or in rope_parameters)")
     return float(theta)
@@ -127,14 +142,17 @@ def spec_from_config(cfg: dict[str, Any], generation: dict[str, Any] | None = No
     bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
     parse_dtype(dtype)
-    return ModelSpec(
+    common = dict(
         arch=arch.model_type, hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=int(required(cfg, "vocab_size")),
-        top_k=top_k, rope_theta=_rope_theta(cfg), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        top_k=top_k, rope_theta=_rope_theta(cfg, bool(own.get("rope_yarn"))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(required(cfg, "max_position_embeddings")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        eos_token_ids=eos, bos_token_id=None if bos is None else int(bos), torch_dtype=dtype, **own)
+        eos_token_ids=eos, bos_token_id=None if bos is None else int(bos), torch_dtype=dtype)
+    # The architecture's fields win (MLA: head_dim is the rotary width, kv heads = heads).
+    return ModelSpec(**{**common, **own})
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec:

@@ -102,17 +102,21 @@ async def test_engine_parity(make_checkpoint, arch, kw):
     rec = RecordingRunner(runner)
     cfg = EngineConfig(block_size=BLOCK, max_num_batched_tokens=16, max_num_seqs=8)
     engine = Engine(rec, Tokenizer.from_dir(d), cfg)
-    ref = _oracle(d)
-    gen = torch.Generator().manual_seed(7)
-    vocab = runner.spec.vocab_size
+    await chunked_and_prefix_hit_parity(engine, rec, _oracle(d), runner.spec.vocab_size, seed=7)
+
+
+async def chunked_and_prefix_hit_parity(engine: Engine, rec: RecordingRunner, ref, vocab: int,
+                                        seed: int) -> None:
+    """The parity scenario every architecture runs (engine budget 16 tokens): prompts of
+    different lengths batched together, the long ones chunked; then prompts sharing prefixes
+    with them, served from the prefix cache. Every token equals the oracle; no block leaks."""
+    gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     await engine.start()
     try:
-        # 1) different lengths together; budget 16 < the long prompts: chunked prefill.
         prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 21, 9, 30)]
         outs = await _serve(engine, prompts, params)
         assert engine.stats().kv_blocks_used == 0
-        # 2) shared prefixes: served from the prefix cache.
         hits0 = engine.stats().prefix_cache_hits
         prompts2 = [prompts[3][:24] + [5, 6, 7], prompts[1] + outs[1][:6] + [11]]
         outs2 = await _serve(engine, prompts2, params)

@@ -16,6 +16,11 @@ architecture is one new file here plus its test; nothing else is edited. A new m
                 layer i is made of (helpers: decoder.decoder_layer, moe_block, dense_block)
   kv_layout     (spec, block_size, dtype) -> KVLayout: its paged KV cache entry (gqa; MLA later)
   init          optional InitRecipe: how `moed model init` writes a random checkpoint of it
+  layer_shapes  optional (spec, i) -> {name: shape}: layer i's tensors that only this
+                architecture has (loader kind "whole.<name>", canonical `layers.{i}.<name>`);
+                with spec.attention_kind != "gqa" they replace the q/k/v ones
+  skip_layers_past_end  optional: checkpoint layers past num_hidden_layers are not read (an
+                MTP head a real checkpoint carries), instead of refused as unexpected
 
 Lookups: get(model_type) (SpecError listing the supported types when unknown), supported(),
 kv_layout(spec, block_size, dtype).
@@ -56,6 +61,8 @@ class Arch:
     build_layer: BuildLayer
     kv_layout: Callable[[ModelSpec, int, torch.dtype], KVLayout]
     init: InitRecipe | None = None
+    layer_shapes: Callable[[ModelSpec, int], dict[str, tuple[int, ...]]] | None = None
+    skip_layers_past_end: bool = False     # checkpoint layers >= num_layers are not read (MTP heads)
 
 
 _REGISTRY: dict[str, Arch] = {}

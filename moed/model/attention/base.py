@@ -12,6 +12,7 @@ then attends causally over each sequence's whole history.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,43 @@ from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kv_layout import KVLayout
 from moed.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Paging:
+    """A step's batch as the paged cache sees it, per sequence: new tokens, tokens in the KV
+    once they are written, and the leading block-table entries that hold those."""
+    q_lens: list[int]
+    kv_lens: list[int]
+    tables: list[list[int]]
+
+    def table_tensor(self, device: torch.device) -> torch.Tensor:
+        """[B, max blocks] int64, each table padded with block 0 (never read past its end)."""
+        width = max(len(t) for t in self.tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in self.tables],
+                            dtype=torch.long, device=device)
+
+    def token_blocks(self, table_t: torch.Tensor, positions: torch.Tensor,
+                     block_size: int) -> torch.Tensor:
+        """[T] int64: the cache block each new token is written into (table_t: table_tensor)."""
+        dev = table_t.device
+        seq_of_token = torch.repeat_interleave(torch.arange(len(self.q_lens), device=dev),
+                                               torch.tensor(self.q_lens, device=dev))
+        return table_t[seq_of_token, positions // block_size]
+
+
+def paging(batch: ForwardBatch, block_size: int) -> Paging:
+    """The batch's paging; ValueError when a block table is too short for its sequence."""
+    q_lens = [len(t) for t in batch.token_ids]
+    kv_lens = [s + n for s, n in zip(batch.start_pos, q_lens)]
+    tables = []
+    for i, (table, kv) in enumerate(zip(batch.block_tables, kv_lens)):
+        need = -(-kv // block_size)
+        if len(table) < need:
+            raise ValueError(f"sequence {i}: {kv} tokens need {need} KV blocks, block table "
+                             f"has {len(table)}")
+        tables.append(list(table[:need]))
+    return Paging(q_lens, kv_lens, tables)
 
 
 class AttentionBackend(ABC):

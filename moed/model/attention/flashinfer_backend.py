@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moed.model.attention.base import AttentionBackend
+from moed.model.attention.base import AttentionBackend, paging
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kv_layout import KVLayout
@@ -36,14 +36,10 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev, s = self.block_size, self.device, self.spec
-        q_lens = [len(t) for t in batch.token_ids]
-        kv_lens = [p + n for p, n in zip(batch.start_pos, q_lens)]
-        pages = [-(-kv // bs) for kv in kv_lens]
-        indices: list[int] = []
-        for i, (table, n) in enumerate(zip(batch.block_tables, pages)):
-            if len(table) < n:
-                raise ValueError(f"sequence {i}: {kv_lens[i]} tokens need {n} KV blocks, block table has {len(table)}")
-            indices.extend(table[:n])
+        pg = paging(batch, bs)
+        q_lens, kv_lens = pg.q_lens, pg.kv_lens
+        pages = [len(t) for t in pg.tables]
+        indices = [b for t in pg.tables for b in t]
         i32 = torch.int32
         cum = torch.tensor([0] + pages, dtype=i32).cumsum(0, dtype=i32)
         last = torch.tensor([kv - (n - 1) * bs for kv, n in zip(kv_lens, pages)], dtype=i32)

@@ -15,6 +15,11 @@ BACKENDS: dict[str, str] = {
     "torch": "moed.model.attention.torch_backend:TorchBackend",
     "flashinfer": "moed.model.attention.flashinfer_backend:FlashInferBackend",
 }
+# The same names for the mla KVLayout (DeepSeek-V3's latent cache): its own implementations.
+MLA_BACKENDS: dict[str, str] = {
+    "torch": "moed.model.attention.mla_torch:TorchMLABackend",
+    "flashinfer": "moed.model.attention.mla_flashinfer:FlashInferMLABackend",
+}
 
 
 def resolve(name: str, device: torch.device) -> str:
@@ -32,5 +37,5 @@ def get_backend(name: str, spec: ModelSpec, kv: KVLayout, ctx: ComputeContext) -
         raise ValueError(f"unknown attention backend {name!r}; expected auto, {', '.join(BACKENDS)}")
     if name == "flashinfer" and ctx.device.type != "cuda":
         raise ValueError("attention backend 'flashinfer' needs a CUDA device")
-    module, cls = BACKENDS[name].split(":")
+    module, cls = (MLA_BACKENDS if kv.kind == "mla" else BACKENDS)[name].split(":")
     return getattr(importlib.import_module(module), cls)(spec, kv, ctx)

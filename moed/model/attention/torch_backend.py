@@ -18,7 +18,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from moed.model.attention.base import AttentionBackend
+from moed.model.attention.base import AttentionBackend, paging
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
@@ -47,19 +47,10 @@ class TorchBackend(AttentionBackend):
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
-        q_lens = [len(t) for t in batch.token_ids]
-        kv_lens = [s + n for s, n in zip(batch.start_pos, q_lens)]
-        tables = []
-        for i, (table, kv) in enumerate(zip(batch.block_tables, kv_lens)):
-            need = -(-kv // bs)
-            if len(table) < need:
-                raise ValueError(f"sequence {i}: {kv} tokens need {need} KV blocks, block table has {len(table)}")
-            tables.append(table[:need])
-        width = max(len(t) for t in tables)
-        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens), device=dev),
-                                               torch.tensor(q_lens, device=dev))
-        blk = table_t[seq_of_token, positions // bs]
+        pg = paging(batch, bs)
+        q_lens, kv_lens, tables = pg.q_lens, pg.kv_lens, pg.tables
+        table_t = pg.table_tensor(dev)
+        blk = pg.token_blocks(table_t, positions, bs)
         self.write_k = blk * self.rows_per_block + positions % bs
         self.write_v = self.write_k + self.v_rows
 

@@ -29,12 +29,12 @@ def test_lookup():
 
 
 def test_unknown_model_type_lists_the_supported_ones(tmp_path):
-    with pytest.raises(SpecError, match=r"model_type 'llama' is not supported; supported: mixtral, qwen3_moe"):
+    with pytest.raises(SpecError, match=r"model_type 'llama' is not supported; supported: deepseek_v3, mixtral, qwen3_moe"):
         archs.get("llama")
-    with pytest.raises(SpecError, match="model_type None is not supported; supported: mixtral"):
+    with pytest.raises(SpecError, match="model_type None is not supported; supported: deepseek_v3, mixtral"):
         spec_from_config({"hidden_size": 8})
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "hidden_size": 8}))
-    with pytest.raises(SpecError, match="'deepseek_v3' is not supported; supported: mixtral, qwen3_moe"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4", "hidden_size": 8}))
+    with pytest.raises(SpecError, match="'llama4' is not supported; supported: deepseek_v3, mixtral, qwen3_moe"):
         ModelRunner(tmp_path, device="cpu", num_blocks=4, block_size=4)      # fails at start
 
 
