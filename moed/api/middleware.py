@@ -1,7 +1,9 @@
 """aiohttp middlewares: request id + access log + error shaping (outermost), auth, body read.
 
 - request_id: X-Request-Id if sane, else generated; bound in structlog contextvars for the life
-  of the request and echoed in the response header.
+  of the request and echoed in the response header. With tracing on (moed.obs.trace) the
+  request is this node's server span, a child of the caller's W3C traceparent; its trace_id
+  and span_id are bound beside request_id; status, finish reason and error kind go on it.
 - Body size: server.max_body_bytes from the *live* config (aiohttp's client_max_size is fixed
   when the app is built, so the request is re-bound to the current limit): a declared
   Content-Length over it is refused at once, a chunked body when reading passes it; both 413.
@@ -33,7 +35,7 @@ from moed.api.auth import check_bearer
 from moed.api.errors import APIError
 from moed.api.internal import require_operator
 from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE
-from moed.obs import metrics
+from moed.obs import metrics, trace
 
 log = structlog.get_logger("moed.access")
 _RID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -98,7 +100,13 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     request[REQUEST_ID] = rid
     start = time.perf_counter()
     status = 500
-    with structlog.contextvars.bound_contextvars(request_id=rid):
+    err_kind = ""
+    quiet = request.path in OPEN_PATHS or request.path == "/metrics"   # probes: no log, no span
+    # the server span (a child of the caller's traceparent), its ids on every log line inside
+    span_cm = trace.NO_SPAN if quiet else trace.server_span(
+        f"{request.method} {_route_label(request)}", request.headers)
+    with structlog.contextvars.bound_contextvars(request_id=rid), span_cm as span, \
+            structlog.contextvars.bound_contextvars(**trace.log_ids()):
         try:
             try:
                 if limits.probe_only(request) and request.path not in limits.PROBE_PATHS:
@@ -106,6 +114,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 request = _body_limit(request)
                 resp = await handler(request)
             except APIError as e:
+                err_kind = e.code or e.err_type
                 resp = e.response()
             except web.HTTPException as e:
                 if e.status < 400:
@@ -113,6 +122,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 resp = _from_http_exception(e, request).response()
             except Exception:
                 log.exception("unhandled_error", method=request.method, path=request.path)
+                err_kind = "internal_error"
                 resp = APIError(500, f"Internal server error (request id {rid}).",
                                 code="internal_error").response()
             except asyncio.CancelledError:
@@ -128,7 +138,16 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             usage = request.get(USAGE) or (0, 0)
             elapsed = time.perf_counter() - start
             metrics.HTTP_REQUESTS.labels(_route_label(request), str(status)).inc()
-            if request.path not in OPEN_PATHS and request.path != "/metrics":
+            if span.recording:
+                span.set(**{"http.request.method": request.method,
+                            "http.route": _route_label(request),
+                            "http.response.status_code": status},
+                         request_id=rid, finish_reason=request.get(FINISH),
+                         prompt_tokens=usage[0], completion_tokens=usage[1])
+                if status >= 400:
+                    span.error(err_kind or ("client_disconnect" if status == 499
+                                            else f"http_{status}"))
+            if not quiet:
                 log.info("access", method=request.method, path=request.path, status=status,
                          prompt_tokens=usage[0], completion_tokens=usage[1],
                          latency_ms=round(elapsed * 1000, 2), peer=request.remote,
