@@ -18,7 +18,8 @@ to produce the logits of the first output token.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from moed.kvcache.pool import BlockPool, PoolStats, hash_block
@@ -41,6 +42,16 @@ class Allocation:
 NO_HIT = PrefixHit((), (), 0)
 
 
+def leading(hashes: Sequence[int]) -> tuple[int, ...]:
+    """The hashes at depths 1, 2, 4, 8, ... of a chain (depth d = the first d blocks; the
+    digest's sampling, moed.cluster.state.digest_depths)."""
+    out, d = [], 1
+    while d <= len(hashes):
+        out.append(hashes[d - 1])
+        d *= 2
+    return tuple(out)
+
+
 @dataclass
 class _Table:
     blocks: list[int]
@@ -55,6 +66,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._pool = BlockPool(num_blocks)
         self._tables: dict[str, _Table] = {}
+        # leading hashes of recently freed tables (the prefix digest reads them once a second)
+        self._freed: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=256)
+        self._freed_seq = 0
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -81,6 +95,37 @@ class KVCacheManager:
 
     def block_table(self, req_id: str) -> list[int]:
         return self._tables[req_id].blocks
+
+    def leading_hashes(self) -> Iterator[tuple[int, ...]]:
+        """The chained hashes at depths 1, 2, 4, 8, ... (`leading`) of every live table's
+        committed blocks (a read, for the gossiped prefix digest: moed.cluster.service)."""
+        return (leading(t.hashes) for t in self._tables.values())
+
+    def freed_since(self, seq: int) -> tuple[int, list[tuple[int, ...]]]:
+        """(the newest sequence number, the leading hashes of the tables freed after `seq`):
+        a request that started and ended between two gossip ticks still counts."""
+        return self._freed_seq, [h for n, h in self._freed if n > seq]
+
+    def is_cached(self, block_hash: int) -> bool:
+        """A block is still findable under this prefix hash (changes nothing)."""
+        return self._pool.lookup(block_hash) is not None
+
+    def set_tier_hooks(self, on_evict: Callable[[int, int], None] | None,
+                       on_cached: Callable[[int, int], None] | None) -> None:
+        """The tiers below L1 (moed.kvcache.tiers): (block id, prefix hash) of a cached block
+        about to be reused, and of a block first cached."""
+        self._pool.on_evict, self._pool.on_cached = on_evict, on_cached
+
+    def hashes_after(self, tokens: Sequence[int], hit: PrefixHit) -> list[int]:
+        """The chained hashes of the prompt's full blocks after `hit` that still leave >= 1
+        token to compute (what the tiers below L1 are asked for)."""
+        bs = self.block_size
+        out: list[int] = []
+        parent: int | None = hit.hashes[-1] if hit.hashes else None
+        for i in range(len(hit.block_ids), (len(tokens) - 1) // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            out.append(parent)
+        return out
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -161,6 +206,38 @@ class KVCacheManager:
         t = self._tables.pop(req_id, None)
         if t is not None:
             self._pool.free(reversed(t.blocks))
+            if t.hashes:
+                self._freed_seq += 1
+                self._freed.append((self._freed_seq, leading(t.hashes)))
 
     def reset_prefix_cache(self) -> int:
         return self._pool.reset_prefix_cache()
+
+    # ---- blocks outside any request: a peer reads ours, or we read a peer's ------------------
+    # (moed/roles/kvshare.py, on the engine loop between steps)
+    def pin_cached(self, hashes: Sequence[int]) -> list[int]:
+        """A reference on each block cached under the leading run of `hashes` (a peer is
+        reading them); -> their ids, released with `unpin`."""
+        ids: list[int] = []
+        for h in hashes:
+            bid = self._pool.lookup(h)
+            if bid is None:
+                break
+            ids.append(bid)
+        self._pool.touch(ids)
+        return ids
+
+    def unpin(self, ids: Sequence[int]) -> None:
+        self._pool.free(reversed(ids))
+
+    def reserve(self, n: int) -> list[int] | None:
+        """n fresh blocks held outside any request (a peer's payloads land there), or None
+        when there is no room; released with `unpin` or `adopt`."""
+        return self._pool.allocate(n) if self._pool.can_allocate(n) else None
+
+    def adopt(self, ids: Sequence[int], hashes: Sequence[int]) -> int:
+        """Reserved blocks now hold the prefix blocks `hashes`: cache them and drop our
+        reference, so the next prefix hit finds them. -> how many were registered."""
+        n = sum(self._pool.cache(b, h) for b, h in zip(ids, hashes))
+        self._pool.free(reversed(ids))
+        return n

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -51,6 +51,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # the KV tiers below (moed.kvcache.tiers): told (block id, hash) when a cached block is
+        # about to be reused (its data is still intact) and when a block is first cached
+        self.on_evict: Callable[[int, int], None] | None = None
+        self.on_cached: Callable[[int, int], None] | None = None
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -86,6 +90,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             bid, _ = self._free.popitem(last=False)
+            h = self._hash[bid]
+            if h is not None and self.on_evict is not None:
+                self.on_evict(bid, h)
             self._evict(bid)
             self._ref[bid] = 1
             out.append(bid)
@@ -122,6 +129,8 @@ class BlockPool:
             return False
         self._hash[block_id] = block_hash
         self._by_hash[block_hash] = block_id
+        if self.on_cached is not None:
+            self.on_cached(block_id, block_hash)
         return True
 
     def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:

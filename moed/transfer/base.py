@@ -4,9 +4,10 @@ Model: each node registers its one KV tensor `[num_layers, num_blocks, *block]` 
 `RegionLayout` built from the model's KVLayout (moed/model/kv_layout.py: bytes per block per
 layer, block format, layout id) and the tensor's address (`ModelRunner.kv_region()` gives both),
 publishes `local_metadata()` once, and a peer that wants to WRITE into it calls
-`add_peer(name, metadata, incarnation)`, which refuses a peer whose layout differs. A transfer copies
+`add_peer(name, metadata, incarnation)`, which refuses a peer whose layout differs. A WRITE copies
 src_block_ids[i] (local) → dst_block_ids[i] (peer) in every layer and then delivers `notif` to
-the peer, after the data. Transfers are polled, never awaited inside a backend.
+the peer, after the data; a READ copies the peer's src blocks into local dst blocks, then
+notifies the peer the same way. Transfers are polled, never awaited inside a backend.
 
 Threading: a backend is NOT thread-safe and must be driven by one thread
 (`moed.transfer.worker.TransferWorker` does that off the event loop).
@@ -236,6 +237,12 @@ class TransferBackend(ABC):
                      dst_block_ids: Sequence[int], notif: bytes = b"") -> TransferHandle:
         """Copy local blocks into the peer's blocks (all layers), then deliver notif.
         Bad ids/peer raise; a failure while moving data shows up in poll() as FAILED."""
+
+    @abstractmethod
+    def read_blocks(self, peer: str, src_block_ids: Sequence[int],
+                    dst_block_ids: Sequence[int], notif: bytes = b"") -> TransferHandle:
+        """Copy the peer's blocks src_block_ids[i] into local dst_block_ids[i] (all layers), then
+        deliver notif to the peer (it learns its blocks were read). Errors as write_blocks."""
 
     @abstractmethod
     def poll(self, handle: TransferHandle) -> TransferStatus:

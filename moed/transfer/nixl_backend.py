@@ -1,4 +1,5 @@
-"""NIXL (UCX) backend: WRITE local KV blocks into a peer's registered KV region.
+"""NIXL (UCX) backend: WRITE local KV blocks into a peer's registered KV region, or READ a
+peer's blocks into local ones (cluster prefix reuse, moed/kvcache/tiers/peer.py).
 
 Measured facts this follows (notes/nixl-on-cpu.md): no progress thread (it spins a core) so
 both sides poll via get_notifs()/poll(); transfer() may copy synchronously (cma) and releases
@@ -137,17 +138,28 @@ class NixlBackend(TransferBackend):
 
     def write_blocks(self, peer: str, src_block_ids: Sequence[int],
                      dst_block_ids: Sequence[int], notif: bytes = b"") -> TransferHandle:
+        return self._post("WRITE", peer, src_block_ids, dst_block_ids, notif)
+
+    def read_blocks(self, peer: str, src_block_ids: Sequence[int],
+                    dst_block_ids: Sequence[int], notif: bytes = b"") -> TransferHandle:
+        return self._post("READ", peer, dst_block_ids, src_block_ids, notif)
+
+    def _post(self, op: str, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
+              notif: bytes) -> TransferHandle:
+        """One transfer between local blocks and the peer's (WRITE: local → peer; READ: peer →
+        local); NIXL delivers notif to the peer after the data either way."""
         p = self._peers.get(peer)
         if p is None:
             raise UnknownPeer(f"unknown transfer peer {peer!r}")
         local = self._layout
         assert local is not None  # add_peer required it
-        check_ids(src_block_ids, local.num_blocks, "source")
-        check_ids(dst_block_ids, p.layout.num_blocks, "destination")
-        runs = merge_runs(src_block_ids, dst_block_ids)
+        lside, rside = ("source", "destination") if op == "WRITE" else ("destination", "source")
+        check_ids(local_ids, local.num_blocks, lside)
+        check_ids(remote_ids, p.layout.num_blocks, rside)
+        runs = merge_runs(local_ids, remote_ids)
         hid, self._next_id = self._next_id, self._next_id + 1
         nbytes = sum(n for _, _, n in runs) * local.block_bytes * local.num_layers
-        handle = TransferHandle(hid, peer, len(src_block_ids), nbytes, len(runs) * local.num_layers)
+        handle = TransferHandle(hid, peer, len(local_ids), nbytes, len(runs) * local.num_layers)
         x = _Xfer(handle, None, TransferStatus(TransferState.PENDING))
         self._xfers[hid] = x
         try:
@@ -163,7 +175,7 @@ class NixlBackend(TransferBackend):
                 arr = np.zeros((len(rows), 3), dtype=np.uint64)
                 arr[:, :2] = rows
                 descs.append(self._agent.get_xfer_descs(arr, "DRAM"))
-            x.nixl = self._agent.initialize_xfer("WRITE", descs[0], descs[1], p.agent, notif)
+            x.nixl = self._agent.initialize_xfer(op, descs[0], descs[1], p.agent, notif)
             state = self._agent.transfer(x.nixl)
             if state != "PROC":
                 self._finish(x, self._status_of(state))

@@ -119,8 +119,17 @@ class TransferWorker:
 
     async def write_blocks(self, peer: str, src: Sequence[int], dst: Sequence[int],
                            notif: bytes = b"") -> TransferHandle:
+        return await self._start(self.backend.write_blocks, peer, src, dst, notif)
+
+    async def read_blocks(self, peer: str, src: Sequence[int], dst: Sequence[int],
+                          notif: bytes = b"") -> TransferHandle:
+        """The peer's blocks src → local dst (cluster prefix reuse); waited on like a write."""
+        return await self._start(self.backend.read_blocks, peer, src, dst, notif)
+
+    async def _start(self, op: Callable[..., TransferHandle], peer: str, src: Sequence[int],
+                     dst: Sequence[int], notif: bytes) -> TransferHandle:
         t0 = time.monotonic()
-        handle = await self._run(self._post, peer, list(src), list(dst), notif)
+        handle = await self._run(self._post, op, peer, list(src), list(dst), notif)
         assert self._loop is not None
         fut: asyncio.Future[TransferStatus] = self._loop.create_future()
         self._waiters[handle.id] = (handle, fut, t0)
@@ -161,8 +170,9 @@ class TransferWorker:
 
     # ---- the transfer thread -------------------------------------------------------------
 
-    def _post(self, peer: str, src: list[int], dst: list[int], notif: bytes) -> TransferHandle:
-        handle = self.backend.write_blocks(peer, src, dst, notif)
+    def _post(self, op: Callable[..., TransferHandle], peer: str, src: list[int], dst: list[int],
+              notif: bytes) -> TransferHandle:
+        handle = op(peer, src, dst, notif)
         self._pending[handle.id] = handle      # polled (and reported) by the next tick
         return handle
 

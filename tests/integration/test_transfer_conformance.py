@@ -1,7 +1,7 @@
 """Conformance suite every KV transfer backend must pass: real transfers between two real
 processes (this one initiates, a spawned peer owns the destination region).
 
-Covers data integrity for scattered and contiguous block lists, notifications after the data,
+Covers data integrity for scattered and contiguous block lists (WRITE and READ), notifications after the data,
 clear errors for bad metadata/layout/ids, re-adding a peer with a new incarnation, a peer killed
 mid-stream (FAILED, never a hang) and the asyncio TransferWorker in both directions.
 """
@@ -168,6 +168,27 @@ def test_notifications_in_order_and_without_data(local, peer: Peer) -> None:
     assert peer.ask("notifs", 5, 5.0) == [b"n0", b"n1", b"n2", b"bare", b"empty-list"]
 
 
+def test_read_copies_peer_blocks_into_local_ones_then_notifies(local, peer: Peer) -> None:
+    """READ (cluster prefix reuse): the peer's blocks land in ours; the peer keeps its own and
+    learns of the read from the notification that follows the data."""
+    b, kv = local
+    src, dst = [30, 31, 32, 5], [10, 11, 12, 44]
+    theirs = peer.ask("blocks", src)
+    assert not torch.equal(kv[:, dst], theirs)
+    h = b.read_blocks("p", src, dst, b"read-done")
+    assert h.num_blocks == 4 and h.num_descs == 2 * SHAPE[0]     # 30..32 -> 10..12 merge
+    assert _wait(b, h).state is TransferState.DONE
+    assert torch.equal(kv[:, dst], theirs)
+    assert torch.equal(peer.ask("blocks", src), theirs)
+    assert peer.ask("notifs", 1, 5.0) == [b"read-done"]
+    with pytest.raises(ValueError, match="source block id out of range"):
+        b.read_blocks("p", [SHAPE[1]], [0])
+    with pytest.raises(ValueError, match="destination block ids contain duplicates"):
+        b.read_blocks("p", [0, 1], [3, 3])
+    with pytest.raises(UnknownPeer):
+        b.read_blocks("nope", [0], [0])
+
+
 def test_bad_input_is_a_clear_error(kind: str, local, peer: Peer) -> None:
     b, _ = local
     with pytest.raises(BadMetadata, match="envelope"):
@@ -252,6 +273,12 @@ async def test_worker_both_directions(kind: str, peer: Peer) -> None:
                 await asyncio.sleep(0.005)
         assert [m for _, m in got] == [b"to-worker"]
         assert torch.equal(kv[:, [20, 30]], _pattern(peer.seed)[:, [10, 11]])
+        # and a READ through the worker: the peer's blocks into ours
+        theirs = peer.ask("blocks", [40, 41])
+        h = await w.read_blocks("p", [40, 41], [5, 6], b"worker-read")
+        assert (await w.wait(h, DEADLINE_S)).state is TransferState.DONE
+        assert torch.equal(kv[:, [5, 6]], theirs)
+        assert peer.ask("notifs", 1, 5.0) == [b"worker-read"]
     finally:
         await w.close()
 

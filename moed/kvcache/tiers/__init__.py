@@ -1,0 +1,4 @@
+"""KV tiers below the engine's KV tensor: L2 host memory, L3 local disk (docs/kv-tiers.md)."""
+from moed.kvcache.tiers.cache import LoadResult, TieredCache, TierMatch, TierSettings
+
+__all__ = ["LoadResult", "TierMatch", "TierSettings", "TieredCache"]

@@ -1,0 +1,464 @@
+"""TieredCache: L2 (host memory) and L3 (local disk) below the engine's KV tensor (L1).
+
+A block's life below L1 (keys: the block pool's chained prefix hashes, within one KV layout):
+
+    L1 evicts a cached block ──offer──▶ L2 (copied now, between steps) ──evicted──▶ L3 file
+    (write-through: `on_cached` offers it when first completed, not only when evicted)
+    a new request's next prompt blocks ──match──▶ plan (policy.plan_load) ──start_load──▶
+    I/O thread reads + verifies ──▶ done queue ──collect (next step boundary)──▶ the engine
+    copies the payloads into the request's fresh L1 blocks and the scheduler resumes it
+
+One writer: the index, the pins and the stores' contents change only on the engine's loop
+thread (in `offer`, `start_load`, `collect`). The I/O threads read payloads and write or
+delete files; their results come back through `_done` and are applied by `collect`. A load
+pins its entries, so eviction never takes a block a load is reading. L3 writes are queued
+on their own thread, so a slow disk delays only the disk tier, never a step.
+"""
+from __future__ import annotations
+
+import errno
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from moed.kvcache.tiers import fileio
+from moed.kvcache.tiers.policy import Bandwidth, Candidate, LoadPlan, benefit, plan_load, victims
+from moed.kvcache.tiers.store import BlockStore, CorruptBlock, DiskStore, HostStore
+
+log = structlog.get_logger(__name__)
+
+TIERS = ("host", "disk")
+
+
+class BlockIO(Protocol):
+    """The engine's KV tensor seen as payloads: one block across all layers (tiers/kvio.py)."""
+
+    block_bytes: int
+
+    def read(self, block_id: int) -> bytes: ...
+
+    def write(self, block_id: int, data: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """What the cache needs from `[tiers]` (moed.config.TiersConfig.settings())."""
+
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    disk_dir: str = ""
+    disk_io: str = "auto"                # fileio.IO_KINDS
+    write_through: bool = False
+    host_bandwidth: float = 5e9          # bytes/s, until measured
+    disk_bandwidth: float = 5e8
+    half_life_s: float = 60.0
+    load_overhead_s: float = 0.0
+
+
+@dataclass
+class _Entry:
+    tier: str
+    nbytes: int
+    hits: int = 0
+    last_use: float = field(default_factory=time.monotonic)
+    pins: int = 0
+    ready: bool = True          # False while its L3 file is being written
+
+
+@dataclass(frozen=True)
+class TierMatch:
+    keys: tuple[int, ...]       # the leading run of the queried keys held below L1
+    tiers: tuple[str, ...]      # where each one is
+    nbytes: tuple[int, ...]
+    num_queried: int
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    request_id: str
+    keys: tuple[int, ...]               # every entry the load pinned, in prompt order
+    block_ids: tuple[int, ...]          # the L1 blocks the payloads go to
+    payloads: tuple[bytes, ...]         # the leading blocks read and verified (maybe fewer)
+    seconds: float                      # the I/O thread's read time
+    submitted: float                    # perf_counter() when the load was queued
+    submitted_to_read_s: float          # queued + read + verified
+    bytes_by_tier: dict[str, int]
+    predicted_recompute_s: float
+    failed: str | None = None           # why the read stopped early
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0           # blocks found in this tier by a request's lookup
+    misses: int = 0         # blocks looked up here and not found
+    loads: int = 0          # blocks loaded from this tier into L1
+    load_bytes: int = 0
+    stored: int = 0         # blocks written into this tier
+    evicted: int = 0
+    corrupt: int = 0        # payloads that failed their checks (skipped, removed)
+    write_errors: int = 0   # writes the medium refused (e.g. disk full)
+
+
+class TieredCache:
+    def __init__(self, s: TierSettings, io: BlockIO, layout_id: str) -> None:
+        self.s = s
+        self.io = io
+        self.layout_id = layout_id
+        self.host: HostStore | None = HostStore() if s.host_bytes > 0 else None
+        self.disk: DiskStore | None = None
+        if s.disk_bytes > 0:
+            if not s.disk_dir:
+                raise ValueError("tiers.disk_bytes > 0 needs tiers.disk_dir")
+            self.disk = DiskStore(s.disk_dir, layout_id, fileio.make(s.disk_io))
+        self.capacity = {"host": s.host_bytes if self.host else 0,
+                         "disk": s.disk_bytes if self.disk else 0}
+        self.used = {"host": 0, "disk": 0}
+        self.counters = {t: TierCounters() for t in TIERS}
+        self.bandwidth = {"host": Bandwidth(s.host_bandwidth), "disk": Bandwidth(s.disk_bandwidth)}
+        self.decisions = {"load": 0, "recompute": 0}
+        self.slower_than_recompute = 0
+        self.restored = 0
+        self._index: dict[int, _Entry] = {}
+        self._done: deque[tuple[str, Any]] = deque()    # (kind, result) from the I/O threads
+        self._inflight: set[Future] = set()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="moed-kv-load")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="moed-kv-write")
+        self._waker: Callable[[], None] | None = None
+        self.recompute_s_per_byte = 1e-9        # the engine refreshes it from its cost model
+        # a load is learned at the step boundary after the step in flight: the loaded request
+        # then waits about one step longer than if it had recomputed in that step
+        self.step_s = 0.0
+        # a load's fixed cost beyond bytes / bandwidth (the queue, the thread hand-off, opening
+        # files): an exponential average of what measured loads took beyond their bytes
+        self.latency_s = 0.0
+        if self.disk is not None:
+            self._restore()
+
+    # ---- restart -------------------------------------------------------------------------
+    def _restore(self) -> None:
+        """A restart finds its L3 again: the index from the files (checked); bad ones counted.
+        Files beyond the capacity (it shrank) are dropped, least useful (any) first."""
+        assert self.disk is not None
+        scan = self.disk.scan()
+        self.counters["disk"].corrupt += scan.skipped
+        for key, n in scan.entries.items():
+            if self.used["disk"] + n > self.capacity["disk"]:
+                self.disk.delete(key)
+                continue
+            self._index[key] = _Entry("disk", n)
+            self.used["disk"] += n
+        self.restored = len(self._index)
+        log.info("kv_tier_restored", tier="disk", blocks=self.restored, skipped=scan.skipped,
+                 bytes=self.used["disk"], dir=str(self.disk.dir), io=self.disk.fileio.name)
+
+    # ---- the engine's hooks (loop thread) ----------------------------------------------------
+    def set_waker(self, fn: Callable[[], None] | None) -> None:
+        """Called from an I/O thread when a result is ready (the engine wakes its loop)."""
+        self._waker = fn
+
+    def offer(self, block_id: int, key: int) -> None:
+        """L1 is about to reuse a cached block (write-back): keep its payload below."""
+        e = self._index.get(key)
+        if e is not None:
+            e.last_use = time.monotonic()
+            return
+        if self.host is None and self.disk is None:
+            return
+        data = self.io.read(block_id)      # between steps: no forward pass is writing L1
+        if self.host is not None:
+            self._put_host(key, data)
+        else:
+            self._put_disk(key, data)
+
+    def on_cached(self, block_id: int, key: int) -> None:
+        """A block was completed and registered in L1 (write-through, when configured)."""
+        if self.s.write_through:
+            self.offer(block_id, key)
+
+    def match(self, keys: Sequence[int]) -> TierMatch:
+        """The leading run of `keys` held (and readable) below L1. Changes nothing."""
+        got, tiers, sizes = [], [], []
+        for k in keys:
+            e = self._index.get(k)
+            if e is None or not e.ready:
+                break
+            got.append(k)
+            tiers.append(e.tier)
+            sizes.append(e.nbytes)
+        return TierMatch(tuple(got), tuple(tiers), tuple(sizes), len(keys))
+
+    def plan(self, m: TierMatch, recompute_after: Callable[[int], float],
+             busy: bool = True) -> LoadPlan:
+        """busy: other requests run in the step being planned, so a loaded request resumes
+        only after that step (about `step_s`); on an idle engine the load's end wakes the loop."""
+        secs = [self.bandwidth[t].seconds(n) for t, n in zip(m.tiers, m.nbytes)]
+        return plan_load(secs, recompute_after, self.s.load_overhead_s + self.latency_s
+                         + (self.step_s if busy else 0.0))
+
+    def observe_step(self, seconds: float) -> None:
+        """The engine's measured step time (an exponential average: a load's overhead)."""
+        self.step_s = seconds if self.step_s == 0.0 else self.step_s + 0.2 * (seconds - self.step_s)
+
+    def record_lookup(self, m: TierMatch, plan: LoadPlan) -> None:
+        """Count one admitted request's lookup: hits per tier up to the first miss."""
+        self.decisions[plan.decision] += 1
+        for t in m.tiers:
+            self.counters[t].hits += 1
+            if t == "disk" and self.host is not None:
+                self.counters["host"].misses += 1
+        if len(m.keys) < m.num_queried:         # the first block held nowhere
+            for t in TIERS:
+                if self.capacity[t]:
+                    self.counters[t].misses += 1
+
+    def pin(self, keys: Sequence[int]) -> None:
+        """Hold entries a load is about to read: no eviction takes them (pin before the L1
+        allocation for the load, whose own evictions may make room below)."""
+        for k in keys:
+            self._index[k].pins += 1
+
+    def start_load(self, request_id: str, keys: Sequence[int], block_ids: Sequence[int],
+                   predicted_recompute_s: float) -> None:
+        """Read pinned `keys` on the I/O thread into `block_ids` (applied by `collect`, which
+        unpins them)."""
+        where = [(k, self._index[k].tier) for k in keys]
+        fut = self._loader.submit(self._read, request_id, where, tuple(block_ids),
+                                  predicted_recompute_s, time.perf_counter())
+        self._track(fut, "load")
+
+    def collect(self) -> list[LoadResult]:
+        """Apply the I/O threads' finished work; -> the finished loads (engine: copy into L1)."""
+        loads: list[LoadResult] = []
+        while self._done:
+            kind, res = self._done.popleft()
+            if kind == "load":
+                self._loaded(res)
+                loads.append(res)
+            elif kind == "write":
+                self._written(*res)
+        return loads
+
+    def has_results(self) -> bool:
+        return bool(self._done)
+
+    def pending(self) -> int:
+        return len(self._inflight)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until every queued I/O has finished (tests, the sync generate(), shutdown);
+        False on timeout. Results still need `collect`."""
+        deadline = time.monotonic() + timeout
+        while self._inflight:
+            fut = next(iter(self._inflight))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                fut.exception(timeout=left)
+            except TimeoutError:
+                return False
+            self._inflight.discard(fut)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued writes (an L3 that survives a restart), then stop the threads."""
+        self.wait(timeout)
+        self.collect()
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._writer.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {"tier_decisions_load": float(self.decisions["load"]),
+                                 "tier_decisions_recompute": float(self.decisions["recompute"]),
+                                 "tier_slower_than_recompute": float(self.slower_than_recompute)}
+        for t in TIERS:
+            if not self.capacity[t]:
+                continue
+            c = self.counters[t]
+            out.update({f"tier_{t}_capacity_bytes": float(self.capacity[t]),
+                        f"tier_{t}_used_bytes": float(self.used[t]),
+                        f"tier_{t}_blocks": float(sum(e.tier == t for e in self._index.values())),
+                        f"tier_{t}_hits": float(c.hits), f"tier_{t}_misses": float(c.misses),
+                        f"tier_{t}_loads": float(c.loads), f"tier_{t}_load_bytes": float(c.load_bytes),
+                        f"tier_{t}_corrupt": float(c.corrupt),
+                        f"tier_{t}_write_errors": float(c.write_errors),
+                        f"tier_{t}_bandwidth_bytes_per_s": self.bandwidth[t].value})
+        return out
+
+    def tier_of(self, key: int) -> str | None:
+        e = self._index.get(key)
+        return None if e is None else e.tier
+
+    # ---- placement --------------------------------------------------------------------------
+    def _candidates(self, tier: str) -> list[Candidate]:
+        now = time.monotonic()
+        return [Candidate(k, e.nbytes, benefit(e.hits, now - e.last_use, self.recompute_s_per_byte,
+                                               self.s.half_life_s), e.pins > 0)
+                for k, e in self._index.items() if e.tier == tier]
+
+    def _make_room(self, tier: str, n: int) -> bool:
+        need = self.used[tier] + n - self.capacity[tier]
+        if need <= 0:
+            return True
+        out = victims(self._candidates(tier), need)
+        if out is None:
+            return False
+        for k in out:
+            self._evict(tier, k)
+        return True
+
+    def _evict(self, tier: str, key: int) -> None:
+        e = self._index.pop(key)
+        self.used[tier] -= e.nbytes
+        self.counters[tier].evicted += 1
+        if tier == "host":
+            assert self.host is not None
+            try:
+                data: bytes | None = self.host.get(key)
+            except CorruptBlock:
+                data = None
+                self.counters["host"].corrupt += 1
+            self.host.delete(key)
+            if self.disk is not None and data is not None:     # write-back to the tier below
+                self._put_disk(key, data, hits=e.hits)
+        else:
+            assert self.disk is not None
+            self._track(self._writer.submit(self.disk.delete, key), "delete")
+
+    def _put_host(self, key: int, data: bytes) -> None:
+        assert self.host is not None
+        if len(data) > self.capacity["host"] or not self._make_room("host", len(data)):
+            if self.disk is not None:
+                self._put_disk(key, data)
+            return
+        self.host.put(key, data)
+        self._index[key] = _Entry("host", len(data))
+        self.used["host"] += len(data)
+        self.counters["host"].stored += 1
+
+    def _put_disk(self, key: int, data: bytes, hits: int = 0) -> None:
+        if self.disk is None or key in self._index:
+            return
+        if len(data) > self.capacity["disk"] or not self._make_room("disk", len(data)):
+            return
+        e = self._index[key] = _Entry("disk", len(data), hits=hits, ready=False)
+        self.used["disk"] += len(data)
+        self._track(self._writer.submit(self._write, key, data, e), "write")
+
+    # ---- the I/O threads ----------------------------------------------------------------------
+    def _track(self, fut: Future, kind: str) -> None:
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+
+    def _write(self, key: int, data: bytes, entry: _Entry) -> None:
+        assert self.disk is not None
+        try:
+            self.disk.put(key, data)
+            self._done.append(("write", (key, entry, None)))
+        except OSError as e:
+            reason = "disk full" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+            self._done.append(("write", (key, entry, reason)))
+        self._wake()
+
+    def _read(self, request_id: str, where: list[tuple[int, str]], block_ids: tuple[int, ...],
+              predicted_recompute_s: float, submitted: float) -> None:
+        t0 = time.perf_counter()
+        payloads: list[bytes] = []
+        by_tier = {t: 0 for t in TIERS}
+        failed = None
+        for key, tier in where:
+            store: BlockStore | None = self.host if tier == "host" else self.disk
+            try:
+                assert store is not None
+                data = store.get(key)
+                if len(data) != self.io.block_bytes:
+                    raise CorruptBlock(f"{len(data)} bytes, a block is {self.io.block_bytes}")
+            except (CorruptBlock, KeyError, OSError, AssertionError) as e:
+                failed = f"{tier} block {key:032x}: {e}"
+                break
+            payloads.append(data)
+            by_tier[tier] += len(data)
+        self._done.append(("load", LoadResult(request_id, tuple(k for k, _ in where), block_ids,
+                                              tuple(payloads),
+                                              time.perf_counter() - t0, submitted,
+                                              time.perf_counter() - submitted, by_tier,
+                                              predicted_recompute_s, failed)))
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waker is not None:
+            try:
+                self._waker()
+            except RuntimeError:        # the loop has closed (shutdown)
+                pass
+
+    # ---- applying results (loop thread) --------------------------------------------------------
+    def _written(self, key: int, e: _Entry, reason: str | None) -> None:
+        if self._index.get(key) is not e:
+            return      # evicted while being written: its delete was queued after the write
+        if reason is None:
+            e.ready = True
+            self.counters["disk"].stored += 1
+            return
+        # the block is simply not cached below: a later request recomputes it
+        del self._index[key]
+        self.used["disk"] -= e.nbytes
+        self.counters["disk"].write_errors += 1
+        log.warning("kv_tier_write_failed", tier="disk", reason=reason,
+                    effect="block not cached; requests recompute it")
+
+    def _loaded(self, r: LoadResult) -> None:
+        now = time.monotonic()
+        n_ok = len(r.payloads)
+        # unpin every entry the load held; count the ones it read
+        for i, key in enumerate(r.keys):
+            e = self._index.get(key)
+            if e is None:
+                continue
+            e.pins -= 1
+            if i < n_ok:
+                e.hits += 1
+                e.last_use = now
+                c = self.counters[e.tier]
+                c.loads += 1
+                c.load_bytes += e.nbytes
+            elif i == n_ok and r.failed is not None:
+                self._drop_corrupt(key, e, r.failed)
+        total = sum(r.bytes_by_tier.values())
+        for t, n in r.bytes_by_tier.items():
+            if n:   # the read time split by bytes: each tier's share of this load
+                self.bandwidth[t].observe(n, r.seconds * n / total)
+        # the load's own time (queued behind other loads, read, verified) vs recomputing the
+        # same blocks; the wait for the step in flight is the decision's overhead term, and a
+        # recompute would have shared that step's other work anyway
+        took = r.submitted_to_read_s
+        if n_ok:
+            rest = max(took - sum(self.bandwidth[t].seconds(n)
+                                  for t, n in r.bytes_by_tier.items() if n), 0.0)
+            self.latency_s += 0.2 * (rest - self.latency_s)
+        if n_ok and took > r.predicted_recompute_s:
+            self.slower_than_recompute += 1
+            log.info("kv_tier_load_slower_than_recompute", request_id=r.request_id,
+                     load_s=round(took, 6), predicted_recompute_s=round(r.predicted_recompute_s, 6),
+                     blocks=n_ok)
+
+    def _drop_corrupt(self, key: int, e: _Entry, why: str) -> None:
+        """A payload failed its checks: never served again; the request recomputes it."""
+        if e.pins:
+            return      # another load holds it; the last reader drops it
+        del self._index[key]
+        self.used[e.tier] -= e.nbytes
+        self.counters[e.tier].corrupt += 1
+        if e.tier == "host":
+            assert self.host is not None
+            self.host.delete(key)
+        else:
+            assert self.disk is not None
+            self._track(self._writer.submit(self.disk.delete, key), "delete")
+        log.warning("kv_tier_block_corrupt", tier=e.tier, reason=why,
+                    effect="block skipped and removed; recomputed")

@@ -1,0 +1,44 @@
+"""KV tier policies (pure): eviction by expected benefit, never a pinned entry; the
+load-or-recompute plan picks the cheapest split; the bandwidth estimate follows measurements."""
+from __future__ import annotations
+
+import pytest
+
+from moed.kvcache.tiers.policy import Bandwidth, Candidate, benefit, plan_load, victims
+
+
+def test_benefit_grows_with_reuse_and_recompute_cost_and_decays_with_age() -> None:
+    assert benefit(3, 0, 1.0) > benefit(0, 0, 1.0)
+    assert benefit(1, 0, 2.0) == pytest.approx(2 * benefit(1, 0, 1.0))
+    assert benefit(1, 120, 1.0, half_life_s=60) < benefit(1, 10, 1.0, half_life_s=60)
+
+
+def test_victims_lowest_benefit_first_never_pinned() -> None:
+    c = [Candidate(1, 10, 0.5), Candidate(2, 10, 0.1, pinned=True), Candidate(3, 10, 0.2),
+         Candidate(4, 10, 0.9)]
+    assert victims(c, 15) == [3, 1]
+    assert victims(c, 0) == []
+    assert victims(c, 31) is None           # only 30 unpinned bytes exist
+    assert 2 not in (victims(c, 30) or [])
+
+
+def test_plan_load_minimises_load_plus_recompute() -> None:
+    rec = lambda k: 1.0 + (10 - k) * 0.1     # 10 blocks to go, 0.1 s each plus a 1 s step
+    p = plan_load([0.01] * 10, rec)
+    assert p.num_load == 10 and p.decision == "load"
+    assert p.load_s == pytest.approx(0.1) and p.recompute_s == pytest.approx(2.0)
+    slow = plan_load([0.5] * 10, rec)       # loading a block costs more than computing it
+    assert slow.num_load == 0 and slow.decision == "recompute" and slow.total_s == 2.0
+    mixed = plan_load([0.01] * 4 + [0.5] * 6, rec)     # fast tier first, then a slow one
+    assert mixed.num_load == 4
+    assert plan_load([0.01] * 10, rec, overhead_s=5.0).num_load == 0
+
+
+def test_bandwidth_moves_toward_measurements() -> None:
+    b = Bandwidth(1e9)
+    for _ in range(50):
+        b.observe(1_000_000, 0.01)      # 1e8 B/s
+    assert b.value == pytest.approx(1e8, rel=0.01) and b.samples == 50
+    assert b.seconds(1e8) == pytest.approx(1.0, rel=0.01)
+    b.observe(0, 1.0)
+    assert b.samples == 50
