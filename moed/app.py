@@ -47,6 +47,7 @@ from moed.api import health, limits, openai
 from moed.api.auth import load_keys
 from moed.api.middleware import auth, read_body, request_context
 from moed.api.state import STATE, ServerState
+from moed.balance import capacity
 from moed.config import Config
 from moed.engine.client import EngineClient
 from moed.engine.stream import StepStats
@@ -112,24 +113,54 @@ class EngineComponent(BaseComponent):
         self.engine = await asyncio.to_thread(_build_engine, self.cfg)
         self.engine.subscribe_step(_observe_step)
         self.engine.subscribe_expert_load(metrics.observe_expert_load)
+        _expert_parallel(self.engine, app)
         await self.engine.start()
         app.state.engine = self.engine
+        # capacity signals for /metrics and gossip, from the live engine (a decode node's
+        # DisaggEngine replaces it later) and the live [balance] targets
+        app.state.capacity = lambda: capacity.of_engine(app.state.engine, app.config.balance)
         app.state.model_name = served_model_name(self.cfg)
+        from moed.model.identity import model_id   # membership compares it (P/D pairs)
+        app.state.model_id = await asyncio.to_thread(model_id, self.cfg.model.path)
         metrics.set_model_name(app.state.model_name)
         metrics.MODEL_INFO.info(self.engine.model_info())
         log.info("model_loaded", model=app.state.model_name,
                  max_model_len=self.engine.max_model_len,
                  load_s=round(time.perf_counter() - t0, 2))
 
+    async def drain(self) -> None:
+        end = getattr(self.engine, "expect_group_end", None)
+        if end is not None:     # expert parallelism: the ranks of a group stop together
+            end()
+
     async def stop(self) -> None:
         if self.engine is not None:
             await self.engine.shutdown()
 
 
+def _expert_parallel(engine: Any, app: App) -> None:
+    """Resident expert bytes (from the tensors held) for any engine; an EP rank's group
+    metrics, and its group failure → app.fail (leave membership, exit 1; moed/parallel)."""
+    runner = getattr(engine, "runner", None)
+    held = runner.resident_expert_bytes() if hasattr(runner, "resident_expert_bytes") else 0
+    metrics.EP_RESIDENT_EXPERT_BYTES.set(held)
+    ep = getattr(engine, "ep", None)
+    if ep is not None:
+        ep.publish_metrics(held)
+        engine.on_group_failure = app.fail
+        log.info("ep_rank_ready", resident_expert_bytes=held, **ep.describe())
+
+
 def _build_engine(cfg: Config) -> EngineClient:
     from moed.engine.engine import Engine   # lazy: the router role never imports torch
 
-    return Engine.from_config(cfg)
+    engine = Engine.from_config(cfg)
+    # the cost model's calibration (a few synthetic steps) before /ready: the first requests
+    # are budgeted from a fitted model (balance.calibration_steps; moed.engine.balancing).
+    # Not on an expert-parallel rank: its forward passes need the whole group in step.
+    if cfg.balance.policy == "cost" and getattr(engine, "ep", None) is None:
+        engine.calibrate(cfg.balance.calibration_steps)
+    return engine
 
 
 def _observe_step(step: StepStats) -> None:
@@ -137,6 +168,7 @@ def _observe_step(step: StepStats) -> None:
     metrics.BATCH_SIZE.observe(step.batch_size)
     metrics.BATCH_TOKENS.observe(step.num_prefill_tokens + step.num_decode_tokens)
     metrics.STEP_TIME.observe(step.step_seconds)
+    capacity.METER.on_step(step.num_prefill_tokens, step.num_decode_tokens, step.step_seconds)
     metrics.RUNNING.set(step.running)
     metrics.WAITING.set(step.waiting)
     metrics.observe_kv(step.kv_blocks_used, step.kv_blocks_free)
@@ -146,6 +178,10 @@ def build_components(cfg: Config) -> list[Component]:
     """The components of a node, in start order, by role and config."""
     role = cfg.server.role
     comps: list[Component] = []
+    # ---- tracing (OpenTelemetry), first: on before any request is served, flushed last ----
+    if cfg.trace.endpoint:
+        from moed.obs.trace import TraceComponent   # raises ConfigError: the extra missing
+        comps.append(TraceComponent(cfg.trace, node_name(cfg)))
     # ---- node-to-node auth: the cluster secret signs /internal/* and /cluster calls ----
     if needs_cluster_key(cfg):
         from moed.api.internal import InternalAuth   # raises ConfigError: no key
@@ -161,6 +197,10 @@ def build_components(cfg: Config) -> list[Component]:
     if role in ("prefill", "decode"):
         from moed.roles import role_component   # after the engine: it wraps/hooks it
         comps.append(role_component(cfg, node_name(cfg)))
+    # ---- cluster prefix reuse: READ peers' cached prompt blocks, lend ours (docs/kv-tiers.md) ----
+    if cfg.tiers.peer_reuse:
+        from moed.roles.kvshare import KVShareComponent   # after membership: it reads the view
+        comps.append(KVShareComponent(cfg, node_name(cfg)))
     # ---- ops (ops helper): sd_notify/watchdog, SIGHUP reload, /admin, router proxy ----
     if role == "router":
         from moed.roles.router import RouterComponent

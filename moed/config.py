@@ -33,6 +33,7 @@ ROLES = ("colocated", "prefill", "decode", "router")
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MODEL_DTYPES = ("auto", "bfloat16", "float32", "float16")
+TOOL_PARSERS = ("auto", "none", "qwen", "mistral")   # moed.model.tool_parsers.PARSER_SETTINGS
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 MAX_CONFIG_BYTES = 1 << 20          # a config file is a few KiB; more is a mistake (or /dev/zero)
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -97,6 +98,9 @@ class ServerConfig:
     max_header_bytes: int = _f(16384, bounds=(1024, 1 << 20),
                                doc="longest request line or header field")
     max_headers: int = _f(100, bounds=(8, 10000), doc="most header fields in one request")
+    state_dir: str = _f("", doc="where the node keeps state across restarts (the config "
+                        "history); default: $STATE_DIRECTORY (systemd's StateDirectory=), "
+                        "else nothing is kept across restarts")
 
     def __post_init__(self) -> None:
         _check_bounds("server", self)
@@ -113,10 +117,13 @@ class ModelConfig:
     device: str = _f("auto", doc="auto | cpu | cuda | cuda:N")
     max_model_len: int = _f(0, bounds=(0, 1 << 24),
                             doc="0 = the checkpoint's max_position_embeddings")
+    tool_parser: str = _f("auto", doc="format of the model's tool calls: auto (from the chat "
+                                      "template, then model_type) | qwen | mistral | none")
 
     def __post_init__(self) -> None:
         _check_bounds("model", self)
         _choice("model.dtype", self.dtype, MODEL_DTYPES)
+        _choice("model.tool_parser", self.tool_parser, TOOL_PARSERS)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device: {_short(self.device)} is not auto, cpu, cuda "
                               f"or cuda:N")
@@ -243,6 +250,254 @@ class RouterConfig:
             _choice("router.backend_roles", r, ("decode", "colocated", "prefill"))
 
 
+BALANCE_POLICIES = ("tokens", "cost")
+
+
+@dataclass(frozen=True)
+class BalanceConfig:
+    """The prefill balancer (moed/balance/budget.py, cost.py): how each step's prefill is
+    budgeted. "tokens": engine.max_num_batched_tokens per step, first come first served
+    (vLLM's shape). "cost": each step gets a time budget from the attention cost model fitted
+    on this node's own steps; prompts are ordered by slack to their length bucket's TTFT
+    target; engine.max_num_batched_tokens stays the hard cap on one step's tokens."""
+    policy: str = _f("cost", live=True, doc="tokens | cost")
+    itl_target_ms: float = _f(100.0, live=True, bounds=(1.0, 60000.0),
+                              doc="cost policy: a step with decodes takes at most this long "
+                              "(prefill fills what the decodes leave)")
+    prefill_step_ms: float = _f(0.0, live=True, bounds=(0.0, 600000.0),
+                                doc="cost policy: chunks of prompts that do not finish in a "
+                                "step fill at most this long (and at most itl_target_ms); a "
+                                "step without decodes may grow to half the smallest TTFT "
+                                "target to finish whole prompts; 0 = the smallest TTFT "
+                                "target / 4")
+    bucket_edges: tuple[int, ...] = _f((512, 4096, 32768), live=True,
+                                       doc="prompt length bucket edges (tokens), increasing; "
+                                       "N edges make N + 1 buckets, the last unbounded")
+    ttft_targets_ms: tuple[float, ...] = _f((500.0, 2000.0, 10000.0, 60000.0), live=True,
+                                            doc="TTFT target per bucket (one more than "
+                                            "bucket_edges): orders prompts, sizes early "
+                                            "rejection")
+    max_partial_prefills: int = _f(4, live=True, bounds=(1, 1024),
+                                   doc="cost policy: prompts whose prefill is under way at once")
+    reject_over_target: float = _f(0.0, live=True, bounds=(0.0, 1000.0),
+                                   doc="cost policy: refuse (429) a request whose predicted "
+                                   "TTFT exceeds this many times its bucket's target; 0 = only "
+                                   "when it exceeds server.request_timeout_s")
+    forgetting: float = _f(0.995, bounds=(0.5, 1.0),
+                           doc="the cost model's RLS forgetting factor (1 = never forget)")
+    calibration_steps: int = _f(12, bounds=(0, 1000),
+                                doc="synthetic steps run before /ready so the first requests "
+                                "are budgeted from a fitted model (0 = none: the token budget "
+                                "applies until enough real steps were measured)")
+    # node choice and placement (moed/balance/prefill.py, router.py; docs/cluster.md)
+    prefill_choices: int = _f(2, live=True, bounds=(1, 64),
+                              doc="decode node: prefill nodes drawn at random per job, the one "
+                              "predicted to finish it first wins (power of d choices)")
+    affinity_weight: float = _f(2.0, live=True, bounds=(0.0, 1000.0),
+                                doc="router: queued requests a fully cached prompt is worth "
+                                "when placing it (prefix affinity); 0 = off")
+    prefix_digest_size: int = _f(16, live=True, bounds=(0, 32),
+                                 doc="cached leading-block hashes a node gossips for prefix "
+                                 "affinity (8 bytes each); 0 = none")
+    router_max_waiting: int = _f(64, live=True, bounds=(0, 1 << 20),
+                                 doc="router: a node with this many waiting requests (its "
+                                 "report + this router's unanswered ones) is saturated; all "
+                                 "saturated → 429 with Retry-After; 0 = no limit")
+
+    def __post_init__(self) -> None:
+        _check_bounds("balance", self)
+        _choice("balance.policy", self.policy, BALANCE_POLICIES)
+        edges = self.bucket_edges
+        if len(edges) > 7:             # the gossip carries at most 8 buckets (cluster.state)
+            raise ConfigError(f"balance.bucket_edges: at most 7 edges, got {len(edges)}")
+        if any(not 1 <= e <= (1 << 30) for e in edges) or list(edges) != sorted(set(edges)):
+            raise ConfigError(f"balance.bucket_edges: {_short(edges)} must be strictly "
+                              f"increasing token counts in [1, 2^30]")
+        if len(self.ttft_targets_ms) != len(edges) + 1:
+            raise ConfigError(f"balance.ttft_targets_ms: {len(edges)} bucket edges need "
+                              f"{len(edges) + 1} targets, got {len(self.ttft_targets_ms)}")
+        for t in self.ttft_targets_ms:
+            _range("balance.ttft_targets_ms", t, 1.0, 86_400_000.0)
+
+
+LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+-")
+
+
+def _label(name: str, value: str) -> None:
+    """A version label travels in gossip and in metric labels: short, plain characters."""
+    if len(value) > 64 or not set(value) <= LABEL_CHARS:
+        raise ConfigError(f"{name}: {_short(value)} is not a version label (at most 64 of "
+                          f"A-Z a-z 0-9 . _ + -)")
+
+
+@dataclass(frozen=True)
+class ReleaseConfig:
+    """What this node says about its release (membership, per-version metrics) and how much
+    config history it keeps (moed/ops/history.py)."""
+    version_label: str = _f("", doc="this node's version in membership, canary routing and "
+                            "per-version metrics; default: the moed version. Set it to tell "
+                            "two processes of one build apart (canary vs baseline)")
+    config_history: int = _f(20, live=True, bounds=(1, 1000),
+                             doc="applied configs kept (start, reloads, rollbacks), newest last")
+
+    def label(self) -> str:
+        """The version label this node advertises."""
+        from moed import __version__
+        return self.version_label or __version__
+
+    def __post_init__(self) -> None:
+        _check_bounds("release", self)
+        _label("release.version_label", self.version_label)
+
+
+CANARY_HEADER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """The router role's canary split (moed/balance/canary.py): a share of requests, or those
+    that ask with a header, go to the nodes whose version label is `label`; the rest to the
+    others (the baseline). /admin/canary and `moed canary` compare the two over `window_s`."""
+    label: str = _f("", live=True, doc="version label of the canary nodes; empty = no canary")
+    share: float = _f(0.0, live=True, bounds=(0.0, 1.0),
+                      doc="fraction of requests sent to the canary (0..1)")
+    header: str = _f("X-Moed-Canary", live=True,
+                     doc="request header that picks the side: 1/canary or 0/baseline "
+                     "(anything else: 400); empty = not read")
+    window_s: float = _f(300.0, live=True, bounds=(1.0, 86400.0),
+                         doc="canary figures cover the requests of this last stretch")
+    min_requests: int = _f(20, live=True, bounds=(1, 1 << 20),
+                           doc="canary attempts in the window before a verdict is given")
+    max_error_rate_increase: float = _f(0.02, live=True, bounds=(0.0, 1.0),
+                                        doc="unhealthy when the canary's error rate exceeds "
+                                        "the baseline's by more than this")
+    max_ttft_ratio: float = _f(1.5, live=True, bounds=(1.0, 1000.0),
+                               doc="unhealthy when the canary's median TTFT exceeds the "
+                               "baseline's by this factor")
+    max_itl_ratio: float = _f(1.5, live=True, bounds=(1.0, 1000.0),
+                              doc="unhealthy when the canary's median inter-token latency "
+                              "exceeds the baseline's by this factor")
+
+    def __post_init__(self) -> None:
+        _check_bounds("canary", self)
+        _label("canary.label", self.label)
+        if self.header and (len(self.header) > 64 or not set(self.header) <= CANARY_HEADER_CHARS):
+            raise ConfigError(f"canary.header: {_short(self.header)} is not a header name")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism (moed/parallel, docs/parallel.md): ep_size `moed serve` processes,
+    one per rank, each with its own HTTP port, scheduler and KV cache, hold the experts
+    between them; attention is data parallel. The group's ranks must agree on every field."""
+    ep_size: int = _f(1, bounds=(1, 1024), doc="ranks in the expert-parallel group; 1 = off")
+    ep_rank: int = _f(0, bounds=(0, 1023), doc="this process's rank, 0 .. ep_size-1")
+    ep_init: str = _f("", doc="tcp://host:port of rank 0's rendezvous (rank 0 listens "
+                      "there); required when ep_size > 1")
+    collective_timeout_s: float = _f(30.0, bounds=(0.1, 3600),
+                                     doc="a peer silent this long in a step's exchange fails "
+                                     "the group: in-flight requests end 503, the node exits 1")
+    rendezvous_timeout_s: float = _f(300.0, bounds=(1, 86400),
+                                     doc="how long a starting rank waits for the others")
+    rank_memory_mb: int = _f(0, bounds=(0, 1 << 30),
+                             doc="memory this rank may use for weights (dense + its experts) "
+                             "and KV blocks; a start that does not fit is refused (0 = no check)")
+    redundant_experts: int = _f(0, bounds=(0, 1024),
+                                doc="extra expert slots per rank per MoE layer, beyond "
+                                "ceil(experts / ep_size): replicas of hot experts (EPLB)")
+    eplb_interval_s: float = _f(0.0, bounds=(0, 7 * 86400),
+                                doc="seconds between expert-balancer decisions over the group's "
+                                "expert-load window (0 = the initial layout is kept)")
+    eplb_min_gain: float = _f(0.01, bounds=(0, 1),
+                              doc="a layer's map changes only if its predicted balancedness "
+                              "gain exceeds this")
+    eplb_layers_per_step: int = _f(1, bounds=(1, 1024),
+                                   doc="MoE layers whose new expert map is applied per step "
+                                   "while a rebalance is under way")
+
+    def __post_init__(self) -> None:
+        # the checks across fields (ep_rank < ep_size, ep_init given) are the pre-flight's
+        # (moed/preflight.py: parallel), so each field loads alone at its bounds
+        _check_bounds("parallel", self)
+        if self.ep_init:
+            host, _, port = self.ep_init.removeprefix("tcp://").rpartition(":")
+            if not self.ep_init.startswith("tcp://") or not host or not port.isdigit() \
+                    or not 0 < int(port) < 65536:
+                raise ConfigError(f"parallel.ep_init: {_short(self.ep_init)} is not "
+                                  f"tcp://host:port")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """Request tracing (moed/obs/trace.py, docs/tracing.md): OpenTelemetry spans exported over
+    OTLP/HTTP protobuf; needs the `trace` extra. Off while endpoint is empty."""
+    endpoint: str = _f("", doc="OTLP/HTTP traces URL, used as given (e.g. "
+                       "http://127.0.0.1:4318/v1/traces); empty = tracing off")
+    sampling_ratio: float = _f(1.0, bounds=(0.0, 1.0),
+                               doc="share of requests traced that arrive without a "
+                               "traceparent; a caller's sampled flag is always followed")
+    service_name: str = _f("", doc="service.name of this node's spans; default: the node name")
+    headers_file: str = _f("", doc="file of `Name: value` lines sent with every export (a "
+                           "collector's API key); empty = none")
+    export_interval_ms: int = _f(500, bounds=(10, 60000),
+                                 doc="finished spans are batched and exported this often")
+    export_timeout_s: float = _f(10.0, bounds=(0.1, 300.0),
+                                 doc="one export's deadline; at stop, buffered spans get this "
+                                 "long")
+
+    def __post_init__(self) -> None:
+        _check_bounds("trace", self)
+        if self.endpoint:
+            scheme, sep, rest = self.endpoint.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest or \
+                    rest.startswith("/") or any(c.isspace() for c in self.endpoint):
+                raise ConfigError(f"trace.endpoint: {_short(self.endpoint)} is not an "
+                                  f"http(s):// URL")
+        if len(self.service_name) > 128 or any(c.isspace() for c in self.service_name):
+            raise ConfigError(f"trace.service_name: {_short(self.service_name)} must be at "
+                              f"most 128 characters without spaces")
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """KV tiers below the engine's KV tensor (moed/kvcache/tiers, docs/kv-tiers.md): L2 host
+    memory and L3 local disk, each with a capacity in bytes; 0 turns a tier off."""
+    host_bytes: int = _f(0, bounds=(0, 1 << 50), doc="L2 host-memory tier capacity; 0 = off")
+    disk_bytes: int = _f(0, bounds=(0, 1 << 56), doc="L3 disk tier capacity; 0 = off")
+    disk_dir: str = _f("", doc="directory of the L3 block files (a subdirectory per KV "
+                       "layout and checkpoint); required with disk_bytes; kept across restarts")
+    disk_io: str = _f("auto", doc="how L3 payloads are read and written: nixl (NIXL's POSIX "
+                      "backend) | file (pread/pwrite) | auto (nixl when it loads, else file)")
+    write_through: bool = _f(False, doc="also copy each block below when it is first "
+                             "completed (hot data), not only when L1 evicts it")
+    host_bandwidth_mbps: float = _f(5000.0, bounds=(0.001, 1e9),
+                                    doc="L2 read bandwidth assumed until measured (MB/s)")
+    disk_bandwidth_mbps: float = _f(500.0, bounds=(0.001, 1e9),
+                                    doc="L3 read bandwidth assumed until measured (MB/s)")
+    recompute_us_per_token: float = _f(100.0, bounds=(0.0, 1e9),
+                                       doc="prefill time per token assumed by load-or-recompute "
+                                       "until the cost model is fitted (microseconds)")
+    reuse_half_life_s: float = _f(60.0, bounds=(0.001, 1e9),
+                                  doc="eviction: a block's reuse count counts half after this "
+                                  "long unused")
+    peer_reuse: bool = _f(False, doc="cluster prefix reuse: a prompt prefix another "
+                          "colocated node caches (its gossip digest) is READ from it over NIXL "
+                          "when that is predicted faster than recomputing; this node also "
+                          "lends its cached blocks to peers (POST /internal/kv/lease)")
+    peer_bandwidth_mbps: float = _f(1000.0, bounds=(0.001, 1e9),
+                                    doc="peer READ bandwidth (MB/s) assumed until "
+                                    "measured")
+
+    def __post_init__(self) -> None:
+        # across fields (disk_bytes needs disk_dir, a writable one): moed/preflight.py: tiers
+        _check_bounds("tiers", self)
+        _choice("tiers.disk_io", self.disk_io, ("auto", "nixl", "file"))
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.disk_bytes > 0
+
+
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -252,10 +507,42 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
         if self.server.role != "router" and not self.model.path:
             raise ConfigError(f"model.path is required for role {self.server.role!r}")
+        if self.server.role == "router" and self.parallel.ep_size > 1:
+            raise ConfigError("parallel.ep_size: a router holds no model (expert parallelism "
+                              "is for colocated, prefill and decode nodes)")
+        if self.tiers.enabled and self.server.role == "router":
+            raise ConfigError("tiers: a router holds no KV cache (KV tiers are for colocated, "
+                              "prefill and decode nodes)")
+        if self.tiers.peer_reuse:
+            if self.server.role != "colocated":
+                raise ConfigError("tiers.peer_reuse: cluster prefix reuse is for colocated "
+                                  f"nodes (not {self.server.role!r}: a decode node gets its "
+                                  "prompt KV from prefill nodes)")
+            if not self.cluster.enabled:
+                raise ConfigError("tiers.peer_reuse needs cluster.enabled: peers' cached "
+                                  "prefixes are known from the gossip digest")
+            if not self.engine.enable_prefix_caching:
+                raise ConfigError("tiers.peer_reuse: peers' blocks become prefix-cached blocks; "
+                                  "it needs engine.enable_prefix_caching")
+        if self.tiers.enabled and not self.engine.enable_prefix_caching:
+            raise ConfigError("tiers: KV tiers hold prefix-cached blocks; they need "
+                              "engine.enable_prefix_caching")
+        if self.server.role == "router" and self.canary.share > 0 and not self.canary.label:
+            raise ConfigError("canary.share: a share needs canary.label (the canary's version "
+                              "label)")
+        if self.server.role == "router" and self.canary.label and not self.cluster.enabled:
+            raise ConfigError("canary.label: canary routing needs membership (cluster.enabled): "
+                              "static router.backends do not say which version they run")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in dataclasses.fields(self)}
@@ -419,6 +706,13 @@ def _coerce(where: str, tp: Any, value: Any, from_env: bool) -> Any:
     """Check/convert one value to the field's type; strings from env are parsed. A number's
     bounds (all within 64 bits) are checked by its section (`_check_bounds`)."""
     origin = typing.get_origin(tp)
+    if origin is tuple and typing.get_args(tp)[0] in (int, float):
+        num = typing.get_args(tp)[0]
+        if from_env and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list of numbers, got {_short(value)}")
+        return tuple(_coerce(where, num, v, from_env) for v in value)
     if origin is tuple:
         if from_env and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -544,6 +838,21 @@ def load(path: str | Path | None = None, *, environ: Mapping[str, str] | None = 
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+
+
+def from_dict(data: Mapping[str, Any], source: str) -> Config:
+    """A Config from `to_dict()`'s shape (e.g. a config history entry), checked like a file:
+    unknown sections or keys, wrong types and values out of range are ConfigErrors."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: not a table of sections")
+    merged: dict[str, dict[str, Any]] = {}
+    _merge(merged, data, source)
+    try:
+        return Config(**{name: cls(**merged.get(name, {})) for name, cls in _sections().items()})
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 # ---- reload diff -------------------------------------------------------------------------

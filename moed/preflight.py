@@ -8,13 +8,17 @@ Each check reads what the node itself reads at start, with the node's own functi
 - for a node with a model: config.json (its model_type served by moed/model/archs), the weight
   files it names present, model.max_model_len within the checkpoint's context, the device
   available, one KV block within engine.kv_cache_memory_mb (this imports torch, as
-  moed/model/spec.py does; the weights are never read);
-- for prefill/decode: the KV transfer backend importable.
+  moed/model/spec.py does; the weights are never read); with parallel.rank_memory_mb, dense
+  weights + this rank's expert slots + the KV blocks within it (moed/parallel/budget.py);
+- for prefill/decode: the KV transfer backend importable;
+- with trace.endpoint set: the OpenTelemetry extra importable (moed/obs/trace.py);
+- with tiers.disk_bytes: tiers.disk_dir given and writable (moed/kvcache/tiers).
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -30,10 +34,50 @@ def check(cfg: Config) -> None:
     if needs_cluster_key(cfg):
         cluster_key(cfg)
     key_sources(cfg)
+    if cfg.trace.endpoint:          # the trace extra installed, its headers file readable
+        from moed.obs import trace
+        trace.check(cfg.trace)
+    parallel(cfg)
+    tiers(cfg)
     if cfg.server.role != "router":
         model(cfg)
     if cfg.server.role in ("prefill", "decode"):
         transfer_backend(cfg.transfer.backend)
+
+
+def parallel(cfg: Config) -> None:
+    """[parallel] across its fields: a rank below the size, a rendezvous for a group."""
+    p = cfg.parallel
+    if p.ep_rank >= p.ep_size:
+        raise ConfigError(f"parallel.ep_rank: {p.ep_rank} is not below parallel.ep_size "
+                          f"{p.ep_size}")
+    if p.ep_size == 1 and (p.redundant_experts or p.eplb_interval_s):
+        key = "redundant_experts" if p.redundant_experts else "eplb_interval_s"
+        raise ConfigError(f"parallel.{key}: the expert balancer places experts over the ranks "
+                          f"of an expert-parallel group; it needs parallel.ep_size > 1")
+    if p.ep_size > 1 and not p.ep_init:
+        raise ConfigError(f"parallel.ep_init: ep_size {p.ep_size} needs rank 0's rendezvous, "
+                          f"tcp://host:port (--ep-init)")
+
+
+def tiers(cfg: Config) -> None:
+    """[tiers] across its fields: a disk tier needs a directory the node can write."""
+    t = cfg.tiers
+    if t.disk_bytes > 0:
+        if not t.disk_dir:
+            raise ConfigError("tiers.disk_bytes: a disk tier needs tiers.disk_dir")
+        d = Path(t.disk_dir)
+        while not d.exists() and d.parent != d:     # created at start: its parent must be
+            d = d.parent
+        if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
+            raise ConfigError(f"tiers.disk_dir: {t.disk_dir} is not a directory this node "
+                              f"can write")
+        if t.disk_io == "nixl":
+            from moed.kvcache.tiers.fileio import make
+            try:
+                make("nixl")
+            except RuntimeError as e:
+                raise ConfigError(f"tiers.disk_io: {e}") from None
 
 
 def needs_cluster_key(cfg: Config) -> bool:
@@ -71,10 +115,40 @@ def model(cfg: Config) -> None:
                           f"max_position_embeddings {spec.max_position_embeddings}")
     with _refused("model.device", ValueError, RuntimeError):
         device = resolve_device(m.device)
-    if not e.num_kv_blocks:
+    dtype = resolve_dtype(m.dtype, spec, device)
+    num_blocks = e.num_kv_blocks
+    if not num_blocks:
         with _refused("engine.kv_cache_memory_mb", ValueError):
-            auto_num_blocks(spec, e.block_size, resolve_dtype(m.dtype, spec, device),
-                            e.kv_cache_memory_mb)
+            num_blocks = auto_num_blocks(spec, e.block_size, dtype, e.kv_cache_memory_mb)
+    memory_budget(cfg, spec, dtype, num_blocks)
+
+
+def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> None:
+    """Expert parallelism needs experts; parallel.rank_memory_mb must hold dense weights +
+    this rank's expert slots + the KV blocks (moed/parallel/budget.py), numbers in the error."""
+    from moed.parallel.budget import rank_budget
+
+    p = cfg.parallel
+    if p.ep_size > 1 and spec.num_experts < 1:              # type: ignore[attr-defined]
+        raise ConfigError(f"parallel.ep_size: {p.ep_size}, but the checkpoint has no routed "
+                          f"experts to spread over ranks")
+    if p.ep_size > 1:
+        from moed.parallel.layout import EPLayout
+        try:
+            EPLayout.contiguous(spec.num_experts, p.ep_size, p.redundant_experts)  # type: ignore[attr-defined]
+        except ValueError as e:
+            raise ConfigError(f"parallel.redundant_experts: {e}") from None
+    if p.rank_memory_mb:
+        b = rank_budget(spec, dtype, p.ep_size, p.ep_rank, num_blocks,  # type: ignore[arg-type]
+                        cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts)
+        if not b.fits:
+            raise ConfigError(f"parallel.rank_memory_mb: {b.message()}")
+        import structlog     # a fitting rank says how much KV its memory leaves room for
+
+        structlog.get_logger(__name__).info(
+            "memory_budget", ep_size=p.ep_size, limit_mb=p.rank_memory_mb,
+            dense_mb=round(b.dense_bytes / 2**20, 1), expert_mb=round(b.expert_bytes / 2**20, 1),
+            kv_blocks=b.kv_blocks, kv_blocks_fit=b.kv_blocks_fit)
 
 
 @contextlib.contextmanager

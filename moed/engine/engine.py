@@ -41,24 +41,30 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
-from moed.config import Config, EngineConfig
+from moed.config import BalanceConfig, Config, EngineConfig, TiersConfig
 from moed.engine.client import Listeners, Unsubscribe
 from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary, Command,
                                   CompleteRemotePrefill, ReleaseKV)
+from moed.engine.balancing import EngineBalance, calibrate
 from moed.engine.request import Request
-from moed.engine.scheduler import Scheduler, StepPlan
+from moed.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
+from moed.model.logprobs import compute as compute_prompt_logprobs
+from moed.model.logprobs import prompt_positions
 from moed.model.sampler import SampleResult, SampleRow, make_generator, sample, skip_one_token
-from moed.types import ContextRule, EngineStats, FinishReason, SamplingParams, TokenEvent
+from moed.types import (ContextRule, EngineStats, FinishReason, PromptLogprob, SamplingParams,
+                        TokenEvent)
 
 log = structlog.get_logger(__name__)
 
 EXPERT_LOAD_INTERVAL_S = 1.0
+PromptLPs = dict[str, list[PromptLogprob]]     # one step's prompt logprobs, by request id
 
 
 class Engine:
@@ -66,8 +72,19 @@ class Engine:
                  max_model_len: int | None = None,
                  on_step: Callable[[StepStats], None] | None = None,
                  on_prefill_progress: Callable[[str, list[int], int], None] | None = None,
-                 on_expert_load: Callable[[Any], None] | None = None) -> None:
+                 on_expert_load: Callable[[Any], None] | None = None,
+                 balance: BalanceConfig | None = None, ep: Any = None,
+                 tiers: TiersConfig | None = None, model_id: str = "") -> None:
+        """ep: this rank's moed.parallel.runtime.EPRuntime (expert parallelism; joined).
+        tiers: the KV tiers below the KV tensor (host memory, disk); None or all 0 = none.
+        model_id: the checkpoint's (moed.model.identity): with the layout id it names the
+        disk tier's files, so a restart on other weights never reads their KV."""
+        self._model_id = model_id
         self.runner = runner
+        self.ep = ep
+        # the app's "this node must exit" (expert parallelism: the group failed)
+        self.on_group_failure: Callable[[str], None] | None = None
+        self._ep_draining = False
         self._tokenizer = tokenizer
         self.cfg = cfg
         spec = runner.spec
@@ -79,6 +96,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    on_remote_allocated=self._remote_allocated)
+        # the prefill balancer: cost model fed below from each step, time budget (None: tokens)
+        self.balance = EngineBalance(self.scheduler, spec, balance)
+        self.tiers = self._make_tiers(tiers)
         self._on_step: Listeners[Callable[[StepStats], None]] = Listeners("step")
         self._on_progress: Listeners[Callable[[str, list[int], int], None]] = \
             Listeners("prefill_progress")
@@ -87,6 +107,8 @@ class Engine:
                               (self._on_load, on_expert_load)):
             if fn is not None:
                 listeners.add(fn)
+        if getattr(ep, "rebalancer", None) is not None:    # EPLB: the group's load window
+            self._on_load.add(ep.rebalancer.add_load)
         self._load_read_at = time.monotonic()
         self._load_pending = False      # steps ran since the last expert-load read
         self._streams: dict[str, RequestStream] = {}
@@ -114,10 +136,75 @@ class Engine:
         dtype = resolve_dtype(m.dtype, spec, device)
         num_blocks = e.num_kv_blocks or auto_num_blocks(
             spec, block_size=e.block_size, dtype=dtype, memory_mb=e.kv_cache_memory_mb)
+        ep = None
+        if cfg.parallel.ep_size > 1:    # plan (which experts to load), load, then rendezvous
+            from moed.parallel.runtime import EPRuntime
+            ep = EPRuntime.plan(cfg.parallel, spec.num_experts, device)
         runner = ModelRunner(m.path, dtype=dtype, device=device, spec=spec,
                              attention_backend=e.attention_backend, num_blocks=num_blocks,
-                             block_size=e.block_size)
-        return cls(runner, Tokenizer.from_dir(m.path), e, max_model_len=m.max_model_len or None, **kw)
+                             block_size=e.block_size,
+                             placement=None if ep is None else ep.placement)
+        if ep is not None:
+            ep.join()
+            ep.attach(runner.model)     # the expert balancer, if parallel.eplb_interval_s
+        from moed.model.identity import model_id
+        return cls(runner, Tokenizer.from_dir(m.path), e, max_model_len=m.max_model_len or None,
+                   balance=cfg.balance, ep=ep, tiers=cfg.tiers, model_id=model_id(m.path), **kw)
+
+    def _make_tiers(self, t: TiersConfig | None) -> Any:
+        """The L2/L3 cache over this engine's KV tensor, hooked to L1's evictions."""
+        if t is None:
+            return None
+        # load-or-recompute's prediction before the cost model is fitted: the tiers' and the
+        # peer reads' (moed.roles.kvshare, tiers.peer_reuse without L2/L3) alike
+        self.scheduler.recompute_s_per_token = t.recompute_us_per_token * 1e-6
+        if not t.enabled:
+            return None
+        if not self.cfg.enable_prefix_caching:
+            raise ValueError("KV tiers need engine.enable_prefix_caching")
+        from moed.kvcache.tiers import TieredCache, TierSettings
+        from moed.kvcache.tiers.kvio import KVBlockIO
+
+        layout = self.runner.kv_layout
+        if t.disk_bytes and not self._model_id:
+            raise ValueError("a disk KV tier needs the checkpoint's model id (Engine model_id)")
+        cache = TieredCache(TierSettings(
+            host_bytes=t.host_bytes, disk_bytes=t.disk_bytes, disk_dir=t.disk_dir,
+            disk_io=t.disk_io, write_through=t.write_through, host_bandwidth=t.host_bandwidth_mbps * 1e6,
+            disk_bandwidth=t.disk_bandwidth_mbps * 1e6, half_life_s=t.reuse_half_life_s),
+            KVBlockIO(self.runner.kv_cache, layout),
+            f"{layout.layout_id}.m-{self._model_id}" if self._model_id else layout.layout_id)
+        self.kv.set_tier_hooks(cache.offer, cache.on_cached)
+        self.scheduler.tiers = cache
+        return cache
+
+    def _tier_results(self) -> bool:
+        """An I/O result is waiting (it may have woken the loop before the loop cleared its
+        wake event: then the loop must not sleep)."""
+        return self.tiers is not None and self.tiers.has_results()
+
+    def _collect_tier_loads(self) -> None:
+        """At a step boundary: copy finished loads into their L1 blocks and resume their
+        requests (the scheduler learns of a load at the next step, whatever its queue holds)."""
+        if self.tiers is None:
+            return
+        s = self.scheduler
+        for r in self.tiers.collect():
+            n = 0
+            if s.tier_load_target(r.request_id, r.block_ids):
+                for bid, data in zip(r.block_ids, r.payloads):
+                    self.tiers.io.write(bid, data)
+                    n += 1
+                if r.failed is not None:
+                    log.warning("kv_tier_load_short", request_id=r.request_id, loaded=n,
+                                wanted=len(r.block_ids), reason=r.failed,
+                                effect="the rest is recomputed")
+            s.complete_tier_load(r.request_id, n)
+        cost = s.cost
+        if cost is not None and cost.ready:     # eviction weighs recompute time per byte
+            bpb = self.tiers.io.block_bytes
+            self.tiers.recompute_s_per_byte = \
+                s.predict_prefill_s(self.kv.block_size, 0) / max(bpb, 1)
 
     # ---- properties ------------------------------------------------------------------------
     @property
@@ -186,7 +273,10 @@ class Engine:
             kv_blocks_total=st.total, kv_blocks_used=st.used, kv_blocks_free=st.free,
             prefix_cache_queries=st.prefix_query_tokens, prefix_cache_hits=st.prefix_hit_tokens,
             steps=self.steps, extra={"kv_blocks_cached": float(st.cached),
-                                     "preemptions": float(s.num_preemptions)})
+                                     "preemptions": float(s.num_preemptions),
+                                     "waiting_tier_kv": float(len(s.loading)),
+                                     **self.balance.extra(),
+                                     **({} if self.tiers is None else self.tiers.stats())})
 
     def _pending_adds(self) -> int:
         return sum(1 for c in self._inbox if isinstance(c, AddRequest))
@@ -218,6 +308,23 @@ class Engine:
 
     def release_kv(self, request_id: str) -> None:
         self._post(ReleaseKV(request_id))
+
+    def apply_balance(self, cfg: BalanceConfig) -> None:
+        """Adopt a reloaded [balance] at the next step boundary (policy, targets, buckets)."""
+        fut = self.at_step_boundary(lambda: self.balance.apply(cfg))
+        fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() is None
+                              else log.error("balance_reload_failed", error=repr(f.exception())))
+
+    def ttft_over_deadline(self, prompt_tokens: int, timeout_s: float | None
+                           ) -> tuple[float, float] | None:
+        """Early rejection: (predicted TTFT, deadline) when a new prompt would miss it."""
+        return self.balance.ttft_over_deadline(prompt_tokens, timeout_s)
+
+    def calibrate(self, steps: int) -> int:
+        """Fit the cost model on `steps` synthetic steps; before start() only (blocks)."""
+        if self._task is not None:
+            raise RuntimeError("calibrate() runs before the engine loop starts")
+        return calibrate(self, steps)
 
     def apply_config(self, cfg: EngineConfig) -> None:
         """Adopt the live fields (max_num_seqs, max_num_batched_tokens) at the next step."""
@@ -255,10 +362,21 @@ class Engine:
         detok = None
         if self._tokenizer is not None:
             from moed.model.tokenizer import IncrementalDetokenizer
-            detok = IncrementalDetokenizer(self._tokenizer, prompt)
+            detok = IncrementalDetokenizer(self._tokenizer, prompt,
+                                           skip_special_tokens=params.skip_special_tokens)
         return Request(request_id, prompt, params, self.eos_token_ids, self._max_model_len,
                        detok, remote_kv=remote_kv, prefill_only=prefill_only,
-                       rng=None if params.seed is None else make_generator(params.seed))
+                       rng=None if params.seed is None else make_generator(params.seed),
+                       grammar=self._grammar(params))
+
+    def _grammar(self, params: SamplingParams) -> Any:
+        """The request's own grammar matcher (None without a grammar). The API handler (and a
+        prefill node's job handler) compiled the spec off the loop, so this is a cache hit and
+        a ~2 us copy; a GrammarError is a ValueError (the caller's 400)."""
+        if params.grammar is None:
+            return None
+        from moed.model.grammar import compiler_for
+        return compiler_for(self._tokenizer).matcher(params.grammar)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -266,6 +384,9 @@ class Engine:
             return
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moed-step")
+        if self.tiers is not None:      # an I/O thread's finished load wakes the loop
+            loop, wake = asyncio.get_running_loop(), self._wake
+            self.tiers.set_waker(lambda: loop.call_soon_threadsafe(wake.set))
         self._task = asyncio.create_task(self._loop(), name="moed-engine-loop")
         log.info("engine_started", kv_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                  max_model_len=self._max_model_len)
@@ -285,14 +406,21 @@ class Engine:
             self._publish([self.scheduler.abort(rid)])
         for rid in list(self._streams):     # added after the loop ended
             self._publish([TokenEvent.finish(rid, FinishReason.ABORT)])
+        if self.tiers is not None:          # queued L3 writes land, so a restart finds them
+            self.tiers.set_waker(None)
+            await asyncio.to_thread(self.tiers.close)
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            # a failed EP group's step thread may still sit in a collective (until gloo's timeout)
+            self._executor.shutdown(wait=self.ep is None or self.ep.group is None
+                                    or self.ep.group.failed is None)
             self._executor = None
+        if self.ep is not None:
+            self.ep.close()
         log.info("engine_stopped", steps=self.steps)
 
     async def _loop(self) -> None:
         try:
-            await self._steps()
+            await (self._steps() if self.ep is None else self._steps_ep())
         except Exception as e:          # a bug: fail every request rather than leave it hanging
             log.exception("engine_loop_crashed")
             self._stopping = True
@@ -312,24 +440,119 @@ class Engine:
         assert self._wake is not None
         while not self._stopping:
             self._apply_commands()
+            self._collect_tier_loads()
             t0 = time.perf_counter()
             plan = self._schedule()
             if plan is None:
                 self._read_expert_load(force=True)      # flush the window before idling
                 self._wake.clear()
-                if not self._inbox and not self._stopping:
+                if not self._inbox and not self._stopping and not self._tier_results():
                     await self._wake.wait()
                 continue
             try:
-                res, fwd_s = await loop.run_in_executor(self._executor, self._execute, plan)
+                res, fwd_s, plps = await loop.run_in_executor(self._executor, self._execute,
+                                                              plan)
             except Exception as e:      # a broken step fails its requests, not the engine
                 log.exception("engine_step_failed", batch=plan.batch.num_seqs)
                 self._fail(plan, e)
                 continue
             finally:
                 self._load_pending = True
-            self._finish_step(plan, res, t0, fwd_s)
+            self._finish_step(plan, res, t0, fwd_s, plps)
             self._read_expert_load(force=False)
+
+    async def _steps_ep(self) -> None:
+        """The step loop of an expert-parallel rank (moed.parallel.agree): every step opens
+        with the group's agreement; when anyone has work every rank runs one forward pass (an
+        empty one without work here), when nobody has the group idles on one wake key. A
+        failed or left peer ends every request here with a 503 and the node exits non-zero."""
+        from moed.parallel.group import GroupFailed
+
+        assert self._wake is not None and self.ep is not None
+        agreement, plan = self.ep.agreement, None
+        try:
+            while True:
+                self._apply_commands()
+                self._collect_tier_loads()
+                t0 = time.perf_counter()
+                leaving = self._stopping
+                plan = None if leaving else self._schedule()
+                if leaving:
+                    await self._ep_call(agreement.wake_peers)
+                verdict = await self._ep_call(agreement.agree, plan is not None, leaving,
+                                              self.ep.rebalance_wanted())
+                if leaving:
+                    return
+                if verdict.leaving:
+                    if self._ep_draining:       # the whole group is stopping: not a failure
+                        self._group_down("a peer rank left the group", failed=False)
+                        return
+                    raise self.ep.fail("a peer rank left the group")
+                if not verdict.working:
+                    self._read_expert_load(force=True)      # flush the window before idling
+                    self._wake.clear()
+                    if self._inbox or self._stopping or self._tier_results():
+                        # work came after this step's schedule: idle() returns at once, but
+                        # sets the epoch's key first, since the peers are idling on it
+                        self._wake.set()
+                    await agreement.idle(self._wake, self._executor)
+                    continue
+                self._load_pending = True
+                if plan is None:
+                    await self._ep_call(self.runner.forward_empty)
+                    self.ep.observe_step()
+                    if self.ep.rebalance_due(verdict.rebalance):    # EPLB, between two steps
+                        await self._ep_call(self.ep.rebalance_step, verdict.rebalance)
+                    continue
+                res, fwd_s, plps = await self._ep_call(self._execute, plan)
+                self.ep.observe_step()
+                self._finish_step(plan, res, t0, fwd_s, plps)   # tokens out before any move
+                if self.ep.rebalance_due(verdict.rebalance):
+                    await self._ep_call(self.ep.rebalance_step, verdict.rebalance)
+                self._read_expert_load(force=False)
+        except GroupFailed as e:
+            self.ep.fail(str(e))
+            self._group_down(str(e))
+        except Exception as e:      # a local failure mid-step leaves the peers' collectives unmatched
+            log.exception("engine_step_failed", batch=0 if plan is None else plan.batch.num_seqs)
+            self.ep.fail(f"this rank's step failed: {type(e).__name__}: {e}")
+            self._group_down(f"this rank's step failed: {type(e).__name__}")
+
+    async def _ep_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn on the step thread, under the group's watchdog (gloo times out first; this is
+        the backstop for a thread that never returns)."""
+        assert self.ep is not None
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.wait_for(fut, self.ep.watchdog_s)
+        except asyncio.TimeoutError:
+            raise self.ep.fail(f"a step made no progress for {self.ep.watchdog_s:g} s") from None
+
+    def expect_group_end(self) -> None:
+        """The node drains (SIGTERM): a peer rank leaving the EP group from now on is the
+        group stopping together, not a failure (this node then exits 0)."""
+        self._ep_draining = True
+
+    def _group_down(self, reason: str, failed: bool = True) -> None:
+        """The EP group cannot step: every request ends 503 (retryable on another node), the
+        loop ends, and (failed) the app is told to leave membership and exit non-zero."""
+        from moed.types import ErrorKind
+
+        self._stopping = True
+        msg = "the node's expert-parallel group lost a rank"     # no peer address to clients
+        for rid in list(self.scheduler.requests):
+            req = self.scheduler.requests[rid]
+            self.scheduler.finish(req, FinishReason.ERROR, msg)
+            self._publish([TokenEvent.finish(rid, FinishReason.ERROR, prompt_tokens=req.num_prompt_tokens,
+                                             cached_tokens=req.num_cached_tokens, error=msg,
+                                             error_kind=ErrorKind.UNAVAILABLE)])
+        for rid in list(self._streams):
+            self._publish([TokenEvent.finish(rid, FinishReason.ERROR, error=msg,
+                                             error_kind=ErrorKind.UNAVAILABLE)])
+        if failed and self.on_group_failure is not None:
+            self.on_group_failure(f"expert-parallel group failed: {reason}")
+        elif not failed:
+            log.info("ep_group_ended", reason=reason)
 
     def _read_expert_load(self, force: bool) -> None:
         """Between steps: pass the runner's expert load to its subscribers (once per interval,
@@ -357,17 +580,34 @@ class Engine:
         self._publish(events)
         return None if plan.empty else plan
 
-    def _execute(self, plan: StepPlan) -> tuple[SampleResult | None, float]:
-        """Runs in the executor thread: forward + sample. Reads the plan, mutates nothing else."""
+    def _execute(self, plan: StepPlan) -> tuple[SampleResult | None, float, PromptLPs]:
+        """Runs in the executor thread: forward + sample (+ the prompt logprobs of the chunks
+        that ask). Reads the plan, mutates nothing else."""
         t0 = time.perf_counter()
-        logits = self.runner.forward(plan.batch)
+        asks = [_prompt_positions(c) for c in plan.chunks]
+        batch = plan.batch
+        if any(asks):       # rows that do not ask pay nothing: the batch stays as planned
+            batch = replace(batch, all_logits=tuple(bool(a) for a in asks))
+        logits = self.runner.forward(batch)
+        plps: PromptLPs = {}
+        if batch.all_logits:
+            last = batch.sample_rows
+            for i, (c, pos) in enumerate(zip(plan.chunks, asks)):
+                if pos:     # position p of sequence i is row base + p (its rows end at last[i])
+                    r = c.request
+                    base = last[i] - c.num_new_tokens + 1 - r.num_computed_tokens
+                    plps[r.request_id] = compute_prompt_logprobs(
+                        logits[base + pos.start:base + pos.stop],
+                        r.prompt_token_ids[pos.start + 1:pos.stop + 1],
+                        r.params.prompt_logprobs or 0)
+            logits = logits[last]
         idx = [i for i, c in enumerate(plan.chunks) if c.sample]
         if not idx:
-            return None, time.perf_counter() - t0
+            return None, time.perf_counter() - t0, plps
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
         rows = [self._sample_row(plan.chunks[i].request) for i in idx]
-        return sample(logits, rows), time.perf_counter() - t0
+        return sample(logits, rows), time.perf_counter() - t0, plps
 
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
@@ -375,18 +615,27 @@ class Engine:
         if req.num_output_tokens < p.min_tokens:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
         if not p.penalized:
-            return SampleRow(p, req.rng, banned)
+            return SampleRow(p, req.rng, banned, grammar=req.grammar)
         # the penalties' history: read here, in the executor thread, while the loop waits (it
         # appends this step's token only after)
-        return SampleRow(p, req.rng, banned, req.token_ids, req.num_prompt_tokens)
+        return SampleRow(p, req.rng, banned, req.token_ids, req.num_prompt_tokens,
+                         grammar=req.grammar)
 
     def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
-                     fwd_s: float) -> None:
+                     fwd_s: float, plps: PromptLPs | None = None) -> None:
         toks = [] if res is None else res.token_ids
+        for c in plan.chunks if plps else ():
+            if c.request.request_id in plps and not c.request.finished:
+                c.request.prompt_logprobs.extend(plps[c.request.request_id])
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
                                        None if res is None else res.top_logprobs)
+        if any(c.request.params.prompt_logprobs is not None for c in plan.chunks):
+            events = _with_prompt_logprobs(events, plan)
         self._publish(events)
         self.steps += 1
+        self.balance.observe(plan.batch, fwd_s)     # the cost model learns from every step
+        if self.tiers is not None:
+            self.tiers.observe_step(time.perf_counter() - t0)
         if self._on_progress:
             for c in plan.chunks:
                 r = c.request
@@ -492,18 +741,46 @@ class Engine:
         for r in reqs:
             self.scheduler.add(r)
         while any(not r.finished for r in reqs):
+            self._collect_tier_loads()
             t0 = time.perf_counter()
             plan = self._schedule()
             if plan is None:
                 if all(r.finished for r in reqs):    # e.g. a prompt that can never fit
                     break
+                if self.scheduler.loading and self.tiers is not None:
+                    if not self.tiers.wait(30.0):
+                        raise RuntimeError("KV tier loads did not finish within 30 s")
+                    continue
                 raise RuntimeError("scheduler made no progress with requests pending")
-            res, fwd_s = self._execute(plan)
-            self._finish_step(plan, res, t0, fwd_s)
+            res, fwd_s, plps = self._execute(plan)
+            self._finish_step(plan, res, t0, fwd_s, plps)
         for r in reqs:
             if r.finish_reason is FinishReason.ERROR:
                 raise RuntimeError(f"request {r.request_id} failed: {r.error}")
         return [r.output_token_ids for r in reqs]
+
+
+def _prompt_positions(c: ScheduledChunk) -> range:
+    """The chunk's positions whose prompt logprobs are still to compute (empty: none asked)."""
+    r = c.request
+    if r.params.prompt_logprobs is None:
+        return range(0)
+    return prompt_positions(r.num_computed_tokens, c.num_new_tokens, r.num_prompt_tokens,
+                            len(r.prompt_logprobs))
+
+
+def _with_prompt_logprobs(events: list[TokenEvent], plan: StepPlan) -> list[TokenEvent]:
+    """The first token's event of a request that asked carries its prompt logprobs."""
+    reqs = {c.request.request_id: c.request for c in plan.chunks}
+    out = []
+    for ev in events:
+        r = reqs.get(ev.request_id)
+        if r is not None and ev.token_ids and r.params.prompt_logprobs is not None \
+                and not r.prompt_logprobs_sent:
+            r.prompt_logprobs_sent = True
+            ev = replace(ev, prompt_logprobs=tuple(r.prompt_logprobs))
+        out.append(ev)
+    return out
 
 
 def _error(req: Request, msg: str) -> TokenEvent:

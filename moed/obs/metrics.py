@@ -84,6 +84,16 @@ CONFIG_VERSION = Gauge("moed_config_version",
                        "Running config version: 1 at start, +1 per reload that changed it",
                        registry=COMMON)
 CONFIG_INFO = Info("moed_config", "Hash of the running config", registry=COMMON)
+CONFIG_ROLLBACKS = Counter("moed_config_rollbacks",
+                           "Config rollbacks (POST /admin/config/rollback) by result (applied, "
+                           "unchanged, restart_required, invalid, unknown_hash)", ["result"],
+                           registry=COMMON)
+CONFIG_HISTORY = Gauge("moed_config_history_entries",
+                       "Applied configs kept in the config history (release.config_history)",
+                       registry=COMMON)
+RELEASE_INFO = Info("moed_release", "This node's release: moed version, version label, model "
+                    "id (checkpoint hash; empty on a router) and node-to-node protocol range",
+                    registry=COMMON)
 DRAINING = Gauge("moed_draining", "1 while the node drains (SIGTERM or POST /admin/drain)",
                  registry=COMMON)
 
@@ -163,6 +173,49 @@ PREFIX_CACHE_QUERIES = Counter("moed_prefix_cache_queried_tokens",
                                "Prompt tokens looked up in the prefix cache", registry=ENGINE)
 PREFIX_CACHE_HITS = Counter("moed_prefix_cache_hit_tokens",
                             "Prompt tokens found in the prefix cache", registry=ENGINE)
+# KV tiers below the KV tensor (moed/kvcache/tiers): tier = host (L2) | disk (L3)
+TIER_CAPACITY = Gauge("moed_kv_tier_capacity_bytes", "Capacity of a KV tier below the KV tensor",
+                      ["tier"], registry=ENGINE)
+TIER_USED = Gauge("moed_kv_tier_used_bytes", "Bytes of KV blocks a tier holds", ["tier"],
+                  registry=ENGINE)
+TIER_BLOCKS = Gauge("moed_kv_tier_blocks", "KV blocks a tier holds", ["tier"], registry=ENGINE)
+TIER_HITS = Counter("moed_kv_tier_hit_blocks", "Prompt blocks missing from L1 found in this tier",
+                    ["tier"], registry=ENGINE)
+TIER_MISSES = Counter("moed_kv_tier_miss_blocks", "Prompt blocks missing from L1 looked up in "
+                      "this tier and not found", ["tier"], registry=ENGINE)
+TIER_LOADS = Counter("moed_kv_tier_loaded_blocks", "KV blocks loaded from this tier into L1",
+                     ["tier"], registry=ENGINE)
+TIER_LOAD_BYTES = Counter("moed_kv_tier_loaded_bytes", "Bytes loaded from this tier into L1",
+                          ["tier"], registry=ENGINE)
+TIER_CORRUPT = Counter("moed_kv_tier_corrupt_blocks", "Stored blocks that failed their checks "
+                       "(truncated, bit-flipped, another layout): skipped and removed",
+                       ["tier"], registry=ENGINE)
+TIER_WRITE_ERRORS = Counter("moed_kv_tier_write_errors", "Block writes the medium refused "
+                            "(e.g. disk full): the block is recomputed when needed", ["tier"],
+                            registry=ENGINE)
+TIER_BANDWIDTH = Gauge("moed_kv_tier_read_bandwidth_bytes_per_second", "Measured read bandwidth "
+                       "of a tier (what load-or-recompute predicts from)", ["tier"],
+                       registry=ENGINE)
+TIER_DECISIONS = Counter("moed_kv_tier_decisions", "Requests whose prompt had blocks below L1, "
+                         "by load-or-recompute decision", ["decision"], registry=ENGINE)
+TIER_SLOWER = Counter("moed_kv_tier_slower_than_recompute", "Loads that took longer than the "
+                      "predicted recompute of the same blocks (goal: 0)", registry=ENGINE)
+# cluster prefix reuse (moed/roles/kvshare.py): a colocated node READs a peer's cached blocks
+PEER_LOOKUPS = Counter("moed_kv_peer_lookups", "Prompts whose prefix a peer advertises beyond "
+                       "what this node holds, by load-or-recompute decision", ["decision"],
+                       registry=ENGINE)
+PEER_HITS = Counter("moed_kv_peer_hits", "Peer reads that landed blocks in this node's KV "
+                    "tensor", registry=ENGINE)
+PEER_READ_BLOCKS = Counter("moed_kv_peer_read_blocks", "KV blocks read from peers",
+                           registry=ENGINE)
+PEER_READ_BYTES = Counter("moed_kv_peer_read_bytes", "Bytes read from peers over NIXL",
+                          registry=ENGINE)
+PEER_FAILURES = Counter("moed_kv_peer_failures", "Peer reads given up (the request "
+                        "recomputed), by reason", ["reason"], registry=ENGINE)
+PEER_LEASES = Counter("moed_kv_peer_leases_granted", "Leases this node granted to peers "
+                      "reading its cached blocks", registry=ENGINE)
+PEER_LENT_BLOCKS = Gauge("moed_kv_peer_lent_blocks", "Blocks pinned for peers' reads now",
+                         registry=ENGINE)
 MODEL_INFO = Info("moed_model", "The loaded model: architecture, dtype, device, attention backend, "
                   "and whether the native CPU kernels run (cpu_kernels on/off)", registry=ENGINE)
 
@@ -177,6 +230,86 @@ EXPERT_IMBALANCE = Gauge("moed_expert_imbalance",
                          "window (~1 s of steps); 1.0 = perfectly balanced", ["layer"],
                          registry=ENGINE)
 
+# ---- the prefill balancer's cost model (moed.balance.cost, moed.engine.balancing) ----
+COST_COEFFICIENT = Gauge("moed_cost_model_coefficient",
+                         "Fitted step-time coefficient, seconds per unit of its term: overhead "
+                         "(per step), prefill_tokens, attention_pairs, decode_seqs, "
+                         "experts_touched, prefill_context", ["term"], registry=ENGINE)
+COST_ERROR = Gauge("moed_cost_model_error_ratio",
+                   "|predicted - measured| / measured step time over the last 1024 steps",
+                   ["stat"], registry=ENGINE)
+COST_STEPS = Counter("moed_cost_model_steps", "Engine steps the cost model was fitted on "
+                     "(calibration included)", registry=ENGINE)
+BALANCE_QUEUED_TOKENS = Gauge("moed_balance_queued_prompt_tokens",
+                              "Prompt tokens still to compute, per length bucket (0 = the "
+                              "shortest; balance.bucket_edges); cost policy only", ["bucket"],
+                              registry=ENGINE)
+
+# ---- capacity signals (moed.balance.capacity; docs/tracing.md: what an autoscaler reads);
+# -1 = not measured yet. Set on scrape, like the engine stats.
+CAPACITY_QUEUED_TOKENS = Gauge("moed_capacity_queued_prompt_tokens",
+                               "Prompt tokens queued in the engine, still to compute (every "
+                               "policy; incl. requests waiting for KV)", registry=ENGINE)
+CAPACITY_PREFILL_TPS = Gauge("moed_capacity_prefill_tokens_per_second",
+                             "Measured prompt tokens computed per second of engine step, "
+                             "recent steps with prefill", registry=ENGINE)
+CAPACITY_DECODE_STEP = Gauge("moed_capacity_decode_step_seconds",
+                             "Measured mean time of a recent engine step that decoded",
+                             registry=ENGINE)
+CAPACITY_QUEUE_TIME = Gauge("moed_capacity_queue_seconds",
+                            "Recent requests' mean wait from arrival to first scheduled",
+                            registry=ENGINE)
+CAPACITY_COMPUTE_TIME = Gauge("moed_capacity_compute_seconds",
+                              "Recent requests' mean first scheduled -> first token (prefill "
+                              "compute; decode node: remote prefill incl. transfer)",
+                              registry=ENGINE)
+CAPACITY_PREDICTED_TTFT = Gauge("moed_capacity_predicted_ttft_seconds",
+                                "Predicted TTFT of a new prompt of balance.bucket_edges[0] "
+                                "tokens given the queued work", registry=ENGINE)
+CAPACITY_LEFT_TOKENS = Gauge("moed_capacity_left_prompt_tokens",
+                             "Prompt tokens this node can still take and keep that prediction "
+                             "within balance.ttft_targets_ms[0]: max(0, target - predicted) x "
+                             "prefill tok/s", registry=ENGINE)
+CAPACITY_ITL_HEADROOM = Gauge("moed_capacity_itl_headroom_ratio",
+                              "1 - decode step time / balance.itl_target_ms (negative: steps "
+                              "slower than the ITL target)", registry=ENGINE)
+
+
+# Expert parallelism (moed/parallel): what this rank exchanges with its group, and what it holds.
+EP_INFO = Gauge("moed_ep_rank_info", "1, labelled with this node's expert-parallel group "
+                "(its rendezvous address), rank and size", ["group", "rank", "size"],
+                registry=ENGINE)
+EP_ROWS_SENT = Counter("moed_ep_tokens_dispatched", "Token-expert choices this rank sent to "
+                       "other ranks' experts (summed over MoE layers)", registry=ENGINE)
+EP_ROWS_RECEIVED = Counter("moed_ep_tokens_received", "Token-expert choices other ranks sent "
+                           "to this rank's experts (summed over MoE layers)", registry=ENGINE)
+EP_COLLECTIVE_TIME = Histogram("moed_ep_collective_seconds", "Time per engine step inside the "
+                               "group's collectives (agreement and every MoE layer's "
+                               "exchanges; waiting for slower ranks included)",
+                               buckets=_PHASE_BUCKETS, registry=ENGINE)
+EP_RESIDENT_EXPERT_BYTES = Gauge("moed_ep_resident_expert_bytes", "Bytes of expert weights this "
+                                 "process holds, summed over the tensors it keeps (all MoE "
+                                 "layers, redundant slots included)", registry=ENGINE)
+EP_EXPERT_SLOTS = Gauge("moed_ep_expert_slots", "Expert slots this rank holds per MoE layer, "
+                        "and how many of them are redundant (replicas)", ["kind"],
+                        registry=ENGINE)
+EPLB_BALANCEDNESS = Gauge("moed_eplb_balancedness", "Per MoE layer, at the last expert-balancer "
+                          "decision: mean / max rank load under the group's load window, for the "
+                          "map in use then (before) and the map chosen (after); 1 = even",
+                          ["layer", "when"], registry=ENGINE)
+EPLB_REBALANCES = Counter("moed_eplb_rebalances", "Expert-balancer decisions: applied (some "
+                          "layer's map changed, all its layers now switched) or unchanged",
+                          ["outcome"], registry=ENGINE)
+EPLB_BYTES_MOVED = Counter("moed_eplb_expert_bytes_moved", "Expert weight bytes this rank wrote "
+                           "into its slots in rebalances: from a peer rank or a local slot",
+                           ["source"], registry=ENGINE)
+EPLB_DURATION = Histogram("moed_eplb_rebalance_seconds", "A rebalance, from the decision to the "
+                          "last layer switched (steps run in between)",
+                          buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+                          registry=ENGINE)
+EPLB_LAYERS_PENDING = Gauge("moed_eplb_layers_pending", "MoE layers whose new expert map is "
+                            "decided but not applied yet (a rebalance under way)",
+                            registry=ENGINE)
 
 class RequestSeries:
     """The per-request metrics' children for one model (labels() costs a lock and a dict:
@@ -265,7 +398,9 @@ def observe_kv(used: int, free: int) -> None:
 def observe_engine_stats(stats: object) -> None:
     """Copy an EngineStats snapshot into the engine metrics (called on scrape)."""
     RUNNING.set(getattr(stats, "running", 0))
-    WAITING.set(getattr(stats, "waiting", 0) + getattr(stats, "waiting_remote_kv", 0))
+    extra = getattr(stats, "extra", None) or {}
+    WAITING.set(getattr(stats, "waiting", 0) + getattr(stats, "waiting_remote_kv", 0)
+                + int(extra.get("waiting_tier_kv", 0)))
     observe_kv(getattr(stats, "kv_blocks_used", 0), getattr(stats, "kv_blocks_free", 0))
     KV_BLOCKS_CAPACITY.set(getattr(stats, "kv_blocks_total", 0))
     queries = getattr(stats, "prefix_cache_queries", 0)
@@ -273,7 +408,57 @@ def observe_engine_stats(stats: object) -> None:
     _advance(PREFIX_CACHE_QUERIES, queries)
     _advance(PREFIX_CACHE_HITS, hits)
     PREFIX_CACHE_HIT_RATE.set(hits / queries if queries else 0.0)
-    _advance(PREEMPTIONS, (getattr(stats, "extra", None) or {}).get("preemptions", 0.0))
+    _advance(PREEMPTIONS, extra.get("preemptions", 0.0))
+    observe_cost(extra)
+    observe_tiers(extra)
+
+
+_TIER_GAUGES = (("capacity_bytes", TIER_CAPACITY), ("used_bytes", TIER_USED),
+                ("blocks", TIER_BLOCKS), ("bandwidth_bytes_per_s", TIER_BANDWIDTH))
+_TIER_COUNTERS = (("hits", TIER_HITS), ("misses", TIER_MISSES), ("loads", TIER_LOADS),
+                  ("load_bytes", TIER_LOAD_BYTES), ("corrupt", TIER_CORRUPT),
+                  ("write_errors", TIER_WRITE_ERRORS))
+
+
+def observe_tiers(extra: dict) -> None:
+    """The KV tiers' state (EngineStats.extra's tier_* keys, moed.kvcache.tiers.TieredCache.stats)."""
+    for tier in ("host", "disk"):
+        if f"tier_{tier}_capacity_bytes" not in extra:
+            continue
+        for key, gauge in _TIER_GAUGES:
+            gauge.labels(tier).set(extra[f"tier_{tier}_{key}"])
+        for key, counter in _TIER_COUNTERS:
+            _advance(counter.labels(tier), extra[f"tier_{tier}_{key}"])
+    if "tier_decisions_load" in extra:
+        for d in ("load", "recompute"):
+            _advance(TIER_DECISIONS.labels(d), extra[f"tier_decisions_{d}"])
+        _advance(TIER_SLOWER, extra["tier_slower_than_recompute"])
+
+
+def observe_capacity(c: object, queued_tokens: int) -> None:
+    """A moed.balance.capacity.Capacity snapshot into the capacity gauges (on scrape)."""
+    CAPACITY_QUEUED_TOKENS.set(queued_tokens)
+    for gauge, name in ((CAPACITY_PREFILL_TPS, "prefill_tps"),
+                        (CAPACITY_DECODE_STEP, "decode_step_s"), (CAPACITY_QUEUE_TIME, "queue_s"),
+                        (CAPACITY_COMPUTE_TIME, "compute_s"),
+                        (CAPACITY_PREDICTED_TTFT, "predicted_ttft_s"),
+                        (CAPACITY_LEFT_TOKENS, "capacity_tokens"),
+                        (CAPACITY_ITL_HEADROOM, "itl_headroom")):
+        gauge.set(getattr(c, name))
+
+
+def observe_cost(extra: dict) -> None:
+    """The cost model's fit and the balancer's queue (EngineStats.extra's cost_* keys)."""
+    for key, value in extra.items():
+        if key.startswith("cost_coef_"):
+            COST_COEFFICIENT.labels(key[len("cost_coef_"):]).set(value)
+        elif key.startswith("cost_queued_tokens_b"):
+            BALANCE_QUEUED_TOKENS.labels(key[len("cost_queued_tokens_b"):]).set(value)
+    if "cost_error_p50" in extra:
+        COST_ERROR.labels("p50").set(extra["cost_error_p50"])
+        COST_ERROR.labels("p90").set(extra["cost_error_p90"])
+    if "cost_samples" in extra:
+        _advance(COST_STEPS, extra["cost_samples"])
 
 
 # ==== cluster: any role with cluster.enabled ===============================================
@@ -298,6 +483,11 @@ CLUSTER_PROTOCOL = Counter("moed_cluster_protocol_events",
 CLUSTER_MEMBER_EVENTS = Counter("moed_cluster_member_events",
                                 "Member state changes seen (alive also counts metadata updates)",
                                 ["state"], registry=CLUSTER)
+CLUSTER_INCOMPATIBLE = Gauge("moed_cluster_incompatible_members",
+                             "Alive members this node must not work with, by reason: protocol "
+                             "(no common node-to-node protocol version), model or layout (a "
+                             "prefill/decode pair on another checkpoint or KV layout)",
+                             ["reason"], registry=CLUSTER)
 CLUSTER_LOCAL_HEALTH = Gauge("moed_cluster_local_health",
                              "Lifeguard awareness score: 0 healthy; higher stretches timeouts",
                              registry=CLUSTER)
@@ -324,6 +514,11 @@ TRANSFER_JOBS_INFLIGHT = Gauge("moed_transfer_jobs_inflight",
 TRANSFER_JOBS = Counter("moed_transfer_jobs", "Finished prefill jobs by role and result "
                         "(done, cancelled, expired, failed, retried)", ["role", "result"],
                         registry=TRANSFER)
+TRANSFER_PREFILL_CHOICES = Counter("moed_transfer_prefill_choices",
+                                   "Decode node: how each prefill job's node was chosen (cost: "
+                                   "predicted finish time of the advertised queue and cost "
+                                   "model; fewest_jobs: no candidate advertises a fitted model)",
+                                   ["how"], registry=TRANSFER)
 TRANSFER_LEASES_EXPIRED = Counter("moed_transfer_leases_expired",
                                   "Prefill jobs dropped because their lease ran out",
                                   registry=TRANSFER)
@@ -334,13 +529,44 @@ TRANSFER_LEASES_EXPIRED = Counter("moed_transfer_leases_expired",
 
 ROUTER_REQUESTS = Counter("moed_router_requests",
                           "Requests proxied by the router role by result (proxied, retried, "
-                          "backend_refused, no_backend, failed_mid_stream, client_gone)",
+                          "backend_refused, no_backend, saturated, failed_mid_stream, "
+                          "client_gone)",
                           ["result"], registry=ROUTER)
 ROUTER_RETRIES = Counter("moed_router_retries",
                          "Backend attempts that failed before the first byte and were retried "
                          "elsewhere", registry=ROUTER)
 ROUTER_BACKENDS = Gauge("moed_router_backends", "Serving nodes the router can pick now",
                         registry=ROUTER)
+ROUTER_PLACEMENTS = Counter("moed_router_placements",
+                            "Placement decisions by reason (moed.balance.router.place): "
+                            "affinity (a node holding part of the prompt's prefix), overloaded "
+                            "(a holder was passed over for load), load (no holder), saturated "
+                            "(every node at its limit: 429)", ["reason"], registry=ROUTER)
+
+# Per version label of the serving node (release.version_label): the canary vs baseline row.
+# Labels are bounded by the versions running at once (an operator's choice, a handful).
+ROUTER_VERSION_ATTEMPTS = Counter("moed_router_version_attempts",
+                                  "Backend attempts by the serving node's version label and "
+                                  "result: ok, error (connect failure, 5xx, cut mid-stream), "
+                                  "refused (429), client_error (other 4xx)",
+                                  ["version", "result"], registry=ROUTER)
+ROUTER_VERSION_TTFT = Histogram("moed_router_version_ttft_seconds",
+                                "Streamed responses: time from forwarding to the first token, "
+                                "by the serving node's version label", ["version"],
+                                buckets=_REQUEST_BUCKETS, registry=ROUTER)
+ROUTER_VERSION_ITL = Histogram("moed_router_version_itl_seconds",
+                               "Streamed responses: time between consecutive chunks of tokens, "
+                               "by the serving node's version label", ["version"],
+                               buckets=_TOKEN_BUCKETS, registry=ROUTER)
+ROUTER_CANARY_REQUESTS = Counter("moed_router_canary_requests",
+                                 "Requests by the side chosen (canary, baseline) and how "
+                                 "(share, header, fallback: the chosen side had no node)",
+                                 ["side", "how"], registry=ROUTER)
+ROUTER_CANARY_HEALTH = Gauge("moed_router_canary_health",
+                             "The canary verdict over canary.window_s, every 5 s: 1 healthy, "
+                             "0 unhealthy, -1 too few canary attempts (canary.min_requests); "
+                             "one series, for the canary's label (none without canary.label)",
+                             ["label"], registry=ROUTER)
 
 
 # Every area, for tests and tools (a name used in two areas fails here, at import).

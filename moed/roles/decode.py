@@ -4,13 +4,18 @@ A request's lifecycle on a decode node (queues as in the engine):
 
     prealloc   add_request(remote_kv=True): the engine allocates blocks for the whole prompt,
                reusing prefix-cache hits (WAITING → WAITING_REMOTE_KV)
-    transfer   pick a prefill peer (moed.balance.prefill: breaker, fewest jobs, same KV layout), POST
+    transfer   pick a prefill peer (moed.balance.prefill: breaker and KV layout first; then
+               the predicted finish time of the job from each node's gossiped queue per
+               length bucket and cost coefficients, power of balance.prefill_choices choices,
+               or the fewest jobs when no candidate advertises a fitted model; members on
+               another checkpoint or protocol are never candidates), POST
                the job (token ids, destination blocks past the cached prefix, our transfer
                endpoint, a deadline); the peer WRITEs blocks chunk by chunk and notifies with
                the first token
     waiting    FirstToken notification → engine.complete_remote_prefill (→ RUNNING)
     running    continuous-batching decode; tokens stream to the client as usual
-    (prompts of at most transfer.local_prefill_max_tokens tokens are prefilled here instead)
+    (prompts of at most transfer.local_prefill_max_tokens tokens, and requests that want
+    prompt logprobs, are prefilled here instead)
 
 Failures: the peer's RPC stream closing, an error line, a failed write or the deadline count
 against that peer and the job is retried on another one (transfer.max_prefill_retries) into
@@ -24,6 +29,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import random
 import time
 from typing import Any, Callable, Sequence
 from urllib.parse import quote
@@ -35,11 +41,12 @@ from aiohttp import web
 from moed.config import Config, EngineConfig
 from moed.engine.client import EngineClient, Unsubscribe
 from moed.engine.stream import RequestStream, StepStats
-from moed.obs import metrics
+from moed.obs import metrics, trace
 from moed.balance import breaker
 from moed.balance.breaker import PeerHealth
-from moed.balance.candidate import Candidate
-from moed.balance.prefill import pick_prefill
+from moed.balance.candidate import Candidate, incompatibility, protocol_range
+from moed.cluster.state import GRAMMAR_JOBS
+from moed.balance.prefill import CostCandidate, advertised_of, pick_prefill, pick_prefill_cost
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.protocol import FirstToken, PrefillJobSpec, ProtocolError, sampling_fields
 from moed.types import (ContextRule, EngineStats, ErrorKind, FinishReason, SamplingParams,
@@ -75,10 +82,12 @@ class DisaggEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, *, remote_kv: bool = False,
                     prefill_only: bool = False) -> RequestStream:
-        if prefill_only or len(prompt_token_ids) <= \
+        if prefill_only or params.prompt_logprobs is not None or len(prompt_token_ids) <= \
                 self._role.cfg.transfer.local_prefill_max_tokens:
             # short prompts: a remote round trip (and the prefill node's queue) costs more
-            # TTFT than the few tokens cost this node's decode steps
+            # TTFT than the few tokens cost this node's decode steps. Prompt logprobs (echo
+            # with logprobs): the logits of every prompt position are needed, and a prefill
+            # node sends only KV, so this node computes the prompt itself
             return self._engine.add_request(request_id, prompt_token_ids, params,
                                             prefill_only=prefill_only)
         stream = self._engine.add_request(request_id, prompt_token_ids, params, remote_kv=True)
@@ -117,6 +126,12 @@ class DisaggEngine:
     def stats(self) -> EngineStats:
         return self._engine.stats()
 
+    @property
+    def local(self) -> EngineClient:
+        """This node's own engine (the gossip reads its scheduler's cost state and KV
+        digest: moed.cluster.service.load_of)."""
+        return self._engine
+
     def model_info(self) -> dict[str, str]:
         return self._engine.model_info()
 
@@ -139,6 +154,10 @@ class DisaggEngine:
 
     def apply_config(self, cfg: EngineConfig) -> None:
         self._engine.apply_config(cfg)
+
+    def apply_balance(self, cfg: Any) -> None:
+        """[balance] reloaded: the local engine's step budget (moed.engine.balancing)."""
+        self._engine.apply_balance(cfg)
 
     def at_step_boundary(self, fn: Callable[[], Any]) -> asyncio.Future:
         return self._engine.at_step_boundary(fn)
@@ -175,6 +194,8 @@ class DecodeComponent:
         self.health: dict[str, PeerHealth] = {u: PeerHealth() for u in cfg.transfer.prefill_peers}
         self.layout = ""                           # our KV layout id: peers must match it
         self.inflight: dict[str, int] = {}
+        self.inflight_tokens: dict[str, int] = {}  # prompt tokens of our jobs there, in flight
+        self._rng = random.Random()
         self.md_sent: set[str] = set()             # peers that hold our current metadata
         self.jobs: dict[str, asyncio.Task] = {}    # request id → its remote-prefill task
         self.current: dict[str, tuple[str, str]] = {}   # request id → (peer, job id) in flight
@@ -233,15 +254,24 @@ class DecodeComponent:
             "jobs": len(self.jobs)})
 
     # ---- prefill peers ---------------------------------------------------------------------
-    def candidates(self) -> list[Candidate]:
+    def candidates(self, protocol: int = 1) -> list[Candidate]:
         """Prefill peers to choose from now: the static list plus, with membership, every
-        alive prefill member serving the same model (health kept across views, by URL)."""
+        alive prefill member serving the same model that this node may pair with (same
+        checkpoint, KV layout and a common protocol: moed.balance.candidate.incompatibility)
+        and that speaks node-to-node protocol `protocol` (a job with a grammar needs
+        GRAMMAR_JOBS: an older prefill node would sample token one unconstrained); health is
+        kept across views, by URL."""
         found: dict[str, Candidate] = {u: Candidate(u, u, "prefill")
                                        for u in self.cfg.transfer.prefill_peers}
         view = self._membership.view() if self._membership is not None else None
         if view is not None:
             model = getattr(self._app.state, "model_name", "")
+            me = view.get(view.self_name)
             for m in view.alive("prefill"):
+                if (me is not None and incompatibility(me.meta, m.meta)) or \
+                        _speaks(m.meta.protocol) < protocol:
+                    found.pop(m.meta.http, None)   # also when it is a static peer
+                    continue
                 if m.meta.http and (not model or m.meta.model in ("", model)):
                     found[m.meta.http] = Candidate(m.meta.http, m.meta.http, "prefill",
                                                    m.meta.layout, m.meta.transfer, m.load)
@@ -250,6 +280,25 @@ class DecodeComponent:
             health = self.health.setdefault(url, PeerHealth())
             out.append(dataclasses.replace(c, health=health, inflight=self.inflight.get(url, 0)))
         return out
+
+    def choose(self, peers: Sequence[Candidate], tried: set[str], prompt_tokens: int
+               ) -> Candidate | None:
+        """The prefill node for a job of `prompt_tokens` (see the module docstring). Our own
+        jobs in flight there count on top of its advertisement, which lags by up to a
+        second."""
+        t, now = self.cfg.transfer, time.monotonic()
+        costs = [CostCandidate(p, advertised_of(p.load), True, self.inflight_tokens.get(p.url, 0))
+                 for p in peers]
+        if any(c.cost is not None for c in costs):
+            got = pick_prefill_cost(costs, prompt_tokens, tried, now, t.peer_error_cooldown_s,
+                                    self._rng, self.layout, self.cfg.balance.prefill_choices)
+            if got is not None:
+                metrics.TRANSFER_PREFILL_CHOICES.labels("cost").inc()
+            return got.node if got is not None else None
+        pick = pick_prefill(peers, tried, now, t.peer_error_cooldown_s, self.layout)
+        if pick is not None:
+            metrics.TRANSFER_PREFILL_CHOICES.labels("fewest_jobs").inc()
+        return pick
 
     # ---- per request -------------------------------------------------------------------------
     def launch(self, rid: str, prompt: list[int], params: SamplingParams,
@@ -305,9 +354,8 @@ class DecodeComponent:
         errors: list[str] = []
         attempts = t.max_prefill_retries + 1
         for attempt in range(1, attempts + 1):
-            peers = self.candidates()
-            pick = pick_prefill(peers, tried, time.monotonic(), t.peer_error_cooldown_s,
-                                self.layout)
+            peers = self.candidates(GRAMMAR_JOBS if params.grammar is not None else 1)
+            pick = self.choose(peers, tried, len(prompt) - skip * bs)
             now = loop.time()
             if pick is None or now >= deadline:
                 break
@@ -324,9 +372,18 @@ class DecodeComponent:
                                        expires_ms)
             spec = PrefillJobSpec(job_id, tuple(prompt), skip, tuple(dst), self.node,
                                   self.incarnation, lease, sampling_fields(params),
-                                  capability=cap, expires_ms=expires_ms)
+                                  capability=cap, expires_ms=expires_ms,
+                                  model_id=getattr(self._app.state, "model_id", "") or "")
+            job_tokens = len(prompt) - skip * bs
+            self.inflight_tokens[peer] = self.inflight_tokens.get(peer, 0) + job_tokens
             try:
-                tok = await self._attempt(rid, peer, spec, until)
+                with trace.span("prefill.remote", kind="client", peer=peer, attempt=attempt,
+                                job=job_id, prompt_tokens=job_tokens) as span:
+                    try:
+                        tok = await self._attempt(rid, peer, spec, until)
+                    except AttemptFailed as e:
+                        span.error(e.kind, str(e))
+                        raise
             except AttemptFailed as e:
                 self.health[peer] = breaker.on_failure(self.health[peer], time.monotonic())
                 metrics.TRANSFER_FAILURES.labels(e.kind).inc()
@@ -337,6 +394,12 @@ class DecodeComponent:
                     break
                 metrics.TRANSFER_JOBS.labels("decode", "retried").inc()
                 continue
+            finally:
+                rest = self.inflight_tokens.get(peer, 0) - job_tokens
+                if rest > 0:
+                    self.inflight_tokens[peer] = rest
+                else:
+                    self.inflight_tokens.pop(peer, None)
             self.health[peer] = breaker.on_success(self.health[peer])
             metrics.TRANSFER_JOBS.labels("decode", "done").inc()
             self.engine.complete_remote_prefill(rid, tok.token_id, tok.logprob, tok.top_logprobs)
@@ -401,6 +464,7 @@ class DecodeComponent:
                        # it), so the prefill node's lines carry it
                        "X-Request-Id": structlog.contextvars.get_contextvars().get(
                            "request_id", rid)}
+            trace.inject(headers)          # unsigned on purpose: the signature covers the body
             async with self.session.post(f"{peer}/internal/prefill", data=data,
                                          headers=headers) as r:
                 if r.status == 409 and (await r.json()).get("error") == "need_metadata":
@@ -451,3 +515,10 @@ class DecodeComponent:
             log.warning("transfer_notif_bad_capability", agent=agent, job=tok.job_id)
             return
         fut.set_result(tok)
+
+
+def _speaks(protocol: str) -> int:
+    """The newest node-to-node protocol a member advertises (not advertised: the first
+    release, which spoke version 1)."""
+    r = protocol_range(protocol) if protocol else (1, 1)
+    return r[1] if r is not None else 0

@@ -34,9 +34,11 @@ from aiohttp import web
 
 from moed.api.internal import require_signed
 from moed.api.state import STATE
+from moed.balance import capacity
 from moed.config import Config
 from moed.engine.client import EngineClient
-from moed.obs import metrics
+from moed.model.grammar import GrammarError, compile_async
+from moed.obs import metrics, trace
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.protocol import (FirstToken, PrefillJobSpec, ProtocolError, first_token_params,
                                  line)
@@ -84,6 +86,9 @@ class PrefillJob:
     sent: int = 0                               # prompt blocks [0, sent) are at the decode node
     task: asyncio.Task | None = None
     handle: Any = None                          # the transfer in flight, if any
+    traced: bool = False                        # spans wanted (moed.obs.trace)
+    started_ns: int = 0                         # accepted (wall clock), when traced
+    marks: list[tuple[int, int]] = field(default_factory=list)   # (ns, computed) per chunk
 
     def move(self, new: JobState) -> None:
         if new not in JOB_TRANSITIONS[self.state]:
@@ -145,6 +150,8 @@ class PrefillComponent:
         job = self.jobs.get(engine_id.removeprefix("pf-"))
         if job is not None:
             job.inbox.put_nowait(("progress", block_ids, num_computed))
+            if job.traced:             # stamped here, at the step's end, not when _run reads it
+                job.marks.append((trace.now_ns(), num_computed))
 
     # ---- HTTP --------------------------------------------------------------------------------
     async def handle_info(self, request: web.Request) -> web.Response:
@@ -171,6 +178,16 @@ class PrefillComponent:
             params = first_token_params(spec.sampling)
         except (ProtocolError, ValueError, RecursionError) as e:
             return _error(400, "bad_job", str(e))
+        ours = request.app[STATE].model_id
+        if spec.model_id and ours and spec.model_id != ours:
+            metrics.TRANSFER_FAILURES.labels("incompatible_model").inc()
+            return _error(409, "incompatible_model", "this prefill node serves another "
+                          "checkpoint (model id differs): KV would not match")
+        if params.grammar is not None:     # compiled off the loop; add_request then hits the cache
+            try:
+                await compile_async(self.engine.tokenizer, params.grammar)
+            except GrammarError as e:
+                return _error(400, "bad_job", f"grammar: {e}")
         refused = request.app[STATE].internal_auth.check_capability(
             spec.capability, spec.job_id, spec.decode_node, spec.decode_incarnation,
             spec.skip_blocks, spec.dst_block_ids, spec.expires_ms)
@@ -186,7 +203,9 @@ class PrefillComponent:
             if spec.metadata is None:
                 return _error(409, "need_metadata", "send transfer metadata for this incarnation")
             try:
-                await self.worker.add_peer(spec.decode_node, spec.metadata, spec.decode_incarnation)
+                with trace.span("kv.add_peer", decode=spec.decode_node):   # once per incarnation
+                    await self.worker.add_peer(spec.decode_node, spec.metadata,
+                                               spec.decode_incarnation)
             except StalePeer as e:
                 return _error(409, "stale_incarnation", str(e))
             except (BadMetadata, IncompatibleLayout, TransferError) as e:
@@ -194,7 +213,8 @@ class PrefillComponent:
         lease = min(spec.timeout_s, self.cfg.transfer.lease_s)
         loop = asyncio.get_running_loop()
         job = PrefillJob(spec, f"pf-{spec.job_id}", loop.time() + lease,
-                         task=asyncio.current_task())
+                         task=asyncio.current_task(), traced=trace.recording(),
+                         started_ns=trace.now_ns())
         try:
             stream = self.engine.add_request(job.engine_id, spec.token_ids, params,
                                              prefill_only=True)
@@ -249,6 +269,9 @@ class PrefillComponent:
             if ev.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not ev.token_ids:
                 raise JobFailed("engine", ev.error or f"prefill ended with {ev.finish_reason}")
             job.move(JobState.FINISHING)
+            capacity.METER.on_finish(ev.timings)    # this node's queue vs compute time
+            if job.traced:
+                _trace_chunks(job, ev)
             if not job.table:
                 job.table = self.engine.kv_block_table(job.engine_id)
             tok = FirstToken(job.spec.job_id, ev.token_ids[0],
@@ -267,13 +290,18 @@ class PrefillComponent:
         dst = list(job.spec.dst_block_ids[lo - skip:upto - skip])
         if len(src) != len(dst):
             raise JobFailed("internal", f"block table has {len(job.table)} blocks, need {upto}")
-        try:
-            job.handle = await self.worker.write_blocks(job.spec.decode_node, src, dst, notif)
-        except (TransferError, ValueError) as e:
-            raise JobFailed("transfer_rejected", str(e)) from None
-        remaining = job.expires_at - asyncio.get_running_loop().time()
-        st = await self.worker.wait(job.handle, max(remaining, 0.001))
-        job.handle = None
+        with (trace.span("kv.write", blocks=len(src), first_block=lo, notify=bool(notif))
+              if job.traced else trace.NO_SPAN) as span:
+            try:
+                job.handle = await self.worker.write_blocks(job.spec.decode_node, src, dst,
+                                                            notif)
+            except (TransferError, ValueError) as e:
+                span.error("transfer_rejected", str(e))
+                raise JobFailed("transfer_rejected", str(e)) from None
+            remaining = job.expires_at - asyncio.get_running_loop().time()
+            st = await self.worker.wait(job.handle, max(remaining, 0.001))
+            span.set(bytes=getattr(job.handle, "nbytes", 0), state=st.state.value)
+            job.handle = None
         if st.state is not TransferState.DONE:
             if st.reason == "peer_disconnected":
                 # the decode node is gone: drop its metadata so a restart re-sends it
@@ -305,6 +333,22 @@ class PrefillComponent:
         self._aborts.discard(t)
         if not t.cancelled() and t.exception() is not None:
             log.warning("prefill_abort_failed", error=repr(t.exception()))
+
+
+def _trace_chunks(job: PrefillJob, ev: TokenEvent) -> None:
+    """The job's engine queue wait and each prefill chunk (one engine step's share of the
+    prompt) as spans, from the times stamped at each step's end."""
+    t = ev.timings
+    at = job.started_ns
+    if t is not None and t.queue_s is not None:
+        end = at + int(t.queue_s * 1e9)
+        trace.record("engine.queue", at, end, engine_request=job.engine_id)
+        at = end
+    done = 0
+    for i, (ns, computed) in enumerate(job.marks):
+        trace.record("prefill.chunk", min(at, ns), ns, chunk=i, tokens=computed - done,
+                     computed_tokens=computed)
+        at, done = ns, computed
 
 
 async def _pump(stream: Any, inbox: asyncio.Queue) -> None:

@@ -13,8 +13,10 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moed.types import SamplingParams
+from moed.types import GrammarSpec, SamplingParams
 
+# Text fields (stop, skip_special_tokens) are not sent: the decode node detokenizes token one
+# itself, in the request it holds.
 _FIRST_TOKEN_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids",
                        "ignore_eos", "logprobs", "top_logprobs", "presence_penalty",
                        "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
@@ -39,6 +41,9 @@ class PrefillJobSpec:
     # (moed.api.internal): the prefill node writes nowhere else, and echoes it in FirstToken
     capability: str = ""
     expires_ms: int = 0            # wall clock: the capability is void after this
+    # the decode node's checkpoint hash (moed.model.identity): a prefill node serving another
+    # checkpoint refuses the job, also for a static peer that membership never compared
+    model_id: str = ""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -60,7 +65,8 @@ class PrefillJobSpec:
                        timeout_s=float(d["timeout_s"]), sampling=dict(d["sampling"]),
                        metadata=None if md is None else base64.b64decode(md, validate=True),
                        capability=str(d.get("capability", "")),
-                       expires_ms=int(d.get("expires_ms", 0)))
+                       expires_ms=int(d.get("expires_ms", 0)),
+                       model_id=str(d.get("model_id", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad prefill job: {type(e).__name__}: {e}") from None
         if not spec.token_ids or not spec.job_id or spec.timeout_s <= 0 or spec.skip_blocks < 0:
@@ -81,6 +87,8 @@ def sampling_fields(p: SamplingParams) -> dict[str, Any]:
     d = {k: getattr(p, k) for k in _FIRST_TOKEN_FIELDS}
     d["stop_token_ids"] = list(p.stop_token_ids)
     d["logit_bias"] = [[t, b] for t, b in p.logit_bias]
+    if p.grammar is not None:   # the first token obeys the request's grammar (structured outputs)
+        d["grammar"] = {"kind": p.grammar.kind, "source": p.grammar.source}
     return d
 
 
@@ -89,9 +97,12 @@ def first_token_params(d: dict[str, Any]) -> SamplingParams:
     decode node would, but never finish for a reason that frees the KV before it is sent (the
     decode node applies its own stop checks to the token). EOS stays banned under min_tokens.
     Token one has no output history: of the penalties only repetition_penalty (over the prompt)
-    and logit_bias can change it, and they are applied here as on the decode node."""
+    and logit_bias can change it, and they are applied here as on the decode node. A grammar
+    constrains token one here as it will every later one on the decode node."""
     try:
         min_tokens = int(d.get("min_tokens", 0))
+        g = d.get("grammar")
+        grammar = None if g is None else GrammarSpec(str(g["kind"]), str(g.get("source", "")))
         return SamplingParams(
             max_tokens=2, temperature=float(d.get("temperature", 1.0)),
             top_p=float(d.get("top_p", 1.0)), top_k=int(d.get("top_k", 0)),
@@ -104,8 +115,9 @@ def first_token_params(d: dict[str, Any]) -> SamplingParams:
             frequency_penalty=float(d.get("frequency_penalty", 0.0)),
             repetition_penalty=float(d.get("repetition_penalty", 1.0)),
             min_p=float(d.get("min_p", 0.0)),
-            logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())))
-    except (TypeError, ValueError) as e:
+            logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
+            grammar=grammar)
+    except (TypeError, ValueError, KeyError) as e:
         raise ProtocolError(f"bad sampling params: {e}") from None
 
 
