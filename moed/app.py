@@ -356,6 +356,10 @@ class App:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, *(s for s, _ in self._signals)):
                 loop.remove_signal_handler(sig)
+            # The exit code is decided; a SIGTERM during the last teardown (thread joins,
+            # transfer agents closing) must not turn a clean exit into a death by signal.
+            # SIGKILL (systemd's TimeoutStopSec) still ends a teardown that hangs.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 async def _quietly(aw: Awaitable[Any], what: str) -> None:
