@@ -36,7 +36,7 @@ from moed.balance.cost import (AdvertisedCost, CostModel, ExpertShape, bucket_of
                                shape_of)
 from moed.config import BalanceConfig
 from moed.engine.request import Request
-from moed.kvcache.manager import NO_HIT, KVCacheManager
+from moed.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 from moed.model.batch import ForwardBatch
 from moed.types import ContextRule, FinishReason, RequestState, TokenEvent
 
@@ -233,15 +233,8 @@ class Scheduler:
             n = min(req.num_tokens - hit.num_tokens, budget)
             if not self.kv.can_allocate_prompt(hit, hit.num_tokens + n):
                 break
-            alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, hit.num_tokens + n)
             self.waiting.popleft()
-            _scheduled(req)
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = alloc.num_cached_tokens
-            req.num_computed_tokens = alloc.num_cached_tokens
-            req.set_state(RequestState.RUNNING)
-            self.running.append(req)
-            chunks.append(ScheduledChunk(req, n, req.num_computed_tokens + n == req.num_tokens))
+            chunks.append(self._seat(req, hit, n))
             budget -= n
 
         return self._plan(chunks, preempted), events
@@ -311,16 +304,22 @@ class Scheduler:
             n = min(p.num_tokens, req.num_tokens - hit.num_tokens)
             if not self.kv.can_allocate_prompt(hit, hit.num_tokens + n):
                 continue
-            alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, hit.num_tokens + n)
             self.waiting.remove(req)
-            _scheduled(req)
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = alloc.num_cached_tokens
-            req.num_computed_tokens = alloc.num_cached_tokens
-            req.set_state(RequestState.RUNNING)
-            self.running.append(req)
-            chunks.append(ScheduledChunk(req, n, req.num_computed_tokens + n == req.num_tokens))
+            chunks.append(self._seat(req, hit, n))
         return self._plan(chunks, preempted), events
+
+    def _seat(self, req: Request, hit: PrefixHit, n: int) -> ScheduledChunk:
+        """Give a waiting request (already off the queue) its blocks for the prefix hit plus
+        `n` new tokens and make it RUNNING; -> its chunk of this step. Both policies seat
+        requests here (the caller checked can_allocate_prompt)."""
+        alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, hit.num_tokens + n)
+        _scheduled(req)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = alloc.num_cached_tokens
+        req.num_computed_tokens = alloc.num_cached_tokens
+        req.set_state(RequestState.RUNNING)
+        self.running.append(req)
+        return ScheduledChunk(req, n, req.num_computed_tokens + n == req.num_tokens)
 
     def _seated(self) -> int:
         return len(self.running) + len(self.remote) + len(self.loading)
