@@ -8,8 +8,8 @@ Two ways to get one:
 - `serve_process(...)`: the same as a context manager, for module/session-scoped fixtures.
 
 The server listens on a free port, logs JSON to a file under the test's tmp dir (srv.log_path),
-and the start waits for GET /ready == 200 (or `wait="health"` for nodes that are not ready
-alone) within `ready_timeout` seconds; a server that exits or misses the deadline fails the
+and the start waits for GET /ready == 200 (a router: until it has started, see start_server;
+or `wait="health"` for nodes that are not ready alone) within `ready_timeout` seconds; a server that exits or misses the deadline fails the
 test with the tail of its log.
 """
 from __future__ import annotations
@@ -199,13 +199,25 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def _wait_ready(srv: ServerProcess, path: str, deadline: float) -> None:
+def _ready_reason(body: str) -> str | None:
+    try:
+        got = json.loads(body)
+    except ValueError:
+        return None
+    return got.get("status") if isinstance(got, dict) else None
+
+
+def _wait_ready(srv: ServerProcess, path: str, deadline: float, started: bool = False) -> None:
+    """Until GET `path` is 200; with `started`, /ready's 503 for a reason other than
+    starting/draining counts too (a router that is up but knows no serving node yet)."""
     while time.monotonic() < deadline:
         if not srv.alive:
             raise AssertionError(f"moed serve exited with {srv.proc.returncode} before {path} "
                                  f"was 200; log tail:\n{srv.tail()}")
         with contextlib.suppress(OSError):
-            if srv.get(path, timeout=1.0)[0] == 200:
+            status, body = srv.get(path, timeout=1.0)
+            if status == 200 or (started and status == 503 and _ready_reason(body) not in
+                                 ("starting", "draining", None)):
                 return
         time.sleep(0.1)
     raise AssertionError(f"moed serve not ready within the deadline; log tail:\n{srv.tail()}")
@@ -249,13 +261,13 @@ def start_server(*, model: str | Path | None = None, role: str | None = None,
     finally:
         log_file.close()
     srv = ServerProcess(f"http://127.0.0.1:{port}", port, proc, log_path, argv)
-    if wait == "ready" and role == "router":
-        wait = "health"     # a router's /ready needs a live serving node, which one started
-        #                     first (a seed) does not know yet
+    # a router's /ready needs a live serving node, which one started first (a seed) does not
+    # know yet: wait until it has started (every component up), not until it is ready
+    started = wait == "ready" and role == "router"
     if wait:
         try:
             _wait_ready(srv, "/ready" if wait == "ready" else "/health",
-                        time.monotonic() + ready_timeout)
+                        time.monotonic() + ready_timeout, started)
         except BaseException:
             srv.stop(signal.SIGKILL)
             raise
