@@ -281,3 +281,22 @@ def serve_process(**kw) -> Iterator[ServerProcess]:
         yield srv
     finally:
         srv.stop(timeout=15.0)
+
+
+@contextlib.contextmanager
+def started_together(specs: Mapping[str, tuple[str, int | None, Mapping[str, str]]],
+                     model: str | Path, log_dir: Path, common: Mapping[str, str],
+                     ready_timeout: float = 150.0) -> Iterator[dict[str, ServerProcess]]:
+    """Start every node of `specs` (name -> (role, port or None, env)) at once, then wait for
+    each to be ready (they load in parallel); stop them all on exit."""
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for name, (role, port, env) in specs.items():
+            servers[name] = start_server(model=model, role=role, port=port,
+                                         env={**common, **env}, log_dir=log_dir, wait=None)
+        for s in servers.values():
+            _wait_ready(s, "/ready", time.monotonic() + ready_timeout)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop(timeout=10)

@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from moed_server import ServerProcess, _wait_ready, free_port, start_server
+from moed_server import ServerProcess, free_port, started_together
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,19 +43,9 @@ def cluster(tiny_qwen3, tmp_path_factory):
                                      "MOED_TRANSFER_PREFILL_TIMEOUT_S": "6",
                                      "MOED_TRANSFER_MAX_PREFILL_RETRIES": "1",
                                      "MOED_TRANSFER_PEER_ERROR_COOLDOWN_S": "1"})}
-    log_dir = tmp_path_factory.mktemp("disagg")
-    servers: dict = {}
-    try:
-        for name, (role, port, env) in specs.items():     # start all, then wait: in parallel
-            servers[name] = start_server(model=tiny_qwen3, role=role, port=port,
-                                         env={**COMMON, **env}, log_dir=log_dir, wait=None)
-        for s in servers.values():
-            _wait_ready(s, "/ready", time.monotonic() + 150)
+    with started_together(specs, tiny_qwen3, tmp_path_factory.mktemp("disagg"), COMMON) as servers:
         max_len = json.loads((tiny_qwen3 / "config.json").read_text())["max_position_embeddings"]
         yield {**servers, "_model": tiny_qwen3, "_model_max_len": max_len}
-    finally:
-        for s in servers.values():
-            s.stop(timeout=10)
 
 
 def _client(srv: ServerProcess) -> openai.OpenAI:

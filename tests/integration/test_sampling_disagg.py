@@ -6,12 +6,11 @@ logprobs) is served by the decode node computing the prompt itself: same values 
 from __future__ import annotations
 
 import random
-import time
 
 import openai
 import pytest
 
-from moed_server import _wait_ready, free_port, start_server
+from moed_server import free_port, started_together
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,18 +26,8 @@ def pair(tiny_qwen3, tmp_path_factory):
     specs = {"C": ("colocated", None, {}), "P": ("prefill", p_port, {}),
              "D": ("decode", None, {"MOED_TRANSFER_PREFILL_PEERS": f"http://127.0.0.1:{p_port}",
                                     "MOED_TRANSFER_PREFILL_TIMEOUT_S": "30"})}
-    log_dir = tmp_path_factory.mktemp("sdisagg")
-    servers: dict = {}
-    try:
-        for name, (role, port, env) in specs.items():     # start all, then wait: in parallel
-            servers[name] = start_server(model=tiny_qwen3, role=role, port=port,
-                                         env={**COMMON, **env}, log_dir=log_dir, wait=None)
-        for s in servers.values():
-            _wait_ready(s, "/ready", time.monotonic() + 150)
+    with started_together(specs, tiny_qwen3, tmp_path_factory.mktemp("sdisagg"), COMMON) as servers:
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop(timeout=10)
 
 
 def _client(srv) -> openai.OpenAI:
