@@ -88,6 +88,8 @@ class Membership:
         # (a refusal can still follow a first merge: another seed's answer)
         self.on_join: Callable[[NameTaken | None], None] = lambda err: None
         self._joined = False
+        self._asking: str | None = None      # the holder of our name we are pinging
+        self._past_lives: set[str] = set()   # addresses of our silent previous lives
         me = Member(name, self.addr, incarnation, meta, LoadVector(), scheduler.wall_ms(),
                     self._stamp())
         self._members[name] = me
@@ -312,6 +314,13 @@ class Membership:
         if sender == self.name:                # no process sends to itself
             if from_addr != self.addr:
                 self._conflict(self.name, self.addr, from_addr)
+                # ...but a second process with our name may ask whether we live: answer
+                # its ping, and take the answer to ours (see _ask_holder); nothing else
+                for msg in msgs:
+                    if isinstance(msg, Ping):
+                        self.prober.on_ping(msg)
+                    elif isinstance(msg, Ack):
+                        self.prober.on_ack(msg)
             return
         self.stats["recv_packets"] += 1
         for msg in msgs:
@@ -335,9 +344,12 @@ class Membership:
         self.stats["recv_streams"] += 1
         if pp.join and pp.reply:                   # a seed's answer to our join
             holder = self._holder_of_our_name(pp.states)
-            if holder is not None:
-                self._refuse(sender, holder)
+            if holder is not None and holder.addr not in self._past_lives:
+                self._ask_holder(sender, pp.source_addr, holder)
                 return
+            if holder is not None:                 # our previous life, already outranked
+                pp = PushPull(pp.join, pp.reply, pp.source_addr,
+                              tuple(e for e in pp.states if e.name != self.name))
         taken = self._claims_taken_name(sender, pp.source_addr)
         if not pp.reply and not self._leaving:     # (our state tells a duplicate it is one)
             self._send_push_pull(pp.source_addr, join=pp.join, reply=True)
@@ -389,6 +401,8 @@ class Membership:
         me = self._members[self.name]
         if self._leaving:
             return
+        if msg.addr in self._past_lives and msg.incarnation < me.incarnation:
+            return                            # gossip about our outranked previous life
         if msg.addr != me.addr:
             # Another process with our name got into someone's view. Outrank it, at most once
             # per push-pull interval, so that the two of us cannot start an incarnation war.
@@ -515,13 +529,43 @@ class Membership:
 
     # ---- duplicate names ----------------------------------------------------------------
 
-    def _holder_of_our_name(self, states: tuple[StateEntry, ...]) -> str | None:
-        """The address of a live member that holds our name elsewhere (at our own address it
-        is our previous life: a restart)."""
+    def _holder_of_our_name(self, states: tuple[StateEntry, ...]) -> StateEntry | None:
+        """A live member's entry that holds our name elsewhere (at our own address it is our
+        previous life: a restart)."""
         for e in states:
             if e.name == self.name and e.addr != self.addr and e.state in _LIVE:
-                return e.addr
+                return e
         return None
+
+    def _ask_holder(self, seed: str, seed_addr: str, holder: StateEntry) -> None:
+        """A live entry holds our name at another address. Ping it (directly, and through the
+        members we know): an answer means a second process runs with our name, and we are
+        refused; silence means it is our previous life, killed before anyone declared it dead
+        and restarted on a new address (a new pod IP, a new port): we outrank it."""
+        if self._asking is not None or self._stopped:
+            return                                 # one question at a time
+        self._asking = holder.addr
+
+        def verdict(acked: bool) -> None:
+            self._asking = None
+            if self._stopped:
+                return
+            if acked:
+                self._refuse(seed, holder.addr)
+                return
+            self._past_lives.add(holder.addr)
+            me = self._members[self.name]
+            me.incarnation = max(me.incarnation, holder.incarnation) + 1
+            self.stats["past_lives_outranked"] += 1
+            log.warning("cluster_previous_life_outranked", node=self.name, addr=self.addr,
+                        previous=holder.addr, incarnation=me.incarnation)
+            self._changed()
+            self._broadcast_self()
+            self._send(seed_addr, [self._alive_msg(me)])   # the seed first: it still holds
+            self._send_push_pull(seed_addr, join=True, reply=False)   # ... the old entry
+        probe = Member(self.name, holder.addr, holder.incarnation, holder.meta, holder.load,
+                       holder.load_seq, self._stamp())
+        self.prober.probe(probe, verdict)
 
     def _claims_taken_name(self, sender: str, addr: str) -> bool:
         """A push-pull from `sender` at `addr` while a live member holds that name elsewhere:

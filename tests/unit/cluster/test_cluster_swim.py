@@ -266,3 +266,29 @@ def test_restarts_that_reuse_a_name_are_not_conflicts() -> None:
                                   for v in _views_of(sim, "n0001").values()))
     assert all(v[:2] == (A, moved.addr) for v in _views_of(sim, "n0001").values())
     assert sum(m.stats["name_conflicts"] for m in sim.live()) == 0
+
+
+def test_a_restart_on_a_new_address_outranks_its_silent_previous_life() -> None:
+    """kill -9 and back at once on another address (a new pod IP, a new port) while every
+    view still holds the old entry alive: the holder does not answer the newcomer's ping, so
+    it is a previous life, not a duplicate; the newcomer outranks it and every view moves."""
+    sim = Simulation(5, seed=16)
+    sim.run(2)
+    old = sim.nodes["n0003"]
+    inc = old.incarnation
+    sim.crash("n0003")
+    with capture_logs() as logs:
+        back = sim.add("n0003", seeds=(Simulation.addr_of(0),), incarnation=1)
+        outcomes: list = []
+        back.on_join = outcomes.append
+        back.start()
+        sim.run(10, until=lambda: all(v[:2] == (A, back.addr)
+                                      for v in _views_of(sim, "n0003").values()))
+    assert back.addr != old.addr and outcomes == [None] and not back._stopped
+    assert all(v[:2] == (A, back.addr) and v[2] > inc for v in _views_of(sim, "n0003").values())
+    assert back.stats["past_lives_outranked"] == 1 and back.stats["name_taken"] == 0
+    assert [e["previous"] for e in logs if e["event"] == "cluster_previous_life_outranked"] \
+        == [old.addr]
+    assert not any(e["event"] == "cluster_name_taken" for e in logs)
+    sim.run(5)
+    assert sim.converged() and not back._stopped
