@@ -201,18 +201,20 @@ def model_trace(cache: Path, batches: int, batch: int, prompt: int,
     return windows, info
 
 
-def ep_runtime(cache: Path, batch: int, steps: int, redundant: int, rebalances: int) -> dict:
-    """Section 5: decode step time at EP = 1/2/4, and step-time p99 during vs outside a rebalance."""
+def ep_runtime(cache: Path, batch: int, steps: int, redundant: int, rebalances: int,
+               decode: bool = True, step_mb: float = 2.0) -> dict:
+    """Section 5: decode step time at EP = 1/2/4 (unless not `decode`), and step-time p99 during
+    vs outside a rebalance."""
     import subprocess
     sys.path.insert(0, str(ROOT / "bench"))
     from ep_step import _checkpoint, _port, measure
 
     model = _checkpoint("qwen3_moe", "bench", cache)
-    out: dict = {"decode": measure(model, (1, 2, 4), batch=batch, context=128, steps=steps)}
+    out: dict = {"decode": measure(model, (1, 2, 4), batch=batch, context=128, steps=steps) if decode else []}
     n, port = 2, _port()
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n)), "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, __file__, "--rebalance-worker", str(model), str(port), str(batch),
-            str(steps), str(redundant), str(rebalances)]
+            str(steps), str(redundant), str(rebalances), str(step_mb)]
     procs = [subprocess.Popen([*argv, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                               text=True) for r in range(n)]
     ranks = []
@@ -227,12 +229,21 @@ def ep_runtime(cache: Path, batch: int, steps: int, redundant: int, rebalances: 
             if p.poll() is None:
                 p.kill()
     res = {"ep_size": n, "redundant_slots_per_rank": redundant, "rebalances": rebalances,
-           "bytes_moved_per_rank": [r["bytes_moved"] for r in ranks]}
+           "eplb_step_mb": step_mb,
+           "bytes_moved_per_rank": [r["bytes_moved"] for r in ranks],
+           "balancer_ms_p50_per_rank": [r["balancer_ms_p50"] for r in ranks]}
     for phase in ("outside", "during"):
         step = [max(r[phase][i] for r in ranks) for i in range(len(ranks[0][phase]))]
         res[phase] = {"steps": len(step), "p50_ms": 1e3 * _quantile(step, 0.5),
                       "p99_ms": 1e3 * _quantile(step, 0.99), "max_ms": 1e3 * max(step)}
     res["p99_ratio"] = res["during"]["p99_ms"] / res["outside"]["p99_ms"]
+    # where the during-steps' time goes: by what the balancer did in the step (rank 0's view)
+    during = [max(r["during"][i] for r in ranks) for i in range(len(ranks[0]["during"]))]
+    by: dict[str, list[float]] = {}
+    for ph, t in zip(ranks[0]["phases"], during):
+        by.setdefault(ph, []).append(t)
+    res["during_by_phase"] = {ph: {"steps": len(ts), "p50_ms": 1e3 * _quantile(ts, 0.5),
+                                   "max_ms": 1e3 * max(ts)} for ph, ts in by.items()}
     out["rebalance"] = res
     return out
 
@@ -243,8 +254,10 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def _rebalance_worker(model: str, port: int, batch: int, steps: int, redundant: int, rebalances: int,
-                      rank: int) -> None:
-    """One rank of section 5's rebalance run: decode steps outside, then during rebalances."""
+                      step_mb: float, rank: int) -> None:
+    """One rank of section 5's rebalance run: `steps` decode steps outside a rebalance, then
+    rebalances, each after `steps // rebalances` more outside steps (interleaved, so a change
+    in the machine's load falls on both sides)."""
     from moed.config import ParallelConfig
     from moed.model.batch import ForwardBatch
     from moed.model.runner import ModelRunner
@@ -254,7 +267,8 @@ def _rebalance_worker(model: str, port: int, batch: int, steps: int, redundant: 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     spec = load_spec(model)
     cfg = ParallelConfig(ep_size=2, ep_rank=rank, ep_init=f"tcp://127.0.0.1:{port}", collective_timeout_s=120,
-                         redundant_experts=redundant, eplb_interval_s=7 * 86400, eplb_min_gain=0.0)
+                         redundant_experts=redundant, eplb_interval_s=7 * 86400, eplb_min_gain=0.0,
+                         eplb_step_mb=step_mb)
     ep = EPRuntime.plan(cfg, spec.num_experts, torch.device("cpu"))
     context, block = 128, 16
     per_seq = -(-(context + 1) // block)
@@ -274,32 +288,47 @@ def _rebalance_worker(model: str, port: int, batch: int, steps: int, redundant: 
         runner.forward(dec)
     runner.expert_load()
 
+    phases: list[str] = []
+    balancer: list[float] = []      # the balancer's own time in a step (after the forward)
+
     def step() -> float:
         """A step as the engine runs it: forward, the agreement (rank 0's word to the balancer),
-        the balancer's work when there is any."""
+        the balancer's work when there is any. Its phase (what the balancer did in it) is kept."""
         t0 = time.perf_counter()
+        solving = rb._decision is not None
         runner.forward(dec)
         word = torch.tensor([rb.wanted()], dtype=torch.long)
         torch.distributed.all_reduce(word)
-        if word.item() or rb.busy:
-            rb.step(int(word.item()))
+        w = int(word.item())
+        phases.append({1: "collect", 2: "publish"}.get(w, "apply" if rb.busy else
+                                                          "solve" if solving else "idle"))
+        if w or rb.busy:
+            t1 = time.perf_counter()
+            rb.step(w)
+            balancer.append(time.perf_counter() - t1)
         return time.perf_counter() - t0
 
     outside = [step() for _ in range(steps)]
+    kinds = ["outside"] * steps
     during: list[float] = []
     zg = torch.Generator().manual_seed(7)          # the same skewed windows on both ranks
     skews = [zipf_logits(len(rb.layers), spec.num_experts, 1.2, zg) for _ in range(2)]
     for k in range(rebalances):
+        for _ in range(max(1, steps // rebalances)):
+            outside.append(step())
+            kinds.append("outside")
         rb.add_load(torch.zeros((spec.num_layers, spec.num_experts), dtype=torch.long).index_copy_(
             0, torch.tensor(rb.index), sample(skews[k % 2], 4096, zg)))
         rb.last = time.monotonic() - rb.interval_s           # due now (rank 0's clock)
         decided = rb.decisions
         for _ in range(20 * len(rb.layers) + 100):           # collect, decide, publish, apply
             during.append(step())
+            kinds.append("during")
             if rb.decisions > decided and not rb.busy:
                 break
-    print(json.dumps({"outside": outside, "during": during, "bytes_moved": dict(rb.bytes_moved),
-                      "rebalances": rb.rebalances}))
+    print(json.dumps({"outside": outside, "during": during, "phases": [ph for ph, k in zip(phases, kinds) if k == "during"],
+                      "balancer_ms_p50": 1e3 * _quantile(balancer, 0.5) if balancer else 0.0,
+                      "bytes_moved": dict(rb.bytes_moved), "rebalances": rb.rebalances}))
     ep.close()
 
 
@@ -338,52 +367,9 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--rebalance-worker":
-        a = sys.argv[2:]
-        _rebalance_worker(a[0], *map(int, a[1:7]))
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--nodes", type=int, default=2, help="nodes of the hierarchical variant")
-    ap.add_argument("--tokens", type=int, default=32768, help="routed tokens per layer per window")
-    ap.add_argument("--zipf", default="0.8,1.0,1.2", help="Zipf exponents of the skewed traces")
-    ap.add_argument("--windows", type=int, default=20)
-    ap.add_argument("--sigma", type=float, default=0.1, help="log-popularity random-walk step per window")
-    ap.add_argument("--min-gain", type=float, default=0.01)
-    ap.add_argument("--expert-bytes", type=int, default=3 * 2048 * 768 * 2)
-    ap.add_argument("--skip-model", action="store_true", help="no real routing trace")
-    ap.add_argument("--model-ranks", type=int, default=4)
-    ap.add_argument("--model-batches", type=int, default=4, help="windows of the real trace")
-    ap.add_argument("--cache", default=str(ROOT / ".cache" / "bench"))
-    ap.add_argument("--skip-ep", action="store_true", help="no section 5 (EP processes)")
-    ap.add_argument("--ep-batch", type=int, default=8, help="decode sequences per rank (section 5)")
-    ap.add_argument("--ep-steps", type=int, default=40, help="decode steps measured per phase (section 5)")
-    ap.add_argument("--ep-redundant", type=int, default=2, help="redundant slots per rank (section 5)")
-    ap.add_argument("--ep-rebalances", type=int, default=6, help="rebalances measured (section 5)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "eplb.json"))
-    a = ap.parse_args()
-    t_start = time.perf_counter()
-    g = torch.Generator().manual_seed(0)
-    reds = redundancies(a.experts, a.ranks)
-    exps = [float(x) for x in a.zipf.split(",")]
-    topo = {"global": 1, f"{a.nodes} nodes": a.nodes}
-    print(f"EPLB bench: {a.layers} layers x {a.experts} experts on {a.ranks} ranks, {a.tokens} "
-          f"routed tokens per layer per window; redundant slots {reds}")
-    res: dict = {"layers": a.layers, "experts": a.experts, "ranks": a.ranks, "nodes": a.nodes,
-                 "tokens": a.tokens, "redundant_slots": reds, "min_gain": a.min_gain,
-                 "expert_bytes": a.expert_bytes, "sigma": a.sigma, "windows": a.windows,
-                 "first_placement": {}, "drift": {}}
-    for tname, nodes in topo.items():
-        rows = {}
-        for s in exps:
-            rows[f"zipf {s}"] = first_placement(sample(zipf_logits(a.layers, a.experts, s, g), a.tokens, g),
-                                                a.ranks, nodes)
-        res["first_placement"][tname] = rows
-        print_first(f"1. balancedness, first placement ({tname})", rows, reds)
-
+def sections_2_to_4(a: argparse.Namespace, res: dict, g: torch.Generator, topo: dict,
+                    reds: list[int]) -> None:
+    """Drifting loads, the checkpoint's routing trace, the balancers' time per call."""
     z = zipf_logits(a.layers, a.experts, 1.0, g)
     windows = []
     for _ in range(a.windows + 1):
@@ -422,11 +408,68 @@ def main() -> int:
     res["timing"] = timing()
     for k, v in res["timing"].items():
         print(f"  {k:<40} {v:6.3f} s")
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rebalance-worker":
+        a = sys.argv[2:]
+        _rebalance_worker(a[0], *map(int, a[1:6]), float(a[6]), int(a[7]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--nodes", type=int, default=2, help="nodes of the hierarchical variant")
+    ap.add_argument("--tokens", type=int, default=32768, help="routed tokens per layer per window")
+    ap.add_argument("--zipf", default="0.8,1.0,1.2", help="Zipf exponents of the skewed traces")
+    ap.add_argument("--windows", type=int, default=20)
+    ap.add_argument("--sigma", type=float, default=0.1, help="log-popularity random-walk step per window")
+    ap.add_argument("--min-gain", type=float, default=0.01)
+    ap.add_argument("--expert-bytes", type=int, default=3 * 2048 * 768 * 2)
+    ap.add_argument("--skip-model", action="store_true", help="no real routing trace")
+    ap.add_argument("--model-ranks", type=int, default=4)
+    ap.add_argument("--model-batches", type=int, default=4, help="windows of the real trace")
+    ap.add_argument("--cache", default=str(ROOT / ".cache" / "bench"))
+    ap.add_argument("--skip-ep", action="store_true", help="no section 5 (EP processes)")
+    ap.add_argument("--ep-batch", type=int, default=8, help="decode sequences per rank (section 5)")
+    ap.add_argument("--ep-steps", type=int, default=40, help="decode steps measured per phase (section 5)")
+    ap.add_argument("--ep-redundant", type=int, default=2, help="redundant slots per rank (section 5)")
+    ap.add_argument("--ep-rebalances", type=int, default=6, help="rebalances measured (section 5)")
+    ap.add_argument("--ep-step-mb", type=float, default=2.0,
+                    help="parallel.eplb_step_mb of the rebalance run (0 = whole layers)")
+    ap.add_argument("--rebalance-only", action="store_true",
+                    help="only the step time during vs outside a rebalance (section 5's end)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "eplb.json"))
+    a = ap.parse_args()
+    t_start = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    reds = redundancies(a.experts, a.ranks)
+    exps = [float(x) for x in a.zipf.split(",")]
+    topo = {"global": 1, f"{a.nodes} nodes": a.nodes}
+    print(f"EPLB bench: {a.layers} layers x {a.experts} experts on {a.ranks} ranks, {a.tokens} "
+          f"routed tokens per layer per window; redundant slots {reds}")
+    res: dict = {"layers": a.layers, "experts": a.experts, "ranks": a.ranks, "nodes": a.nodes,
+                 "tokens": a.tokens, "redundant_slots": reds, "min_gain": a.min_gain,
+                 "expert_bytes": a.expert_bytes, "sigma": a.sigma, "windows": a.windows,
+                 "first_placement": {}, "drift": {}}
+    for tname, nodes in ({} if a.rebalance_only else topo).items():
+        rows = {}
+        for s in exps:
+            rows[f"zipf {s}"] = first_placement(sample(zipf_logits(a.layers, a.experts, s, g), a.tokens, g),
+                                                a.ranks, nodes)
+        res["first_placement"][tname] = rows
+        print_first(f"1. balancedness, first placement ({tname})", rows, reds)
+
+    if a.rebalance_only:
+        a.skip_model = True
+    else:
+        sections_2_to_4(a, res, g, topo, reds)
     if not a.skip_ep:
         print("\n5. the EP runtime: decode step time at EP=1/2/4, step-time p99 during a rebalance ...",
               flush=True)
         ep = res["ep_runtime"] = ep_runtime(Path(a.cache), a.ep_batch, a.ep_steps, a.ep_redundant,
-                                            a.ep_rebalances)
+                                            a.ep_rebalances, decode=not a.rebalance_only,
+                                            step_mb=a.ep_step_mb)
         print(f"  {'EP':>3} {'thr':>4} {'tok/step':>8} {'step ms p50':>11} {'p90':>7} {'coll ms':>8} {'tok/s':>7}")
         for r in ep["decode"]:
             print(f"  {r['ep_size']:>3} {r['threads_per_rank']:>4} {r['tokens_per_step']:>8} "
@@ -434,18 +477,25 @@ def main() -> int:
                   f"{r['tokens_per_s']:>7.0f}")
         rb = ep["rebalance"]
         print(f"  EP=2, +{rb['redundant_slots_per_rank']} slots/rank, {rb['rebalances']} rebalances "
-              f"(one layer per step), bytes moved per rank {rb['bytes_moved_per_rank']}")
+              f"(eplb_step_mb {rb['eplb_step_mb']}, one layer per step at most), bytes moved per "
+              f"rank {rb['bytes_moved_per_rank']}, balancer ms per step p50 "
+              f"{[round(x, 2) for x in rb['balancer_ms_p50_per_rank']]}")
         for phase in ("outside", "during"):
             r = rb[phase]
             print(f"  step time {phase:<8} a rebalance: p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  "
                   f"max {r['max_ms']:7.2f} ms  ({r['steps']} steps)")
         print(f"  p99 during / outside: {rb['p99_ratio']:.2f}x (goal <= 1.1x)")
+        for ph, r in rb["during_by_phase"].items():
+            print(f"    during, {ph:<8} steps {r['steps']:>4}  p50 {r['p50_ms']:7.2f} ms  max {r['max_ms']:7.2f} ms")
     res.update(cpu=platform.processor(), cpus=os.cpu_count(), torch_threads=torch.get_num_threads(),
                load_average=os.getloadavg(), wall_s=time.perf_counter() - t_start)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     png = out.with_suffix(".png")
+    if a.rebalance_only:            # the plots are of sections 1-2
+        print(f"\nsaved {out} ({res['wall_s']:.0f} s)")
+        return 0
     plot(res, png)
     print(f"\nsaved {out} and {png} ({res['wall_s']:.0f} s)")
     return 0

@@ -414,6 +414,10 @@ class ParallelConfig:
     eplb_layers_per_step: int = _f(1, bounds=(1, 1024),
                                    doc="MoE layers whose new expert map is applied per step "
                                    "while a rebalance is under way")
+    eplb_step_mb: float = _f(2.0, bounds=(0, 1 << 20),
+                             doc="expert-weight MB a rank sends, receives or copies per step "
+                             "while a rebalance is under way (at least one expert; a layer "
+                             "switches once all its experts are in); 0 = whole layers")
 
     def __post_init__(self) -> None:
         # the checks across fields (ep_rank < ep_size, ep_init given) are the pre-flight's

@@ -12,14 +12,18 @@ passes, in the same step on every rank, so each one is matched):
   publish   once it is done rank 0 says PUBLISH; after that step every rank receives the new
             physical -> logical map [L, P] (one broadcast); layers whose map does not change
             are left alone
-  apply     parallel.eplb_layers_per_step layers per step, in layer order: each slot whose
-            expert changes gets the new expert's weights from a slot that holds it under the
-            old map (on its own rank: a local copy; else one peer, batched isend/irecv). The
-            transfers are posted after one step and run during the next forward (which only
-            reads the slots); after that step they are waited for, written into the slot
-            tensors (and the CPU kernels' packed copies), then the layer's router table and
-            dispatch layout switch. Tokens see a layer's old map or its new one, never half of
-            one, and no step moves the whole model
+  apply     in layer order, in chunks: each slot whose expert changes gets the new expert's
+            weights from a slot that holds it under the old map (on its own rank: a local copy;
+            else one peer, batched isend/irecv). A layer's moves are cut into chunks of at most
+            parallel.eplb_step_mb per rank (sent + received + copied; one move at least), and
+            each step posts chunks up to that budget (of at most eplb_layers_per_step layers):
+            the transfers are posted after one step and run during the next forward (which only
+            reads the slots); after that step they are waited for and kept aside. Once a
+            layer's last chunk is in, its slots are written (and the CPU kernels' packed
+            copies), then its router table and dispatch layout switch. Tokens see a layer's old
+            map or its new one, never half of one, and no step moves more than the budget:
+            the transfers share the forward's cores and links, so a step during a rebalance
+            stays as long as one outside it
   idle      until the next interval
 The old map always holds every expert (EPLayout refuses one that does not), so some rank always
 has the weights: the checkpoint is not read again.
@@ -74,6 +78,41 @@ def plan_moves(old: EPLayout, new: EPLayout) -> list[Move]:
     return moves
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Some of one layer's moves, posted in one step; `last`: the layer switches after it."""
+    layer: int
+    moves: tuple[tuple[int, Move], ...]     # (index of the move in the layer's plan, move)
+    cost: tuple[int, ...]                   # bytes each rank sends + receives + copies
+    last: bool
+
+
+def plan_chunks(layer: int, old: EPLayout, new: EPLayout, slot_bytes: int,
+                budget: int) -> list[Chunk]:
+    """Layer `layer`'s moves (plan_moves, in order) cut into chunks whose cost on every rank is
+    at most `budget` bytes (a single move over it is a chunk of its own; 0 = one chunk): the
+    same cut on every rank, as it depends only on the maps."""
+    moves = plan_moves(old, new)
+    chunks: list[Chunk] = []
+    cur: list[tuple[int, Move]] = []
+    cost = [0] * new.ep_size
+    for n, m in enumerate(moves):
+        add = [0] * new.ep_size
+        dst, src = new.rank_of(m.slot), old.rank_of(m.source)
+        add[dst] += slot_bytes
+        if src != dst:
+            add[src] += slot_bytes
+        if cur and budget > 0 and max(c + a for c, a in zip(cost, add)) > budget:
+            chunks.append(Chunk(layer, tuple(cur), tuple(cost), False))
+            cur, cost = [], [0] * new.ep_size
+        cur.append((n, m))
+        cost = [c + a for c, a in zip(cost, add)]
+    # the last chunk switches the layer (one with no moves: a map whose slots only reorder
+    # the router's replica table still switches)
+    chunks.append(Chunk(layer, tuple(cur), tuple(cost), True))
+    return chunks
+
+
 def router_map(layout: EPLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's table for layout: logical_to_physical [E, R] (padded with each expert's
     first slot) and num_replicas [E]."""
@@ -87,20 +126,24 @@ def router_map(layout: EPLayout, device: torch.device) -> tuple[torch.Tensor, to
 class Rebalancer:
     def __init__(self, layers: list[tuple[int, Any]], layout: EPLayout, rank: int, interval_s: float,
                  min_gain: float, layers_per_step: int, timeout_s: float,
-                 device: torch.device) -> None:
+                 device: torch.device, step_bytes: int = 0) -> None:
         """layers: (model layer index, its moed.model.moe.MoELayer) of every MoE layer, in
         order (a layer has `experts`, `dist`, `router` and `set_expert_map`); layout: the map
-        they start with; device: the group's (collectives' tensors live there)."""
+        they start with; device: the group's (collectives' tensors live there); step_bytes:
+        the most expert-weight bytes a rank moves per step (0: whole layers)."""
         self.device = device
         self.index = [i for i, _ in layers]
         self.layers = [layer for _, layer in layers]
         self.rank = rank
         self.interval_s, self.min_gain, self.per_step = interval_s, min_gain, layers_per_step
+        self.step_bytes = step_bytes
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.maps = [layout] * len(layers)            # the map each layer uses now
         self.window = torch.zeros((len(layers), layout.num_experts), dtype=torch.long)
-        self.pending: list[tuple[int, EPLayout]] = []   # decided, not posted yet
-        self._inflight: list[_Transfer] = []            # posted, switched after the next step
+        self.pending: list[Chunk] = []                  # decided, not posted yet
+        self._inflight: list[_Transfer] = []            # posted, finished after the next step
+        self._staged: dict[int, _Transfer] = {}         # layer -> chunks in, not switched yet
+        self._new: dict[int, EPLayout] = {}             # layer -> the map it switches to
         self.last = time.monotonic()
         self.started = 0.0
         self.rebalances = 0             # applied (every changed layer switched)
@@ -129,6 +172,22 @@ class Rebalancer:
         """A step of this rebalance runs after every working step (the same on every rank)."""
         return bool(self.pending or self._inflight)
 
+    def _next_chunks(self) -> list[Chunk]:
+        """This step's chunks, in order: while every rank's cost stays within step_bytes (one
+        chunk at least) and they touch at most per_step layers; the same on every rank."""
+        out: list[Chunk] = []
+        cost: list[int] = []
+        layers: set[int] = set()
+        while self.pending:
+            c = self.pending[0]
+            total = [a + b for a, b in zip(cost, c.cost)] if cost else list(c.cost)
+            over = self.step_bytes > 0 and max(total) > self.step_bytes
+            if out and (over or (c.layer not in layers and len(layers) >= self.per_step)):
+                break
+            out.append(self.pending.pop(0))
+            cost, layers = total, layers | {c.layer}
+        return out
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -141,11 +200,11 @@ class Rebalancer:
         elif signal == PUBLISH and not self.busy:
             self._publish()
         elif self.busy:
-            for t in self._inflight:        # posted after the last step: finish, switch
+            for t in self._inflight:        # posted after the last step: finish (switch)
                 self._finish(t)
-            self._inflight = [self._post(*self.pending.pop(0))
-                              for _ in range(min(self.per_step, len(self.pending)))]
-            metrics.EPLB_LAYERS_PENDING.set(len(self.pending) + len(self._inflight))
+            self._inflight = [self._post(c) for c in self._next_chunks()]
+            metrics.EPLB_LAYERS_PENDING.set(len({c.layer for c in self.pending} |
+                                                {t.layer for t in self._inflight}))
             if not self.busy:
                 self.rebalances += 1
                 metrics.EPLB_REBALANCES.labels("applied").inc()
@@ -201,24 +260,31 @@ class Rebalancer:
             name = str(self.index[i])
             metrics.EPLB_BALANCEDNESS.labels(name, "before").set(float(before[i]))
             metrics.EPLB_BALANCEDNESS.labels(name, "after").set(float(after[i]))
-        self.pending = [(i, EPLayout.from_slots(lay.num_experts, lay.ep_size, out[i, 1:].tolist()))
-                        for i in range(len(self.layers)) if bool(changed[i])]
-        metrics.EPLB_LAYERS_PENDING.set(len(self.pending))
-        log.info("eplb_decided", tokens=int(load.sum()), layers_changed=len(self.pending),
+        self._new = {i: EPLayout.from_slots(lay.num_experts, lay.ep_size, out[i, 1:].tolist())
+                     for i in range(len(self.layers)) if bool(changed[i])}
+        self.pending = [c for i, new_map in self._new.items()
+                        for c in plan_chunks(i, self.maps[i], new_map, self._slot_bytes(i),
+                                             self.step_bytes)]
+        metrics.EPLB_LAYERS_PENDING.set(len(self._new))
+        log.info("eplb_decided", tokens=int(load.sum()), layers_changed=len(self._new),
                  balancedness_before=round(float(before.mean()), 4),
                  balancedness_after=round(float(after.mean()), 4))
         if not self.pending:
             metrics.EPLB_REBALANCES.labels("unchanged").inc()
 
-    def _post(self, i: int, new: EPLayout) -> _Transfer:
-        """Layer i: start moving the weights of the slots whose expert changes (local copies
-        now; peer transfers posted, not waited for: they run during the next forward, which
-        only reads the slots they read)."""
-        layer, old = self.layers[i], self.maps[i]
+    def _slot_bytes(self, i: int) -> int:
+        return _nbytes(self.layers[i].experts.slot_weights(0))
+
+    def _post(self, chunk: Chunk) -> _Transfer:
+        """A chunk of layer i's moves: start moving the weights of its slots (local copies now;
+        peer transfers posted, not waited for: they run during the next forward, which only
+        reads the slots they read; no slot of the layer is written before its last chunk)."""
+        i = chunk.layer
+        layer, old, new = self.layers[i], self.maps[i], self._new[i]
         experts, s, r = layer.experts, new.slots_per_rank, self.rank
-        t = _Transfer(i, new)
+        t = _Transfer(i, new, last=chunk.last)
         ops = []
-        for n, m in enumerate(plan_moves(old, new)):
+        for n, m in chunk.moves:
             dst, src = new.rank_of(m.slot), old.rank_of(m.source)
             tag = 2 * (i * new.num_physical + n)       # unique among the layers in flight
             if dst == r and src == r:       # copied now: the source slot may be overwritten
@@ -238,16 +304,23 @@ class Rebalancer:
         return t
 
     def _finish(self, t: _Transfer) -> None:
-        """Wait for layer t.layer's transfers, write the slots, then switch its map."""
+        """Wait for a chunk's transfers; after the layer's last, write its slots and switch its
+        map."""
         try:
             for work in t.works:
                 work.wait(self.timeout)
         except RuntimeError as e:       # a peer died or stalled mid-move
             raise GroupFailed(f"expert weights transfer failed: {_first_line(e)}") from None
+        staged = self._staged.setdefault(t.layer, _Transfer(t.layer, t.new))
+        staged.incoming.update(t.incoming)
+        staged.from_peer |= t.from_peer
+        if not t.last:
+            return
+        del self._staged[t.layer], self._new[t.layer]
         layer, new, s = self.layers[t.layer], t.new, t.new.slots_per_rank
-        for p, bufs in t.incoming.items():      # every buffer is in: now the slots change
+        for p, bufs in staged.incoming.items():     # every buffer is in: now the slots change
             layer.experts.load_slot(p % s, bufs)
-            source = "peer" if p in t.from_peer else "local"
+            source = "peer" if p in staged.from_peer else "local"
             self.bytes_moved[source] += _nbytes(bufs)
             metrics.EPLB_BYTES_MOVED.labels(source).inc(_nbytes(bufs))
         layer.dist.set_layout(new)
@@ -257,9 +330,11 @@ class Rebalancer:
 
 @dataclass
 class _Transfer:
-    """One layer's weight moves in flight (posted after one step, finished after the next)."""
+    """A chunk of one layer's weight moves in flight (posted after one step, finished after the
+    next), or a layer's chunks that are in (staged until its last)."""
     layer: int
     new: EPLayout
+    last: bool = False
     incoming: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # slot -> buffers
     from_peer: set[int] = field(default_factory=set)
     works: list[Any] = field(default_factory=list)

@@ -53,7 +53,8 @@ class EPRuntime:
         layers = [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoELayer)]
         self.rebalancer = Rebalancer(layers, self.layout, self.cfg.ep_rank, self.cfg.eplb_interval_s,
                                      self.cfg.eplb_min_gain, self.cfg.eplb_layers_per_step,
-                                     self.cfg.collective_timeout_s, self.placement.device)
+                                     self.cfg.collective_timeout_s, self.placement.device,
+                                     step_bytes=int(self.cfg.eplb_step_mb * 2**20))
 
     def rebalance_wanted(self) -> int:
         """This rank's word to the expert balancer, for the step agreement (0: nothing)."""

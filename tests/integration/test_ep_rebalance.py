@@ -12,10 +12,12 @@ import pytest
 from ep_group import complete, launch_group, wait_ready
 
 ARGS = ["--kv-cache-memory", "8", "--served-model-name", "m"]
-# every 0.2 s of work a decision; any gain moves; one layer per step (a rebalance spans steps);
-# one redundant slot per rank, so hot experts get replicas and the router splits their tokens
+# every 0.2 s of work a decision; any gain moves; one expert per step (a budget under one
+# expert's bytes: each layer's moves span several steps, staged until its last is in); one
+# redundant slot per rank, so hot experts get replicas and the router splits their tokens
 EPLB = {"MOED_PARALLEL_EPLB_INTERVAL_S": "0.2", "MOED_PARALLEL_EPLB_MIN_GAIN": "0",
-        "MOED_PARALLEL_EPLB_LAYERS_PER_STEP": "1", "MOED_PARALLEL_REDUNDANT_EXPERTS": "1"}
+        "MOED_PARALLEL_EPLB_LAYERS_PER_STEP": "1", "MOED_PARALLEL_EPLB_STEP_MB": "0.001",
+        "MOED_PARALLEL_REDUNDANT_EXPERTS": "1"}
 SKEWED = ["a a a a a a a a a a a a", "a a a a b b b b a a a a", "zz zz zz zz zz zz zz"]
 APPLIED = 'moed_eplb_rebalances_total{outcome="applied"}'
 

@@ -123,3 +123,26 @@ def test_balancer_settings_are_refused_where_they_cannot_apply(make_checkpoint) 
     bad = Config(model=ModelConfig(path=path), parallel=ParallelConfig(redundant_experts=5, **group))
     with pytest.raises(ConfigError, match="parallel.redundant_experts: 9 slots per rank .* at most 4"):
         preflight.memory_budget(bad, spec, torch.bfloat16, 4)
+
+
+def test_chunks_keep_every_rank_within_the_step_budget_and_switch_once() -> None:
+    old = EPLayout.from_slots(8, 2, [0, 1, 2, 3, 4, 5, 6, 7])        # S = 4
+    new = EPLayout.from_slots(8, 2, [4, 5, 6, 3, 0, 1, 2, 7])        # six slots change
+    from moed.parallel.rebalance import plan_chunks
+    moves = plan_moves(old, new)
+    assert len(moves) == 6
+    # each move is a peer transfer: 10 bytes on the receiver and 10 on the sender
+    for budget, sizes in ((0, [6]), (10, [1] * 6), (20, [2] * 3), (30, [3, 3]), (45, [4, 2]),
+                          (1000, [6]), (5, [1] * 6)):
+        chunks = plan_chunks(3, old, new, 10, budget)
+        assert [len(c.moves) for c in chunks] == sizes, (budget, chunks)
+        assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert [m for c in chunks for _, m in c.moves] == moves        # order kept, none lost
+        assert [n for c in chunks for n, _ in c.moves] == list(range(6))   # tags stay unique
+        assert all(c.layer == 3 for c in chunks)
+        if budget >= 10:
+            assert all(max(c.cost) <= budget for c in chunks)
+        assert all(sum(c.cost) == 20 * len(c.moves) for c in chunks)
+    # a map whose slots do not move still switches (one empty, last chunk)
+    same = plan_chunks(0, old, old, 10, 20)
+    assert len(same) == 1 and same[0].moves == () and same[0].last
