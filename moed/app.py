@@ -146,6 +146,7 @@ def _expert_parallel(engine: Any, app: App) -> None:
     metrics.EP_RESIDENT_EXPERT_BYTES.set(held)
     ep = getattr(engine, "ep", None)
     if ep is not None:
+        app.state.ep = ep           # POST /admin/eplb/rebalance (moed.ops.daemon)
         ep.publish_metrics(held)
         engine.on_group_failure = app.fail
         log.info("ep_rank_ready", resident_expert_bytes=held, **ep.describe())

@@ -1,6 +1,6 @@
 """Admin API behind a Bearer admin token: POST /admin/drain, GET /admin/config,
-GET /admin/config/history, POST /admin/config/rollback?to=HASH (and, on a router,
-GET /admin/canary: moed.roles.router).
+GET /admin/config/history, POST /admin/config/rollback?to=HASH, POST /admin/eplb/rebalance
+(and, on a router, GET /admin/canary: moed.roles.router).
 
 The token comes from server.admin_token_file / server.admin_token_env (several lines or
 comma-separated values are all accepted, for rotation). With no token configured the admin API
@@ -31,6 +31,8 @@ class AdminHooks:
     history: Callable[[], dict[str, Any]] | None = None
     # apply an earlier config by hash through the reload path: (HTTP status, body)
     rollback: Callable[[str], tuple[int, dict[str, Any]]] | None = None
+    # ask the expert balancer for a decision now (rank 0 of an EP group): (HTTP status, body)
+    rebalance: Callable[[], tuple[int, dict[str, Any]]] | None = None
 
 
 ADMIN: web.AppKey[AdminHooks] = web.AppKey("moed_admin", AdminHooks)
@@ -77,9 +79,18 @@ async def rollback(request: web.Request) -> web.Response:
     return web.json_response(body, status=status)
 
 
+async def eplb_rebalance(request: web.Request) -> web.Response:
+    hooks = authorize(request)
+    if hooks.rebalance is None:
+        raise APIError(503, "The expert balancer is not available yet.", code="not_ready")
+    status, body = hooks.rebalance()
+    return web.json_response(body, status=status)
+
+
 def add_routes(app: web.Application, hooks: AdminHooks) -> None:
     app[ADMIN] = hooks
     app.router.add_post("/admin/drain", drain)
     app.router.add_get("/admin/config", config)
     app.router.add_get("/admin/config/history", history)
     app.router.add_post("/admin/config/rollback", rollback)
+    app.router.add_post("/admin/eplb/rebalance", eplb_rebalance)

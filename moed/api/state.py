@@ -37,6 +37,8 @@ class ServerState:
     # this node's capacity signals now (moed.balance.capacity.Capacity; set by moed.app for a
     # node with an engine): /metrics and the gossip load vector read them
     capacity: Callable[[], Any] | None = None
+    # this rank's expert-parallel runtime (moed.parallel.runtime.EPRuntime; None when ep_size = 1)
+    ep: Any | None = None
     admission: Admission = field(init=False)
     offload: Offload = field(init=False, default_factory=Offload)   # O(prompt) work, off the loop
     _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)

@@ -291,7 +291,8 @@ EP_RESIDENT_EXPERT_BYTES = Gauge("moed_ep_resident_expert_bytes", "Bytes of expe
                                  "process holds, summed over the tensors it keeps (all MoE "
                                  "layers, redundant slots included)", registry=ENGINE)
 EP_EXPERT_SLOTS = Gauge("moed_ep_expert_slots", "Expert slots this rank holds per MoE layer, "
-                        "and how many of them are redundant (replicas)", ["kind"],
+                        "and how many of them are redundant (replicas; after a rebalance the "
+                        "mean over MoE layers)", ["kind"],
                         registry=ENGINE)
 EPLB_BALANCEDNESS = Gauge("moed_eplb_balancedness", "Per MoE layer, at the last expert-balancer "
                           "decision: mean / max rank load under the group's load window, for the "

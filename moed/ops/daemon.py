@@ -104,7 +104,7 @@ class OpsComponent:
     def add_routes(self, web_app: Any) -> None:
         admin.add_routes(web_app, admin.AdminHooks(
             tokens=lambda: self._admin_tokens, drain=self.request_drain, config=self.config_view,
-            history=self.history_view, rollback=self.rollback))
+            history=self.history_view, rollback=self.rollback, rebalance=self.request_rebalance))
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
         if take_held_sighup():    # one arrived while `moed serve` was still importing
             log.info("config_reload_deferred", reason="signal during process start")
@@ -281,6 +281,16 @@ class OpsComponent:
                                         for sec, f in e.config.items()
                                         if isinstance(f, dict)}}
                             for e in self.history.entries()]}
+
+    def request_rebalance(self) -> tuple[int, dict[str, Any]]:
+        """POST /admin/eplb/rebalance: the expert balancer decides at the group's next step
+        (moed.parallel.runtime.EPRuntime.request_rebalance); (HTTP status, body)."""
+        ep = getattr(self._app.state, "ep", None) if self._app is not None else None
+        if ep is None:
+            return 409, {"error": {"message": "This node is not an expert-parallel rank "
+                                              "(parallel.ep_size = 1): it has no expert balancer.",
+                                   "code": "not_expert_parallel"}}
+        return ep.request_rebalance()
 
     def rollback(self, ref: str) -> tuple[int, dict[str, Any]]:
         """Apply the newest history entry with this hash (or unique hash prefix) through the

@@ -167,6 +167,14 @@ class Rebalancer:
             return PUBLISH if self._decision.done() else 0
         return COLLECT if time.monotonic() - self.last >= self.interval_s else 0
 
+    def request(self) -> str:
+        """An operator's "now" (rank 0, on the loop): the next decision does not wait for the
+        interval. "requested", or "under way" when one is being decided or applied."""
+        if self.busy or self._decision is not None:
+            return "under way"
+        self.last = float("-inf")
+        return "requested"
+
     @property
     def busy(self) -> bool:
         """A step of this rebalance runs after every working step (the same on every rank)."""
@@ -326,6 +334,9 @@ class Rebalancer:
         layer.dist.set_layout(new)
         layer.set_expert_map(*router_map(new, layer.router.logical_to_physical.device))
         self.maps[t.layer] = new
+        # replicas per rank now differ by layer: the gauge shows the mean over MoE layers
+        metrics.EP_EXPERT_SLOTS.labels("redundant").set(
+            sum(m.redundant_slots(self.rank) for m in self.maps) / len(self.maps))
 
 
 @dataclass

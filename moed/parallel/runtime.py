@@ -56,6 +56,20 @@ class EPRuntime:
                                      self.cfg.collective_timeout_s, self.placement.device,
                                      step_bytes=int(self.cfg.eplb_step_mb * 2**20))
 
+    def request_rebalance(self) -> tuple[int, dict[str, object]]:
+        """An operator's "rebalance now" (on the loop): (HTTP status, body)."""
+        def refuse(message: str, code: str) -> tuple[int, dict[str, object]]:
+            return 409, {"error": {"message": message, "code": code}}
+        rb = self.rebalancer
+        if rb is None:
+            return refuse("The expert balancer is off (parallel.eplb_interval_s = 0 keeps the "
+                          "initial layout).", "eplb_off")
+        if self.cfg.ep_rank != 0:
+            return refuse("Rank 0 of the group decides when to rebalance: send this to its "
+                          "node.", "not_rank_0")
+        state = rb.request()
+        return 202, {"status": state, "rebalances": rb.rebalances, "decisions": rb.decisions}
+
     def rebalance_wanted(self) -> int:
         """This rank's word to the expert balancer, for the step agreement (0: nothing)."""
         return 0 if self.rebalancer is None else self.rebalancer.wanted()

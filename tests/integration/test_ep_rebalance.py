@@ -78,3 +78,50 @@ def test_ep_outputs_equal_one_process_across_a_rebalance(moed_server, make_check
         srv.send_signal()
     for srv in two:
         assert srv.proc.wait(30) == 0, srv.tail()
+
+
+def _post(srv, path: str, headers: dict[str, str]) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(srv.url + path, data=b"", headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_an_operator_triggers_a_rebalance_on_rank_0(moed_server, tiny_qwen3) -> None:
+    """POST /admin/eplb/rebalance: with an interval of a day, rank 0 decides at the group's next
+    working steps; rank 1 and a node without a group say why they cannot; the admin token is
+    required."""
+    from moed_server import ADMIN_HEADERS
+    DECIDED = ('moed_eplb_rebalances_total{outcome="applied"}',
+               'moed_eplb_rebalances_total{outcome="unchanged"}')
+    env = {**EPLB, "MOED_PARALLEL_EPLB_INTERVAL_S": "86400"}
+    two = launch_group(moed_server, tiny_qwen3, 2, args=ARGS, env=env)
+    one = launch_group(moed_server, tiny_qwen3, 1, args=ARGS)
+    wait_ready([*two, *one], ready_timeout=120)
+
+    def decisions() -> float:
+        m = two[0].metrics()
+        return sum(m.get(k, 0.0) for k in DECIDED)
+
+    _text(two[0], SKEWED[0], 8)                   # a window of expert load, no decision
+    assert decisions() == 0
+    assert _post(two[0], "/admin/eplb/rebalance", {})[0] == 401
+    status, body = _post(two[1], "/admin/eplb/rebalance", ADMIN_HEADERS)
+    assert (status, body["error"]["code"]) == (409, "not_rank_0"), body
+    status, body = _post(one[0], "/admin/eplb/rebalance", ADMIN_HEADERS)
+    assert (status, body["error"]["code"]) == (409, "not_expert_parallel"), body
+    status, body = _post(two[0], "/admin/eplb/rebalance", ADMIN_HEADERS)
+    assert (status, body["status"]) == (202, "requested"), body
+    deadline = time.monotonic() + 30
+    while decisions() < 1:                        # steps run the collect/decide/publish/apply
+        assert time.monotonic() < deadline, two[0].tail()
+        _text(two[1], SKEWED[1], 8)
+    # both ranks applied it (in the same step; their metrics are read one after the other)
+    while _applied(two)[1] != _applied(two)[0]:
+        assert time.monotonic() < deadline, [srv.tail() for srv in two]
+        time.sleep(0.1)
