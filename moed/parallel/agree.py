@@ -10,7 +10,11 @@ collect the load / publish the new map, acted on after a step that has work). Th
     saw the same verdicts), blocking on its own wake event (a new request, a command) or the
     group's wake key `wake/<epoch>` in the TCPStore, in bounded waits (POLL_S). The first rank
     with work sets that key, then agrees; the others wake on it and agree too. An idle group
-    makes no collective and burns no CPU;
+    makes no collective and burns no CPU. Idle ranks still watch each other (a dead rank
+    would otherwise go unnoticed until work arrives): each poll a rank bumps its heartbeat
+    `hb/<rank>` and reads the next rank's (a ring: O(1) store calls per rank); one that stood
+    still for the collective timeout fails the group, which the watcher writes to `failed`
+    and announces with the wake key, so every rank fails at once, not one timeout apart;
   - somebody is leaving (SIGTERM ended its engine): the group is over (moed.parallel.group).
 """
 from __future__ import annotations
@@ -29,6 +33,27 @@ from moed.parallel.dispatch import EPStats
 from moed.parallel.group import EPGroup, GroupFailed
 
 POLL_S = 1.0        # an idle rank's longest single wait on the store (then it checks its stop)
+FAILED = "failed"   # the store key an idle rank that saw a peer die writes the reason to
+
+
+class Heartbeat:
+    """When an idle peer's heartbeat counter last moved, on this rank's clock (pure: the
+    counter values come from the store; no clocks compared across machines)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._value: int | None = None
+        self._since = 0.0
+
+    def silent_for(self, value: int, now: float) -> float:
+        """Seconds the counter has not moved (0 when it just did): call once per poll."""
+        if value != self._value:
+            self._value, self._since = value, now
+            return 0.0
+        return now - self._since
+
+    def dead(self, value: int, now: float) -> bool:
+        return self.silent_for(value, now) > self.timeout_s
 
 
 @dataclass(frozen=True)
@@ -89,14 +114,31 @@ class StepAgreement:
         self._waiter.shutdown(wait=False)
 
     def _wait_key(self, key: str, stop: threading.Event) -> None:
+        g = self.group
+        peer = (g.rank + 1) % g.size
+        # at least a few polls: a peer's first beat of this idle period may come a poll late
+        watch = Heartbeat(max(g.spec.timeout_s, 3 * POLL_S))
         while not stop.is_set():
             try:
-                self.group.store.wait([key], datetime.timedelta(seconds=POLL_S))
+                g.store.add(f"hb/{g.rank}", 1)
+                if g.store.check([FAILED]):
+                    raise g.fail(f"rank reported: {g.store.get(FAILED).decode()[:300]}")
+                if g.size > 1 and watch.dead(g.store.add(f"hb/{peer}", 0), time.monotonic()):
+                    reason = (f"rank {peer} silent for {watch.timeout_s:g} s while the group "
+                              f"was idle (dead or stalled)")
+                    g.store.set(FAILED, reason)
+                    g.store.set(key, b"1")       # wake the others: they read FAILED
+                    raise g.fail(reason)
+                g.store.wait([key], datetime.timedelta(seconds=POLL_S))
+                if g.store.check([FAILED]):
+                    raise g.fail(f"rank reported: {g.store.get(FAILED).decode()[:300]}")
                 return
             except dist.DistStoreError:      # this wait's timeout: wait again
                 continue
+            except GroupFailed:
+                raise
             except RuntimeError as e:        # DistNetworkError: rank 0 (the store) is gone
-                raise self.group.fail(f"lost the group's store: {_first_line(e)}") from None
+                raise g.fail(f"lost the group's store: {_first_line(e)}") from None
 
     def _set(self, key: str) -> None:
         try:

@@ -141,3 +141,30 @@ def test_a_stalled_rank_fails_the_group_within_the_timeout(moed_server, tiny_qwe
         assert failed and "Timed out" in failed[0]["reason"], failed
     finally:
         r1.proc.send_signal(signal.SIGKILL)
+
+
+def test_an_idle_group_notices_a_dead_rank(moed_server, tiny_qwen3) -> None:
+    """kill -9 a rank while the group is idle (no collective would notice until work came):
+    its heartbeat stops, its watcher (the rank before it) fails the group and says so in the
+    store, and every survivor exits 1 within about the collective timeout."""
+    timeout_s = 3.0
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = {"MOED_BALANCE_CALIBRATION_STEPS": "0",
+           "MOED_PARALLEL_COLLECTIVE_TIMEOUT_S": str(timeout_s)}
+    ranks = [moed_server(model=tiny_qwen3, role="colocated", wait=None, env=env,
+                         args=[*ARGS, "--ep-size", "3", "--ep-rank", str(r), "--ep-init", init])
+             for r in range(3)]
+    for srv in ranks:
+        assert _until(lambda: srv.get("/ready", timeout=1.0)[0] == 200, 90), srv.tail()
+    status, body = complete(ranks[0], "hello", 4)
+    assert status == 200, body
+    time.sleep(1.5)                                   # every rank idle, beating
+    killed = time.monotonic()
+    ranks[2].proc.send_signal(signal.SIGKILL)
+    for srv in ranks[:2]:
+        assert srv.proc.wait(timeout_s + 15) == 1, srv.tail()
+    assert time.monotonic() - killed <= timeout_s + 10
+    reasons = [[r.get("reason", "") for r in srv.log_records() if r.get("event") == "ep_group_failed"]
+               for srv in ranks[:2]]
+    assert any("rank 2 silent" in r for r in reasons[1]), reasons     # its watcher
+    assert any("rank 2 silent" in r for r in reasons[0]), reasons     # told through the store
