@@ -31,6 +31,8 @@ has the weights: the checkpoint is not read again.
 from __future__ import annotations
 
 import datetime
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -151,7 +153,8 @@ class Rebalancer:
         self.bytes_moved = {"peer": 0, "local": 0}
         self._load = self.window.clone()
         self._decision: Future[Rebalance] | None = None       # rank 0: the balancer running
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moed-eplb")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moed-eplb",
+                                        initializer=_yield_to_steps)
 
     # ---- on the event loop, between steps --------------------------------------------------
     def add_load(self, load: torch.Tensor) -> None:
@@ -349,6 +352,16 @@ class _Transfer:
     incoming: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # slot -> buffers
     from_peer: set[int] = field(default_factory=set)
     works: list[Any] = field(default_factory=list)
+
+
+def _yield_to_steps() -> None:
+    """The balancer's thread runs at the lowest priority (Linux nice values are per thread, and
+    threads it starts inherit it): on busy cores it waits for the step's threads instead of
+    stretching the steps it overlaps (it takes tens of ms, a whole decode step)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):       # not Linux, or not allowed: run as is
+        pass
 
 
 def _nbytes(ts: list[torch.Tensor]) -> int:

@@ -146,3 +146,17 @@ def test_chunks_keep_every_rank_within_the_step_budget_and_switch_once() -> None
     # a map whose slots do not move still switches (one empty, last chunk)
     same = plan_chunks(0, old, old, 10, 20)
     assert len(same) == 1 and same[0].moves == () and same[0].last
+
+
+def test_the_balancers_thread_yields_to_the_steps() -> None:
+    """Its worker runs at nice 19 (and this thread's priority is untouched)."""
+    import os
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moed.parallel.rebalance import _yield_to_steps
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ThreadPoolExecutor(max_workers=1, initializer=_yield_to_steps) as pool:
+        nice = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert nice == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
