@@ -484,10 +484,11 @@ class TiersConfig:
     reuse_half_life_s: float = _f(60.0, bounds=(0.001, 1e9),
                                   doc="eviction: a block's reuse count counts half after this "
                                   "long unused")
-    peer_reuse: bool = _f(False, doc="cluster prefix reuse: a prompt prefix another "
-                          "colocated node caches (its gossip digest) is READ from it over NIXL "
-                          "when that is predicted faster than recomputing; this node also "
-                          "lends its cached blocks to peers (POST /internal/kv/lease)")
+    peer_reuse: bool = _f(False, doc="cluster prefix reuse (colocated and prefill nodes): a "
+                          "prompt prefix another colocated or prefill node caches (its gossip "
+                          "digest) is READ from it over NIXL when that is predicted faster than "
+                          "recomputing; this node also lends its cached blocks to peers "
+                          "(POST /internal/kv/lease)")
     peer_bandwidth_mbps: float = _f(1000.0, bounds=(0.001, 1e9),
                                     doc="peer READ bandwidth (MB/s) assumed until "
                                     "measured")
@@ -528,10 +529,14 @@ class Config:
             raise ConfigError("tiers: a router holds no KV cache (KV tiers are for colocated, "
                               "prefill and decode nodes)")
         if self.tiers.peer_reuse:
-            if self.server.role != "colocated":
+            if self.server.role not in ("colocated", "prefill"):
                 raise ConfigError("tiers.peer_reuse: cluster prefix reuse is for colocated "
-                                  f"nodes (not {self.server.role!r}: a decode node gets its "
-                                  "prompt KV from prefill nodes)")
+                                  f"and prefill nodes (not {self.server.role!r}: a decode node "
+                                  "gets its prompt KV from prefill nodes, which read peers' "
+                                  "cached prefixes themselves when they set it; the prompts a "
+                                  "decode node prefills itself are short, "
+                                  "transfer.local_prefill_max_tokens, not worth a lease round "
+                                  "trip)")
             if not self.cluster.enabled:
                 raise ConfigError("tiers.peer_reuse needs cluster.enabled: peers' cached "
                                   "prefixes are known from the gossip digest")

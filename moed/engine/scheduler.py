@@ -37,6 +37,7 @@ from moed.balance.cost import (AdvertisedCost, CostModel, ExpertShape, bucket_of
 from moed.config import BalanceConfig
 from moed.engine.request import Request
 from moed.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
+from moed.kvcache.tiers import admission
 from moed.model.batch import ForwardBatch
 from moed.types import ContextRule, FinishReason, RequestState, TokenEvent
 
@@ -343,13 +344,14 @@ class Scheduler:
         if t is None or req.remote_kv or req.prompt_logprobs_pending \
                 or not self.kv.enable_prefix_caching:
             return False
-        m = t.match(self.kv.hashes_after(req.token_ids, hit))
-        if not m.keys:
+        # busy: a step runs before the load can be collected when anything else runs, or is
+        # still to be admitted in this step (a waiting request behind this one)
+        got = admission.plan_for(self, req, hit, bool(self.running) or len(self.waiting) > 1)
+        if got is None:
             return False
+        m, plan = got
         bs, start = self.kv.block_size, hit.num_tokens
         rest = req.num_tokens - start
-        plan = t.plan(m, lambda k: self.predict_prefill_s(rest - k * bs, start + k * bs),
-                      busy=bool(self.running))
         n_tok = start + plan.num_load * bs
         if plan.num_load and not self.kv.can_allocate_prompt(hit, n_tok):
             return False            # no room now: admission tries again next step
@@ -378,7 +380,8 @@ class Scheduler:
         first = alloc.num_cached_blocks
         t.start_load(req.request_id, m.keys[:plan.num_load],
                      alloc.block_ids[first:first + plan.num_load],
-                     plan.recompute_s - self.predict_prefill_s(rest - plan.num_load * bs, n_tok))
+                     plan.recompute_s - self.predict_prefill_s(rest - plan.num_load * bs, n_tok),
+                     plan.load_s)
         return True
 
     def tier_load_target(self, request_id: str, block_ids: Sequence[int]) -> bool:

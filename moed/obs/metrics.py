@@ -198,9 +198,11 @@ TIER_BANDWIDTH = Gauge("moed_kv_tier_read_bandwidth_bytes_per_second", "Measured
                        registry=ENGINE)
 TIER_DECISIONS = Counter("moed_kv_tier_decisions", "Requests whose prompt had blocks below L1, "
                          "by load-or-recompute decision", ["decision"], registry=ENGINE)
-TIER_SLOWER = Counter("moed_kv_tier_slower_than_recompute", "Loads that took longer than the "
-                      "predicted recompute of the same blocks (goal: 0)", registry=ENGINE)
-# cluster prefix reuse (moed/roles/kvshare.py): a colocated node READs a peer's cached blocks
+TIER_SLOWER = Counter("moed_kv_tier_slower_than_recompute", "Loads whose request waited longer "
+                      "for the blocks (until collected at a step boundary) than the predicted "
+                      "recompute of the same blocks (goal: 0)", registry=ENGINE)
+# cluster prefix reuse (moed/roles/kvshare.py): a colocated or prefill node READs a peer's
+# cached blocks
 PEER_LOOKUPS = Counter("moed_kv_peer_lookups", "Prompts whose prefix a peer advertises beyond "
                        "what this node holds, by load-or-recompute decision", ["decision"],
                        registry=ENGINE)

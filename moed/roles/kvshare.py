@@ -1,7 +1,10 @@
-"""Cluster prefix reuse (`tiers.peer_reuse`, colocated nodes): READ a peer's cached prompt
-blocks over NIXL instead of recomputing them, and lend ours to peers.
+"""Cluster prefix reuse (`tiers.peer_reuse`, colocated and prefill nodes): READ a peer's cached
+prompt blocks over NIXL instead of recomputing them, and lend ours to peers.
 
-A request's way through the reader (PeerReuseEngine.add_request, before the engine sees it):
+A request's way through the reader (KVShareComponent.prefetch, before the engine sees it: a
+colocated node's client requests through PeerReuseEngine.add_request, a prefill node's jobs
+through moed.roles.prefill, which then pushes the whole prompt's KV to the decode node as
+always):
 
     prompt hashes ──best_peer (gossip digests of live, same-checkpoint, same-layout peers)──▶
     at a step boundary: what we hold (L1 + tiers) and the predicted recompute ──plan_load──▶
@@ -18,6 +21,11 @@ logged `kv_peer_reuse_failed` with the reason and counted, never an error to the
 reserved blocks are released whatever happens: a cancelled request does not interrupt a read in
 flight (NIXL is writing them), a timed-out read's blocks wait one more timeout (a stalled
 peer's data might still land). A lease we could not DELETE ends at its TTL on the lender.
+
+Peers: live colocated and prefill members (LENDER_ROLES) of the same checkpoint, KV layout and
+block size. A decode node neither reads nor lends here: its prompt KV comes from prefill nodes,
+which read peers themselves (moed.config refuses the role). One transfer worker per process: on
+a prefill node the reader and the lender use the prefill component's.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from moed.config import Config
 from moed.engine.client import EngineClient, RequestStream
 from moed.kvcache.tiers.peer import (FAILURE_REASONS, LeaseGrant, LeaseRequest, LeaseTable,
                                      PeerOffer, best_peer, prompt_hashes)
-from moed.kvcache.tiers.policy import Bandwidth, plan_load
+from moed.kvcache.tiers.policy import Bandwidth, Latency, plan_load
 from moed.obs import metrics
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.decode import DisaggEngine
@@ -53,10 +61,12 @@ LEASE_CALL_S = 2.0          # the lease round trip; a peer slower than this is n
 READ_TIMEOUT_S = 5.0        # the NIXL READ; a stalled peer never fails by itself (transfer/)
 BOUNDARY_S = 5.0            # waiting for the engine's next step boundary (a step is ms to s)
 MAX_HASHES = 1 << 14        # moed.api.affinity.MAX_PREFIX_BLOCKS
+LENDER_ROLES = ("colocated", "prefill")     # the roles that run this component
 
 
 class KVShareComponent:
-    """Both sides of cluster prefix reuse on a colocated node (a moed.app Component)."""
+    """Both sides of cluster prefix reuse on a colocated or prefill node (a moed.app
+    Component, started after the prefill component on a prefill node)."""
 
     name = "kvshare"
 
@@ -70,8 +80,10 @@ class KVShareComponent:
         self.leases = LeaseTable()
         self.bandwidth = Bandwidth(cfg.tiers.peer_bandwidth_mbps * 1e6)
         # a read's fixed cost beyond its bytes (the lease round trip, three step boundaries):
-        # an exponential average of what measured reads took beyond their READ
-        self.latency_s = 0.0
+        # learnt from what measured reads took beyond their READ (policy.Latency: cautious)
+        self.latency = Latency()
+        self._owns_worker = True
+        self._prefill: Any = None       # a prefill node's PrefillComponent (its jobs ask us)
         self.block_bytes = 0
         self.model_id = ""
         self._membership: Any = None
@@ -89,10 +101,18 @@ class KVShareComponent:
         self._auth = app.state.internal_auth
         self.model_id = getattr(app.state, "model_id", "")
         self.engine = app.state.engine
-        self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
+        prefill = next((c for c in app.components if getattr(c, "name", "") == "prefill"), None)
+        if prefill is not None and getattr(prefill, "worker", None) is not None:
+            # a prefill node: its worker (one per process) reads and lends, and its jobs ask
+            # this reader first (moed.roles.prefill.PrefillComponent.reuse)
+            self.worker, self.incarnation, self._owns_worker = prefill.worker, \
+                prefill.incarnation, False
+            self._prefill, prefill.reuse = prefill, self
+        else:
+            self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
+            advertise_transfer(app, self.worker)
         layout = self.engine.kv_region().layout
         self.block_bytes = layout.block_bytes * layout.num_layers
-        advertise_transfer(app, self.worker)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         self._expiry = asyncio.create_task(self._expire_loop(), name="kv-lease-expiry")
         for reason in FAILURE_REASONS:      # every reason exported from the start, at 0
@@ -103,6 +123,8 @@ class KVShareComponent:
         pass
 
     async def stop(self) -> None:
+        if self._prefill is not None:
+            self._prefill.reuse = None      # jobs still running compute their prompts
         if self._expiry is not None:
             self._expiry.cancel()
         for t in list(self._tasks):
@@ -118,7 +140,8 @@ class KVShareComponent:
         metrics.PEER_LENT_BLOCKS.set(0)
         if self.session is not None:
             await self.session.close()
-        if self.worker is not None:
+            self.session = None             # prefetch: not started (or stopped)
+        if self.worker is not None and self._owns_worker:
             await self.worker.close()
 
     # ---- the lender ----------------------------------------------------------------------
@@ -188,8 +211,8 @@ class KVShareComponent:
 
     # ---- the reader ----------------------------------------------------------------------
     def _peers(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, URL, prefix digest) of the live colocated peers we may read from: the same
-        checkpoint, KV layout and block size, a common protocol, a transfer agent up."""
+        """(name, URL, prefix digest) of the live colocated and prefill peers we may read from:
+        the same checkpoint, KV layout and block size, a common protocol, a transfer agent up."""
         view = self._membership.view() if self._membership is not None else None
         if view is None:
             return []
@@ -197,7 +220,7 @@ class KVShareComponent:
         if me is None:
             return []
         peers = []
-        for m in view.alive("colocated"):
+        for m in (m for role in LENDER_ROLES for m in view.alive(role)):
             if m.name == view.self_name or not m.meta.http or not m.meta.transfer:
                 continue
             if not protocol_compatible(me.meta.protocol, m.meta.protocol) or \
@@ -220,6 +243,8 @@ class KVShareComponent:
     async def prefetch(self, request_id: str, tokens: Sequence[int]) -> None:
         """Bring the prompt's leading blocks from a peer when that is predicted faster than
         recomputing them. Never raises (but a cancellation); every path frees what it took."""
+        if self.session is None:
+            return      # not started yet (or stopped): the prompt is computed as usual
         bs = self.engine.block_size
         hashes, offer = await self._offer(tokens)
         if offer is None:
@@ -248,7 +273,7 @@ class KVShareComponent:
         # read what the lease says the peer holds
         per_block = self.bandwidth.seconds(self.block_bytes)
         plan = plan_load([per_block] * (len(hashes) - held), recompute.__getitem__,
-                         self.latency_s)
+                         self.latency.value)
         metrics.PEER_LOOKUPS.labels(plan.decision).inc()
         log.info("kv_peer_decision", request_id=request_id, peer=offer.name,
                  decision=plan.decision, predicted_load_s=round(plan.load_s, 6),
@@ -314,6 +339,7 @@ class KVShareComponent:
             return "no_room: no free KV blocks for the read"
         handed_off = False   # adopt (or the quarantine) owns the blocks from then on
         try:
+            a0 = time.perf_counter()
             try:
                 md = base64.b64decode(grant.metadata, validate=True)
                 first_contact = await self.worker.add_peer(offer.name, md, grant.incarnation)
@@ -344,10 +370,12 @@ class KVShareComponent:
             except asyncio.TimeoutError:
                 return "engine_busy: no step boundary in time"
             took = time.perf_counter() - t0
-            self.latency_s += 0.2 * (max(took - read_s, 0.0) - self.latency_s)
             if not first_contact:   # a first READ also sets up the connection (UCX wire-up:
                 #                     tens of ms here), a cost paid once per peer incarnation
                 self.bandwidth.observe(h.nbytes, read_s)
+            # the fixed cost: lease round trip and step boundaries (not a first contact's
+            # add_peer, paid once per peer incarnation)
+            self.latency.observe(took - read_s - (r0 - a0 if first_contact else 0.0))
             metrics.PEER_HITS.inc()
             metrics.PEER_READ_BLOCKS.inc(len(want))
             metrics.PEER_READ_BYTES.inc(h.nbytes)

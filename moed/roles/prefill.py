@@ -17,17 +17,24 @@ A prefill job's lifecycle (one HTTP request POST /internal/prefill holds it):
           metadata for its incarnation is unknown; 400 bad job / incompatible KV layout;
           503 draining.
 
+With `tiers.peer_reuse` (moed.roles.kvshare) a job first reads the prompt's leading blocks that
+another prefill (or colocated) node caches, when that is predicted faster than recomputing
+them (`reuse.prefetch`, bounded by the job's lease; any failure recomputes): the engine then
+finds them as a prefix hit and computes only the rest; the whole prompt's KV still goes to
+the decode node.
+
 Ownership: whatever the outcome, the handler's `finally` aborts the engine request, which frees
 the job's blocks at the next step boundary (held or still computing) — no block outlives its job.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import structlog
 from aiohttp import web
@@ -67,6 +74,12 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.EXPIRED: frozenset(),
     JobState.FAILED: frozenset(),
 }
+
+
+class PrefixReuse(Protocol):
+    """Cluster prefix reuse's reader (moed.roles.kvshare.KVShareComponent)."""
+
+    async def prefetch(self, request_id: str, tokens: Sequence[int]) -> None: ...
 
 
 class JobFailed(Exception):
@@ -115,6 +128,7 @@ class PrefillComponent:
         self.jobs: dict[str, PrefillJob] = {}
         self._aborts: set[asyncio.Future] = set()
         self.draining = False
+        self.reuse: PrefixReuse | None = None       # set by KVShareComponent (tiers.peer_reuse)
 
     # ---- Component ---------------------------------------------------------------------------
     def add_routes(self, web_app: web.Application) -> None:
@@ -215,12 +229,22 @@ class PrefillComponent:
         job = PrefillJob(spec, f"pf-{spec.job_id}", loop.time() + lease,
                          task=asyncio.current_task(), traced=trace.recording(),
                          started_ns=trace.now_ns())
+        self.jobs[spec.job_id] = job        # from here a DELETE cancels it (the prefetch too)
         try:
+            if self.reuse is not None and params.prompt_logprobs is None:
+                # a peer's cached prefix, read into our blocks before the engine sees the job;
+                # bounded by the lease (what the read leaves unfinished cleans up on its own)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(job.expires_at):
+                        await self.reuse.prefetch(job.engine_id, spec.token_ids)
             stream = self.engine.add_request(job.engine_id, spec.token_ids, params,
                                              prefill_only=True)
         except ValueError as e:
+            self.jobs.pop(spec.job_id, None)
             return _error(400, "bad_prompt", str(e))
-        self.jobs[spec.job_id] = job
+        except BaseException:
+            self.jobs.pop(spec.job_id, None)
+            raise
         metrics.TRANSFER_JOBS_INFLIGHT.labels("prefill").set(len(self.jobs))
         pump = asyncio.create_task(_pump(stream, job.inbox), name=f"prefill-pump-{spec.job_id}")
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

@@ -27,12 +27,15 @@ from typing import Any, Protocol
 import structlog
 
 from moed.kvcache.tiers import fileio
-from moed.kvcache.tiers.policy import Bandwidth, Candidate, LoadPlan, benefit, plan_load, victims
+from moed.kvcache.tiers.policy import (Bandwidth, Candidate, Latency, LoadPlan, benefit, plan_load,
+                                       victims)
 from moed.kvcache.tiers.store import BlockStore, CorruptBlock, DiskStore, HostStore
 
 log = structlog.get_logger(__name__)
 
 TIERS = ("host", "disk")
+PROBE_KEY = (1 << 128) - 1      # the warm-up probe's key: not a key the pool's hashes produce
+PROBE_READS = 5                 # warm-up reads per tier; the first (thread and agent set-up) unused
 
 
 class BlockIO(Protocol):
@@ -58,6 +61,7 @@ class TierSettings:
     disk_bandwidth: float = 5e8
     half_life_s: float = 60.0
     load_overhead_s: float = 0.0
+    calibrate: bool = True               # measure each tier's read path at start (_calibrate)
 
 
 @dataclass
@@ -90,6 +94,19 @@ class LoadResult:
     bytes_by_tier: dict[str, int]
     predicted_recompute_s: float
     failed: str | None = None           # why the read stopped early
+    predicted_load_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """One finished load as the request saw it (TieredCache.recent_loads; bench/kv_tiers.py)."""
+
+    request_id: str
+    blocks: int
+    load_s: float                   # queued -> collected at a step boundary (usable then)
+    read_s: float                   # queued -> read and verified on the I/O thread
+    predicted_load_s: float         # what the decision predicted
+    predicted_recompute_s: float    # recomputing the same blocks, as the decision predicted
 
 
 @dataclass
@@ -122,6 +139,8 @@ class TieredCache:
         self.bandwidth = {"host": Bandwidth(s.host_bandwidth), "disk": Bandwidth(s.disk_bandwidth)}
         self.decisions = {"load": 0, "recompute": 0}
         self.slower_than_recompute = 0
+        self.recent_loads: deque[LoadRecord] = deque(maxlen=1024)
+        self._holds: list[int] = []         # pinned until the next step boundary (hold)
         self.restored = 0
         self._index: dict[int, _Entry] = {}
         self._done: deque[tuple[str, Any]] = deque()    # (kind, result) from the I/O threads
@@ -134,10 +153,16 @@ class TieredCache:
         # then waits about one step longer than if it had recomputed in that step
         self.step_s = 0.0
         # a load's fixed cost beyond bytes / bandwidth (the queue, the thread hand-off, opening
-        # files): an exponential average of what measured loads took beyond their bytes
-        self.latency_s = 0.0
+        # files): seeded by the warm-up probe, then learnt from what loads took beyond their bytes
+        self.latency = Latency()
         if self.disk is not None:
             self._restore()
+        if s.calibrate:
+            self._calibrate()
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency.value
 
     # ---- restart -------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -155,6 +180,56 @@ class TieredCache:
         self.restored = len(self._index)
         log.info("kv_tier_restored", tier="disk", blocks=self.restored, skipped=scan.skipped,
                  bytes=self.used["disk"], dir=str(self.disk.dir), io=self.disk.fileio.name)
+
+    def _calibrate(self) -> None:
+        """Measure each tier's read path before the first decision: a probe block written
+        (L3: through the writer thread, as write-back does) and read PROBE_READS times through
+        the load thread, as a load is. The first read also starts the thread (and its NIXL
+        agent) and is not counted; the others seed the tier's bandwidth (median read) and the
+        load latency (the slowest hand-off: queue + wake-up beyond the read). Without it the
+        first loads were predicted from config seeds and a zero latency, and some came out
+        slower than recomputing (docs/kv-tiers.md). A tier whose probe fails keeps its seed."""
+        probe = bytes(self.io.block_bytes)
+        handoff: list[float] = []
+        for tier, store in (("host", self.host), ("disk", self.disk)):
+            if store is None:
+                continue
+            try:
+                if tier == "disk":
+                    self._writer.submit(store.put, PROBE_KEY, probe).result(timeout=10.0)
+                else:
+                    store.put(PROBE_KEY, probe)
+                reads = []
+                for _ in range(PROBE_READS):
+                    t0 = time.perf_counter()
+                    read_s = self._loader.submit(self._probe_read, store).result(timeout=10.0)
+                    reads.append((read_s, time.perf_counter() - t0))
+            except (OSError, CorruptBlock, KeyError, TimeoutError) as e:
+                log.warning("kv_tier_calibration_failed", tier=tier,
+                            error=f"{type(e).__name__}: {e}",
+                            effect="the configured bandwidth is assumed until loads are measured")
+                continue
+            finally:
+                try:
+                    store.delete(PROBE_KEY)
+                except OSError:
+                    pass
+            counted = sorted(r for r, _ in reads[1:])
+            median = counted[len(counted) // 2]
+            if median > 0:
+                self.bandwidth[tier].value = len(probe) / median
+            handoff += [max(total - r, 0.0) for r, total in reads[1:]]
+        if handoff:
+            self.latency = Latency(max(handoff))
+        log.info("kv_tier_calibrated", latency_s=round(self.latency.value, 6),
+                 **{f"{t}_bandwidth_bytes_per_s": round(self.bandwidth[t].value)
+                    for t in TIERS if self.capacity[t]})
+
+    @staticmethod
+    def _probe_read(store: BlockStore) -> float:
+        t0 = time.perf_counter()
+        store.get(PROBE_KEY)
+        return time.perf_counter() - t0
 
     # ---- the engine's hooks (loop thread) ----------------------------------------------------
     def set_waker(self, fn: Callable[[], None] | None) -> None:
@@ -193,12 +268,14 @@ class TieredCache:
         return TierMatch(tuple(got), tuple(tiers), tuple(sizes), len(keys))
 
     def plan(self, m: TierMatch, recompute_after: Callable[[int], float],
-             busy: bool = True) -> LoadPlan:
+             busy: bool = True, step_s: float | None = None) -> LoadPlan:
         """busy: other requests run in the step being planned, so a loaded request resumes
-        only after that step (about `step_s`); on an idle engine the load's end wakes the loop."""
+        only after that step (`step_s`, the scheduler's prediction of it, else the measured
+        average step); on an idle engine the load's end wakes the loop."""
         secs = [self.bandwidth[t].seconds(n) for t, n in zip(m.tiers, m.nbytes)]
-        return plan_load(secs, recompute_after, self.s.load_overhead_s + self.latency_s
-                         + (self.step_s if busy else 0.0))
+        wait = (self.step_s if step_s is None else step_s) if busy else 0.0
+        return plan_load(secs, recompute_after, self.s.load_overhead_s + self.latency.value
+                         + wait)
 
     def observe_step(self, seconds: float) -> None:
         """The engine's measured step time (an exponential average: a load's overhead)."""
@@ -222,17 +299,30 @@ class TieredCache:
         for k in keys:
             self._index[k].pins += 1
 
+    def hold(self, keys: Sequence[int]) -> None:
+        """Pin entries until the next step boundary (`collect` unpins them): a waiting prompt
+        that a load's decision took to load them too must still find them at its own turn
+        (tiers/admission.py)."""
+        self.pin(keys)
+        self._holds.extend(keys)
+
     def start_load(self, request_id: str, keys: Sequence[int], block_ids: Sequence[int],
-                   predicted_recompute_s: float) -> None:
+                   predicted_recompute_s: float, predicted_load_s: float = 0.0) -> None:
         """Read pinned `keys` on the I/O thread into `block_ids` (applied by `collect`, which
-        unpins them)."""
+        unpins them). The predictions are the decision's, for the load's record."""
         where = [(k, self._index[k].tier) for k in keys]
         fut = self._loader.submit(self._read, request_id, where, tuple(block_ids),
-                                  predicted_recompute_s, time.perf_counter())
+                                  predicted_recompute_s, time.perf_counter(), predicted_load_s)
         self._track(fut, "load")
 
     def collect(self) -> list[LoadResult]:
-        """Apply the I/O threads' finished work; -> the finished loads (engine: copy into L1)."""
+        """Apply the I/O threads' finished work; -> the finished loads (engine: copy into L1).
+        Releases the previous step's holds."""
+        for k in self._holds:
+            e = self._index.get(k)
+            if e is not None and e.pins > 0:
+                e.pins -= 1
+        self._holds.clear()
         loads: list[LoadResult] = []
         while self._done:
             kind, res = self._done.popleft()
@@ -366,7 +456,8 @@ class TieredCache:
         self._wake()
 
     def _read(self, request_id: str, where: list[tuple[int, str]], block_ids: tuple[int, ...],
-              predicted_recompute_s: float, submitted: float) -> None:
+              predicted_recompute_s: float, submitted: float, predicted_load_s: float = 0.0
+              ) -> None:
         t0 = time.perf_counter()
         payloads: list[bytes] = []
         by_tier = {t: 0 for t in TIERS}
@@ -387,7 +478,7 @@ class TieredCache:
                                               tuple(payloads),
                                               time.perf_counter() - t0, submitted,
                                               time.perf_counter() - submitted, by_tier,
-                                              predicted_recompute_s, failed)))
+                                              predicted_recompute_s, failed, predicted_load_s)))
         self._wake()
 
     def _wake(self) -> None:
@@ -433,19 +524,26 @@ class TieredCache:
         for t, n in r.bytes_by_tier.items():
             if n:   # the read time split by bytes: each tier's share of this load
                 self.bandwidth[t].observe(n, r.seconds * n / total)
-        # the load's own time (queued behind other loads, read, verified) vs recomputing the
-        # same blocks; the wait for the step in flight is the decision's overhead term, and a
-        # recompute would have shared that step's other work anyway
-        took = r.submitted_to_read_s
+        # the latency term learns the load's fixed cost: queued behind other loads, handed
+        # to the thread, read and verified, beyond its bytes at the tiers' bandwidth
         if n_ok:
-            rest = max(took - sum(self.bandwidth[t].seconds(n)
-                                  for t, n in r.bytes_by_tier.items() if n), 0.0)
-            self.latency_s += 0.2 * (rest - self.latency_s)
+            self.latency.observe(r.submitted_to_read_s - sum(
+                self.bandwidth[t].seconds(n) for t, n in r.bytes_by_tier.items() if n))
+        # slower than recomputing? What the request waited for the blocks (queued until
+        # collected here, at the step boundary where it may run) against recomputing them. A
+        # recompute would have run in the step in flight and the load's request runs in the
+        # next one, so the wait for that boundary is part of the load's cost (and of its
+        # prediction: TieredCache.plan's step term), not something to leave out
+        took = time.perf_counter() - r.submitted
+        if n_ok:
+            self.recent_loads.append(LoadRecord(r.request_id, n_ok, took, r.submitted_to_read_s,
+                                                r.predicted_load_s, r.predicted_recompute_s))
         if n_ok and took > r.predicted_recompute_s:
             self.slower_than_recompute += 1
             log.info("kv_tier_load_slower_than_recompute", request_id=r.request_id,
-                     load_s=round(took, 6), predicted_recompute_s=round(r.predicted_recompute_s, 6),
-                     blocks=n_ok)
+                     load_s=round(took, 6), read_s=round(r.submitted_to_read_s, 6),
+                     predicted_load_s=round(r.predicted_load_s, 6),
+                     predicted_recompute_s=round(r.predicted_recompute_s, 6), blocks=n_ok)
 
     def _drop_corrupt(self, key: int, e: _Entry, why: str) -> None:
         """A payload failed its checks: never served again; the request recomputes it."""

@@ -91,3 +91,24 @@ class Bandwidth:
 
     def seconds(self, nbytes: int) -> float:
         return nbytes / self.value if self.value > 0 else float("inf")
+
+
+class Latency:
+    """A load's fixed cost beyond its bytes (queue, thread hand-off, file opens, round trips),
+    in seconds, estimated cautiously: the first measurement replaces the seed (a warm-up probe
+    or 0) when it is higher, later ones move the estimate fast up and slowly down. Predicting
+    a load too fast is the costly mistake (the request waits longer than recomputing would
+    have taken); too slow only recomputes a little more."""
+
+    def __init__(self, seed_s: float = 0.0, rise: float = 0.5, fall: float = 0.1) -> None:
+        self.value = max(float(seed_s), 0.0)
+        self.rise, self.fall = rise, fall
+        self.samples = 0
+
+    def observe(self, seconds: float) -> None:
+        s = max(float(seconds), 0.0)
+        if self.samples == 0:
+            self.value = max(self.value, s)
+        else:
+            self.value += (self.rise if s > self.value else self.fall) * (s - self.value)
+        self.samples += 1

@@ -102,3 +102,20 @@ def test_recompute_is_counted_once_while_the_request_waits_for_room() -> None:
     assert s.requests["c"].state is RequestState.WAITING
     assert [e["decision"] for e in logs if e["event"] == "kv_tier_decision"] == ["recompute"]
     assert t.decisions == {"load": 0, "recompute": 1}
+
+
+def test_a_request_still_to_be_admitted_makes_the_step_busy() -> None:
+    """A load is collected only after the step in flight: a waiting request behind this one
+    will run in that step, so the load pays it (recompute here), as when one already runs."""
+    prompt = list(range(10, 19))            # 4 full blocks below L1
+    for behind, want in ((False, "load"), (True, "recompute")):
+        s, t = setup(32, per_token_s=0.01)  # the 4 blocks: 80 ms to recompute
+        t.observe_step(1.0)                 # a step of others: 1 s
+        put_below(s, t, prompt)
+        s.add(req("a", prompt))
+        if behind:
+            s.add(req("b", list(range(40, 45))))
+        with capture_logs() as logs:
+            s.schedule()
+        (d,) = [e for e in logs if e["event"] == "kv_tier_decision"]
+        assert d["decision"] == want and d["request_id"] == "a"

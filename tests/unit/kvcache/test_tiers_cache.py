@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -184,4 +185,65 @@ def test_write_through_copies_a_block_when_it_is_completed(write_through: bool) 
     assert (c.tier_of(55) == "host") is write_through
     c.offer(5, 55)                      # L1 evicts it later: stored once either way
     assert c.tier_of(55) == "host" and c.counters["host"].stored == 1
+    consistent(c)
+
+
+def test_start_measures_each_tier_and_leaves_no_probe(tmp_path: Path) -> None:
+    seeds = dict(host_bandwidth=1.0, disk_bandwidth=1.0)     # 1 B/s: absurd on purpose
+    with capture_logs() as logs:
+        c = TieredCache(TierSettings(host_bytes=10 * BB, disk_bytes=10 * BB,
+                                     disk_dir=str(tmp_path), **seeds), DictIO(), "gqa-test")
+    assert c.bandwidth["host"].value > 1e3 and c.bandwidth["disk"].value > 1e3
+    assert c.bandwidth["host"].samples == 0       # a seed: the first real load still counts
+    assert c.latency_s > 0.0            # the hand-off to the load thread costs something
+    assert [e["event"] for e in logs if e["event"] == "kv_tier_calibrated"]
+    assert c.used == {"host": 0, "disk": 0} and not list(c.host.keys())
+    assert not list(c.disk.dir.glob(f"*{SUFFIX}")) and c.restored == 0
+    c.close()
+    again = TieredCache(TierSettings(disk_bytes=10 * BB, disk_dir=str(tmp_path)),
+                        DictIO(), "gqa-test")
+    assert again.restored == 0 and again.counters["disk"].corrupt == 0   # nothing left over
+    off = TieredCache(TierSettings(host_bytes=10 * BB, calibrate=False, **seeds), DictIO(),
+                      "gqa-test")
+    assert off.bandwidth["host"].value == 1.0 and off.latency_s == 0.0
+
+
+def test_a_disk_that_refuses_the_probe_keeps_the_seed(tmp_path: Path, monkeypatch) -> None:
+    def full(self, key, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskStore, "put", full)
+    with capture_logs() as logs:
+        c = TieredCache(TierSettings(disk_bytes=10 * BB, disk_dir=str(tmp_path),
+                                     disk_bandwidth=123.0), DictIO(), "gqa-test")
+    assert c.bandwidth["disk"].value == 123.0
+    assert [e["tier"] for e in logs if e["event"] == "kv_tier_calibration_failed"] == ["disk"]
+
+
+def test_a_load_is_slower_when_it_is_collected_late() -> None:
+    """The load's time is the request's wait: from the decision until collected at a step
+    boundary, not only the read on the I/O thread."""
+    c = cache(None, host=10 * BB)
+    fill(c, range(2))
+    for late_s, slower in ((0.0, 0), (0.15, 1)):
+        c.pin([0, 1])
+        c.start_load("r", [0, 1], (100, 101), predicted_recompute_s=0.1, predicted_load_s=0.01)
+        assert c.wait(10.0)
+        time.sleep(late_s)                  # a step of other requests runs meanwhile
+        (r,) = c.collect()
+        assert r.failed is None and c.slower_than_recompute == slower
+        rec = c.recent_loads[-1]
+        assert rec.blocks == 2 and rec.read_s <= rec.load_s and rec.load_s >= late_s
+        assert rec.predicted_load_s == 0.01 and rec.predicted_recompute_s == 0.1
+
+
+def test_a_hold_keeps_entries_until_the_next_step_boundary() -> None:
+    c = cache(None, host=3 * BB)
+    fill(c, range(3))
+    c.hold([0])                         # a waiting prompt was taken to load key 0
+    fill(c, [3])                        # L2 full: the least useful unheld entry goes
+    assert c.tier_of(0) == "host" and c.counters["host"].evicted == 1
+    c.collect()                         # the next step boundary releases the hold
+    fill(c, [4, 5, 6])
+    assert c.tier_of(0) is None         # evictable again
     consistent(c)

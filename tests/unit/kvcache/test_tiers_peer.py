@@ -114,7 +114,10 @@ def test_peer_reuse_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
     assert c.tiers.peer_reuse and not c.tiers.enabled
     with pytest.raises(ConfigError, match="needs cluster.enabled"):
         _load(tmp_path, "[tiers]\npeer_reuse = true\n")
-    with pytest.raises(ConfigError, match="for colocated nodes"):
+    p = _load(tmp_path, "[cluster]\nenabled = true\n[tiers]\npeer_reuse = true\n", "prefill")
+    assert p.tiers.peer_reuse and p.server.role == "prefill"
+    # a decode node's prompt KV comes from prefill nodes (which reuse peers themselves)
+    with pytest.raises(ConfigError, match="for colocated and prefill nodes.*from prefill nodes"):
         _load(tmp_path, "[cluster]\nenabled = true\n[tiers]\npeer_reuse = true\n", "decode")
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         _load(tmp_path, "[cluster]\nenabled = true\n[engine]\nenable_prefix_caching = false\n"

@@ -1,10 +1,11 @@
 """KV tier policies (pure): eviction by expected benefit, never a pinned entry; the
-load-or-recompute plan picks the cheapest split; the bandwidth estimate follows measurements."""
+load-or-recompute plan picks the cheapest split; the bandwidth estimate follows measurements,
+the latency estimate cautiously (fast up, slowly down)."""
 from __future__ import annotations
 
 import pytest
 
-from moed.kvcache.tiers.policy import Bandwidth, Candidate, benefit, plan_load, victims
+from moed.kvcache.tiers.policy import Bandwidth, Candidate, Latency, benefit, plan_load, victims
 
 
 def test_benefit_grows_with_reuse_and_recompute_cost_and_decays_with_age() -> None:
@@ -42,3 +43,18 @@ def test_bandwidth_moves_toward_measurements() -> None:
     assert b.seconds(1e8) == pytest.approx(1.0, rel=0.01)
     b.observe(0, 1.0)
     assert b.samples == 50
+
+
+def test_latency_is_learnt_cautiously() -> None:
+    lat = Latency(0.002)                # the warm-up probe's figure
+    lat.observe(0.001)                  # a first load faster than the probe: the probe stays
+    assert lat.value == pytest.approx(0.002)
+    lat = Latency(0.002)
+    lat.observe(0.010)                  # slower (a busy machine): taken at once
+    assert lat.value == pytest.approx(0.010)
+    lat.observe(0.030)                  # up fast (half the gap) ...
+    assert lat.value == pytest.approx(0.020)
+    lat.observe(0.0)                    # ... down slowly (a tenth)
+    assert lat.value == pytest.approx(0.018) and lat.samples == 3
+    lat.observe(-1.0)                   # clock noise never makes it negative
+    assert lat.value >= 0.0

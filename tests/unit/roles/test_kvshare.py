@@ -230,3 +230,34 @@ async def test_a_timed_out_read_keeps_its_blocks_until_a_second_timeout(monkeypa
     finally:
         await b.session.close()
         await client.close()
+
+
+async def test_on_a_prefill_node_the_prefill_components_worker_reads_and_its_jobs_ask(
+        monkeypatch) -> None:
+    """One transfer worker per process: the prefill component's; its jobs call our reader
+    (PrefillComponent.reuse) until we stop, and stopping leaves its worker open."""
+    async def no_second_worker(*a: Any) -> None:
+        raise AssertionError("a second transfer worker was started")
+
+    monkeypatch.setattr(kvshare, "start_worker", no_second_worker)
+    engine = FakeEngine()
+    layout = type("L", (), {"block_bytes": 16, "num_layers": 4})()
+    engine.kv_region = lambda: type("R", (), {"layout": layout})()
+    closed: list[bool] = []
+    worker = FakeWorker(TransferState.DONE)
+    worker.close = lambda: closed.append(True)        # type: ignore[attr-defined]
+    prefill = type("P", (), {"name": "prefill", "worker": worker, "incarnation": 42,
+                             "reuse": None})()
+    state = type("St", (), {"internal_auth": None, "model_id": "mod", "engine": engine})()
+    app = type("App", (), {"components": [prefill], "state": state})()
+    s = KVShareComponent(_cfg(), "P2")
+    await s.start(app)
+    try:
+        assert s.worker is worker and s.incarnation == 42 and s.block_bytes == 64
+        assert prefill.reuse is s
+        await s.prefetch("pf-j", PROMPT)    # no membership: no peer, the job computes it all
+        assert engine.kv.num_used_blocks == 0
+    finally:
+        await s.stop()
+    assert prefill.reuse is None and not closed and s.session is None
+    await s.prefetch("pf-late", PROMPT)     # a job still running after stop: no-op
