@@ -1,17 +1,23 @@
 """Engine throughput: moed vs transformers `generate` on the same bf16 checkpoint, one run.
 
-    .venv/bin/python bench/engine.py [--arch qwen3_moe|mixtral|deepseek_v3] [--batches 1,8,32] [--prompt 128] [--new 64]
+    .venv/bin/python bench/engine.py [--arch qwen3_moe|mixtral|deepseek_v3] [--batches 1,8,32] [--prompt 128] [--new 64] [--repeats 3]
 
 Both sides get the same random prompts (all the same length, so transformers needs no padding)
-and generate greedily with EOS ignored. Per batch size:
-  prefill tok/s = batch * prompt / time to the first token (generate with max_tokens=1)
-  decode tok/s  = batch * (new - 1) / (time for `new` tokens - time for 1 token)
-Prefix caching is off for moed so repeated runs recompute. Timings are best-of-N with the two
-engines interleaved, so a busy machine slows both alike. transformers uses
-experts_implementation="grouped_mm" (its fastest on this CPU per notes/models-and-baselines.md)
-and attn_implementation="sdpa". Prints a table and writes bench/results/engine.json, with the
-checkpoint's KV bytes per token beside a GQA and an MHA cache of the same width (DeepSeek-V3's
-latent cache vs the per-head K/V it replaces).
+and generate greedily with EOS ignored. Timing comes from each engine's own steps, not from
+differences of separately chosen end-to-end minima (that once printed 2.5e11 tok/s):
+  moed          the engine's StepStats (step_seconds of each step, in the step loop);
+  transformers  a logits processor's clock, called once per generated token (prefill = start
+                to the first call, each decode step = the gap between two calls).
+  prefill tok/s = prompt tokens / time of the steps that computed prompt tokens
+  decode tok/s  = batch / decode step time; median and p10/p90 over every decode step
+Each of --repeats rounds runs every batch size on both engines, the engines interleaved (the
+order flips each round) so a load change hits both alike; the spread of the per-round medians
+is printed and the load average before/after each round goes to the JSON. Prefix caching is off
+for moed so rounds recompute. transformers uses experts_implementation="grouped_mm" and
+attn_implementation="sdpa". RSS after load: moed's process before transformers loads, and what
+loading transformers added. Writes bench/results/engine.json (with the checkpoint's KV bytes
+per token beside a GQA and an MHA cache of the same width) and engine.png (tok/s vs batch,
+p10-p90 bars) when matplotlib is installed.
 moed uses its native CPU kernels when they load (moed/model/kernels; the JSON's
 moed_cpu_kernels says which); MOED_CPU_KERNELS=0 measures the plain torch path instead.
 """
@@ -20,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,9 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import cpu_model, load_average, rss_bytes, spread  # noqa: E402
 
 from moed.config import EngineConfig  # noqa: E402
 from moed.engine.engine import Engine  # noqa: E402
+from moed.engine.stream import StepStats  # noqa: E402
 from moed.model.init import init_checkpoint  # noqa: E402
 from moed.model.runner import ModelRunner  # noqa: E402
 from moed.model.tokenizer import Tokenizer  # noqa: E402
@@ -48,20 +57,58 @@ def _checkpoint(arch: str, cache: Path) -> Path:
     return out
 
 
+class Timing:
+    """One generate call's per-step record: prefill (tokens, seconds) and decode step times
+    (with the batch each decoded)."""
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0
+        self.prefill_s = 0.0
+        self.decode: list[tuple[int, float]] = []      # (tokens decoded, seconds) per step
+
+    def summary(self) -> dict:
+        steps = [b / s for b, s in self.decode if s > 0]
+        return {"prefill_tok_s": self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0,
+                "prefill_s": self.prefill_s,
+                "decode_step_ms": spread([s * 1e3 for _, s in self.decode]),
+                "decode_tok_s": spread(steps)}
+
+
 class MoedSide:
     name = "moed"
 
-    def __init__(self, model_dir: Path, max_batch: int, prompt_len: int, new: int) -> None:
-        blocks = max_batch * (-(-(prompt_len + new) // 16)) + 8
+    def __init__(self, model_dir: Path, max_batch: int, prompt_len: int, new: int,
+                 kv_tokens: int | None = None) -> None:
+        """kv_tokens: the KV cache's size (default: max_batch sequences of prompt + new)."""
+        per_seq = -(-(prompt_len + new) // 16)
+        blocks = (-(-kv_tokens // 16) if kv_tokens else max_batch * per_seq) + 8
         runner = ModelRunner(model_dir, dtype="bfloat16", device="cpu", attention_backend="torch",
                              num_blocks=blocks, block_size=16)
         cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=max_batch,
-                           max_num_batched_tokens=2048)
+                           max_num_batched_tokens=max(2048, prompt_len))
         self.engine = Engine(runner, Tokenizer.from_dir(model_dir), cfg)
         self.cpu_kernels = runner.model.kernels is not None
+        self._timing: Timing | None = None
+        self.engine.subscribe_step(self._on_step)
 
-    def run(self, prompts: list[list[int]], n: int) -> None:
-        self.engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    def _on_step(self, st: StepStats) -> None:
+        t = self._timing
+        if t is None:
+            return
+        if st.num_prefill_tokens:      # a step with prompt tokens is prefill time, whole
+            t.prefill_tokens += st.num_prefill_tokens
+            t.prefill_s += st.step_seconds
+        elif st.num_decode_tokens:
+            t.decode.append((st.num_decode_tokens, st.step_seconds))
+
+    def run(self, prompts: list[list[int]], n: int) -> Timing:
+        self._timing = t = Timing()
+        try:
+            self.engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0,
+                                                         ignore_eos=True))
+        finally:
+            self._timing = None
+        return t
 
 
 class HFSide:
@@ -74,40 +121,60 @@ class HFSide:
             model_dir, dtype=torch.bfloat16, experts_implementation="grouped_mm",
             attn_implementation="sdpa").eval()
 
-    def run(self, prompts: list[list[int]], n: int) -> None:
+    def run(self, prompts: list[list[int]], n: int) -> Timing:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        stamps: list[float] = []
+
+        class Clock(LogitsProcessor):   # called once per generated token, after its forward
+            def __call__(self, input_ids, scores):  # noqa: ANN001
+                stamps.append(time.perf_counter())
+                return scores
+
         ids = torch.tensor(prompts)
+        t0 = time.perf_counter()
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+                                min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0, logits_processor=LogitsProcessorList([Clock()]))
+        t = Timing()
+        t.prefill_tokens, t.prefill_s = ids.numel(), stamps[0] - t0
+        t.decode = [(len(prompts), b - a) for a, b in zip(stamps, stamps[1:])]
+        return t
 
 
-def measure(sides: list, prompts: dict[int, list[list[int]]], new: int, repeats: int) -> dict:
-    """Best-of-`repeats` timings, the sides interleaved so load changes hit both alike."""
-    prompt_len = len(next(iter(prompts.values()))[0])
+def measure(sides: list, prompts: dict[int, list[list[int]]], new: int, rounds: int) -> dict:
+    """`rounds` rounds; in each, every batch size on every side (the order flips each round).
+    -> {"rounds": [...], "summary": {side: {batch: {...}}}}."""
     for side in sides:                                          # warm-up
         side.run(prompts[min(prompts)], 4)
-    res: dict[str, dict[int, dict]] = {s.name: {} for s in sides}
-    for b, ps in prompts.items():
-        t1 = {s.name: float("inf") for s in sides}
-        tn = dict(t1)
-        for _ in range(repeats):
-            for s in sides:
-                t1[s.name] = min(t1[s.name], _timed(lambda: s.run(ps, 1)))
-                tn[s.name] = min(tn[s.name], _timed(lambda: s.run(ps, new)))
-        for s in sides:
-            r = {"prefill_tok_s": b * prompt_len / t1[s.name],
-                 "decode_tok_s": b * (new - 1) / max(tn[s.name] - t1[s.name], 1e-9),
-                 "ttft_s": t1[s.name], "total_s": tn[s.name]}
-            res[s.name][b] = r
-            print(f"  {s.name:<12} batch {b:>2}: {r['prefill_tok_s']:8.0f} prefill tok/s  "
-                  f"{r['decode_tok_s']:7.1f} decode tok/s", flush=True)
-    return res
+    per: dict[str, dict[int, list[Timing]]] = {s.name: {b: [] for b in prompts} for s in sides}
+    log = []
+    for r in range(rounds):
+        order = sides if r % 2 == 0 else sides[::-1]
+        before = load_average()
+        t0 = time.perf_counter()
+        for b, ps in prompts.items():
+            for s in order:
+                per[s.name][b].append(s.run(ps, new))
+        log.append({"round": r, "order": [s.name for s in order], "load_before": before,
+                    "load_after": load_average(), "seconds": time.perf_counter() - t0})
+        print(f"  round {r + 1}/{rounds}: load {before[0]:.2f} -> {log[-1]['load_after'][0]:.2f}, "
+              f"{log[-1]['seconds']:.1f} s", flush=True)
+    return {"rounds": log, "summary": {name: {b: summarize(ts) for b, ts in by_b.items()}
+                                       for name, by_b in per.items()}}
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def summarize(ts: list[Timing]) -> dict:
+    """Per batch size over rounds: prefill tok/s per round, decode over all steps of all
+    rounds (median, p10/p90) and the spread of each round's median."""
+    rounds = [t.summary() for t in ts]
+    all_steps = Timing()
+    all_steps.decode = [d for t in ts for d in t.decode]
+    total = all_steps.summary()
+    return {"prefill_tok_s": spread([r["prefill_tok_s"] for r in rounds]),
+            "decode_tok_s": total["decode_tok_s"], "decode_step_ms": total["decode_step_ms"],
+            "decode_round_medians": [r["decode_tok_s"]["median"] for r in rounds]}
 
 
 def kv_bytes_per_token(model_dir: Path) -> dict:
@@ -128,18 +195,81 @@ def kv_bytes_per_token(model_dir: Path) -> dict:
             "gqa_bytes_per_token": gqa.bytes_per_block // 16, "mha_bytes_per_token": mha.bytes_per_block // 16}
 
 
+def print_table(batches: list[int], summary: dict) -> list[dict]:
+    ours, theirs = summary["moed"], summary.get("transformers", {})
+    rows = []
+    print(f"\n{'batch':>5} | {'moed prefill':>12} {'hf prefill':>10} {'ratio':>5} | "
+          f"{'moed decode (p10-p90)':>22} {'hf decode (p10-p90)':>20} {'ratio':>5}   (tok/s, medians)")
+    for b in batches:
+        o, t = ours[b], theirs.get(b)
+        row = {"batch": b, "moed": o, "transformers": t}
+        if t:
+            row["prefill_ratio"] = o["prefill_tok_s"]["median"] / t["prefill_tok_s"]["median"]
+            row["decode_ratio"] = o["decode_tok_s"]["median"] / t["decode_tok_s"]["median"]
+        rows.append(row)
+
+        def dec(x: dict | None) -> str:
+            if not x:
+                return "-"
+            d = x["decode_tok_s"]
+            return f"{d['median']:.0f} ({d['p10']:.0f}-{d['p90']:.0f})"
+        print(f"{b:>5} | {o['prefill_tok_s']['median']:12.0f} "
+              f"{t['prefill_tok_s']['median'] if t else 0:10.0f} {row.get('prefill_ratio', 0):5.2f} | "
+              f"{dec(o):>22} {dec(t):>20} {row.get('decode_ratio', 0):5.2f}")
+    print("round-to-round spread (min-max of each round's median):")
+    for name, by_b in summary.items():
+        for b in batches:
+            x = by_b[b]
+            p, d = x["prefill_tok_s"], x["decode_round_medians"]
+            print(f"  {name:<12} batch {b:>2}: prefill {p['min']:.0f}-{p['max']:.0f}  "
+                  f"decode {min(d):.0f}-{max(d):.0f}")
+    return rows
+
+
+def plot(batches: list[int], summary: dict, path: Path, title: str) -> str:
+    """tok/s vs batch, prefill and decode, one line per engine with p10-p90 bars.
+    -> the path written, or why not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: matplotlib is not installed in this environment"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "prefill_tok_s", "prefill"), (axes[1], "decode_tok_s", "decode")):
+        for name, by_b in summary.items():
+            med = [by_b[b][key]["median"] for b in batches]
+            lo = [m - by_b[b][key]["p10"] for b, m in zip(batches, med)]
+            hi = [by_b[b][key]["p90"] - m for b, m in zip(batches, med)]
+            ax.errorbar(batches, med, yerr=[lo, hi], marker="o", capsize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch")
+        ax.set_ylabel("tok/s")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds (each: every batch, both engines)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.json"))
     ap.add_argument("--skip-hf", action="store_true")
     a = ap.parse_args()
+    if a.new < 2 or a.repeats < 1:
+        ap.error("--new must be >= 2 (decode steps to time) and --repeats >= 1")
     if a.threads:
         torch.set_num_threads(a.threads)
     model_dir = _checkpoint(a.arch, Path(a.cache))
@@ -148,42 +278,40 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     pool = torch.randint(0, vocab, (max(batches), a.prompt), generator=g).tolist()
     prompts = {b: pool[:b] for b in batches}
+    cpu = cpu_model()
     print(f"{a.arch} bench preset, bf16, prompt {a.prompt}, {a.new} new tokens, "
-          f"{torch.get_num_threads()} torch threads", flush=True)
+          f"{torch.get_num_threads()} torch threads, {a.repeats} rounds\nCPU: {cpu}", flush=True)
+    rss0 = rss_bytes()
     sides = [MoedSide(model_dir, max(batches), a.prompt, a.new)]
+    rss_moed = rss_bytes()
     kernels = sides[0].cpu_kernels
-    print(f"moed CPU kernels: {'on' if kernels else 'off (torch path; MOED_CPU_KERNELS or the log says why)'}",
-          flush=True)
+    print(f"moed CPU kernels: {'on' if kernels else 'off (torch path; MOED_CPU_KERNELS or the log says why)'}"
+          f"; RSS after load {rss_moed / 2**20:.0f} MiB", flush=True)
+    rss_hf = None
     if not a.skip_hf:
         sides.append(HFSide(model_dir))
+        rss_hf = rss_bytes() - rss_moed
+        print(f"transformers: loading added {rss_hf / 2**20:.0f} MiB RSS", flush=True)
     res = measure(sides, prompts, a.new, a.repeats)
-    ours, theirs = res["moed"], res.get("transformers", {})
-    rows = []
-    print(f"\n{'batch':>5} | {'moed prefill':>12} {'hf prefill':>10} {'ratio':>5} | "
-          f"{'moed decode':>11} {'hf decode':>9} {'ratio':>5}   (tok/s)")
-    for b in batches:
-        o, t = ours[b], theirs.get(b)
-        row = {"batch": b, "moed": o, "transformers": t}
-        if t:
-            row["prefill_ratio"] = o["prefill_tok_s"] / t["prefill_tok_s"]
-            row["decode_ratio"] = o["decode_tok_s"] / t["decode_tok_s"]
-        rows.append(row)
-        print(f"{b:>5} | {o['prefill_tok_s']:12.0f} {t['prefill_tok_s'] if t else 0:10.0f} "
-              f"{row.get('prefill_ratio', 0):5.2f} | {o['decode_tok_s']:11.1f} "
-              f"{t['decode_tok_s'] if t else 0:9.1f} {row.get('decode_ratio', 0):5.2f}")
+    rows = print_table(batches, res["summary"])
     kv = kv_bytes_per_token(model_dir)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    png = plot(batches, res["summary"], out.with_suffix(".png"),
+               f"{a.arch} bench preset, prompt {a.prompt}, {torch.get_num_threads()} threads, {cpu}")
     out.write_text(json.dumps({
         "arch": a.arch, "preset": "bench", "dtype": "bfloat16", "prompt_len": a.prompt,
-        "new_tokens": a.new, "torch_threads": torch.get_num_threads(), "cpu": platform.processor(),
-        "cpus": os.cpu_count(), "transformers_experts_implementation": "grouped_mm",
+        "new_tokens": a.new, "rounds": a.repeats, "torch_threads": torch.get_num_threads(),
+        "cpu": cpu, "cpus": os.cpu_count(), "transformers_experts_implementation": "grouped_mm",
         "moed_cpu_kernels": kernels,
-        "load_average": os.getloadavg(), "kv_cache": kv, "results": rows}, indent=2))
+        "rss_bytes": {"before_load": rss0, "moed_after_load": rss_moed,
+                      "transformers_added": rss_hf},
+        "load_average": load_average(), "round_log": res["rounds"], "kv_cache": kv,
+        "results": rows, "png": png}, indent=2))
     print(f"\nKV cache bytes per token (all layers, bf16): {a.arch} {kv['bytes_per_token']}, "
           f"GQA of equal width ({kv['gqa_kv_heads']} KV heads x {kv['gqa_head_dim']}) {kv['gqa_bytes_per_token']}, "
           f"MHA {kv['mha_bytes_per_token']}")
-    print(f"\nsaved {out}")
+    print(f"\nsaved {out}; plot: {png}")
     return 0
 
 

@@ -176,7 +176,8 @@ def main() -> int:
 
     rng = random.Random(0)
     proc = None
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    # the server's default thread choice (engine.num_threads auto) unless the caller set one
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}
     model_dir = args.model
     try:
         if args.url:

@@ -139,7 +139,9 @@ class EngineConfig:
     max_num_seqs: int = _f(64, live=True, bounds=(1, 1 << 16), doc="running requests per step")
     max_num_batched_tokens: int = _f(512, live=True, bounds=(1, 1 << 24),
                                      doc="token budget per step (chunked prefill)")
-    num_threads: int = _f(0, bounds=(0, 1024), doc="torch intra-op threads; 0 = torch default")
+    num_threads: int = _f(0, bounds=(0, 1024),
+                          doc="torch intra-op threads of the step; 0 = auto: OMP_NUM_THREADS "
+                              "if set, else the cores this process may use minus one")
 
     def __post_init__(self) -> None:
         _check_bounds("engine", self)
