@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from moed.model.attention.base import AttentionBackend
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
+from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
 from moed.model.spec import ModelSpec
 
 
@@ -21,16 +22,17 @@ class Linear:
     """y = x W^T (+ b), with a CPU bf16 fast path chosen at load time.
 
     - With the native kernels (moed/model/kernels, AVX512-BF16 CPUs): the weight is repacked
-      once into the kernels' layout and every call goes there. That one copy replaces both the
-      plain and the oneDNN weight: 1.2-1.7x oneDNN per matmul for 1-16 rows (decode), 0.8-1.0x
-      for hundreds of rows, and a whole 2048-token prefill within noise of the oneDNN path.
+      once into the kernels' layout, which replaces the plain weight. Which kernel serves a row
+      count is measured per weight shape and row class at load (kernels/choice.py): the native
+      one wins 1-16 rows everywhere (1.2-1.7x oneDNN on Zen4); where oneDNN wins a class by a
+      margin (many rows on an AMX CPU) a oneDNN-packed copy is kept beside it for that class.
     - Else on CPU bf16 the weight is also repacked for oneDNN (kept beside the plain one), and
       1 row (2 for weights up to 2 MB) skips oneDNN: torch's own bf16 gemv streams the plain
       weight at full bandwidth with ~4 us of call overhead, where oneDNN reaches ~2/3 of it and
       spends ~14 us per call on setup (measured: [1024,1024] weight, 2 threads, 72 vs 101 us).
     - Else (fp32, GPU) plain F.linear."""
 
-    __slots__ = ("weight", "bias", "packed", "gemv_rows", "kernels", "kpacked", "out_features")
+    __slots__ = ("weight", "bias", "packed", "gemv_rows", "kernels", "kpacked", "out_features", "choice")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
                  kernels: CpuKernels | None = None, kpacked: torch.Tensor | None = None) -> None:
@@ -38,20 +40,27 @@ class Linear:
         self.out_features = weight.shape[0]
         self.kernels = kernels if pack and kernels is not None and weight.shape[1] % 2 == 0 else None
         self.kpacked = self.packed = None
+        self.choice: LinearChoice | None = None     # kernels only: oneDNN for some row classes
         # 2 rows cost the gemv twice its 1-row time; oneDNN's fixed cost amortises on big
         # weights: 2-row gemv wins up to ~2 MB bf16 (experts), loses above (attention, lm_head).
         self.gemv_rows = 2 if weight.numel() <= GEMV_2ROW_MAX_NUMEL else 1
         if self.kernels is not None:
             self.kpacked = kpacked if kpacked is not None else self.kernels.pack(weight)
-            self.weight = None          # the packed copy is the only one read
+            choice = self.kernels.choose(*weight.shape)
+            if choice.any_onednn:
+                self.choice = choice
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
+            self.weight = None          # the packed copies are the only ones read
         elif pack:
             # Packed for 8-row inputs (oneDNN picks the layout by expected rows; 1-2 rows never
             # get here): -2% decode step at batch 8 and 32 vs a 1-row layout, prefill no slower.
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kpacked is not None:
-            return self.kernels.linear_bf16(x, self.kpacked, self.out_features, self.bias)
+            if self.choice is None or not self.choice.use_onednn(x.shape[0]):
+                return self.kernels.linear_bf16(x, self.kpacked, self.out_features, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] <= self.gemv_rows:

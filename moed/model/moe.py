@@ -20,6 +20,9 @@ either side of the exchange (MoELayer._parallel).
 On CPU bf16 with local experts, batches of up to FUSED_MAX_TOKENS tokens (decode, short
 prefill) take the native kernel (moed/model/kernels) instead: router, map, load count and
 expert math in one call that reads each touched expert once, instead of ~60 small torch ops.
+Where the measured kernel choice (kernels/choice.py) says oneDNN multiplies an expert's rows
+faster at the batch's rows per expert (many tokens on an AMX CPU), the grouped path serves
+instead, each expert's gate_up and down one oneDNN matmul over its tokens (fused_serves).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from moed.balance.experts_route import split_over_replicas
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
+from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
 from moed.model.layers import Linear
 from moed.model.spec import ModelSpec
 
@@ -41,6 +45,18 @@ from moed.model.spec import ModelSpec
 # but 2x slower at 2048, where its per-call scratch (inputs regrouped, fp32 intermediates) no
 # longer fits in cache.
 FUSED_MAX_TOKENS = 512
+
+
+def fused_serves(tokens: int, top_k: int, num_physical: int, expert_choice: LinearChoice | None,
+                 fused_max: int) -> bool:
+    """Whether the fused kernel serves a batch: up to fused_max tokens, unless the expert matmuls
+    at this batch's rows per expert (tokens * top_k spread over the experts, even routing
+    assumed) are a row class that oneDNN serves faster (kernels/choice.py; an AMX CPU): then the
+    grouped path runs each expert's rows as one oneDNN matmul."""
+    if tokens > fused_max:
+        return False
+    rows = max(1, -(-tokens * top_k // max(num_physical, 1)))
+    return expert_choice is None or not expert_choice.use_onednn(rows)
 
 
 @dataclass(frozen=True)
@@ -160,11 +176,11 @@ class LocalExperts(ExpertExecutor):
     def load_slot(self, slot: int, weights: list[torch.Tensor]) -> None:
         """Overwrite slot `slot` with another expert's weights (slot_weights' shapes), in place,
         at a step boundary; oneDNN copies are re-packed from the new plain weights."""
-        for dst, src in zip(self.slot_weights(slot), weights, strict=True):
+        for dst, src, lin in zip(self.slot_weights(slot), weights, self.experts[slot], strict=True):
             dst.copy_(src)
-        for lin in self.experts[slot]:
-            if lin.packed is not None:
-                lin.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight, 8)
+            if lin.packed is not None:   # with kernels, the plain weight comes back from dst
+                plain = lin.weight if lin.weight is not None else lin.kernels.unpack(dst, lin.out_features)
+                lin.packed = torch.ops.mkldnn._reorder_linear_weight(plain, ONEDNN_ROWS_HINT)
 
     def _single_token(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Batch-1 decode: no sort/scatter, just the k experts in turn (~10% less MoE time)."""
@@ -232,7 +248,8 @@ class MoELayer:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.placement is not None:
             return self._parallel(x)
-        if self.kernels is not None and x.shape[0] <= FUSED_MAX_TOKENS:
+        if self.kernels is not None and fused_serves(x.shape[0], self.router.top_k, self.experts.num_physical,
+                                                     self.experts.experts[0][0].choice, FUSED_MAX_TOKENS):
             r, e = self.router, self.experts
             return self.kernels.moe_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
                                          r.logical_to_physical, r.num_replicas, r.load,

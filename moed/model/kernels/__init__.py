@@ -4,7 +4,8 @@ Decode on a CPU is a few rows times big weights: memory-bound work that torch sp
 small ops per MoE layer, each with its own dispatch cost, and whose bf16 matmuls read a weight
 once per row. These kernels do it in five calls per layer: `moe_bf16` (router, top-k, experts,
 weighted sum; each touched expert read once), `linear_bf16` (skinny matmuls on a packed weight),
-`decode_attn_bf16` (paged attention straight from the KV blocks), `rms_norm_bf16` (with the
+`decode_attn_bf16` (paged attention straight from the KV blocks; `prefill_attn_bf16` for
+prompts, blocked over queries), `rms_norm_bf16` (with the
 residual add) and `qk_norm_rope_bf16`. Only for bf16 on x86-64 CPUs with AVX512-BF16; the
 layout and numerics are described in cpu_bf16.c.
 
@@ -32,6 +33,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from moed.model.kernels.choice import KernelChooser
+
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_bf16.c")
@@ -39,7 +42,7 @@ SOURCE = Path(__file__).with_name("cpu_bf16.c")
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-fPIC", "-shared", "-fopenmp",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-ABI_VERSION = 4
+ABI_VERSION = 5
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -123,11 +126,15 @@ class CpuKernels:
         lib.moed_decode_attn_bf16.argtypes = [_p, _l, _l, _l, _l, _l, _p, _l, _l, _p, _l, _p,
                                               ctypes.c_float, _p, _i]
         lib.moed_decode_attn_bf16.restype = _i
+        lib.moed_prefill_attn_bf16.argtypes = [_p, _l, _l, _l, _l, _l, _l, _p, _p, ctypes.c_float, _p, _i]
+        lib.moed_prefill_attn_bf16.restype = _i
         lib.moed_rms_norm_bf16.argtypes = [_p, _p, _p, _l, _l, _p, ctypes.c_float, _p, _i]
         lib.moed_rms_norm_bf16.restype = None
         lib.moed_qk_norm_rope_bf16.argtypes = [_p, _l, _l, _l, _l, _p, ctypes.c_float, _p, _p, _p, _i]
         lib.moed_qk_norm_rope_bf16.restype = None
         self.lib, self.path = lib, path
+        # (N, K) -> LinearChoice: native or oneDNN per row class, measured once (choice.py)
+        self.choose = KernelChooser(self, path)
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -141,6 +148,12 @@ class CpuKernels:
             weight = torch.nn.functional.pad(weight, (0, 0, 0, pad))
         return (weight.reshape(*lead, (n + pad) // BLOCK, BLOCK, k // 2, 2)
                 .transpose(-3, -2).contiguous())
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+        """The plain weight [..., n, K] back from pack()'s layout (exact: a reshuffle)."""
+        *lead, nb, k2, block, two = packed.shape
+        return packed.transpose(-3, -2).reshape(*lead, nb * block, k2 * two)[..., :n, :]
 
     def moe_bf16(self, x: torch.Tensor, router: torch.Tensor, num_experts: int, top_k: int,
                  norm_topk: bool, logical_to_physical: torch.Tensor, num_replicas: torch.Tensor,
@@ -218,6 +231,25 @@ class CpuKernels:
             torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("moed_decode_attn_bf16: " + ("out of memory" if rc == -1 else "bad shape or block id"))
+        return out
+
+    def prefill_attn_bf16(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                          scale: float) -> torch.Tensor:
+        """Causal attention of n new tokens at positions start.. over all start + n keys -> [n, Hq, D].
+        q [n, Hq, D] bf16 (heads and dims contiguous, rows may be strided); k, v [start + n, Hkv, D]
+        (history then the new tokens; made contiguous). Rounding as torch's CPU flash attention."""
+        n, hq, d = q.shape
+        if q.stride(2) != 1 or q.stride(1) != d or q.stride(0) % 2:
+            q = q.contiguous()
+        k, v = k.contiguous(), v.contiguous()
+        if k.shape != v.shape or k.shape[0] != start + n or k.shape[2] != d:
+            raise ValueError(f"prefill_attn_bf16: k/v {tuple(k.shape)} for {n} tokens after {start}")
+        out = torch.empty((n, hq, d), dtype=q.dtype)
+        rc = self.lib.moed_prefill_attn_bf16(q.data_ptr(), q.stride(0), n, start, hq, k.shape[1], d,
+                                             k.data_ptr(), v.data_ptr(), scale, out.data_ptr(),
+                                             torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("moed_prefill_attn_bf16: " + ("out of memory" if rc == -1 else "bad shape"))
         return out
 
     def rms_norm_bf16(self, h: torch.Tensor, weight: torch.Tensor, eps: float,

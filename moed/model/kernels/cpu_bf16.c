@@ -20,6 +20,9 @@
  * before use, as a bf16 torch matmul rounds it, and the elementwise steps round where torch's
  * bf16 ops do, so results match the torch path up to fp32 summation order (an ulp, rarely).
  *
+ * Prefill attention (moed_prefill_attn_bf16) is the same two matmuls on the same packed-block
+ * kernel, K and V^T packed per call, blocked over 8 query rows: no [T, T] score matrix.
+ *
  * Threads: the caller passes the count; OpenMP is the libgomp torch already loaded (same
  * soname), so these are torch's own pool threads, never a second pool competing for cores.
  * Every output element is computed by one thread in a fixed order, so results are bitwise the
@@ -39,7 +42,7 @@ typedef uint16_t bf16;
 #define NB 32        /* output columns per packed block */
 #define ROW_TILE 8   /* input rows per pass over a block: 2 x 8 accumulators + loads fit 32 zmm */
 
-int moed_abi_version(void) { return 4; }
+int moed_abi_version(void) { return 5; }
 
 int moed_cpu_supported(void) {
     __builtin_cpu_init();
@@ -629,4 +632,103 @@ void moed_qk_norm_rope_bf16(const bf16 *qkv, long T, long row_stride, long H, lo
                                                   round_bf16_x16(_mm512_mul_ps(rolled, bf16x16_or_zero(sn + d, m)))));
         }
     }
+}
+
+/* y[r][0..32) = x[r] . block wb for a run-time row count R <= ROW_TILE (block_rows needs a
+ * constant R to keep its accumulators in registers). */
+static inline void block_rows_any(long R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+    switch (R) {
+        case 1: block_rows(1, x, ldx2, wb, K2, y, ldy); break;
+        case 2: block_rows(2, x, ldx2, wb, K2, y, ldy); break;
+        case 3: block_rows(3, x, ldx2, wb, K2, y, ldy); break;
+        case 4: block_rows(4, x, ldx2, wb, K2, y, ldy); break;
+        case 5: block_rows(5, x, ldx2, wb, K2, y, ldy); break;
+        case 6: block_rows(6, x, ldx2, wb, K2, y, ldy); break;
+        case 7: block_rows(7, x, ldx2, wb, K2, y, ldy); break;
+        default: block_rows(8, x, ldx2, wb, K2, y, ldy); break;
+    }
+}
+
+/* Causal prefill attention of one sequence, blocked over queries: no [n, L] score matrix, only
+ * ROW_TILE query rows' scores at a time (one q head, consecutive tokens), so the whole step is
+ * two matmuls on the packed-block kernel per tile plus a softmax.
+ * q: n token rows at stride q_stride (Hq heads of D contiguous), token t at position start + t;
+ * k, v [L][Hkv][D] contiguous, L = start + n (the cached history, then the new tokens);
+ * out [n][Hq][D]. GQA: q head g*G.. reads kv head g. Rounding as torch's CPU flash attention
+ * (the torch path for prefill): q.k and its scaling in fp32, e = exp(s - max) in fp32 summed in
+ * fp32, e rounded to bf16 for the p.v product (fp32 accumulation), divided by the sum and
+ * rounded once. (Flash takes the max over key blocks as it goes and rescales; the exact row
+ * max here differs from it only in those rescalings' roundings.) D is 32, 64, 128 or 256,
+ * q_stride even.
+ * K and V^T are packed once per call (P32, zero-padded keys), 2 * Hkv * L * D bf16 of scratch.
+ * Returns 0; -1 out of memory; -2 bad shapes. */
+int moed_prefill_attn_bf16(const bf16 *q, long q_stride, long n, long start, long Hq, long Hkv, long D,
+                           const bf16 *k, const bf16 *v, float scale, bf16 *out, int nthreads) {
+    if (n < 1 || start < 0 || Hkv < 1 || Hq % Hkv || (D != 32 && D != 64 && D != 128 && D != 256) || q_stride % 2)
+        return -2;
+    const long G = Hq / Hkv, L = start + n, Lp = nblocks(L) * NB, D2 = D / 2, kv_stride = Hkv * D;
+    const long tiles = (n + ROW_TILE - 1) / ROW_TILE;
+    bf16 *kp = calloc((size_t)Hkv * Lp * D, sizeof(bf16));      /* per head: [Lp/32][D/2][32][2] */
+    bf16 *vt = calloc((size_t)Hkv * Lp * D, sizeof(bf16));      /* per head: [D/32][Lp/2][32][2] */
+    float *sbuf = malloc(sizeof(float) * nthreads * ROW_TILE * (Lp + D));
+    bf16 *pbuf = malloc(sizeof(bf16) * nthreads * ROW_TILE * Lp);
+    int rc = 0;
+    if (!kp || !vt || !sbuf || !pbuf) { rc = -1; goto done; }
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (long hl = 0; hl < Hkv * nblocks(L); hl++) {          /* pack K_h and V_h^T */
+            const long h = hl / nblocks(L), l0 = (hl % nblocks(L)) * NB;
+            bf16 *kh = kp + h * Lp * D, *vh = vt + h * Lp * D;
+            for (long l = l0; l < l0 + NB && l < L; l++) {
+                const bf16 *kr = k + l * kv_stride + h * D, *vr = v + l * kv_stride + h * D;
+                for (long d = 0; d < D; d++) {
+                    kh[((l / NB) * D2 + d / 2) * 2 * NB + (l % NB) * 2 + d % 2] = kr[d];
+                    vh[((d / NB) * (Lp / 2) + l / 2) * 2 * NB + (d % NB) * 2 + l % 2] = vr[d];
+                }
+            }
+        }
+        float *s = sbuf + omp_get_thread_num() * ROW_TILE * (Lp + D), *o = s + ROW_TILE * Lp;
+        bf16 *p = pbuf + omp_get_thread_num() * ROW_TILE * Lp;
+#pragma omp for schedule(dynamic, 1)
+        for (long task = 0; task < Hq * tiles; task++) {
+            /* late tiles (most keys) first: dynamic scheduling then ends with the small ones */
+            const long qh = task % Hq, tile = tiles - 1 - task / Hq, h = qh / G;
+            const long t0 = tile * ROW_TILE, R = n - t0 < ROW_TILE ? n - t0 : ROW_TILE;
+            const long kb = nblocks(start + t0 + R);                /* key blocks any row sees */
+            const uint32_t *xq = (const uint32_t *)(q + t0 * q_stride + qh * D);
+            for (long b = 0; b < kb; b++)
+                block_rows_any(R, xq, q_stride / 2, kp + h * Lp * D + b * NB * D, D2, s + b * NB, Lp);
+            float inv[ROW_TILE];
+            for (long r = 0; r < R; r++) {
+                const long len = start + t0 + r + 1;              /* keys 0..position */
+                const float *sr = s + r * Lp;
+                bf16 *pr = p + r * Lp;
+                __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+                for (long l = 0; l < len; l += 16)
+                    mx = _mm512_mask_max_ps(mx, lanes(len - l), mx, _mm512_maskz_loadu_ps(lanes(len - l), sr + l));
+                const __m512 vs = _mm512_set1_ps(scale), vmax = _mm512_mul_ps(vs, _mm512_set1_ps(_mm512_reduce_max_ps(mx)));
+                for (long l = 0; l < len; l += 16) {
+                    const __mmask16 m = lanes(len - l);
+                    const __m512 e = exp_x16(_mm512_sub_ps(_mm512_mul_ps(vs, _mm512_maskz_loadu_ps(m, sr + l)), vmax));
+                    sum = _mm512_mask_add_ps(sum, m, sum, e);
+                    store_bf16x16(pr + l, m, e);
+                }
+                inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+                memset(pr + len, 0, sizeof(bf16) * (kb * NB - len));
+            }
+            for (long j = 0; j < D / NB; j++)
+                block_rows_any(R, (const uint32_t *)p, Lp / 2, vt + h * Lp * D + j * NB * Lp, kb * NB / 2, o + j * NB, D);
+            for (long r = 0; r < R; r++) {
+                bf16 *orow = out + ((t0 + r) * Hq + qh) * D;
+                const __m512 vi = _mm512_set1_ps(inv[r]);
+                for (long d = 0; d < D; d += 16)
+                    _mm256_storeu_si256((__m256i *)(orow + d),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), vi)));
+            }
+        }
+    }
+done:
+    free(kp); free(vt); free(sbuf); free(pbuf);
+    return rc;
 }
