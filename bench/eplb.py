@@ -432,7 +432,8 @@ def main() -> int:
     ap.add_argument("--cache", default=str(ROOT / ".cache" / "bench"))
     ap.add_argument("--skip-ep", action="store_true", help="no section 5 (EP processes)")
     ap.add_argument("--ep-batch", type=int, default=8, help="decode sequences per rank (section 5)")
-    ap.add_argument("--ep-steps", type=int, default=40, help="decode steps measured per phase (section 5)")
+    ap.add_argument("--ep-steps", type=int, default=240,
+                    help="decode steps measured per phase (section 5; p99 needs hundreds)")
     ap.add_argument("--ep-redundant", type=int, default=2, help="redundant slots per rank (section 5)")
     ap.add_argument("--ep-rebalances", type=int, default=6, help="rebalances measured (section 5)")
     ap.add_argument("--ep-step-mb", type=float, default=2.0,
