@@ -63,6 +63,9 @@ FLAGS: tuple[Flag, ...] = (
          "tokens per engine step (chunked prefill)", int, metavar="N"),
     Flag("--kv-cache-memory", "engine.kv_cache_memory_mb",
          "KV cache size in MB (unless engine.num_kv_blocks is set)", int, metavar="MB"),
+    Flag("--kv-cache-memory-fraction", "engine.kv_cache_memory_fraction",
+         "KV cache = this share of the memory left beside the weights at start", float,
+         metavar="F"),
     Flag("--block-size", "engine.block_size", "tokens per KV block", int, metavar="N"),
     Flag("--dtype", "model.dtype", "weights and KV dtype; auto: the checkpoint's (vLLM's "
          "half and float are float16 and float32)", _dtype, MODEL_DTYPES),

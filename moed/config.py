@@ -133,8 +133,15 @@ class ModelConfig:
 class EngineConfig:
     attention_backend: str = _f("auto", doc="auto | torch | flashinfer")
     block_size: int = _f(16, bounds=(1, 1024), doc="tokens per KV block")
-    num_kv_blocks: int = _f(0, bounds=(0, 1 << 24), doc="0 = size from kv_cache_memory_mb")
-    kv_cache_memory_mb: int = _f(512, bounds=(1, 1 << 24))
+    num_kv_blocks: int = _f(0, bounds=(0, 1 << 24),
+                            doc="0 = size from kv_cache_memory_fraction or kv_cache_memory_mb")
+    kv_cache_memory_mb: int = _f(512, bounds=(1, 1 << 24),
+                                 doc="KV cache size in MB (unless the fraction is set)")
+    kv_cache_memory_fraction: float = _f(0.0, bounds=(0, 0.95),
+                                         doc="KV cache = this share of the memory still "
+                                         "available at start beside the weights (host "
+                                         "MemAvailable capped by the cgroup; free GPU memory); "
+                                         "0 = use kv_cache_memory_mb")
     enable_prefix_caching: bool = _f(True)
     max_num_seqs: int = _f(64, live=True, bounds=(1, 1 << 16), doc="running requests per step")
     max_num_batched_tokens: int = _f(512, live=True, bounds=(1, 1 << 24),
@@ -146,6 +153,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_bounds("engine", self)
         _choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.num_kv_blocks and self.kv_cache_memory_fraction:
+            raise ConfigError("engine.kv_cache_memory_fraction: set it or engine.num_kv_blocks, "
+                              "not both (each sizes the KV cache)")
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,12 @@ def model(cfg: Config) -> None:
     dtype = resolve_dtype(m.dtype, spec, device)
     num_blocks = e.num_kv_blocks
     if not num_blocks:
-        with _refused("engine.kv_cache_memory_mb", ValueError):
-            num_blocks = auto_num_blocks(spec, e.block_size, dtype, e.kv_cache_memory_mb)
+        from moed.engine.memory import kv_memory_mb
+        key = ("engine.kv_cache_memory_fraction" if e.kv_cache_memory_fraction
+               else "engine.kv_cache_memory_mb")
+        with _refused(key, ValueError, RuntimeError):
+            kv_mb, _, _ = kv_memory_mb(cfg, spec, dtype, device)
+            num_blocks = auto_num_blocks(spec, e.block_size, dtype, kv_mb)
     memory_budget(cfg, spec, dtype, num_blocks)
 
 

@@ -138,8 +138,14 @@ class Engine:
         spec = load_spec(m.path)
         device = resolve_device(m.device)
         dtype = resolve_dtype(m.dtype, spec, device)
-        num_blocks = e.num_kv_blocks or auto_num_blocks(
-            spec, block_size=e.block_size, dtype=dtype, memory_mb=e.kv_cache_memory_mb)
+        from moed.engine.memory import kv_memory_mb
+        sized: dict[str, float] = {}
+        sized_by = "engine.num_kv_blocks"
+        num_blocks = e.num_kv_blocks
+        if not num_blocks:
+            kv_mb, sized_by, sized = kv_memory_mb(cfg, spec, dtype, device)
+            num_blocks = auto_num_blocks(spec, block_size=e.block_size, dtype=dtype,
+                                         memory_mb=kv_mb)
         ep = None
         if cfg.parallel.ep_size > 1:    # plan (which experts to load), load, then rendezvous
             from moed.parallel.runtime import EPRuntime
@@ -158,8 +164,7 @@ class Engine:
         tokens = num_blocks * e.block_size
         log.info("kv_cache_sized", kv_blocks=num_blocks, block_size=e.block_size,
                  kv_mb=round(num_blocks * runner.kv_layout.bytes_per_block / 2**20, 1),
-                 sized_by="engine.num_kv_blocks" if e.num_kv_blocks
-                 else "engine.kv_cache_memory_mb",
+                 sized_by=sized_by, **sized,
                  kv_tokens=tokens, max_model_len=engine.max_model_len,
                  max_concurrency_at_max_len=round(tokens / engine.max_model_len, 2),
                  max_num_seqs=e.max_num_seqs)

@@ -25,3 +25,22 @@ async def test_from_config_serves_text(tiny_qwen3):
     assert len(prompt) + len(toks) == 64                       # stopped by the context length
     assert "".join(e.text for e in evs) == eng.tokenizer.decode(toks)
     assert eng.stats().kv_blocks_used == 0
+
+
+async def test_kv_sized_by_a_share_of_the_memory_left(tiny_qwen3, monkeypatch):
+    """engine.kv_cache_memory_fraction: the blocks are that share of what the host says is
+    available beside the weights, and the start log says so."""
+    from structlog.testing import capture_logs
+
+    from moed.engine import memory
+    monkeypatch.setattr(memory, "host_memory_available", lambda root=None: 600 << 20)
+    cfg = Config(model=ModelConfig(path=str(tiny_qwen3), max_model_len=64),
+                 engine=EngineConfig(kv_cache_memory_fraction=0.01, num_threads=1))
+    with capture_logs() as logs:
+        eng = Engine.from_config(cfg)
+    sized = next(e for e in logs if e["event"] == "kv_cache_sized")
+    assert sized["sized_by"] == "engine.kv_cache_memory_fraction"
+    want_mb = memory.kv_share_mb(0.01, 600 << 20, int(sized["weights_mb"] * (1 << 20)))
+    assert want_mb >= 1 and sized["available_mb"] == 600.0
+    assert eng.kv.num_blocks == auto_num_blocks(eng.spec, 16, eng.runner.dtype, want_mb)
+    await eng.shutdown()
