@@ -19,6 +19,7 @@ Reads the scheduler's state; changes nothing.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from moed.balance.cost import shape_of
@@ -64,7 +65,10 @@ def others_step(sched: Any, req: Any) -> tuple[float | None, list[int]]:
     if cost is None or not cost.ready:
         return None, []
     budget, chunks, coload = sched.max_num_batched_tokens, [], []
-    for r in (*sched.running, *sched.waiting):
+    # only the waiting prompts that could join this step (free seats): bounds the scan, which
+    # runs for every admission, whatever the queue's length
+    seats = max(0, sched.max_num_seqs - len(sched.running))
+    for r in (*sched.running, *itertools.islice(sched.waiting, seats + 1)):
         left = r.num_tokens - r.num_computed_tokens
         if r is req or r.remote_kv or left <= 0:
             continue

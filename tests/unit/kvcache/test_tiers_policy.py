@@ -58,3 +58,29 @@ def test_latency_is_learnt_cautiously() -> None:
     assert lat.value == pytest.approx(0.018) and lat.samples == 3
     lat.observe(-1.0)                   # clock noise never makes it negative
     assert lat.value >= 0.0
+
+
+def test_the_step_prediction_scans_only_the_prompts_that_could_join(monkeypatch) -> None:
+    """others_step runs at every admission: with a long queue it looks at the waiting prompts
+    that have a seat in this step, not at the whole queue."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from moed.kvcache.tiers import admission
+    from moed.types import RequestState
+
+    asked: list[object] = []
+    monkeypatch.setattr(admission, "would_load", lambda sched, r: asked.append(r) or ())
+    monkeypatch.setattr(admission, "shape_of", lambda chunks, experts: len(chunks))
+    cost = SimpleNamespace(ready=True, error_quantiles=lambda: (0.0, 0.5),
+                           coefficients=SimpleNamespace(predict=lambda shape: 0.01 * shape))
+    waiting = deque(SimpleNamespace(num_tokens=10, num_computed_tokens=0, remote_kv=False,
+                                    state=RequestState.WAITING) for _ in range(5000))
+    running = [SimpleNamespace(num_tokens=20, num_computed_tokens=19, remote_kv=False,
+                               state=RequestState.RUNNING)]
+    sched = SimpleNamespace(cost=cost, max_num_batched_tokens=1 << 30, max_num_seqs=4,
+                            running=running, waiting=waiting, experts=None)
+    me = waiting[0]
+    step_s, coload = admission.others_step(sched, me)
+    assert len(asked) == 3                 # 3 free seats; `me` itself is skipped
+    assert coload == [] and abs(step_s - 0.01 * 4 * 1.5) < 1e-9    # 1 decode + 3 prompts
