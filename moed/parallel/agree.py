@@ -121,8 +121,7 @@ class StepAgreement:
         while not stop.is_set():
             try:
                 g.store.add(f"hb/{g.rank}", 1)
-                if g.store.check([FAILED]):
-                    raise g.fail(f"rank reported: {g.store.get(FAILED).decode()[:300]}")
+                self._raise_if_reported()
                 if g.size > 1 and watch.dead(g.store.add(f"hb/{peer}", 0), time.monotonic()):
                     reason = (f"rank {peer} silent for {watch.timeout_s:g} s while the group "
                               f"was idle (dead or stalled)")
@@ -130,8 +129,7 @@ class StepAgreement:
                     g.store.set(key, b"1")       # wake the others: they read FAILED
                     raise g.fail(reason)
                 g.store.wait([key], datetime.timedelta(seconds=POLL_S))
-                if g.store.check([FAILED]):
-                    raise g.fail(f"rank reported: {g.store.get(FAILED).decode()[:300]}")
+                self._raise_if_reported()
                 return
             except dist.DistStoreError:      # this wait's timeout: wait again
                 continue
@@ -139,6 +137,12 @@ class StepAgreement:
                 raise
             except RuntimeError as e:        # DistNetworkError: rank 0 (the store) is gone
                 raise g.fail(f"lost the group's store: {_first_line(e)}") from None
+
+    def _raise_if_reported(self) -> None:
+        """GroupFailed when another idle rank wrote that a peer died (the FAILED key)."""
+        store = self.group.store
+        if store.check([FAILED]):
+            raise self.group.fail(f"rank reported: {store.get(FAILED).decode()[:300]}")
 
     def _set(self, key: str) -> None:
         try:

@@ -43,6 +43,36 @@ def _until(cond, timeout: float) -> bool:
     return False
 
 
+def _colocated_group(moed_server, model, size: int, timeout_s: float) -> list[ServerProcess]:
+    """`size` colocated ranks under a short collective timeout, started and ready."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = {"MOED_BALANCE_CALIBRATION_STEPS": "0",
+           "MOED_PARALLEL_COLLECTIVE_TIMEOUT_S": str(timeout_s)}
+    ranks = [moed_server(model=model, role="colocated", wait=None, env=env,
+                         args=[*ARGS, "--ep-size", str(size), "--ep-rank", str(r), "--ep-init", init])
+             for r in range(size)]
+    for srv in ranks:
+        assert _until(lambda: srv.get("/ready", timeout=1.0)[0] == 200, 90), srv.tail()
+    return ranks
+
+
+def _in_flight(srv: ServerProcess, prompt: str, n: int
+               ) -> tuple[list[tuple[int, float]], list[threading.Thread]]:
+    """n long generations on srv, running when this returns: (status, when it ended) of each
+    lands in the list as it ends."""
+    results: list[tuple[int, float]] = []
+
+    def call() -> None:
+        status, _ = complete(srv, prompt, 1500, timeout=60)
+        results.append((status, time.monotonic()))
+
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    assert _until(lambda: srv.metrics().get("moed_requests_running", 0) >= 1, 10), srv.tail()
+    return results, threads
+
+
 def test_kill_one_rank_under_load(moed_server, tiny_qwen3) -> None:
     key = os.urandom(32).hex()
     seed = free_port()
@@ -57,16 +87,7 @@ def test_kill_one_rank_under_load(moed_server, tiny_qwen3) -> None:
                   20), _members(router)
 
     # load on rank 0: long generations in flight when rank 1 dies
-    results: list[tuple[int, float]] = []
-
-    def call() -> None:
-        status, _ = complete(a0, "tell me a long story", 1500, timeout=60)
-        results.append((status, time.monotonic()))
-
-    threads = [threading.Thread(target=call) for _ in range(3)]
-    for t in threads:
-        t.start()
-    assert _until(lambda: a0.metrics().get("moed_requests_running", 0) >= 1, 10), a0.tail()
+    results, threads = _in_flight(a0, "tell me a long story", 3)
     killed = time.monotonic()
     a1.proc.send_signal(signal.SIGKILL)
     for t in threads:
@@ -109,25 +130,9 @@ def test_a_stalled_rank_fails_the_group_within_the_timeout(moed_server, tiny_qwe
     """SIGSTOP (a hung rank, not a dead one): nothing closes a socket, so only the collective
     timeout can tell; the survivor's requests end 503 within it and the node exits 1."""
     timeout_s = 3.0
-    init = f"tcp://127.0.0.1:{free_port()}"
-    env = {"MOED_BALANCE_CALIBRATION_STEPS": "0",
-           "MOED_PARALLEL_COLLECTIVE_TIMEOUT_S": str(timeout_s)}
-    ranks = [moed_server(model=tiny_qwen3, role="colocated", wait=None, env=env,
-                         args=[*ARGS, "--ep-size", "2", "--ep-rank", str(r), "--ep-init", init])
-             for r in range(2)]
-    for srv in ranks:
-        assert _until(lambda: srv.get("/ready", timeout=1.0)[0] == 200, 90), srv.tail()
+    ranks = _colocated_group(moed_server, tiny_qwen3, 2, timeout_s)
     r0, r1 = ranks
-    results: list[tuple[int, float]] = []
-
-    def call() -> None:
-        status, _ = complete(r0, "a story", 1500, timeout=60)
-        results.append((status, time.monotonic()))
-
-    threads = [threading.Thread(target=call) for _ in range(2)]
-    for t in threads:
-        t.start()
-    assert _until(lambda: r0.metrics().get("moed_requests_running", 0) >= 1, 10), r0.tail()
+    results, threads = _in_flight(r0, "a story", 2)
     stalled = time.monotonic()
     r1.proc.send_signal(signal.SIGSTOP)
     try:
@@ -148,14 +153,7 @@ def test_an_idle_group_notices_a_dead_rank(moed_server, tiny_qwen3) -> None:
     its heartbeat stops, its watcher (the rank before it) fails the group and says so in the
     store, and every survivor exits 1 within about the collective timeout."""
     timeout_s = 3.0
-    init = f"tcp://127.0.0.1:{free_port()}"
-    env = {"MOED_BALANCE_CALIBRATION_STEPS": "0",
-           "MOED_PARALLEL_COLLECTIVE_TIMEOUT_S": str(timeout_s)}
-    ranks = [moed_server(model=tiny_qwen3, role="colocated", wait=None, env=env,
-                         args=[*ARGS, "--ep-size", "3", "--ep-rank", str(r), "--ep-init", init])
-             for r in range(3)]
-    for srv in ranks:
-        assert _until(lambda: srv.get("/ready", timeout=1.0)[0] == 200, 90), srv.tail()
+    ranks = _colocated_group(moed_server, tiny_qwen3, 3, timeout_s)
     status, body = complete(ranks[0], "hello", 4)
     assert status == 200, body
     time.sleep(1.5)                                   # every rank idle, beating
