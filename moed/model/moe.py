@@ -17,12 +17,14 @@ dispatches tokens to the ranks holding their slots and combines the results; the
 maps logical experts to the group's physical slots, and the fused kernel's two halves run on
 either side of the exchange (MoELayer._parallel).
 
-On CPU bf16 with local experts, batches of up to FUSED_MAX_TOKENS tokens (decode, short
-prefill) take the native kernel (moed/model/kernels) instead: router, map, load count and
-expert math in one call that reads each touched expert once, instead of ~60 small torch ops.
-Where the measured kernel choice (kernels/choice.py) says oneDNN multiplies an expert's rows
-faster at the batch's rows per expert (many tokens on an AMX CPU), the grouped path serves
-instead, each expert's gate_up and down one oneDNN matmul over its tokens (fused_serves).
+On CPU bf16 with local experts, every batch (decode and prefill alike) takes the native kernel
+(moed/model/kernels) instead: router, map, load count and expert math in one call that reads
+each touched expert once per chunk of its tokens, instead of ~60 small torch ops (the grouped
+path's sort, gathers, per-expert calls, activation and scatter cost ~30% of a prefill step's
+MoE time beside its matmuls). Where the measured kernel choice (kernels/choice.py) says oneDNN
+multiplies an expert's rows faster at the batch's rows per expert (many tokens on an AMX CPU),
+the grouped path serves instead, each expert's gate_up and down one oneDNN matmul over its
+tokens (fused_serves).
 """
 from __future__ import annotations
 
@@ -40,21 +42,11 @@ from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
 from moed.model.layers import Linear
 from moed.model.spec import ModelSpec
 
-# Up to this many tokens the fused CPU kernel beats the grouped path below (on the same kernel
-# matmuls): 1.2-1.6x from 8 to 1024 tokens per layer of the bench preset (16 experts, top-2),
-# but 2x slower at 2048, where its per-call scratch (inputs regrouped, fp32 intermediates) no
-# longer fits in cache.
-FUSED_MAX_TOKENS = 512
-
-
-def fused_serves(tokens: int, top_k: int, num_physical: int, expert_choice: LinearChoice | None,
-                 fused_max: int) -> bool:
-    """Whether the fused kernel serves a batch: up to fused_max tokens, unless the expert matmuls
-    at this batch's rows per expert (tokens * top_k spread over the experts, even routing
-    assumed) are a row class that oneDNN serves faster (kernels/choice.py; an AMX CPU): then the
-    grouped path runs each expert's rows as one oneDNN matmul."""
-    if tokens > fused_max:
-        return False
+def fused_serves(tokens: int, top_k: int, num_physical: int, expert_choice: LinearChoice | None) -> bool:
+    """Whether the fused kernel serves a batch: unless the expert matmuls at this batch's rows
+    per expert (tokens * top_k spread over the experts, even routing assumed) are a row class
+    that oneDNN serves faster (kernels/choice.py; an AMX CPU): then the grouped path runs each
+    expert's rows as one oneDNN matmul."""
     rows = max(1, -(-tokens * top_k // max(num_physical, 1)))
     return expert_choice is None or not expert_choice.use_onednn(rows)
 
@@ -212,8 +204,8 @@ class MoELayer:
                  placement: ExpertPlacement | None = None) -> None:
         """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
         (this layer's row of the runner's expert-load counter, updated in place). ctx.pack: plus
-        oneDNN copies per expert (CPU bf16); ctx.kernels: the native CPU kernels, which serve
-        batches up to FUSED_MAX_TOKENS in one fused call. placement: expert parallelism (then
+        oneDNN copies per expert (CPU bf16); ctx.kernels: the native CPU kernels, which serve a
+        batch in one fused call (fused_serves). placement: expert parallelism (then
         gate_up/down hold only this rank's slots, [S, ...])."""
         h, i = router.shape[1], down.shape[2]
         self.hidden = h
@@ -248,18 +240,22 @@ class MoELayer:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.placement is not None:
             return self._parallel(x)
-        if self.kernels is not None and fused_serves(x.shape[0], self.router.top_k, self.experts.num_physical,
-                                                     self.experts.experts[0][0].choice, FUSED_MAX_TOKENS):
+        if self._fused(x.shape[0]):
             r, e = self.router, self.experts
             return self.kernels.moe_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
                                          r.logical_to_physical, r.num_replicas, r.load,
                                          e.gate_up_p, e.down_p, e.intermediate, r.next_offset())
         return self.experts(x, self.router(x))
 
+    def _fused(self, tokens: int) -> bool:
+        return self.kernels is not None and fused_serves(tokens, self.router.top_k, self.router.num_physical,
+                                                         self.experts.experts[0][0].choice)
+
     def _parallel(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism: route here as EP=1 would (the fused kernel's router half up to
-        FUSED_MAX_TOKENS, else the torch router), then dispatch/compute/combine over the group."""
-        from_kernel = self.kernels is not None and x.shape[0] <= FUSED_MAX_TOKENS
+        """Expert parallelism: route here as EP=1 would (the fused kernel's router half where
+        the fused kernel serves, else the torch router), then dispatch/compute/combine over the
+        group."""
+        from_kernel = self._fused(x.shape[0])
         r = self.router
         if from_kernel:
             phys, w = self.kernels.route_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,

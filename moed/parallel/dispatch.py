@@ -12,7 +12,7 @@ One MoE layer on rank r of N, for its T tokens' k choices each ("rows"):
 Every rank calls each layer once per step, in layer order, tokens or not (moed.parallel.agree).
 
 Modes (what EP=1 would have run for this batch; travel in the header, since the receiving rank
-computes for several sources): FUSED = the CPU bf16 kernel path (T <= FUSED_MAX_TOKENS),
+computes for several sources): FUSED = the CPU bf16 kernel path (moed.model.moe.fused_serves),
 TORCH = the router + LocalExperts torch path.
 """
 from __future__ import annotations

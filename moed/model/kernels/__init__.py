@@ -42,7 +42,7 @@ SOURCE = Path(__file__).with_name("cpu_bf16.c")
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-fPIC", "-shared", "-fopenmp",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-ABI_VERSION = 5
+ABI_VERSION = 6
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int

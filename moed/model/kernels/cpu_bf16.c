@@ -42,7 +42,7 @@ typedef uint16_t bf16;
 #define NB 32        /* output columns per packed block */
 #define ROW_TILE 8   /* input rows per pass over a block: 2 x 8 accumulators + loads fit 32 zmm */
 
-int moed_abi_version(void) { return 5; }
+int moed_abi_version(void) { return 6; }
 
 int moed_cpu_supported(void) {
     __builtin_cpu_init();
@@ -115,31 +115,6 @@ static inline __attribute__((always_inline)) void block_rows(
     }
 }
 
-/* y[r][b*32 .. b*32+32) for packed blocks b in [b0, b1) and all R rows of x [R][ldx] (any R,
- * in tiles of ROW_TILE rows). y [R][ldy], ldy >= 32 * b1. */
-static void gemm_packed(const bf16 *x, long R, long ldx, const bf16 *wp, long K, long b0, long b1,
-                        float *y, long ldy) {
-    const long K2 = K / 2;
-    for (long b = b0; b < b1; b++) {
-        const bf16 *wb = wp + b * NB * K;
-        for (long r0 = 0; r0 < R; r0 += ROW_TILE) {   /* the block stays in L1/L2 across tiles */
-            const long rn = R - r0 < ROW_TILE ? R - r0 : ROW_TILE;
-            const uint32_t *xr = (const uint32_t *)(x + r0 * ldx);
-            float *yr = y + r0 * ldy + b * NB;
-            switch (rn) {
-                case 1: block_rows(1, xr, ldx / 2, wb, K2, yr, ldy); break;
-                case 2: block_rows(2, xr, ldx / 2, wb, K2, yr, ldy); break;
-                case 3: block_rows(3, xr, ldx / 2, wb, K2, yr, ldy); break;
-                case 4: block_rows(4, xr, ldx / 2, wb, K2, yr, ldy); break;
-                case 5: block_rows(5, xr, ldx / 2, wb, K2, yr, ldy); break;
-                case 6: block_rows(6, xr, ldx / 2, wb, K2, yr, ldy); break;
-                case 7: block_rows(7, xr, ldx / 2, wb, K2, yr, ldy); break;
-                default: block_rows(8, xr, ldx / 2, wb, K2, yr, ldy); break;
-            }
-        }
-    }
-}
-
 static inline long nblocks(long n) { return (n + NB - 1) / NB; }
 
 /* This thread's share [*lo, *hi) of n items (blocks or rows). */
@@ -157,28 +132,107 @@ static inline void split_cols(long n, int tid, int nt, long *lo, long *hi) {
     *hi = b1 * NB < n ? b1 * NB : n;
 }
 
+static inline __mmask16 lanes(long left) {
+    return left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 bf16x16_or_zero(const bf16 *p, __mmask16 m) {   /* masked load */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline void store_bf16x16(bf16 *p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* f32 -> bf16 for 16 lanes exactly as f32_to_bf16 (round to nearest even, denormals kept, NaN
+ * quieted), in 32-bit lanes; vcvtneps2bf16 would flush denormals. */
+static inline __m512i bf16_bits_x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+static inline __m512 round_bf16_exact_x16(__m512 v) {   /* round_bf16, 16 lanes */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits_x16(v), 16));
+}
+
+static inline void store_bf16_exact_x16(bf16 *p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits_x16(v)));
+}
+
+/* y[r][0..32) = x[r] . block wb for a run-time row count R <= ROW_TILE (block_rows needs a
+ * constant R to keep its accumulators in registers). */
+static inline void block_rows_any(long R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+    switch (R) {
+        case 1: block_rows(1, x, ldx2, wb, K2, y, ldy); break;
+        case 2: block_rows(2, x, ldx2, wb, K2, y, ldy); break;
+        case 3: block_rows(3, x, ldx2, wb, K2, y, ldy); break;
+        case 4: block_rows(4, x, ldx2, wb, K2, y, ldy); break;
+        case 5: block_rows(5, x, ldx2, wb, K2, y, ldy); break;
+        case 6: block_rows(6, x, ldx2, wb, K2, y, ldy); break;
+        case 7: block_rows(7, x, ldx2, wb, K2, y, ldy); break;
+        default: block_rows(8, x, ldx2, wb, K2, y, ldy); break;
+    }
+}
+
+/* Input rows per pass over a thread's blocks: for many rows (prefill) the inputs are taken in
+ * chunks of ~256 KB, which stay in L2 while every block of the weight streams past them; one
+ * pass over all rows would re-read them from L3 or memory once per 32 columns. Any row tiling
+ * gives the same bits: a row's dot products never depend on the other rows. */
+static inline long row_chunk(long K) {
+    const long r = (128L * 1024) / (K > 0 ? K : 1) / ROW_TILE * ROW_TILE;
+    return r < 4 * ROW_TILE ? 4 * ROW_TILE : r;
+}
+
+/* y[r][b*32 .. b*32+32) for packed blocks b in [b0, b1) and all R rows of x [R][ldx]
+ * (in chunks of row_chunk(K) rows, each in tiles of ROW_TILE rows). y [R][ldy], ldy >= 32 * b1. */
+static void gemm_packed(const bf16 *x, long R, long ldx, const bf16 *wp, long K, long b0, long b1,
+                        float *y, long ldy) {
+    const long K2 = K / 2, rc = row_chunk(K);
+    for (long c0 = 0; c0 < R; c0 += rc) {
+        const long c1 = R - c0 < rc ? R : c0 + rc;
+        for (long b = b0; b < b1; b++) {
+            const bf16 *wb = wp + b * NB * K;
+            for (long r0 = c0; r0 < c1; r0 += ROW_TILE)   /* the block stays in L1/L2 across tiles */
+                block_rows_any(c1 - r0, (const uint32_t *)(x + r0 * ldx), ldx / 2, wb, K2, y + r0 * ldy + b * NB, ldy);
+        }
+    }
+}
+
 /* out[R][N] (bf16) = x[R][K] @ W^T (+ bias[N]), W packed P32 from [N][K]; fp32 accumulation,
- * bias added in fp32, rounded once (as torch's addmm and oneDNN's fused bias do). */
+ * bias added in fp32, rounded once (as torch's addmm and oneDNN's fused bias do). Each tile of
+ * 8 rows x 32 columns is rounded into out as soon as it is computed (no [R][N] fp32 scratch). */
 int moed_linear_bf16(const bf16 *x, long R, long K, const bf16 *wp, long N, const bf16 *bias,
                      bf16 *out, int nthreads) {
-    const long ldy = nblocks(N) * NB;
-    float *acc = malloc(sizeof(float) * R * ldy);
-    if (!acc) return -1;
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        long b0, b1, lo, hi;
+        const long K2 = K / 2, rc = row_chunk(K);
+        float tile[ROW_TILE * NB] __attribute__((aligned(64)));
+        long b0, b1;
         split(nblocks(N), tid, nt, &b0, &b1);
-        gemm_packed(x, R, K, wp, K, b0, b1, acc, ldy);
-        split_cols(N, tid, nt, &lo, &hi);
-        for (long r = 0; r < R; r++)
-            for (long n = lo; n < hi; n++) {
-                float v = acc[r * ldy + n];
-                if (bias) v += bf16_to_f32(bias[n]);
-                out[r * N + n] = f32_to_bf16(v);
+        for (long c0 = 0; c0 < R; c0 += rc) {
+            const long c1 = R - c0 < rc ? R : c0 + rc;
+            for (long b = b0; b < b1; b++) {
+                const long n0 = b * NB;
+                const __mmask16 m0 = lanes(N - n0), m1 = lanes(N - n0 - 16);
+                const __m512 bias0 = bias ? bf16x16_or_zero(bias + n0, m0) : _mm512_setzero_ps();
+                const __m512 bias1 = bias ? bf16x16_or_zero(bias + n0 + 16, m1) : _mm512_setzero_ps();
+                for (long r0 = c0; r0 < c1; r0 += ROW_TILE) {
+                    const long rn = c1 - r0 < ROW_TILE ? c1 - r0 : ROW_TILE;
+                    block_rows_any(rn, (const uint32_t *)(x + r0 * K), K / 2, wp + n0 * K, K2, tile, NB);
+                    for (long r = 0; r < rn; r++) {
+                        bf16 *o = out + (r0 + r) * N + n0;
+                        store_bf16_exact_x16(o, m0, _mm512_add_ps(_mm512_load_ps(tile + r * NB), bias0));
+                        store_bf16_exact_x16(o + 16, m1, _mm512_add_ps(_mm512_load_ps(tile + r * NB + 16), bias1));
+                    }
+                }
             }
+        }
     }
-    free(acc);
     return 0;
 }
 
@@ -202,10 +256,11 @@ static void silu_mul_row(const float *gu, long I, bf16 *act) {
 /* Router for T tokens: softmax over E logits (rounded to bf16 first, as a bf16 router matmul
  * leaves them), top-k by descending probability (lower id first on ties, as the loop finds
  * them), optionally renormalised; weights end rounded to bf16 as transformers casts them. */
-static int route(const float *logits, long ldl, long T, long E, long k, int norm_topk, long *ids, float *wts) {
-    float *p = malloc(sizeof(float) * E);
-    if (!p) return -1;
+static int route(const float *logits, long ldl, long T, long E, long k, int norm_topk, long *ids, float *wts,
+                 int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 64)
     for (long t = 0; t < T; t++) {
+        float p[E];    /* a VLA: per token, freed each iteration */
         const float *l = logits + t * ldl;
         float mx = -INFINITY, sum = 0.f;
         for (long e = 0; e < E; e++) { p[e] = round_bf16(l[e]); if (p[e] > mx) mx = p[e]; }
@@ -226,7 +281,6 @@ static int route(const float *logits, long ldl, long T, long E, long k, int norm
         for (long j = 0; j < k; j++)
             wts[t * k + j] = round_bf16(norm_topk ? wts[t * k + j] / tot : wts[t * k + j]);
     }
-    free(p);
     return 0;
 }
 
@@ -256,85 +310,262 @@ static int map_slots(const long *ids, long rows, long E, const int64_t *l2p, lon
     return rc;
 }
 
-/* A whole MoE block (router + routed experts) for a few tokens, in one call:
+/* Rows of one expert taken through gate_up, the activation and down together: enough that each
+ * weight block read from memory serves many rows, few enough that the chunk's inputs, gate_up
+ * outputs (fp32) and activations stay in L2 (~0.5 MB at H = 1024, I = 512). */
+#define EXPERT_CHUNK 64
+
+/* Rows per chunk for an expert with n rows: equal chunks of at most EXPERT_CHUNK (a multiple of
+ * ROW_TILE), so no expert ends on a near-empty chunk that reads its whole weight for a few rows. */
+static inline long chunk_rows(long n) {
+    const long chunks = (n + EXPERT_CHUNK - 1) / EXPERT_CHUNK;
+    return ((n + chunks - 1) / chunks + ROW_TILE - 1) / ROW_TILE * ROW_TILE;
+}
+
+/* Scratch of one expert chunk: gathered inputs [EXPERT_CHUNK][H], gate_up outputs (fp32,
+ * [EXPERT_CHUNK][ldg]) and activations [EXPERT_CHUNK][I]. */
+typedef struct { bf16 *xs; float *gu; bf16 *act; } ExpertScratch;
+
+/* Where row s's expert output y = bf16(down(...)) [H] goes; exactly one of acc, prod, out set:
+ *   acc:  acc[src[s]][h] += bf16(y * wts[s]), fp32 rows of ldh (team mode only: each thread
+ *         owns its down blocks' columns of every token);
+ *   prod: prod[s][h] = bf16(y * wts[s]) (a token's k products are summed afterwards);
+ *   out:  out[s][h] = y. */
+typedef struct { float *acc; bf16 *prod; bf16 *out; const float *wts; const long *src; } ExpertSink;
+
+/* Rows [s0, s0 + cn) of one expert (input row s at x + (src ? src[s] : s) * H) through gate_up
+ * (wgu), silu(gate) * up and down (wdn) into the sink. team: the calling team shares the chunk
+ * (columns of each matmul and rows of the activation split between threads, a barrier between
+ * phases); else the calling thread does all of it. */
+static void expert_chunk(const bf16 *x, const long *src, long s0, long cn, const bf16 *wgu, const bf16 *wdn,
+                         long H, long I, const ExpertScratch *sc, const ExpertSink *sink, int team) {
+    const int tid = team ? omp_get_thread_num() : 0, nt = team ? omp_get_num_threads() : 1;
+    const long ldg = nblocks(2 * I) * NB, ldh = nblocks(H) * NB;
+    float tile[ROW_TILE * NB] __attribute__((aligned(64)));
+    long lo, hi, b0, b1;
+    const bf16 *xin = x + s0 * H;
+    if (src) {                              /* gather the chunk's token rows */
+        split(cn, tid, nt, &lo, &hi);
+        for (long r = lo; r < hi; r++) memcpy(sc->xs + r * H, x + src[s0 + r] * H, sizeof(bf16) * H);
+        xin = sc->xs;
+        if (team) {
+#pragma omp barrier
+        }
+    }
+    split(nblocks(2 * I), tid, nt, &b0, &b1);
+    gemm_packed(xin, cn, H, wgu, H, b0, b1, sc->gu, ldg);
+    if (team) {
+#pragma omp barrier
+    }
+    split(cn, tid, nt, &lo, &hi);           /* activation: rows split, 16 lanes at a time */
+    for (long r = lo; r < hi; r++) silu_mul_row(sc->gu + r * ldg, I, sc->act + r * I);
+    if (team) {
+#pragma omp barrier
+    }
+    /* No barrier after down: the next chunk's gather and gate_up write xs and gu, which down
+     * does not read, and its activation comes after two more barriers. */
+    split(nblocks(H), tid, nt, &b0, &b1);
+    for (long b = b0; b < b1; b++) {
+        const long h0 = b * NB;
+        const __mmask16 m0 = lanes(H - h0), m1 = lanes(H - h0 - 16);
+        for (long r0 = 0; r0 < cn; r0 += ROW_TILE) {
+            const long rn = cn - r0 < ROW_TILE ? cn - r0 : ROW_TILE;
+            block_rows_any(rn, (const uint32_t *)(sc->act + r0 * I), I / 2, wdn + h0 * I, I / 2, tile, NB);
+            for (long r = 0; r < rn; r++) {
+                const long s = s0 + r0 + r;
+                __m512 y0 = round_bf16_exact_x16(_mm512_load_ps(tile + r * NB));
+                __m512 y1 = round_bf16_exact_x16(_mm512_load_ps(tile + r * NB + 16));
+                if (sink->out) {
+                    store_bf16_exact_x16(sink->out + s * H + h0, m0, y0);    /* y is bf16 already */
+                    store_bf16_exact_x16(sink->out + s * H + h0 + 16, m1, y1);
+                    continue;
+                }
+                const __m512 w = _mm512_set1_ps(sink->wts[s]);
+                y0 = round_bf16_exact_x16(_mm512_mul_ps(y0, w));
+                y1 = round_bf16_exact_x16(_mm512_mul_ps(y1, w));
+                if (sink->prod) {
+                    store_bf16_exact_x16(sink->prod + s * H + h0, m0, y0);
+                    store_bf16_exact_x16(sink->prod + s * H + h0 + 16, m1, y1);
+                } else {                        /* padded columns: zero weights, never read */
+                    float *a = sink->acc + sink->src[s] * ldh + h0;
+                    _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), y0));
+                    _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), y1));
+                }
+            }
+        }
+    }
+}
+
+/* How the experts' rows are shared out; both give the same bits. Few rows per expert (decode):
+ * the whole team works on each chunk in turn (memory-bound work: every core streams a part of
+ * each weight). Many rows (prefill): whole chunks are handed out, one thread each, with no
+ * barrier between them (on shared cores a barrier per phase lets one preempted thread stall
+ * the team); the products then go to a buffer and each token's k are summed at the end. */
+static int by_chunk(long rows, long touched, long chunks, int nthreads) {
+    return nthreads > 1 && chunks >= 4L * nthreads && rows >= 16 * touched;
+}
+
+/* The chunks of every expert with rows, in slot order: expert item_e[i], first row item_s[i],
+ * item_n[i] rows. Returns their number; *touched: experts with rows; *largest: most rows in one. */
+static long list_chunks(const long *count, long P, long *item_e, long *item_s, long *item_n, long *touched,
+                        long *largest) {
+    long n_items = 0;
+    *touched = *largest = 0;
+    for (long e = 0; e < P; e++) {
+        const long n = count[e + 1] - count[e];
+        if (n == 0) continue;
+        ++*touched;
+        const long per = chunk_rows(n);
+        for (long s0 = count[e]; s0 < count[e + 1]; s0 += per, n_items++) {
+            item_e[n_items] = e;
+            item_s[n_items] = s0;
+            item_n[n_items] = count[e + 1] - s0 < per ? count[e + 1] - s0 : per;
+            if (item_n[n_items] > *largest) *largest = item_n[n_items];
+        }
+    }
+    return n_items;
+}
+
+static void free_scratch(ExpertScratch *sc, int n) {
+    for (int i = 0; sc && i < n; i++) { free(sc[i].xs); free(sc[i].gu); free(sc[i].act); }
+    free(sc);
+}
+
+/* n sets of scratch for chunks of up to `rows` rows (sized to the batch: a decode step's few
+ * rows stay below malloc's mmap threshold, so no call maps and faults in fresh pages). */
+static ExpertScratch *alloc_scratch(int n, long rows, long H, long I, int gather) {
+    ExpertScratch *sc = calloc(n, sizeof(ExpertScratch));
+    if (!sc) return NULL;
+    for (int i = 0; i < n; i++) {
+        sc[i].xs = gather ? malloc(sizeof(bf16) * rows * H) : NULL;
+        sc[i].gu = malloc(sizeof(float) * rows * nblocks(2 * I) * NB);
+        sc[i].act = malloc(sizeof(bf16) * rows * I);
+        if ((gather && !sc[i].xs) || !sc[i].gu || !sc[i].act) { free_scratch(sc, n); return NULL; }
+    }
+    return sc;
+}
+
+/* All experts' rows (grouped by slot, count[e] = first row of slot e) into the sink; the team
+ * splits them as by_chunk says. Every thread of the team calls it. */
+static void expert_rows(const bf16 *x, const long *src, const long *count, long P, long H, long I,
+                        const bf16 *gate_up, const bf16 *down, const long *item_e, const long *item_s,
+                        const long *item_n, long n_items, int chunked, ExpertScratch *sc, const ExpertSink *sink) {
+    const long gu_stride = nblocks(2 * I) * NB * H, down_stride = nblocks(H) * NB * I;   /* per expert */
+    (void)count; (void)P;
+    if (chunked) {
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < n_items; i++)
+            expert_chunk(x, src, item_s[i], item_n[i], gate_up + item_e[i] * gu_stride, down + item_e[i] * down_stride,
+                         H, I, &sc[omp_get_thread_num()], sink, 0);
+    } else {
+        for (long i = 0; i < n_items; i++)
+            expert_chunk(x, src, item_s[i], item_n[i], gate_up + item_e[i] * gu_stride, down + item_e[i] * down_stride,
+                         H, I, &sc[0], sink, 1);
+    }
+}
+
+/* Router logits [T][ldl] for x [T][H]: rows split between threads when there are enough (E is
+ * often one or two blocks of 32), else blocks. Either way the same bits. */
+static void router_logits(const bf16 *x, long T, long H, const bf16 *router, long E, float *logits, long ldl, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        long lo, hi;
+        if (T >= ROW_TILE * nt) {
+            split(T, tid, nt, &lo, &hi);
+            gemm_packed(x + lo * H, hi - lo, H, router, H, 0, nblocks(E), logits + lo * ldl, ldl);
+        } else {
+            split(nblocks(E), tid, nt, &lo, &hi);
+            gemm_packed(x, T, H, router, H, lo, hi, logits, ldl);
+        }
+    }
+}
+
+/* A whole MoE block (router + routed experts) in one call, for any number of tokens:
  *   out[t] = sum_j w[t][j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = phys(expert[t][j])
  * x [T][H]; out [T][H]; weights packed P32 (H and I even): router from [E][H], each expert's
  * gate_up from [2I][H] (gate rows first), its down from [H][I].
  * Logical expert ids go to physical slots through l2p [E][max_rep] (map_slots: each expert's
- * rows numbered, plus offset, modulo its replicas, as the torch path); load [E] (may be NULL) counts tokens per logical expert. Each
- * expert's weights are read once for all its tokens. Rounding follows a bf16 torch run: the
- * router logits, gate/up, silu(g), silu(g)*u, the down output and its product with the weight
- * are each rounded to bf16; the k expert outputs are summed in fp32 and rounded once (torch
- * rounds after each add: results at most 1 ulp apart). Returns 0; -1 out of memory; -2 a bad
- * expert map. */
+ * rows numbered, plus offset, modulo its replicas, as the torch path); load [E] (may be NULL)
+ * counts tokens per logical expert. Each expert's weights are read once per chunk of its rows.
+ * Rounding follows a bf16 torch run: the router logits, gate/up, silu(g), silu(g)*u, the down
+ * output and its product with the weight are each rounded to bf16; a token's k products are
+ * summed in fp32 in ascending slot order and rounded once (torch rounds after each add: results
+ * at most 1 ulp apart). Returns 0; -1 out of memory; -2 a bad expert map. */
 int moed_moe_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, long k, int norm_topk,
                   const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
                   const bf16 *gate_up, const bf16 *down, long P, long I, bf16 *out, int nthreads) {
-    const long rows = T * k;
-    const long ldl = nblocks(E) * NB, ldg = nblocks(2 * I) * NB, ldh = nblocks(H) * NB;
-    const long gu_stride = ldg * H, down_stride = ldh * I;     /* packed elements per expert */
-    float *logits = malloc(sizeof(float) * T * ldl);
-    long *ids = malloc(sizeof(long) * rows), *phys = malloc(sizeof(long) * rows);
-    float *wts = malloc(sizeof(float) * rows);
+    const long rows = T * k, ldl = nblocks(E) * NB, ldh = nblocks(H) * NB;
+    float *logits = malloc(sizeof(float) * (T * ldl + 1));
+    long *ids = malloc(sizeof(long) * (rows + 1)), *phys = malloc(sizeof(long) * (rows + 1));
+    float *wts = malloc(sizeof(float) * (rows + 1)), *sorted_w = malloc(sizeof(float) * (rows + 1));
     long *count = calloc(P + 1, sizeof(long)), *fill = malloc(sizeof(long) * (P + 1));
-    long *order = malloc(sizeof(long) * rows);     /* (t, j) slots sorted by physical expert */
-    bf16 *xs = malloc(sizeof(bf16) * rows * H);     /* gathered inputs, grouped by expert */
-    float *gu = malloc(sizeof(float) * rows * ldg);
-    bf16 *act = malloc(sizeof(bf16) * rows * I);
-    float *ys = malloc(sizeof(float) * rows * ldh);
-    float *acc = calloc(T * H, sizeof(float));
-    int rc = 0;
-    if (!logits || !ids || !phys || !wts || !count || !fill || !order || !xs || !gu || !act || !ys || !acc) {
+    long *token = malloc(sizeof(long) * (rows + 1));   /* token of each row, rows sorted by slot */
+    long *pos = malloc(sizeof(long) * (rows + 1));     /* sorted position of row t * k + j */
+    long *items = malloc(sizeof(long) * 3 * (rows + 1));
+    float *acc = NULL;
+    bf16 *prod = NULL, *xs = NULL;
+    ExpertScratch *sc = NULL;
+    int rc = 0, chunked = 0;
+    long n_items = 0, touched = 0, largest = 0;
+    if (!logits || !ids || !phys || !wts || !sorted_w || !count || !fill || !token || !pos || !items) {
         rc = -1;
         goto done;
     }
-#pragma omp parallel num_threads(nthreads)
-    {
-        long b0, b1;
-        split(nblocks(E), omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
-        gemm_packed(x, T, H, router, H, b0, b1, logits, ldl);
-    }
-    if (route(logits, ldl, T, E, k, norm_topk, ids, wts)) { rc = -1; goto done; }
+    router_logits(x, T, H, router, E, logits, ldl, nthreads);
+    if (route(logits, ldl, T, E, k, norm_topk, ids, wts, nthreads)) { rc = -1; goto done; }
     if ((rc = map_slots(ids, rows, E, l2p, max_rep, nrep, offset, P, (int64_t *)phys, load))) goto done;
     for (long s = 0; s < rows; s++) count[phys[s] + 1]++;
-    for (long e = 0; e < P; e++) count[e + 1] += count[e];   /* count[e] = first slot of e */
+    for (long e = 0; e < P; e++) count[e + 1] += count[e];   /* count[e] = first row of slot e */
     memcpy(fill, count, sizeof(long) * P);
-    for (long s = 0; s < rows; s++) order[fill[phys[s]]++] = s;
-    for (long i = 0; i < rows; i++) memcpy(xs + i * H, x + (order[i] / k) * H, sizeof(bf16) * H);
-
+    for (long s = 0; s < rows; s++) {
+        const long i = fill[phys[s]]++;
+        token[i] = s / k;
+        sorted_w[i] = wts[s];
+        pos[s] = i;
+    }
+    n_items = list_chunks(count, P, items, items + rows + 1, items + 2 * (rows + 1), &touched, &largest);
+    chunked = by_chunk(rows, touched, n_items, nthreads);
+    /* Shared chunks (few rows): the rows are gathered once, here, rather than per chunk behind a
+     * barrier; handed-out chunks: each thread gathers its own. */
+    sc = alloc_scratch(chunked ? nthreads : 1, largest + 1, H, I, chunked);
+    if (chunked) prod = malloc(sizeof(bf16) * (rows * H + 1));
+    else acc = calloc(T * ldh + 1, sizeof(float)), xs = malloc(sizeof(bf16) * (rows * H + 1));
+    if (!sc || (chunked ? !prod : !acc || !xs)) { rc = -1; goto done; }
+    if (!chunked)
+        for (long i = 0; i < rows; i++) memcpy(xs + i * H, x + token[i] * H, sizeof(bf16) * H);
+    const ExpertSink sink = {acc, prod, NULL, sorted_w, token};
 #pragma omp parallel num_threads(nthreads)
     {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        long lo, hi, b0, b1;
-        for (long e = 0; e < P; e++) {       /* every thread walks the same experts in step */
-            const long s0 = count[e], n = count[e + 1] - s0;
-            if (n == 0) continue;
-            split(nblocks(2 * I), tid, nt, &b0, &b1);
-            gemm_packed(xs + s0 * H, n, H, gate_up + e * gu_stride, H, b0, b1, gu + s0 * ldg, ldg);
+        expert_rows(chunked ? x : xs, chunked ? token : NULL, count, P, H, I, gate_up, down, items,
+                    items + rows + 1, items + 2 * (rows + 1), n_items, chunked, sc, &sink);
 #pragma omp barrier
-            split(n, tid, nt, &lo, &hi);        /* activation: rows split, 16 lanes at a time */
-            for (long r = s0 + lo; r < s0 + hi; r++) silu_mul_row(gu + r * ldg, I, act + r * I);
-#pragma omp barrier
-            split(nblocks(H), tid, nt, &b0, &b1);
-            gemm_packed(act + s0 * I, n, I, down + e * down_stride, I, b0, b1, ys + s0 * ldh, ldh);
-            /* no barrier: the next expert writes other rows of gu/act/ys, and this thread's ys
-             * columns are read back below only by itself */
+        long lo, hi;
+        split(T, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        for (long t = lo; t < hi; t++) {
+            if (!chunked) {
+                for (long h = 0; h < H; h += 16)
+                    store_bf16_exact_x16(out + t * H + h, lanes(H - h), _mm512_loadu_ps(acc + t * ldh + h));
+                continue;
+            }
+            long p[k];                      /* the token's rows, ascending = ascending slot */
+            for (long j = 0; j < k; j++) {
+                long v = pos[t * k + j], q = j;
+                for (; q > 0 && p[q - 1] > v; q--) p[q] = p[q - 1];
+                p[q] = v;
+            }
+            for (long h = 0; h < H; h += 16) {
+                const __mmask16 m = lanes(H - h);
+                __m512 sum = _mm512_setzero_ps();
+                for (long j = 0; j < k; j++) sum = _mm512_add_ps(sum, bf16x16_or_zero(prod + p[j] * H + h, m));
+                store_bf16_exact_x16(out + t * H + h, m, sum);
+            }
         }
-        /* Scatter: each thread owns the hidden columns its down blocks cover, of every token,
-         * so no two threads add into one element. */
-        split_cols(H, tid, nt, &lo, &hi);
-        for (long i = 0; i < rows; i++) {
-            const long s = order[i], t = s / k;
-            const float w = wts[s];
-            for (long h = lo; h < hi; h++) acc[t * H + h] += round_bf16(round_bf16(ys[i * ldh + h]) * w);
-        }
-#pragma omp barrier
-        split(T * H, tid, nt, &lo, &hi);
-        for (long f = lo; f < hi; f++) out[f] = f32_to_bf16(acc[f]);
     }
 done:
-    free(logits); free(ids); free(phys); free(wts); free(count); free(fill); free(order);
-    free(xs); free(gu); free(act); free(ys); free(acc);
+    free(logits); free(ids); free(phys); free(wts); free(sorted_w); free(count); free(fill); free(token);
+    free(pos); free(items); free(acc); free(prod); free(xs);
+    free_scratch(sc, chunked ? nthreads : 1);
     return rc;
 }
 
@@ -344,7 +575,7 @@ done:
  * phys[T][k] and weight wts[T][k] (bf16 values held in fp32) per choice; moed_experts_bf16 its
  * expert half on rows already grouped by local slot (count[e] rows of slot e, in slot order):
  * out[r] = bf16(down_e(silu(gate_e(x_r)) * up_e(x_r))). The caller multiplies each row by its
- * weight in bf16 and sums a token's k rows in fp32 in ascending slot order, as the fused scatter
+ * weight in bf16 and sums a token's k rows in fp32 in ascending slot order, as the fused kernel
  * does. Both return 0; -1 out of memory; -2 a bad expert map. */
 int moed_route_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, long k, int norm_topk,
                     const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
@@ -354,13 +585,8 @@ int moed_route_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, l
     long *ids = malloc(sizeof(long) * (rows + 1));
     int rc = 0;
     if (!logits || !ids) { rc = -1; goto done; }
-#pragma omp parallel num_threads(nthreads)
-    {
-        long b0, b1;
-        split(nblocks(E), omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
-        gemm_packed(x, T, H, router, H, b0, b1, logits, ldl);
-    }
-    if (route(logits, ldl, T, E, k, norm_topk, ids, wts)) { rc = -1; goto done; }
+    router_logits(x, T, H, router, E, logits, ldl, nthreads);
+    if (route(logits, ldl, T, E, k, norm_topk, ids, wts, nthreads)) { rc = -1; goto done; }
     rc = map_slots(ids, rows, E, l2p, max_rep, nrep, offset, P, phys, load);
 done:
     free(logits); free(ids);
@@ -369,42 +595,28 @@ done:
 
 int moed_experts_bf16(const bf16 *xs, long R, long H, const int64_t *count_in, const bf16 *gate_up,
                       const bf16 *down, long P, long I, bf16 *out, int nthreads) {
-    const long ldg = nblocks(2 * I) * NB, ldh = nblocks(H) * NB;
-    const long gu_stride = ldg * H, down_stride = ldh * I;
     long *count = malloc(sizeof(long) * (P + 1));      /* count[e] = first row of slot e */
-    float *gu = malloc(sizeof(float) * (R * ldg + 1));
-    bf16 *act = malloc(sizeof(bf16) * (R * I + 1));
-    float *ys = malloc(sizeof(float) * (R * ldh + 1));
-    int rc = 0;
-    if (!count || !gu || !act || !ys) { rc = -1; goto done; }
+    long *items = malloc(sizeof(long) * 3 * (R + 1));
+    ExpertScratch *sc = NULL;
+    int rc = 0, chunked = 0;
+    long n_items, touched, largest;
+    if (!count || !items) { rc = -1; goto done; }
     count[0] = 0;
     for (long e = 0; e < P; e++) {
         if (count_in[e] < 0) { rc = -2; goto done; }
         count[e + 1] = count[e] + count_in[e];
     }
     if (count[P] != R) { rc = -2; goto done; }
+    n_items = list_chunks(count, P, items, items + R + 1, items + 2 * (R + 1), &touched, &largest);
+    chunked = by_chunk(R, touched, n_items, nthreads);
+    if (!(sc = alloc_scratch(chunked ? nthreads : 1, largest + 1, H, I, 0))) { rc = -1; goto done; }
+    const ExpertSink sink = {NULL, NULL, out, NULL, NULL};
 #pragma omp parallel num_threads(nthreads)
-    {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        long lo, hi, b0, b1;
-        for (long e = 0; e < P; e++) {       /* the expert loop of moed_moe_bf16 */
-            const long s0 = count[e], n = count[e + 1] - s0;
-            if (n == 0) continue;
-            split(nblocks(2 * I), tid, nt, &b0, &b1);
-            gemm_packed(xs + s0 * H, n, H, gate_up + e * gu_stride, H, b0, b1, gu + s0 * ldg, ldg);
-#pragma omp barrier
-            split(n, tid, nt, &lo, &hi);
-            for (long r = s0 + lo; r < s0 + hi; r++) silu_mul_row(gu + r * ldg, I, act + r * I);
-#pragma omp barrier
-            split(nblocks(H), tid, nt, &b0, &b1);
-            gemm_packed(act + s0 * I, n, I, down + e * down_stride, I, b0, b1, ys + s0 * ldh, ldh);
-        }
-        split_cols(H, tid, nt, &lo, &hi);      /* the columns this thread's down blocks wrote */
-        for (long r = 0; r < R; r++)
-            for (long h = lo; h < hi; h++) out[r * H + h] = f32_to_bf16(ys[r * ldh + h]);
-    }
+    expert_rows(xs, NULL, count, P, H, I, gate_up, down, items, items + R + 1, items + 2 * (R + 1),
+                n_items, chunked, sc, &sink);
 done:
-    free(count); free(gu); free(act); free(ys);
+    free(count); free(items);
+    free_scratch(sc, chunked ? nthreads : 1);
     return rc;
 }
 
@@ -554,16 +766,6 @@ int moed_decode_attn_bf16(const bf16 *q, long q_stride, long B, long Hq, long Hk
     return 0;
 }
 
-static inline __m512 bf16x16_or_zero(const bf16 *p, __mmask16 m) {   /* masked load */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline void store_bf16x16(bf16 *p, __mmask16 m, __m512 v) {
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-static inline __mmask16 lanes(long left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1); }
-
 /* RMSNorm over rows of D, optionally after a residual add, as transformers computes it in bf16:
  *   if add: x = bf16(x + add), written back to resid_out (the new residual stream)
  *   out = bf16(weight * bf16(x * rsqrt(mean(x^2) + eps)))    (mean in fp32)
@@ -631,21 +833,6 @@ void moed_qk_norm_rope_bf16(const bf16 *qkv, long T, long row_stride, long H, lo
             store_bf16x16(o + d, m, _mm512_add_ps(round_bf16_x16(_mm512_mul_ps(yv, bf16x16_or_zero(c + d, m))),
                                                   round_bf16_x16(_mm512_mul_ps(rolled, bf16x16_or_zero(sn + d, m)))));
         }
-    }
-}
-
-/* y[r][0..32) = x[r] . block wb for a run-time row count R <= ROW_TILE (block_rows needs a
- * constant R to keep its accumulators in registers). */
-static inline void block_rows_any(long R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
-    switch (R) {
-        case 1: block_rows(1, x, ldx2, wb, K2, y, ldy); break;
-        case 2: block_rows(2, x, ldx2, wb, K2, y, ldy); break;
-        case 3: block_rows(3, x, ldx2, wb, K2, y, ldy); break;
-        case 4: block_rows(4, x, ldx2, wb, K2, y, ldy); break;
-        case 5: block_rows(5, x, ldx2, wb, K2, y, ldy); break;
-        case 6: block_rows(6, x, ldx2, wb, K2, y, ldy); break;
-        case 7: block_rows(7, x, ldx2, wb, K2, y, ldy); break;
-        default: block_rows(8, x, ldx2, wb, K2, y, ldy); break;
     }
 }
 

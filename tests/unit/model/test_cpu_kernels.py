@@ -378,18 +378,20 @@ def test_linear_layer_keeps_one_packed_copy(kern, rows):
     _close(lin(x), F.linear(x.float(), w.float(), b.float()).bfloat16(), ulps=3)
 
 
-def test_moe_layer_with_kernels_on_both_sides_of_the_fused_limit(kern, make_checkpoint, monkeypatch):
-    from moed.model import moe
-
+def test_moe_layer_fused_kernel_and_grouped_path_agree_with_torch(kern, make_checkpoint):
+    """The fused kernel at decode and prefill sizes (one chunk of an expert's rows, several
+    chunks, an expert with a near-empty last chunk), and the grouped path on kernel Linears
+    (what serves where oneDNN wins a row class), both match the torch layer."""
     spec = load_spec(make_checkpoint("qwen3_moe", num_experts=7, top_k=3, hidden_size=80, moe_intermediate_size=40))
     g = torch.Generator().manual_seed(11)
     router, gate_up, down = _moe(spec, g)
     ref = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), TORCH_BF16)
     layer = MoELayer(spec, router, gate_up, down, torch.zeros(7, dtype=torch.long), _ctx(kern, pack=True))
-    monkeypatch.setattr(moe, "FUSED_MAX_TOKENS", 8)
-    for t in (5, 40):          # fused kernel; then the grouped torch path on kernel Linears
+    for t in (5, 40, 150, 700):       # 700 x 3 / 7: ~300 rows per expert, several chunks
         x = torch.randn(t, spec.hidden_size, generator=g).bfloat16()
         _close(layer(x), ref(x), ulps=4)
+        _close(layer.experts(x, layer.router(x)), ref(x), ulps=4)
+    assert torch.equal(layer.router.load, ref.router.load)     # both routed every batch twice
 
 
 def test_results_do_not_depend_on_the_thread_count(kern, make_checkpoint):
