@@ -836,6 +836,18 @@ void moed_qk_norm_rope_bf16(const bf16 *qkv, long T, long row_stride, long H, lo
     }
 }
 
+/* Word indices that interleave two vectors of 32 bf16, a and b (b's indices from 32):
+ * lo = a0 b0 a1 b1 ... a15 b15, hi = a16 b16 ... a31 b31. */
+static inline __m512i interleave_lo(void) {
+    return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+}
+
+static inline __m512i interleave_hi(void) {
+    return _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                            55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+}
+
 /* Causal prefill attention of one sequence, blocked over queries: no [n, L] score matrix, only
  * ROW_TILE query rows' scores at a time (one q head, consecutive tokens), so the whole step is
  * two matmuls on the packed-block kernel per tile plus a softmax.
@@ -865,13 +877,23 @@ int moed_prefill_attn_bf16(const bf16 *q, long q_stride, long n, long start, lon
     {
 #pragma omp for schedule(static)
         for (long hl = 0; hl < Hkv * nblocks(L); hl++) {          /* pack K_h and V_h^T */
-            const long h = hl / nblocks(L), l0 = (hl % nblocks(L)) * NB;
-            bf16 *kh = kp + h * Lp * D, *vh = vt + h * Lp * D;
-            for (long l = l0; l < l0 + NB && l < L; l++) {
-                const bf16 *kr = k + l * kv_stride + h * D, *vr = v + l * kv_stride + h * D;
-                for (long d = 0; d < D; d++) {
-                    kh[((l / NB) * D2 + d / 2) * 2 * NB + (l % NB) * 2 + d % 2] = kr[d];
-                    vh[((d / NB) * (Lp / 2) + l / 2) * 2 * NB + (d % NB) * 2 + l % 2] = vr[d];
+            const long h = hl / nblocks(L), lb = hl % nblocks(L), l0 = lb * NB, l1 = l0 + NB < L ? l0 + NB : L;
+            /* K: a block of 32 keys is a 32 x D/2 transpose of bf16 pairs (uint32) */
+            uint32_t *kb32 = (uint32_t *)(kp + h * Lp * D) + lb * D2 * NB;
+            for (long l = l0; l < l1; l++) {
+                const uint32_t *kr = (const uint32_t *)(k + l * kv_stride + h * D);
+                for (long p = 0; p < D2; p++) kb32[p * NB + (l - l0)] = kr[p];
+            }
+            /* V^T: keys l, l+1 interleaved, 32 dims at a time: [d0 of l, d0 of l+1, d1 of l, ...] */
+            bf16 *vh = vt + h * Lp * D;
+            for (long l = l0; l < l1; l += 2) {
+                const bf16 *v0 = v + l * kv_stride + h * D, *v1 = v0 + kv_stride;
+                for (long j = 0; j < D / NB; j++) {
+                    const __m512i a = _mm512_loadu_si512(v0 + j * NB);
+                    const __m512i b = l + 1 < L ? _mm512_loadu_si512(v1 + j * NB) : _mm512_setzero_si512();
+                    bf16 *dst = vh + (j * (Lp / 2) + l / 2) * 2 * NB;
+                    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, interleave_lo(), b));
+                    _mm512_storeu_si512(dst + NB, _mm512_permutex2var_epi16(a, interleave_hi(), b));
                 }
             }
         }
