@@ -21,6 +21,10 @@ per-layer regexes matched after `[model.]layers.{i}.`, where kind is one of
 Experts always end up fused and contiguous ([E, 2I, H] and [E, H, I]): one slice per expert
 in the MoE hot path. Attention q/k/v are fused into one [(Hq + 2 Hkv) * D, H] matrix.
 
+Reading (moed/model/safetensors_file.py): each tensor is copied (cast) from the file's mapping
+into its slice of the canonical tensor, then its pages are dropped, so loading holds about one
+copy of the weights, not two (safetensors' own reader kept the whole file resident until close).
+
 Canonical names: embed, norm, lm_head, and per layer `layers.{i}.` + input_norm, post_norm,
 qkv[.bias], o_proj[.bias], q_norm, k_norm, router, experts.gate_up, experts.down,
 mlp.gate_up, mlp.down (dense layers).
@@ -40,15 +44,12 @@ import structlog
 import torch
 
 from moed.model import archs
+from moed.model.safetensors_file import Mapped, Stored, WeightError, read_index
 from moed.model.spec import ModelSpec, parse_dtype
 
 log = structlog.get_logger(__name__)
 
 Weights = dict[str, torch.Tensor]
-
-
-class WeightError(ValueError):
-    """The checkpoint's tensors do not match its config (missing, unexpected or mis-shaped)."""
 
 
 _L = r"^(?:model\.)?layers\.(\d+)\."
@@ -117,6 +118,9 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
+Source = torch.Tensor | Stored     # what _Assembler places: a tensor, or one still on disk
+
+
 class _Assembler:
     """Places each checkpoint tensor into its slice of a preallocated canonical tensor."""
 
@@ -145,13 +149,16 @@ class _Assembler:
             self.filled[name], self.parts[name] = set(), nparts
         return self.out[name]
 
-    def put(self, name: str, part: object, nparts: int, dst_slice: tuple, t: torch.Tensor, src: str) -> None:
+    def put(self, name: str, part: object, nparts: int, dst_slice: tuple, t: Source, src: str) -> None:
         dst = self._dst(name, nparts)[dst_slice]
         if tuple(dst.shape) != tuple(t.shape):
             raise WeightError(f"{src}: shape {tuple(t.shape)}, expected {tuple(dst.shape)} for config")
         if part in self.filled[name]:
             raise WeightError(f"{src}: duplicate tensor")
-        dst.copy_(t)
+        if isinstance(t, Stored):
+            t.into(dst)
+        else:
+            dst.copy_(t)
         self.filled[name].add(part)
 
     def skip(self, key: str) -> bool:
@@ -168,7 +175,7 @@ class _Assembler:
                     and int(m.groups()[1]) not in self.slots_of
         return False
 
-    def add(self, key: str, t: torch.Tensor) -> bool:
+    def add(self, key: str, t: Source) -> bool:
         for pat, kind in self.rules:
             m = pat.match(key)
             if m is None:
@@ -180,7 +187,7 @@ class _Assembler:
             return True
         return False
 
-    def _place(self, p: str, kind: str, g: tuple[str, ...], t: torch.Tensor, key: str) -> None:
+    def _place(self, p: str, kind: str, g: tuple[str, ...], t: Source, key: str) -> None:
         s = self.spec
         if kind in _WHOLE:
             self.put(p + kind, 0, 1, (), t, key)
@@ -209,7 +216,8 @@ class _Assembler:
             if t.shape[0] != s.num_experts:
                 raise WeightError(f"{key}: shape {tuple(t.shape)}, expected {s.num_experts} experts")
             if self.slots != tuple(range(s.num_experts)):     # expert parallelism: our slots
-                t = t.index_select(0, torch.tensor(self.slots, dtype=torch.long))
+                whole = t.read() if isinstance(t, Stored) else t
+                t = whole.index_select(0, torch.tensor(self.slots, dtype=torch.long))
             self.put(p + ("experts.gate_up" if kind == "fused.gate_up" else "experts.down"), "all", 1, (), t, key)
         else:   # dense.*
             role, di = _ROLE[kind.split(".")[1]], s.dense_intermediate_size
@@ -240,8 +248,6 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtyp
     rank's share); the other experts' tensors are skipped unread.
     Logs a `shard_loaded` line per file (a big checkpoint loads for minutes); a progress bar
     too when the logs are console lines on a terminal."""
-    from safetensors import safe_open
-
     d = Path(model_dir)
     tdtype = spec.dtype if dtype == "auto" else parse_dtype(dtype)
     asm = _Assembler(spec, tdtype, torch.device(device), slots)
@@ -251,12 +257,11 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtyp
     with _progress(sum(sizes)) as bar:
         for n, (path, size) in enumerate(zip(files, sizes)):
             t_shard, read = time.monotonic(), 0
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
+            with Mapped(path) as f:
+                for key, t in read_index(f).items():
                     if _IGNORED.search(key) or asm.skip(key):
                         continue
-                    t = f.get_tensor(key)
-                    size_t = t.numel() * t.element_size()
+                    size_t = t.nbytes
                     read += size_t
                     bar.update(size_t)
                     if not asm.add(key, t):

@@ -55,6 +55,18 @@ def auto_num_blocks(spec: ModelSpec, block_size: int, dtype: str | torch.dtype, 
     return int(n)
 
 
+def rss_mb() -> float | None:
+    """This process's resident set (Linux /proc), MiB; None where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 class ModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "auto", attention_backend: str = "auto",
@@ -83,7 +95,7 @@ class ModelRunner:
         log.info("model_runner_ready", **self.describe(),
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
                  kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
-                 seconds=round(time.monotonic() - t0, 2))
+                 rss_mb=rss_mb(), seconds=round(time.monotonic() - t0, 2))
 
     def describe(self) -> dict[str, str]:
         """What runs: for the model_runner_ready log line and the moed_model_info metric."""
