@@ -7,10 +7,12 @@
 For each --threads setting (auto = engine.num_threads 0, the default; N = MOED_ENGINE_NUM_THREADS)
 a real `moed serve` starts on 127.0.0.1 with OMP_NUM_THREADS unset (so the default is what is
 measured), one streaming client sends -n requests one after another (token-id prompts,
-ignore_eos), and the server's own mean decode step (moed_capacity_decode_step_seconds, the
-engine's StepStats, a mean over ~50 recent decode steps) is read from /metrics at the end.
-Prints the client's ITL (mean, median, p10/p90) beside the step and mean ITL / mean step;
-the gap is what the loop, the executor hop, detokenizing and SSE add per token. The settings run in rounds (the order flips each round) so load changes hit
+ignore_eos), and the server's own mean decode step over exactly that window is read from
+/metrics before and after (moed_decode_step_seconds: the engine's StepStats of every step that
+ran decode tokens only; its _sum and _count deltas), with the server-side ITL histogram beside
+it (moed_inter_token_latency_seconds). Prints the client's ITL (mean, median, p10/p90) beside the
+step and mean ITL / mean step; the gap is what the loop, the executor hop, detokenizing and SSE
+add per token. The settings run in rounds (the order flips each round) so load changes hit
 each alike. JSON (with the load average, the threads the server chose and its RSS after load)
 goes to bench/results/itl_gap.json. Issue 16's goal: ITL <= 1.15 x step with defaults.
 """
@@ -44,6 +46,22 @@ def metric(text: str, name: str) -> float | None:
     """One unlabelled sample of a Prometheus text exposition, None when absent."""
     m = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+|NaN)$", text, re.M)
     return float(m.group(1)) if m else None
+
+
+def metric_total(text: str, name: str) -> float | None:
+    """The sum of a metric's samples over all their label sets, None when absent."""
+    vals = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
+    return sum(float(v) for v in vals) if vals else None
+
+
+def window_mean(before: str, after: str, histogram: str) -> float | None:
+    """Mean of a histogram's observations between two scrapes (its _sum and _count deltas,
+    over all label sets)."""
+    s0, s1 = metric_total(before, histogram + "_sum"), metric_total(after, histogram + "_sum")
+    c0, c1 = metric_total(before, histogram + "_count"), metric_total(after, histogram + "_count")
+    if None in (s0, s1, c0, c1) or c1 <= c0:
+        return None
+    return (s1 - s0) / (c1 - c0)
 
 
 def server_threads(log_text: str) -> int | None:
@@ -149,15 +167,19 @@ def run_setting(model_dir: str, threads: str, prompts: list[list[int]], max_toke
         rss = rss_bytes(srv.proc.pid)
         model = json.loads(srv.get("/v1/models"))["data"][0]["id"]
         asyncio.run(sequential(srv.url, model, prompts[:1], 8))            # warm-up
-        before = load_average()
+        before, text0 = load_average(), srv.get("/metrics")
         gaps = asyncio.run(sequential(srv.url, model, prompts, max_tokens))
         text = srv.get("/metrics")
-        step = metric(text, "moed_capacity_decode_step_seconds")
+        step = window_mean(text0, text, "moed_decode_step_seconds")
+        server_itl = window_mean(text0, text, "moed_inter_token_latency_seconds")
+        recent = metric(text, "moed_capacity_decode_step_seconds")
         itl = spread([g * 1e3 for g in gaps])
         return {"threads_setting": threads,
                 "torch_threads": server_threads(srv.log_path.read_text(errors="replace")),
                 "rss_after_load_bytes": rss, "load_before": before, "load_after": load_average(),
                 "itl_ms": itl, "engine_decode_step_ms": None if step is None else step * 1e3,
+                "server_itl_ms": None if server_itl is None else server_itl * 1e3,
+                "recent_decode_step_ms": None if recent is None else recent * 1e3,
                 "itl_over_step": None if not step else itl["mean"] / (step * 1e3)}
     finally:
         srv.stop()
@@ -201,6 +223,10 @@ class InProcess:
             return {"torch_threads": n, **spread([x * 1e3 for x in self._steps])}
         finally:
             self._steps = None
+
+
+def fmt(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.1f}"
 
 
 def main() -> int:
@@ -247,8 +273,8 @@ def main() -> int:
             st, itl = res["engine_decode_step_ms"], res["itl_ms"]
             print(f"threads {s:>4} (torch {res['torch_threads']}): client ITL mean "
                   f"{itl['mean']:.1f} ms (median {itl['median']:.1f}, p10 {itl['p10']:.1f}, "
-                  f"p90 {itl['p90']:.1f})  engine decode step (mean) "
-                  f"{st if st is None else round(st, 1)} ms  "
+                  f"p90 {itl['p90']:.1f})  server: ITL {fmt(res['server_itl_ms'])} ms, "
+                  f"decode step (mean, same window) {fmt(st)} ms  "
                   f"ITL/step {res['itl_over_step'] or float('nan'):.2f}  "
                   f"load {res['load_before'][0]:.1f}->{res['load_after'][0]:.1f}  "
                   f"RSS {res['rss_after_load_bytes'] / 2**20:.0f} MiB", flush=True)

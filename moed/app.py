@@ -169,6 +169,8 @@ def _observe_step(step: StepStats) -> None:
     metrics.BATCH_SIZE.observe(step.batch_size)
     metrics.BATCH_TOKENS.observe(step.num_prefill_tokens + step.num_decode_tokens)
     metrics.STEP_TIME.observe(step.step_seconds)
+    if step.num_decode_tokens and not step.num_prefill_tokens:
+        metrics.DECODE_STEP_TIME.observe(step.step_seconds)
     capacity.METER.on_step(step.num_prefill_tokens, step.num_decode_tokens, step.step_seconds)
     metrics.RUNNING.set(step.running)
     metrics.WAITING.set(step.waiting)

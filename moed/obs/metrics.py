@@ -160,6 +160,10 @@ BATCH_TOKENS = Histogram("moed_batch_tokens", "Tokens per engine step",
                          buckets=_BATCH_BUCKETS + (1024, 2048, 4096, 8192), registry=ENGINE)
 STEP_TIME = Histogram("moed_step_seconds", "Wall time of one engine step", buckets=_TOKEN_BUCKETS,
                       registry=ENGINE)
+# The step a streaming client's inter-token latency follows: ITL well above it is serving
+# overhead (loop, detokenize, SSE), not the model.
+DECODE_STEP_TIME = Histogram("moed_decode_step_seconds", "Wall time of one engine step that ran "
+                             "decode tokens only (no prefill)", buckets=_TOKEN_BUCKETS, registry=ENGINE)
 KV_BLOCKS_USED = Gauge("moed_kv_blocks_used", "KV cache blocks in use", registry=ENGINE)
 KV_BLOCKS_FREE = Gauge("moed_kv_blocks_free", "KV cache blocks free", registry=ENGINE)
 KV_BLOCKS_CAPACITY = Gauge("moed_kv_blocks_capacity", "KV cache blocks in the pool",

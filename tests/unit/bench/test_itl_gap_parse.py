@@ -49,3 +49,17 @@ def test_thread_settings():
     for bad in ("two", "2+bind", "auto+"):
         with pytest.raises(ValueError):
             itl.parse_setting(bad)
+
+
+def test_window_mean_is_the_histograms_mean_between_two_scrapes():
+    before = "moed_decode_step_seconds_sum 1.5\nmoed_decode_step_seconds_count 100.0\n"
+    after = "moed_decode_step_seconds_sum 2.0\nmoed_decode_step_seconds_count 150.0\n"
+    assert itl.window_mean(before, after, "moed_decode_step_seconds") == pytest.approx(0.01)
+    assert itl.window_mean(before, before, "moed_decode_step_seconds") is None    # no steps between
+    assert itl.window_mean("", after, "moed_decode_step_seconds") is None         # not exported
+
+
+def test_window_mean_adds_up_label_sets():
+    before = 'moed_inter_token_latency_seconds_sum{model_name="m"} 1.0\nmoed_inter_token_latency_seconds_count{model_name="m"} 10.0\n'
+    after = 'moed_inter_token_latency_seconds_sum{model_name="m"} 1.5\nmoed_inter_token_latency_seconds_count{model_name="m"} 60.0\n'
+    assert itl.window_mean(before, after, "moed_inter_token_latency_seconds") == pytest.approx(0.01)

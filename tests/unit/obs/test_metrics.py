@@ -119,3 +119,21 @@ def test_docs_list_exactly_the_exported_metrics() -> None:
     for name in set(re.findall(r"\bmoed_[a-z0-9_]+", doc.replace(renamed, ""))):
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         assert name in exposed or base in exposed, name
+
+
+def test_decode_step_histogram_counts_decode_only_steps() -> None:
+    from moed.app import _observe_step
+    from moed.engine.stream import StepStats
+
+    def step(prefill: int, decode: int, seconds: float) -> StepStats:
+        return StepStats(step=1, batch_size=1, num_prefill_tokens=prefill, num_decode_tokens=decode,
+                         num_sampled=1, num_finished=0, num_preempted=0, step_seconds=seconds,
+                         forward_seconds=seconds, running=1, waiting=0, kv_blocks_used=1, kv_blocks_free=9)
+
+    before = (_sample("moed_decode_step_seconds_count"), _sample("moed_decode_step_seconds_sum"),
+              _sample("moed_step_seconds_count"))
+    for s in (step(0, 4, 0.01), step(128, 3, 0.5), step(128, 0, 0.4), step(0, 2, 0.03)):
+        _observe_step(s)
+    assert _sample("moed_decode_step_seconds_count") - before[0] == 2        # mixed + prefill left out
+    assert _sample("moed_decode_step_seconds_sum") - before[1] == pytest.approx(0.04)
+    assert _sample("moed_step_seconds_count") - before[2] == 4
