@@ -9,6 +9,10 @@ a class only if it beats the native kernel by MARGIN (choosing it keeps a second
 weight, oneDNN-packed, beside the kernels' one). Answers are cached in a JSON file next to the
 kernel build, keyed by CPU model, kernel build (source hash), torch version and thread count,
 so a restart reuses them; each shape's answer is logged once per process (`kernel_choice`).
+A measurement during which this process's threads waited for a CPU (another process had the
+cores: the kernel's per-thread run delay) is used for this process but not cached: a race lost
+to load would otherwise stay chosen in every later start (a wrongly cached oneDNN class keeps a
+second copy of that weight), and the next start measures again.
 
 Numerics are the same rule on both sides (fp32 accumulation, one rounding to bf16): results
 agree to fp32 summation order. Bitwise agreement across thread counts holds for the native
@@ -47,6 +51,10 @@ MARGIN = 1.15
 # its own range takes the class below's answer (lm_head past 64 rows: prompt logprobs only).
 PROBE_MAX_FLOP = 2.0e9
 ONEDNN_ROWS_HINT = 8     # oneDNN packs for this many rows (as the torch path does; see layers.Linear)
+# A measurement is "busy" (not cached) when this process's threads waited for a CPU for more
+# than this share of its wall time: with T threads racing, one thread descheduled that long
+# skews a parallel call's time by as much.
+BUSY_SHARE = 0.1
 
 
 def row_class(rows: int) -> int:
@@ -160,6 +168,31 @@ def measure(kernels, n: int, k: int) -> tuple[list[float | None], list[float | N
     return native, onednn
 
 
+def run_delay_s() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU, summed (the
+    second field of /proc/self/task/*/schedstat); None where /proc does not say."""
+    total, seen = 0, False
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+            seen = True
+        except (OSError, ValueError, IndexError):
+            continue        # a thread that ended meanwhile
+    return total / 1e9 if seen else None
+
+
+def busy_during(delay0: float | None, delay1: float | None, wall_s: float) -> bool:
+    """Whether a measurement of wall_s waited for CPUs long enough to distrust (BUSY_SHARE)."""
+    if delay0 is None or delay1 is None:
+        return False
+    return delay1 - delay0 > BUSY_SHARE * max(wall_s, 0.0) and delay1 - delay0 > 1e-3
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -196,11 +229,18 @@ class KernelChooser:
                 if stored is not None and len(stored.get("onednn", ())) == len(ROW_CLASSES):
                     choice = LinearChoice(tuple(bool(v) for v in stored["onednn"]))
                 else:
+                    d0, t0 = run_delay_s(), time.perf_counter()
                     native, onednn = measure(self.kernels, n, k)
+                    wall, d1 = time.perf_counter() - t0, run_delay_s()
                     choice, source = decide(native, onednn), "measured"
-                    self._write(key, {"onednn": list(choice.onednn),
-                                      "native_us": [None if v is None else round(v * 1e6, 1) for v in native],
-                                      "onednn_us": [None if v is None else round(v * 1e6, 1) for v in onednn]})
+                    if busy_during(d0, d1, wall):      # for this process only
+                        source = "measured_busy"
+                        log.info("kernel_choice_not_cached", shape=[n, k], reason="cores busy",
+                                 waited_s=round(d1 - d0, 4), measured_s=round(wall, 4))
+                    else:
+                        self._write(key, {"onednn": list(choice.onednn),
+                                          "native_us": [None if v is None else round(v * 1e6, 1) for v in native],
+                                          "onednn_us": [None if v is None else round(v * 1e6, 1) for v in onednn]})
             self._mem[(threads, key)] = choice
         log.info("kernel_choice", shape=[n, k], choice=choice.describe(), source=source, threads=threads)
         return choice

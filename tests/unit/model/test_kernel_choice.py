@@ -76,7 +76,13 @@ def test_fused_serves_follows_the_expert_choice():
     assert fused_serves(1, 2, 16, C.NATIVE_ONLY) and fused_serves(8192, 2, 16, C.NATIVE_ONLY)
 
 
-def test_chooser_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+@pytest.fixture
+def quiet(monkeypatch):
+    """No other process takes the cores during a measurement (run delay never grows)."""
+    monkeypatch.setattr(C, "run_delay_s", lambda: 0.0)
+
+
+def test_chooser_measures_once_then_reads_the_cache(tmp_path, monkeypatch, quiet):
     so = tmp_path / "moed_cpu_bf16-0123.so"
     calls = []
 
@@ -101,6 +107,33 @@ def test_chooser_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     C.cache_file_for(so).write_text("{not json")
     assert C.KernelChooser(None, so)(96, 128) == got and len(calls) == 3
     assert "96x128" in json.loads(C.cache_file_for(so).read_text())["shapes"]
+
+
+def test_a_measurement_on_busy_cores_is_used_but_not_cached(tmp_path, monkeypatch):
+    from structlog.testing import capture_logs
+
+    so = tmp_path / "moed_cpu_bf16-0123.so"
+    calls = []
+    monkeypatch.setattr(C, "measure", lambda kernels, n, k: calls.append(1) or ([3.0] * 5, [1.0] * 5))
+    delays = iter([0.0, 0.5])           # the race's threads waited 0.5 s for a CPU
+    monkeypatch.setattr(C, "run_delay_s", lambda: next(delays, 0.5))
+    with capture_logs() as logs:
+        got = C.KernelChooser(None, so)(96, 128)
+    assert got.onednn == (True,) * 5                       # this process goes by what it saw
+    assert not C.cache_file_for(so).exists()                # ... but no later start does
+    assert any(e["event"] == "kernel_choice_not_cached" and e["reason"] == "cores busy" for e in logs)
+    assert any(e["event"] == "kernel_choice" and e["source"] == "measured_busy" for e in logs)
+    monkeypatch.setattr(C, "run_delay_s", lambda: 0.0)     # a quiet restart measures and caches
+    C.KernelChooser(None, so)(96, 128)
+    assert len(calls) == 2 and C.cache_file_for(so).exists()
+
+
+def test_busy_needs_a_real_wait_and_proc_says_something():
+    assert not C.busy_during(1.0, 1.0005, 0.0)     # under a millisecond: noise, not load
+    assert C.busy_during(1.0, 1.05, 0.2) and not C.busy_during(1.0, 1.01, 0.2)
+    assert not C.busy_during(None, 2.0, 0.1)
+    d = C.run_delay_s()
+    assert d is None or d >= 0.0
 
 
 def test_chooser_on_an_unwritable_cache_keeps_answers_in_memory(tmp_path, monkeypatch):
