@@ -1,6 +1,6 @@
 """Engine throughput: moed vs transformers `generate` on the same bf16 checkpoint, one run.
 
-    .venv/bin/python bench/engine.py [--arch qwen3_moe|mixtral|deepseek_v3] [--batches 1,8,32] [--prompt 128] [--new 64] [--repeats 3]
+    .venv/bin/python bench/engine.py [--arch qwen3_moe|mixtral|deepseek_v3] [--batches 1,8,32] [--prompt 128] [--new 64] [--long 2048] [--repeats 3]
 
 Both sides get the same random prompts (all the same length, so transformers needs no padding)
 and generate greedily with EOS ignored. Timing comes from each engine's own steps, not from
@@ -10,11 +10,13 @@ differences of separately chosen end-to-end minima (that once printed 2.5e11 tok
                 to the first call, each decode step = the gap between two calls).
   prefill tok/s = prompt tokens / time of the steps that computed prompt tokens
   decode tok/s  = batch / decode step time; median and p10/p90 over every decode step
-Each of --repeats rounds runs every batch size on both engines, the engines interleaved (the
-order flips each round) so a load change hits both alike; the spread of the per-round medians
+Each of --repeats rounds runs every batch size on both engines, then one prompt of --long tokens
+(prefill only: 2 new tokens), the engines interleaved (the order flips each round) so a load change hits both alike; the spread of the per-round medians
 is printed and the load average before/after each round goes to the JSON. Prefix caching is off
 for moed so rounds recompute. transformers uses experts_implementation="grouped_mm" and
-attn_implementation="sdpa". RSS after load: moed's process before transformers loads, and what
+attn_implementation="sdpa". Prefill is also stated as a fraction of the machine's bf16 compute
+ceiling (a 4096^3 bf16 matmul through torch, best of 5, measured before the rounds; the model's
+matmul FLOPs per token from bench/ceiling.py, attention scores not counted). RSS after load: moed's process before transformers loads, and what
 loading transformers added. Writes bench/results/engine.json (with the checkpoint's KV bytes
 per token beside a GQA and an MHA cache of the same width) and engine.png (tok/s vs batch,
 p10-p90 bars) when matplotlib is installed.
@@ -143,12 +145,15 @@ class HFSide:
         return t
 
 
-def measure(sides: list, prompts: dict[int, list[list[int]]], new: int, rounds: int) -> dict:
-    """`rounds` rounds; in each, every batch size on every side (the order flips each round).
-    -> {"rounds": [...], "summary": {side: {batch: {...}}}}."""
+def measure(sides: list, prompts: dict[int | str, list[list[int]]], new: int, rounds: int,
+            new_for: dict[int | str, int] | None = None) -> dict:
+    """`rounds` rounds; in each, every job (a batch size, or a named long prompt) on every side
+    (the order flips each round); new_for: new tokens per job where not `new`.
+    -> {"rounds": [...], "summary": {side: {job: {...}}}}."""
+    new_for = new_for or {}
     for side in sides:                                          # warm-up
-        side.run(prompts[min(prompts)], 4)
-    per: dict[str, dict[int, list[Timing]]] = {s.name: {b: [] for b in prompts} for s in sides}
+        side.run(prompts[next(iter(prompts))][:1], 4)
+    per: dict[str, dict[int | str, list[Timing]]] = {s.name: {b: [] for b in prompts} for s in sides}
     log = []
     for r in range(rounds):
         order = sides if r % 2 == 0 else sides[::-1]
@@ -156,7 +161,7 @@ def measure(sides: list, prompts: dict[int, list[list[int]]], new: int, rounds: 
         t0 = time.perf_counter()
         for b, ps in prompts.items():
             for s in order:
-                per[s.name][b].append(s.run(ps, new))
+                per[s.name][b].append(s.run(ps, new_for.get(b, new)))
         log.append({"round": r, "order": [s.name for s in order], "load_before": before,
                     "load_after": load_average(), "seconds": time.perf_counter() - t0})
         print(f"  round {r + 1}/{rounds}: load {before[0]:.2f} -> {log[-1]['load_after'][0]:.2f}, "
@@ -193,6 +198,25 @@ def kv_bytes_per_token(model_dir: Path) -> dict:
     return {"kind": ours.kind, "bytes_per_token": ours.bytes_per_block // 16,
             "gqa_kv_heads": PRESETS["bench"]["num_kv_heads"], "gqa_head_dim": d,
             "gqa_bytes_per_token": gqa.bytes_per_block // 16, "mha_bytes_per_token": mha.bytes_per_block // 16}
+
+
+def print_ceiling(summary: dict, jobs: list[tuple[int | str, int]], ceil: dict, fpt: float) -> list[dict]:
+    """Each prefill (job, prompt tokens per sequence) as tok/s, fraction of the bf16 ceiling and
+    moed / transformers."""
+    print(f"\nprefill vs the bf16 ceiling: 4096^3 matmul {ceil['flop_s'] / 1e9:.0f} GFLOP/s, model "
+          f"{fpt / 1e6:.1f} MFLOP/token -> {ceil['flop_s'] / fpt:.0f} tok/s at the ceiling")
+    rows = []
+    for job, plen in jobs:
+        o = summary["moed"][job]["prefill_tok_s"]["median"]
+        t = summary.get("transformers", {}).get(job)
+        row = {"job": job, "prompt": plen, "moed_tok_s": o, "fraction_of_ceiling": o * fpt / ceil["flop_s"],
+               "transformers_tok_s": t["prefill_tok_s"]["median"] if t else None}
+        row["ratio"] = o / row["transformers_tok_s"] if row["transformers_tok_s"] else None
+        rows.append(row)
+        name = f"{job} x {plen}" if isinstance(job, int) else job
+        hf = f", transformers {row['transformers_tok_s']:.0f} tok/s, ratio {row['ratio']:.2f}" if t else ""
+        print(f"  prefill {name:>10}: moed {o:6.0f} tok/s = {100 * row['fraction_of_ceiling']:3.0f}% of the ceiling{hf}")
+    return rows
 
 
 def print_table(batches: list[int], summary: dict) -> list[dict]:
@@ -262,14 +286,16 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--long", type=int, default=2048,
+                    help="a batch-1 prompt of this many tokens, prefill only, each round (0: none)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds (each: every batch, both engines)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine.json"))
     ap.add_argument("--skip-hf", action="store_true")
     a = ap.parse_args()
-    if a.new < 2 or a.repeats < 1:
-        ap.error("--new must be >= 2 (decode steps to time) and --repeats >= 1")
+    if a.new < 2 or a.repeats < 1 or a.long < 0:
+        ap.error("--new must be >= 2 (decode steps to time), --repeats >= 1 and --long >= 0")
     if a.threads:
         torch.set_num_threads(a.threads)
     model_dir = _checkpoint(a.arch, Path(a.cache))
@@ -277,12 +303,16 @@ def main() -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     pool = torch.randint(0, vocab, (max(batches), a.prompt), generator=g).tolist()
-    prompts = {b: pool[:b] for b in batches}
+    prompts: dict[int | str, list[list[int]]] = {b: pool[:b] for b in batches}
+    long_job = f"1 x {a.long}"
+    if a.long:
+        prompts[long_job] = torch.randint(0, vocab, (1, a.long), generator=g).tolist()
     cpu = cpu_model()
     print(f"{a.arch} bench preset, bf16, prompt {a.prompt}, {a.new} new tokens, "
           f"{torch.get_num_threads()} torch threads, {a.repeats} rounds\nCPU: {cpu}", flush=True)
     rss0 = rss_bytes()
-    sides = [MoedSide(model_dir, max(batches), a.prompt, a.new)]
+    sides = [MoedSide(model_dir, max(batches), a.prompt, a.new,
+                      kv_tokens=max(max(batches) * (a.prompt + a.new), a.long + 2))]
     rss_moed = rss_bytes()
     kernels = sides[0].cpu_kernels
     print(f"moed CPU kernels: {'on' if kernels else 'off (torch path; MOED_CPU_KERNELS or the log says why)'}"
@@ -292,8 +322,14 @@ def main() -> int:
         sides.append(HFSide(model_dir))
         rss_hf = rss_bytes() - rss_moed
         print(f"transformers: loading added {rss_hf / 2**20:.0f} MiB RSS", flush=True)
-    res = measure(sides, prompts, a.new, a.repeats)
+    from ceiling import ceiling, flops_per_token
+
+    from moed.model.spec import load_spec
+    ceil, fpt = ceiling(5), flops_per_token(load_spec(model_dir))
+    res = measure(sides, prompts, a.new, a.repeats, new_for={long_job: 2})
     rows = print_table(batches, res["summary"])
+    jobs = [(b, a.prompt) for b in batches] + ([(long_job, a.long)] if a.long else [])
+    vs_ceiling = print_ceiling(res["summary"], jobs, ceil, fpt)
     kv = kv_bytes_per_token(model_dir)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -307,7 +343,8 @@ def main() -> int:
         "rss_bytes": {"before_load": rss0, "moed_after_load": rss_moed,
                       "transformers_added": rss_hf},
         "load_average": load_average(), "round_log": res["rounds"], "kv_cache": kv,
-        "results": rows, "png": png}, indent=2))
+        "results": rows, "ceiling": ceil, "flops_per_token": fpt, "prefill_vs_ceiling": vs_ceiling,
+        "long_prompt": a.long, "png": png}, indent=2))
     print(f"\nKV cache bytes per token (all layers, bf16): {a.arch} {kv['bytes_per_token']}, "
           f"GQA of equal width ({kv['gqa_kv_heads']} KV heads x {kv['gqa_head_dim']}) {kv['gqa_bytes_per_token']}, "
           f"MHA {kv['mha_bytes_per_token']}")

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from ceiling import best_of, ceiling, flops_per_token, model_shapes  # noqa: E402
 from engine import HFSide, MoedSide, _checkpoint  # noqa: E402  (bench/engine.py: same setup)
 
 from moed.model import decoder as decoder_mod  # noqa: E402
@@ -47,41 +48,6 @@ from moed.model.kernels import CpuKernels, cpu_kernels  # noqa: E402
 from moed.model.kernels.choice import race  # noqa: E402
 from moed.model.moe import MoELayer  # noqa: E402
 from moed.model.spec import load_spec  # noqa: E402
-
-
-def best_of(fn, repeats: int, min_s: float = 0.0) -> float:
-    """Fastest of `repeats` timed calls (after one warm-up), running on until min_s has passed."""
-    fn()
-    ts, end = [], time.perf_counter() + min_s
-    while len(ts) < repeats or (time.perf_counter() < end and len(ts) < 200):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
-
-
-def ceiling(repeats: int) -> dict:
-    a, b = (torch.randn(4096, 4096).bfloat16() for _ in range(2))
-    t = best_of(lambda: torch.matmul(a, b), max(repeats, 3))
-    return {"shape": [4096, 4096, 4096], "seconds": t, "flop_s": 2 * 4096 ** 3 / t}
-
-
-def model_shapes(spec) -> dict[str, tuple[int, int]]:
-    """[out, in] of every matmul in a layer of this model, plus lm_head."""
-    h, d = spec.hidden_size, spec.head_dim
-    return {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h), "o_proj": (h, spec.num_heads * d),
-            "router": (spec.num_experts, h), "expert_gate_up": (2 * spec.moe_intermediate_size, h),
-            "expert_down": (h, spec.moe_intermediate_size), "lm_head": (spec.vocab_size, h)}
-
-
-def flops_per_token(spec) -> float:
-    """Matmul FLOPs per prefill token (lm_head runs on one row per sequence: left out; attention
-    scores add 4 * heads * D * context / 2 on average, small at these lengths: left out)."""
-    s = model_shapes(spec)
-    per_layer = sum(n * k for name, (n, k) in s.items() if name in ("qkv", "o_proj", "router"))
-    per_layer += spec.top_k * (s["expert_gate_up"][0] * s["expert_gate_up"][1]
-                               + s["expert_down"][0] * s["expert_down"][1])
-    return 2.0 * per_layer * spec.num_layers
 
 
 def linear_table(spec, kern: CpuKernels | None, rows: list[int], repeats: int) -> list[dict]:

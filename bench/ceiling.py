@@ -1,0 +1,42 @@
+"""The machine's bf16 compute ceiling and a model's matmul FLOPs per prefill token: what
+bench/engine.py and bench/prefill_kernels.py state moed's prefill as a fraction of."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def best_of(fn, repeats: int, min_s: float = 0.0) -> float:
+    """Fastest of `repeats` timed calls (after one warm-up), running on until min_s has passed."""
+    fn()
+    ts, end = [], time.perf_counter() + min_s
+    while len(ts) < repeats or (time.perf_counter() < end and len(ts) < 200):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def ceiling(repeats: int) -> dict:
+    a, b = (torch.randn(4096, 4096).bfloat16() for _ in range(2))
+    t = best_of(lambda: torch.matmul(a, b), max(repeats, 3))
+    return {"shape": [4096, 4096, 4096], "seconds": t, "flop_s": 2 * 4096 ** 3 / t}
+
+
+def model_shapes(spec) -> dict[str, tuple[int, int]]:
+    """[out, in] of every matmul in a layer of this model, plus lm_head."""
+    h, d = spec.hidden_size, spec.head_dim
+    return {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h), "o_proj": (h, spec.num_heads * d),
+            "router": (spec.num_experts, h), "expert_gate_up": (2 * spec.moe_intermediate_size, h),
+            "expert_down": (h, spec.moe_intermediate_size), "lm_head": (spec.vocab_size, h)}
+
+
+def flops_per_token(spec) -> float:
+    """Matmul FLOPs per prefill token (lm_head runs on one row per sequence: left out; attention
+    scores add 4 * heads * D * context / 2 on average, small at these lengths: left out)."""
+    s = model_shapes(spec)
+    per_layer = sum(n * k for name, (n, k) in s.items() if name in ("qkv", "o_proj", "router"))
+    per_layer += spec.top_k * (s["expert_gate_up"][0] * s["expert_gate_up"][1]
+                               + s["expert_down"][0] * s["expert_down"][1])
+    return 2.0 * per_layer * spec.num_layers
