@@ -1,6 +1,6 @@
 /* bf16 CPU kernels for x86 CPUs with AVX512-BF16: matmuls on a packed weight, a whole MoE block,
- * paged decode attention, RMSNorm and rotary. Built for decode; the matmuls serve prefill too
- * (on par with oneDNN there), so a weight is held once.
+ * paged decode and prefill attention, RMSNorm and rotary. Built for decode; the matmuls and the
+ * MoE block serve prefill too (on par with oneDNN there on Zen4), so a weight is held once.
  *
  * Why: decode multiplies a few rows (1-16 tokens; 1-4 per expert) by big weights. That is
  * memory-bound work: the best kernel reads each weight byte once, at full bandwidth, whatever
@@ -445,13 +445,12 @@ static ExpertScratch *alloc_scratch(int n, long rows, long H, long I, int gather
     return sc;
 }
 
-/* All experts' rows (grouped by slot, count[e] = first row of slot e) into the sink; the team
- * splits them as by_chunk says. Every thread of the team calls it. */
-static void expert_rows(const bf16 *x, const long *src, const long *count, long P, long H, long I,
-                        const bf16 *gate_up, const bf16 *down, const long *item_e, const long *item_s,
-                        const long *item_n, long n_items, int chunked, ExpertScratch *sc, const ExpertSink *sink) {
+/* All experts' rows (the chunks list_chunks made) into the sink; the team splits them as
+ * by_chunk said (chunked). Every thread of the team calls it. */
+static void expert_rows(const bf16 *x, const long *src, long H, long I, const bf16 *gate_up, const bf16 *down,
+                        const long *item_e, const long *item_s, const long *item_n, long n_items, int chunked,
+                        ExpertScratch *sc, const ExpertSink *sink) {
     const long gu_stride = nblocks(2 * I) * NB * H, down_stride = nblocks(H) * NB * I;   /* per expert */
-    (void)count; (void)P;
     if (chunked) {
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < n_items; i++)
@@ -531,13 +530,13 @@ int moed_moe_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, lon
     sc = alloc_scratch(chunked ? nthreads : 1, largest + 1, H, I, chunked);
     if (chunked) prod = malloc(sizeof(bf16) * (rows * H + 1));
     else acc = calloc(T * ldh + 1, sizeof(float)), xs = malloc(sizeof(bf16) * (rows * H + 1));
-    if (!sc || (chunked ? !prod : !acc || !xs)) { rc = -1; goto done; }
+    if (!sc || (chunked ? !prod : (!acc || !xs))) { rc = -1; goto done; }
     if (!chunked)
         for (long i = 0; i < rows; i++) memcpy(xs + i * H, x + token[i] * H, sizeof(bf16) * H);
     const ExpertSink sink = {acc, prod, NULL, sorted_w, token};
 #pragma omp parallel num_threads(nthreads)
     {
-        expert_rows(chunked ? x : xs, chunked ? token : NULL, count, P, H, I, gate_up, down, items,
+        expert_rows(chunked ? x : xs, chunked ? token : NULL, H, I, gate_up, down, items,
                     items + rows + 1, items + 2 * (rows + 1), n_items, chunked, sc, &sink);
 #pragma omp barrier
         long lo, hi;
@@ -612,8 +611,8 @@ int moed_experts_bf16(const bf16 *xs, long R, long H, const int64_t *count_in, c
     if (!(sc = alloc_scratch(chunked ? nthreads : 1, largest + 1, H, I, 0))) { rc = -1; goto done; }
     const ExpertSink sink = {NULL, NULL, out, NULL, NULL};
 #pragma omp parallel num_threads(nthreads)
-    expert_rows(xs, NULL, count, P, H, I, gate_up, down, items, items + R + 1, items + 2 * (R + 1),
-                n_items, chunked, sc, &sink);
+    expert_rows(xs, NULL, H, I, gate_up, down, items, items + R + 1, items + 2 * (R + 1), n_items, chunked,
+                sc, &sink);
 done:
     free(count); free(items);
     free_scratch(sc, chunked ? nthreads : 1);
