@@ -28,15 +28,6 @@ needs_kernels = pytest.mark.skipif(
 ONEDNN_PAST_8 = C.LinearChoice((False, False, True, True, True))
 
 
-@pytest.fixture
-def kern():
-    k = K.cpu_kernels()
-    assert k is not None, "this CPU has AVX512-BF16: the kernels must build and load"
-    saved = k.choose
-    yield k
-    k.choose = saved
-
-
 def test_row_classes_have_the_documented_bounds():
     assert [C.row_class(r) for r in (1, 2, 8, 9, 64, 65, 512, 513, 10 ** 6)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
 

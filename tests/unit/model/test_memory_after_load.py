@@ -133,15 +133,6 @@ def linears(obj, seen=None) -> list[Linear]:
     return [lin for x in items for lin in linears(x, seen)]
 
 
-@pytest.fixture
-def kern():
-    k = K.cpu_kernels()
-    assert k is not None, "this CPU has AVX512-BF16: the kernels must build and load"
-    saved = k.choose
-    yield k
-    k.choose = saved
-
-
 @needs_kernels
 @pytest.mark.parametrize("choice", [C.NATIVE_ONLY, ONEDNN_PAST_8], ids=["native", "onednn-past-8"])
 def test_the_built_model_holds_each_weight_once(kern, make_checkpoint, monkeypatch, choice):
