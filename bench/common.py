@@ -1,4 +1,5 @@
-"""What the benchmarks share: order statistics, the machine's load and the process's memory.
+"""What the benchmarks share: order statistics, the machine's load and the process's memory,
+and waiting for a server they started.
 
 Pure functions, no torch, so the parsing tests import it in milliseconds.
 """
@@ -6,6 +7,9 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import time
+import urllib.request
 from collections.abc import Sequence
 
 
@@ -69,3 +73,20 @@ def cores_available() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:      # not Linux
         return os.cpu_count() or 1
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """Poll url + "/ready" until it answers 200 -> None; or why not: the process exited, or
+    timeout_s passed (the caller says which server and where its log is)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=1) as r:
+                if r.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return f"not ready in {timeout_s:g} s"

@@ -24,11 +24,13 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import wait_ready  # noqa: E402
 
 
 def _port() -> int:
@@ -53,18 +55,9 @@ def _serve(model: str, role: str, port: int, env: dict[str, str], log: Path) -> 
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server on {port} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server on {port} not ready")
+    why = wait_ready(f"http://127.0.0.1:{port}", proc, timeout)
+    if why:
+        raise RuntimeError(f"server on {port} {why}")
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

@@ -41,13 +41,16 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from ceiling import ceiling, flops_per_token  # noqa: E402
 from common import cpu_model, load_average, rss_bytes, spread  # noqa: E402
 
 from moed.config import EngineConfig  # noqa: E402
 from moed.engine.engine import Engine  # noqa: E402
 from moed.engine.stream import StepStats  # noqa: E402
 from moed.model.init import init_checkpoint  # noqa: E402
+from moed.model.kernels import cpu_kernels  # noqa: E402
 from moed.model.runner import ModelRunner  # noqa: E402
+from moed.model.spec import load_spec  # noqa: E402
 from moed.model.tokenizer import Tokenizer  # noqa: E402
 from moed.types import SamplingParams  # noqa: E402
 
@@ -189,7 +192,6 @@ def kv_bytes_per_token(model_dir: Path) -> dict:
     from moed.model import archs
     from moed.model.init import PRESETS
     from moed.model.kv_layout import KVLayout
-    from moed.model.spec import load_spec
 
     spec = load_spec(model_dir)
     ours = archs.kv_layout(spec, 16, torch.bfloat16)
@@ -325,10 +327,6 @@ def main() -> int:
         sides.append(HFSide(model_dir))
         rss_hf = rss_bytes() - rss_moed
         print(f"transformers: loading added {rss_hf / 2**20:.0f} MiB RSS", flush=True)
-    from ceiling import ceiling, flops_per_token
-
-    from moed.model.spec import load_spec
-    from moed.model.kernels import cpu_kernels
     kern = cpu_kernels() if kernels else None
     ceil, fpt = ceiling(5, kern), flops_per_token(load_spec(model_dir))
     res = measure(sides, prompts, a.new, a.repeats, new_for={long_job: 2})

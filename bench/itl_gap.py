@@ -39,7 +39,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import cores_available, cpu_model, load_average, rss_bytes, spread  # noqa: E402
+from common import cores_available, cpu_model, load_average, rss_bytes, spread, wait_ready  # noqa: E402
 
 
 def metric(text: str, name: str) -> float | None:
@@ -133,18 +133,9 @@ class Server:
                 stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"server not ready in {timeout_s:.0f} s; see {self.log_path}")
+        why = wait_ready(self.url, self.proc, timeout_s)
+        if why:
+            raise SystemExit(f"server {why}; see {self.log_path}")
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=10) as r:

@@ -31,6 +31,9 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import wait_ready  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -142,19 +145,11 @@ def start_server(model_dir: str, env: dict, log_path: Path) -> tuple[subprocess.
                             env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.2)
+    why = wait_ready(url, proc, 180)
+    if why is None:
+        return proc, url
     proc.kill()
-    raise SystemExit(f"server not ready in 180 s; see {log_path}")
+    raise SystemExit(f"server {why}; see {log_path}")
 
 
 def main() -> int:
