@@ -256,8 +256,8 @@ static void silu_mul_row(const float *gu, long I, bf16 *act) {
 /* Router for T tokens: softmax over E logits (rounded to bf16 first, as a bf16 router matmul
  * leaves them), top-k by descending probability (lower id first on ties, as the loop finds
  * them), optionally renormalised; weights end rounded to bf16 as transformers casts them. */
-static int route(const float *logits, long ldl, long T, long E, long k, int norm_topk, long *ids, float *wts,
-                 int nthreads) {
+static void route(const float *logits, long ldl, long T, long E, long k, int norm_topk, long *ids, float *wts,
+                  int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 64)
     for (long t = 0; t < T; t++) {
         float p[E];    /* a VLA: per token, freed each iteration */
@@ -281,7 +281,6 @@ static int route(const float *logits, long ldl, long T, long E, long k, int norm
         for (long j = 0; j < k; j++)
             wts[t * k + j] = round_bf16(norm_topk ? wts[t * k + j] / tot : wts[t * k + j]);
     }
-    return 0;
 }
 
 /* Logical expert -> physical slot for each of the rows (t, j) in flat order t*k + j: the n-th
@@ -512,7 +511,7 @@ int moed_moe_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, lon
         goto done;
     }
     router_logits(x, T, H, router, E, logits, ldl, nthreads);
-    if (route(logits, ldl, T, E, k, norm_topk, ids, wts, nthreads)) { rc = -1; goto done; }
+    route(logits, ldl, T, E, k, norm_topk, ids, wts, nthreads);
     if ((rc = map_slots(ids, rows, E, l2p, max_rep, nrep, offset, P, (int64_t *)phys, load))) goto done;
     for (long s = 0; s < rows; s++) count[phys[s] + 1]++;
     for (long e = 0; e < P; e++) count[e + 1] += count[e];   /* count[e] = first row of slot e */
@@ -585,7 +584,7 @@ int moed_route_bf16(const bf16 *x, long T, long H, const bf16 *router, long E, l
     int rc = 0;
     if (!logits || !ids) { rc = -1; goto done; }
     router_logits(x, T, H, router, E, logits, ldl, nthreads);
-    if (route(logits, ldl, T, E, k, norm_topk, ids, wts, nthreads)) { rc = -1; goto done; }
+    route(logits, ldl, T, E, k, norm_topk, ids, wts, nthreads);
     rc = map_slots(ids, rows, E, l2p, max_rep, nrep, offset, P, phys, load);
 done:
     free(logits); free(ids);
