@@ -3,17 +3,20 @@
     .venv/bin/python bench/decode_profile.py [--batches 1,8] [--steps 200] [--threads 2]
 
 The bench checkpoint (bench/engine.py's), prefix caching off, greedy, EOS ignored. For each batch
-size one request set decodes --steps tokens after a warm-up, while every call into the kernels'
-.so, the runner's forward, the attention plan and the sampler is timed (perf_counter around each
-call, from the end of the prompt's step on; the wrappers add about a microsecond a call). Per
-decode step it prints:
+size one request set decodes --steps tokens after a warm-up, once per path: `native` (the
+runner's one-call decode step, moed/model/decode_step.py: what serves by default) and `layered`
+(the same model layer by layer, the kernels called from Python), interleaved, while every call
+into the kernels' .so, the runner's forward, the attention plan and the sampler is timed
+(perf_counter around each call, from the end of the prompt's step on; the wrappers add about a
+microsecond a call). Per decode step it prints:
   step      the engine's own StepStats step_seconds (schedule + forward + sample + update)
   forward   ModelRunner.forward (embedding, plan, layers, final norm, lm_head, fp32 logits)
-  kernels   the sum over the kernel calls, each kernel's share beside it
+  kernels   the sum over the kernel calls, each kernel's share beside it (native: one call,
+            decode_step_bf16, holding all of them)
   glue      forward - kernels: the torch ops and Python between the kernel calls
   plan      the attention backend's plan (inside forward), sample: the sampler (outside it)
-A step at llama.cpp's speed needs the glue gone (bench/peers.py compares the two): this says how
-much there is to win by moving it into native code. JSON to bench/results/decode_profile.json.
+and the layered/native step ratio: what moving the glue into native code won. JSON to
+bench/results/decode_profile.json.
 """
 from __future__ import annotations
 
@@ -116,17 +119,26 @@ def main() -> int:
     side.engine.subscribe_step(on_step)
     print(f"qwen3_moe bench preset, bf16, {torch.get_num_threads()} torch threads; CPU: {cpu_model()}; "
           f"load {load_average()[0]:.2f}", flush=True)
+    native = runner.native_decode
+    paths = {"native": native, "layered": None} if native is not None else {"layered": None}
     rows = []
     for b in batches:
-        before = load_average()
-        r = profile(side, b, a.steps, vocab, clock, step_s)
-        r["load_before"], r["load_after"] = before, load_average()
-        rows.append(r)
-        ks = ", ".join(f"{k} {v:.2f}" for k, v in r["by_kernel_ms"].items())
-        print(f"batch {b:>2}: step {r['step_ms']:.2f} ms (median {r['step_median_ms']:.2f}) = forward "
-              f"{r['forward_ms']:.2f} [kernels {r['kernels_ms']:.2f} + glue {r['glue_ms']:.2f}, of which "
-              f"plan {r['plan_ms']:.2f}] + sample {r['sample_ms']:.2f} + the rest of the step "
-              f"{r['step_ms'] - r['forward_ms'] - r['sample_ms']:.2f}\n          kernels: {ks}", flush=True)
+        by_path = {}
+        for name, step in paths.items():
+            runner.native_decode = step
+            before = load_average()
+            r = profile(side, b, a.steps, vocab, clock, step_s)
+            r["path"], r["load_before"], r["load_after"] = name, before, load_average()
+            rows.append(r)
+            by_path[name] = r["step_median_ms"]
+            ks = ", ".join(f"{k} {v:.2f}" for k, v in r["by_kernel_ms"].items())
+            print(f"batch {b:>2} {name:>7}: step {r['step_ms']:.2f} ms (median {r['step_median_ms']:.2f}) = "
+                  f"forward {r['forward_ms']:.2f} [kernels {r['kernels_ms']:.2f} + glue {r['glue_ms']:.2f}, "
+                  f"of which plan {r['plan_ms']:.2f}] + sample {r['sample_ms']:.2f} + the rest of the step "
+                  f"{r['step_ms'] - r['forward_ms'] - r['sample_ms']:.2f}\n          kernels: {ks}", flush=True)
+        if len(by_path) == 2:
+            print(f"batch {b:>2}: layered/native step (medians) {by_path['layered'] / by_path['native']:.2f}")
+    runner.native_decode = native
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "decode_profile", "cpu": cpu_model(),

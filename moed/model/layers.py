@@ -127,9 +127,14 @@ class Rotary:
 
     def tables(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin of shape [T, 1, D] (broadcast over heads) for positions [T] (all <= max_pos)."""
+        cos, sin = self.full_tables(max_pos)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def full_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos, signed sin tables [> max_pos, D], extended first if max_pos is past them."""
         if max_pos >= self.cos.shape[0]:      # past max_position_embeddings: extend, never fail
-            self._build(max(max_pos + 1, 2 * self.cos.shape[0]), positions.device)
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            self._build(max(max_pos + 1, 2 * self.cos.shape[0]), self.cos.device)
+        return self.cos, self.sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -240,14 +240,15 @@ class MoELayer:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.placement is not None:
             return self._parallel(x)
-        if self._fused(x.shape[0]):
+        if self.fused(x.shape[0]):
             r, e = self.router, self.experts
             return self.kernels.moe_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
                                          r.logical_to_physical, r.num_replicas, r.load,
                                          e.gate_up_p, e.down_p, e.intermediate, r.next_offset())
         return self.experts(x, self.router(x))
 
-    def _fused(self, tokens: int) -> bool:
+    def fused(self, tokens: int) -> bool:
+        """Whether the fused kernel serves a batch of this many tokens (fused_serves)."""
         return self.kernels is not None and fused_serves(tokens, self.router.top_k, self.router.num_physical,
                                                          self.experts.experts[0][0].choice)
 
@@ -255,7 +256,7 @@ class MoELayer:
         """Expert parallelism: route here as EP=1 would (the fused kernel's router half where
         the fused kernel serves, else the torch router), then dispatch/compute/combine over the
         group."""
-        from_kernel = self._fused(x.shape[0])
+        from_kernel = self.fused(x.shape[0])
         r = self.router
         if from_kernel:
             phys, w = self.kernels.route_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,

@@ -3,8 +3,9 @@
 Built once per model, in this order: the spec (config.json) picks the architecture module
 (moed/model/archs), which gives the KVLayout; the ComputeContext says where the model computes
 and whether the CPU kernels serve; the attention backend, the decoder stack and the KV tensor
-all read those same two objects. Called from the engine's single executor thread; not
-thread-safe by design (one writer).
+all read those same two objects. A decode-only step goes through the whole model in one native
+call where the model allows (decode_step.py), else layer by layer. Called from the engine's
+single executor thread; not thread-safe by design (one writer).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from moed.model import archs
 from moed.model.attention.registry import get_backend
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
+from moed.model.decode_step import NativeDecodeStep
 from moed.model.decoder import MoEDecoder
 from moed.model.kv_layout import KVLayout
 from moed.model.loader import Weights, load_weights
@@ -92,7 +94,9 @@ class ModelRunner:
         self.model = MoEDecoder(self.spec, weights, arch.build_layer, self.ctx, consume=own)
         del weights
         self.kv_cache = self.kv_layout.allocate(num_blocks, self.device)
-        log.info("model_runner_ready", **self.describe(),
+        # Decode-only steps in one native call where the model allows (decode_step.py).
+        self.native_decode, why_not = NativeDecodeStep.for_model(self.model, self.backend, self.kv_cache)
+        log.info("model_runner_ready", **self.describe(), native_decode=why_not or "on",
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
                  kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
                  rss_mb=rss_mb(), seconds=round(time.monotonic() - t0, 2))
@@ -127,6 +131,8 @@ class ModelRunner:
         """fp32 logits of `batch.logit_rows` (K/V of all new tokens cached): [B, vocab], one per
         sequence's last new token, unless `batch.all_logits` asks for every row of some."""
         self._check(batch)
+        if self.native_decode is not None and self.native_decode.serves(batch):
+            return self.native_decode(batch)
         dev = self.device
         ids = [t for toks in batch.token_ids for t in toks]
         pos = [p for toks, s in zip(batch.token_ids, batch.start_pos) for p in range(s, s + len(toks))]

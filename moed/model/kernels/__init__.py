@@ -6,7 +6,8 @@ once per row. These kernels do it in five calls per layer: `moe_bf16` (router, t
 weighted sum; each touched expert read once), `linear_bf16` (skinny matmuls on a packed weight),
 `decode_attn_bf16` (paged attention straight from the KV blocks; `prefill_attn_bf16` for
 prompts, blocked over queries), `rms_norm_bf16` (with the
-residual add) and `qk_norm_rope_bf16`. Only for bf16 on x86-64 CPUs with AVX512-BF16; the
+residual add) and `qk_norm_rope_bf16`; `moed_decode_step_bf16` strings them together over a
+whole decode step (moed/model/decode_step.py). Only for bf16 on x86-64 CPUs with AVX512-BF16; the
 layout and numerics are described in cpu_bf16.c.
 
 Why build at run time rather than ship a wheel: the project installs as pure Python (no build
@@ -42,7 +43,7 @@ SOURCE = Path(__file__).with_name("cpu_bf16.c")
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-fPIC", "-shared", "-fopenmp",
           "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-ABI_VERSION = 6
+ABI_VERSION = 7
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -132,6 +133,12 @@ class CpuKernels:
         lib.moed_rms_norm_bf16.restype = None
         lib.moed_qk_norm_rope_bf16.argtypes = [_p, _l, _l, _l, _l, _p, ctypes.c_float, _p, _p, _p, _i]
         lib.moed_qk_norm_rope_bf16.restype = None
+        # (model struct, B, ids, pos, tables, max_blocks, offsets, cos, sin, scratch, logits,
+        # threads): the structs and the caller are moed/model/decode_step.py
+        lib.moed_decode_step_bf16.argtypes = [_p, _l, _p, _p, _p, _l, _p, _p, _p, _p, _p, _i]
+        lib.moed_decode_step_bf16.restype = _i
+        lib.moed_decode_step_scratch.argtypes = [_p, _l]
+        lib.moed_decode_step_scratch.restype = _l
         self.lib, self.path = lib, path
         # (N, K) -> LinearChoice: native or oneDNN per row class, measured once (choice.py)
         self.choose = KernelChooser(self, path)

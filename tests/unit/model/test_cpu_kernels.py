@@ -327,7 +327,7 @@ def test_model_forward_with_kernels_matches_torch_path(kern, make_checkpoint):
         if on:
             assert isinstance(r.model.kernels, K.CpuKernels) and isinstance(r.backend.kernels, K.CpuKernels)
         else:
-            r.model.kernels = r.backend.kernels = None
+            r.model.kernels = r.backend.kernels = r.native_decode = None
             for layer in r.model.layers:
                 layer.kernels = layer.attn.kernels = layer.mlp.kernels = None
         steps = [r.forward(ForwardBatch(prompts, [0, 0, 0], tables))]
