@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from moed.model.grammar import mask_logits
+from moed.model.kernels import cpu_kernels
 from moed.types import SamplingParams
 
 
@@ -73,6 +74,18 @@ def skip_one_token(g: torch.Generator | None, params: SamplingParams, vocab: int
         seeded_noise(g, vocab)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a [B, V] tensor. CPU fp32 goes to the native kernel where it loads:
+    torch's CPU argmax compares one scalar at a time (~55 us a 32000-entry row, 0.8 ms at batch
+    32 on the 2-core bench, a decode step's 3%); the kernel gives the same index (first on ties,
+    a NaN wins) in ~5 us a row."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1]:
+        k = cpu_kernels()
+        if k is not None:
+            return k.argmax_f32(x)
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
     """logits: fp32 [B, V]; rows: one per batch row. Returns B token ids (+ logprobs)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -95,7 +108,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
                     logits[i] = before[i]       # the grammar allows only banned ids: it wins
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
-        out = logits.argmax(dim=-1)
+        out = argmax_rows(logits)
     else:
         out = _sample_random(logits, rows, greedy)
     lps = tops = None
@@ -137,10 +150,10 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list
         if g is None or greedy[i]:      # greedy rows draw nothing, whatever their batch mates
             continue
         noise[i] = seeded_noise(g, probs.shape[1]).to(dev)   # CPU generator: same numbers on CUDA
-    drawn = (probs / noise).argmax(dim=-1)
+    drawn = argmax_rows(probs / noise)
     if any(greedy):
         g = torch.tensor(greedy, device=dev)
-        drawn = torch.where(g, logits.argmax(dim=-1), drawn)
+        drawn = torch.where(g, argmax_rows(logits), drawn)
     return drawn
 
 

@@ -139,6 +139,8 @@ class CpuKernels:
         lib.moed_decode_step_bf16.restype = _i
         lib.moed_decode_step_scratch.argtypes = [_p, _l]
         lib.moed_decode_step_scratch.restype = _l
+        lib.moed_argmax_f32.argtypes = [_p, _l, _l, _p, _i]
+        lib.moed_argmax_f32.restype = None
         self.lib, self.path = lib, path
         # (N, K) -> LinearChoice: native or oneDNN per row class, measured once (choice.py)
         self.choose = KernelChooser(self, path)
@@ -288,6 +290,13 @@ class CpuKernels:
                                         None if weight is None else weight.data_ptr(), eps,
                                         cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                                         torch.get_num_threads())
+        return out
+
+    def argmax_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, -1) of fp32 x [B, V] (first index on ties, a NaN wins), int64 [B]."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self.lib.moed_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
         return out
 
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int,

@@ -1046,3 +1046,34 @@ int moed_decode_step_bf16(const DecodeModel *m, long B, const int64_t *ids, cons
 done:
     return rc;
 }
+
+/* out[b] = the index of row b's largest value in x[B][V] fp32: the first one on ties, and the
+ * first NaN where a row has one (torch.argmax's answer). torch's CPU argmax compares scalar by
+ * scalar (~55 us for a 32000-entry row on Zen4); here a vector max, then the first lane equal to
+ * it: ~5 us, which the sampler's greedy pick takes every decode step. */
+void moed_argmax_f32(const float *x, long B, long V, int64_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (B * V >= (1L << 18))
+    for (long b = 0; b < B; b++) {
+        const float *r = x + b * V;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (long i = 0; i < V; i += 16) {
+            const __mmask16 m = lanes(V - i);
+            const __m512 v = _mm512_maskz_loadu_ps(m, r + i);
+            nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+            mx = _mm512_mask_max_ps(mx, m, mx, v);
+        }
+        long found = 0;
+        if (nan) {
+            while (found < V && r[found] == r[found]) found++;
+        } else {
+            const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            for (long i = 0; i < V; i += 16) {
+                const __mmask16 m = lanes(V - i);
+                const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, r + i), best, _CMP_EQ_OQ);
+                if (hit) { found = i + __builtin_ctz(hit); break; }
+            }
+        }
+        out[b] = found;
+    }
+}

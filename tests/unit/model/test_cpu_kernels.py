@@ -348,6 +348,26 @@ def test_model_forward_with_kernels_matches_torch_path(kern, make_checkpoint):
     assert clear >= 12, f"only {clear} of 21 greedy choices were clear of bf16 noise"
 
 
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_argmax_is_torchs(kern, n_threads):
+    """The sampler's argmax (sampler.argmax_rows): torch's index on every row, including ties
+    (the first), NaN (the first NaN wins), all -inf, +inf, and rows not a multiple of 16 long."""
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(b, v, generator=g) for b, v in ((1, 32000), (3, 17), (5, 1), (33, 32001), (2, 15))]
+    ties = torch.round(torch.randn(16, 1000, generator=g) * 2)
+    odd = torch.randn(6, 50, generator=g)
+    odd[0, 7] = odd[0, 9] = float("nan")
+    odd[1] = float("-inf")
+    odd[2] = 1.0
+    odd[3, 49] = float("inf")
+    odd[4, 3] = float("nan")
+    odd[4, 20] = float("inf")
+    big = torch.randn(40, 32000, generator=g)      # enough to take the parallel loop
+    with threads(n_threads):
+        for x in cases + [ties, odd, big, big[:, ::2]]:
+            assert torch.equal(kern.argmax_f32(x), x.argmax(-1))
+
+
 def test_norms_on_many_rows(kern):
     """Prefill-sized inputs on several threads (a per-row stack buffer once overflowed here)."""
     g = torch.Generator().manual_seed(9)

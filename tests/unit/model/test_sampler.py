@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from moed.model.sampler import SampleRow, make_generator, sample, skip_one_token
+from moed.model.sampler import SampleRow, argmax_rows, make_generator, sample, skip_one_token
 from moed.types import SamplingParams
 
 torch.set_num_threads(1)
@@ -21,6 +21,16 @@ def test_greedy_is_argmax():
     assert sample(lg, rows).token_ids == lg.argmax(-1).tolist()
     rows = [SampleRow(SamplingParams(temperature=0.7, top_k=1))] * 5      # top_k=1 is greedy too
     assert sample(lg, rows).token_ids == lg.argmax(-1).tolist()
+
+
+def test_argmax_rows_is_torch_argmax():
+    """The sampler's argmax (the native kernel on CPU fp32 where it loads, else torch): torch's
+    answer on ties (first index), NaN, -inf rows, strided and bf16 input alike."""
+    ties = torch.round(_logits(9, 4099))
+    ties[0] = float("-inf")
+    ties[1, 100] = ties[1, 200] = float("nan")
+    for x in (ties, ties[:, 1::3], ties.bfloat16(), _logits(40, 32000)):
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
 
 
 def test_mixed_batch_greedy_rows_stay_argmax():
