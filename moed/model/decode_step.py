@@ -76,6 +76,10 @@ def unsupported(model: MoEDecoder, backend: object, kv_cache: torch.Tensor) -> s
             return f"layer {i}: a projection the kernels cannot pack"
     if not _native(model.lm_head):
         return "lm_head the kernels cannot pack"
+    plain = [model.embed, model.norm] + [t for layer in model.layers for t in (
+        layer.input_norm, layer.post_norm, layer.attn.qk_norm, layer.attn.qkv.bias, layer.attn.o.bias)]
+    if any(t is not None and not (t.is_contiguous() and t.dtype == torch.bfloat16) for t in plain):
+        return "a weight the kernel would read is not contiguous bf16"
     return None
 
 

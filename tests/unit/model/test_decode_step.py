@@ -156,6 +156,10 @@ def test_native_step_refuses_what_it_does_not_implement(kern, make_checkpoint, m
     assert dense.native_decode is None
     from moed.model.decode_step import unsupported
     assert unsupported(dense.model, dense.backend, dense.kv_cache) == "layer 1 has a dense MLP"
+    strided = _runner(make_checkpoint("qwen3_moe"))
+    strided.model.layers[2].post_norm = torch.stack([strided.model.layers[2].post_norm] * 2, 1)[:, 0]
+    assert unsupported(strided.model, strided.backend, strided.kv_cache) == \
+        "a weight the kernel would read is not contiguous bf16"
     monkeypatch.setenv("MOED_CPU_KERNELS", "0")
     K.cpu_kernels.cache_clear()
     try:
