@@ -607,7 +607,7 @@ class Engine:
         batch = plan.batch
         if any(asks):       # rows that do not ask pay nothing: the batch stays as planned
             batch = replace(batch, all_logits=tuple(bool(a) for a in asks))
-        logits = self.runner.forward(batch)
+        logits = out = self.runner.forward(batch)
         plps: PromptLPs = {}
         if batch.all_logits:
             last = batch.sample_rows
@@ -626,7 +626,9 @@ class Engine:
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
         rows = [self._sample_row(plan.chunks[i].request) for i in idx]
-        return sample(logits, rows), time.perf_counter() - t0, plps
+        known = getattr(self.runner, "argmax_of", None)     # the step's own argmax, if it has one
+        argmax = known(out) if known is not None and logits is out else None
+        return sample(logits, rows, argmax), time.perf_counter() - t0, plps
 
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params

@@ -19,6 +19,7 @@ in model_runner_ready).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from array import array
 
 import torch
@@ -114,6 +115,7 @@ class NativeDecodeStep:
         self._serves_rows: dict[int, bool] = {}
         self._scratch = torch.empty(0, dtype=torch.uint8)   # grown to the largest batch seen
         self._scratch_sizes: dict[int, int] = {}
+        self.last: tuple[weakref.ref, torch.Tensor] = (lambda: None, torch.empty(0, dtype=torch.long))
         # The tensors the structs point into stay alive with the model, which outlives this.
 
     @classmethod
@@ -178,11 +180,21 @@ class NativeDecodeStep:
             self._scratch = torch.empty(self._scratch_bytes(b), dtype=torch.uint8)
         scratch = self._scratch.data_ptr()
         logits = torch.empty((b, self.vocab), dtype=torch.float32)
+        greedy = torch.empty(b, dtype=torch.long)     # each row's argmax, for the sampler
         rc = lib.moed_decode_step_bf16(
             model, b, ids.buffer_info()[0], pos.buffer_info()[0], flat.buffer_info()[0], width,
             ctypes.addressof(self._offsets), cos.data_ptr(), sin.data_ptr(), scratch + (-scratch % 64),
-            logits.data_ptr(), torch.get_num_threads())
+            logits.data_ptr(), greedy.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("moed_decode_step_bf16: " + ("out of memory" if rc == -1 else
                                                             "bad token id, block id or expert map"))
+        self.last = (weakref.ref(logits), greedy)
         return logits
+
+    def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """logits.argmax(-1) if `logits` is the tensor the last call returned (computed in the
+        step, while they were in cache), else None. By identity: a new tensor that reuses the
+        memory is not it; the logits are an inference tensor, which nothing outside inference
+        mode can change in place."""
+        ref, greedy = self.last
+        return greedy if ref() is logits else None

@@ -145,6 +145,11 @@ class ModelRunner:
         self.backend.plan(batch, positions)
         return self.model(input_ids, positions, max(pos), last_rows, self.backend, self.kv_cache)
 
+    def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """logits.argmax(-1) where the step that returned these logits computed it already (the
+        native decode step does, while they are in cache); None otherwise."""
+        return None if self.native_decode is None else self.native_decode.argmax_of(logits)
+
     @torch.inference_mode()
     def forward_empty(self) -> None:
         """Expert parallelism: this rank has no tokens this step but takes part in every MoE

@@ -86,8 +86,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
-    """logits: fp32 [B, V]; rows: one per batch row. Returns B token ids (+ logprobs)."""
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
+           argmax: torch.Tensor | None = None) -> SampleResult:
+    """logits: fp32 [B, V]; rows: one per batch row. Returns B token ids (+ logprobs).
+    argmax: logits.argmax(-1) when the caller has it (ModelRunner.argmax_of): all-greedy rows
+    that leave the logits as they are take it instead of reading the logits again."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
     logits = logits.float()
@@ -108,7 +111,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
                     logits[i] = before[i]       # the grammar allows only banned ids: it wins
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
-        out = argmax_rows(logits)
+        out = argmax if argmax is not None and logits is raw else argmax_rows(logits)
     else:
         out = _sample_random(logits, rows, greedy)
     lps = tops = None

@@ -134,8 +134,8 @@ class CpuKernels:
         lib.moed_qk_norm_rope_bf16.argtypes = [_p, _l, _l, _l, _l, _p, ctypes.c_float, _p, _p, _p, _i]
         lib.moed_qk_norm_rope_bf16.restype = None
         # (model struct, B, ids, pos, tables, max_blocks, offsets, cos, sin, scratch, logits,
-        # threads): the structs and the caller are moed/model/decode_step.py
-        lib.moed_decode_step_bf16.argtypes = [_p, _l, _p, _p, _p, _l, _p, _p, _p, _p, _p, _i]
+        # argmax, threads): the structs and the caller are moed/model/decode_step.py
+        lib.moed_decode_step_bf16.argtypes = [_p, _l, _p, _p, _p, _l, _p, _p, _p, _p, _p, _p, _i]
         lib.moed_decode_step_bf16.restype = _i
         lib.moed_decode_step_scratch.argtypes = [_p, _l]
         lib.moed_decode_step_scratch.restype = _l

@@ -997,11 +997,15 @@ long moed_decode_step_scratch(const DecodeModel *m, long B) { return step_scratc
 /* ids, pos [B]; tables [B][max_blocks] (sequence b's blocks, covering positions 0..pos[b]);
  * offsets [L]: each layer's replica-split offset (moed_moe_bf16's); cos, sin: the rotary tables
  * [> max pos][D]; scratch: moed_decode_step_scratch(m, B) bytes, 64-byte aligned; logits
- * [B][vocab] fp32. Returns 0; -1 out of memory; -2 a bad token id, block id or table (checked
- * before anything is written) or a bad expert map (as moed_moe_bf16). */
+ * [B][vocab] fp32; argmax [B] (or NULL): each row's moed_argmax_f32, taken while the logits are
+ * in cache (the sampler's greedy pick otherwise reads them back after the step). Returns 0; -1
+ * out of memory; -2 a bad token id, block id or table (checked before anything is written) or
+ * a bad expert map (as moed_moe_bf16). */
+void moed_argmax_f32(const float *x, long B, long V, int64_t *out, int nthreads);
 int moed_decode_step_bf16(const DecodeModel *m, long B, const int64_t *ids, const int64_t *pos,
                           const int64_t *tables, long max_blocks, const int64_t *offsets,
-                          const bf16 *cos, const bf16 *sin, void *scratch, float *logits, int nthreads) {
+                          const bf16 *cos, const bf16 *sin, void *scratch, float *logits,
+                          int64_t *argmax, int nthreads) {
     const long H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv, bs = m->bs;
     const long nqk = (Hq + Hkv) * D, nqkv = (Hq + 2 * Hkv) * D;
     for (long b = 0; b < B; b++) {
@@ -1043,6 +1047,7 @@ int moed_decode_step_bf16(const DecodeModel *m, long B, const int64_t *ids, cons
     moed_rms_norm_bf16(h, m->L ? delta : NULL, h, B, H, m->norm, m->eps, x, nthreads);
     if ((rc = moed_linear_bf16(x, B, H, m->lm_head, m->vocab, NULL, lg, nthreads))) goto done;
     for (long i = 0; i < B * m->vocab; i++) logits[i] = bf16_to_f32(lg[i]);
+    if (argmax) moed_argmax_f32(logits, B, m->vocab, argmax, nthreads);
 done:
     return rc;
 }

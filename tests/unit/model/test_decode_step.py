@@ -54,6 +54,12 @@ def _same_step(native: ModelRunner, layered: ModelRunner, batch: ForwardBatch) -
     a, b = native.forward(batch), layered.forward(batch)
     assert a.dtype == torch.float32 and a.shape == (batch.num_seqs, native.spec.vocab_size)
     assert torch.equal(a, b), f"logits differ by {(a - b).abs().max()}"
+    if batch.is_decode_only and native.native_decode is not None and native.native_decode.serves(batch):
+        assert torch.equal(native.argmax_of(a), a.argmax(-1))     # the step's own argmax
+        assert native.argmax_of(a.clone()) is None and native.argmax_of(a[:1]) is None
+    else:
+        assert native.argmax_of(a) is None
+    assert layered.argmax_of(b) is None
     assert torch.equal(native.kv_cache, layered.kv_cache)
     assert torch.equal(native.model.expert_load, layered.model.expert_load)
     assert [ly.mlp.router.calls for ly in native.model.layers] == [ly.mlp.router.calls for ly in layered.model.layers]
@@ -149,6 +155,9 @@ class _Counting:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         self.rows.append(batch.num_seqs)
         return self.step(batch)
+
+    def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        return self.step.argmax_of(logits)
 
 
 def test_native_step_refuses_what_it_does_not_implement(kern, make_checkpoint, monkeypatch):

@@ -33,6 +33,19 @@ def test_argmax_rows_is_torch_argmax():
         assert torch.equal(argmax_rows(x), x.argmax(-1))
 
 
+def test_a_given_argmax_serves_only_untouched_greedy_rows():
+    """sample(..., argmax=): the decode step's own argmax is taken for all-greedy rows whose
+    logits nothing changes; a banned id (min_tokens) changes them, and then it is not."""
+    lg = _logits(3)
+    planted = torch.tensor([7, 8, 9])           # not the argmax: shows which one was taken
+    greedy = [SampleRow(SamplingParams(temperature=0.0))] * 3
+    assert sample(lg, greedy, planted).token_ids == [7, 8, 9]
+    banned = [SampleRow(SamplingParams(temperature=0.0), banned_ids=(1,))] * 3
+    assert sample(lg, banned, planted).token_ids == lg.argmax(-1).tolist()
+    mixed = [SampleRow(SamplingParams(temperature=0.0)), SampleRow(SamplingParams(temperature=1.0, seed=1))] * 1
+    assert sample(lg[:2], mixed, planted[:2]).token_ids[0] == int(lg[0].argmax())
+
+
 def test_mixed_batch_greedy_rows_stay_argmax():
     lg = _logits(6)
     rows = [SampleRow(SamplingParams(temperature=0.0 if i % 2 else 1.5)) for i in range(6)]
