@@ -267,12 +267,21 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+SOLVE_EVERY = 4     # steps between refits when nobody reads the fit (see CostModel)
+
+
 class CostModel:
     """The fitted model one engine keeps: feed `observe(shape, seconds)` after each step.
 
     `ready` once `min_samples` steps were seen (until then the scheduler budgets in tokens).
     Prediction error is |predicted − actual| / actual of each step, predicted *before* that
-    step updated the fit, over the last `window` steps."""
+    step updated the fit, over the last `window` steps.
+
+    Every step updates the statistics; the fit itself (a small active-set solve in Python,
+    ~35 us warm and ~150 us right after a decode step has flushed the caches) is redone when
+    `coefficients` is read, or every SOLVE_EVERY steps: a scheduler that budgets by the model
+    reads it each step and sees every step in it; without one (the token policy), observe's
+    own error and Huber weight use a fit at most SOLVE_EVERY - 1 steps old."""
 
     def __init__(self, forgetting: float = 0.995, min_samples: int = 8, window: int = 1024,
                  prior: Coefficients | None = None) -> None:
@@ -286,11 +295,24 @@ class CostModel:
         self._theta = prior.scaled() if prior is not None else (0.0,) * n
         self.samples = 0
         self._errors: deque[float] = deque(maxlen=window)
-        self.coefficients = Coefficients.from_scaled(self._theta)
+        self._fit = Coefficients.from_scaled(self._theta)
+        self._unsolved = 0          # steps observed since the last solve
 
     @property
     def ready(self) -> bool:
         return self.samples >= self.min_samples
+
+    @property
+    def coefficients(self) -> Coefficients:
+        """The fit of every step observed so far."""
+        if self._unsolved:
+            self._solve()
+        return self._fit
+
+    def _solve(self) -> None:
+        self._theta = solve_nonneg(self._a, self._b, self._theta)
+        self._fit = Coefficients.from_scaled(self._theta)
+        self._unsolved = 0
 
     def predict(self, shape: StepShape) -> float:
         return self.coefficients.predict(shape)
@@ -300,7 +322,7 @@ class CostModel:
             return
         w, d = 1.0, seconds
         if self.ready:
-            pred = self.predict(shape)
+            pred = self._fit.predict(shape)
             err = abs(pred - seconds) / seconds
             self._errors.append(err)
             w = huber_weight(err)
@@ -312,9 +334,10 @@ class CostModel:
         r = math.sqrt(w) / d
         x = [v * r for v in shape.features()]
         self._a, self._b = ewls_update(self._a, self._b, x, seconds * r, self.forgetting)
-        self._theta = solve_nonneg(self._a, self._b, self._theta)
-        self.coefficients = Coefficients.from_scaled(self._theta)
         self.samples += 1
+        self._unsolved += 1
+        if self._unsolved >= SOLVE_EVERY or not self.ready:
+            self._solve()
 
     def reset_errors(self) -> None:
         """Start the error window afresh (e.g. after calibration, for a benchmark's run)."""

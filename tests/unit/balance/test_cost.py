@@ -148,3 +148,30 @@ def test_a_few_contended_steps_barely_move_the_fit():
         model.observe(shape, 4 * TRUE.predict(shape))
     assert model.predict(probe) == pytest.approx(TRUE.predict(probe), rel=0.15)
     assert huber_weight(0.2) == 1.0 and huber_weight(2.0) == pytest.approx(0.25)
+
+
+def test_the_fit_read_includes_every_step_however_rarely_solved():
+    """observe refits every SOLVE_EVERY steps; a read in between solves first, so a scheduler
+    that reads the fit each step sees the last step in it, and one that never reads it gets the
+    same fit (up to the ridge's pull toward the previous solve) at any read."""
+    from moed.balance.cost import SOLVE_EVERY
+
+    rng = random.Random(4)
+    steps = [_random_step(rng) for _ in range(SOLVE_EVERY * 25)]
+    every, rare = CostModel(forgetting=0.99), CostModel(forgetting=0.99)
+    for i, shape in enumerate(steps):
+        t = TRUE.predict(shape) * (1 + rng.gauss(0, 0.03))
+        every.observe(shape, t)
+        rare.observe(shape, t)
+        every.coefficients                                  # a reader each step
+        if i > 50 and rare._unsolved == SOLVE_EVERY - 1:    # stop with steps not solved yet
+            break
+    for a, b in zip(every.coefficients.as_tuple(), rare.coefficients.as_tuple()):
+        assert b == pytest.approx(a, rel=1e-2, abs=1e-12)
+    assert rare._unsolved == 0 and i > 50
+    changed = CostModel(forgetting=0.99)                    # a read sees the step just observed
+    for shape in steps[:40]:
+        changed.observe(shape, TRUE.predict(shape))
+    before = changed.coefficients
+    changed.observe(steps[40], 10 * TRUE.predict(steps[40]))
+    assert changed.coefficients != before
