@@ -7,7 +7,6 @@ C compiler (CI has both): there a build failure is a test failure, not a skip.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +24,8 @@ from moed.model.kv_layout import KVLayout
 from moed.model.layers import Rotary, apply_rotary, rms_norm
 from moed.model.moe import MoELayer
 from moed.model.spec import load_spec
+
+from torch_threads import threads     # tests/unit/model/torch_threads.py
 
 CPU = torch.device("cpu")
 TORCH_BF16 = ComputeContext(CPU, torch.bfloat16)            # the torch path, no packing
@@ -53,16 +54,6 @@ def kern() -> K.CpuKernels:
     saved, k.choose = k.choose, FixedChooser(NATIVE_ONLY)    # these tests check the native kernels
     yield k
     k.choose = saved
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, ulps: float = 2) -> None:

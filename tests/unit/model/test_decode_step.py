@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from moed.model import kernels as K
 from moed.model.batch import ForwardBatch
 from moed.model.kernels.choice import FixedChooser, LinearChoice
 from moed.model.runner import ModelRunner
+
+from torch_threads import threads     # tests/unit/model/torch_threads.py
 
 pytestmark = [
     pytest.mark.skipif(not K.cpu_flags_ok(), reason="CPU lacks AVX512-BF16 (the native step runs on the kernels)"),
@@ -38,16 +39,6 @@ def _pair(ckpt, num_blocks: int = 64) -> tuple[ModelRunner, ModelRunner]:
     assert native.native_decode is not None
     layered.native_decode = None
     return native, layered
-
-
-@contextmanager
-def _threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _same_step(native: ModelRunner, layered: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
@@ -88,7 +79,7 @@ def _decode_rounds(native: ModelRunner, layered: ModelRunner, lengths: list[int]
 def test_native_step_is_bitwise_the_layered_path(kern, make_checkpoint, arch, n_threads):
     """Batches of 1, 3 and 9 (three row classes), prompts ending on and next to block edges."""
     native, layered = _pair(make_checkpoint(arch))
-    with _threads(n_threads):
+    with threads(n_threads):
         for lengths in ([BS - 1], [5, BS, 2 * BS + 1], [1, 2, 3, 15, 16, 17, 31, 32, 40]):
             _decode_rounds(native, layered, lengths, steps=3)
 
