@@ -5,7 +5,8 @@
 The bench checkpoint (bench/engine.py's), prefix caching off, greedy, EOS ignored. For each batch
 size one request set decodes --steps tokens after a warm-up, once per path: `native` (the
 runner's one-call decode step, moed/model/decode_step.py: what serves by default) and `layered`
-(the same model layer by layer, the kernels called from Python), interleaved, while every call
+(the same model layer by layer, the kernels called from Python), one after the other for each
+batch size in the same process (native first: a fixed order), while every call
 into the kernels' .so, the runner's forward, the attention plan and the sampler is timed
 (perf_counter around each call, from the end of the prompt's step on; the wrappers add about a
 microsecond a call). Per decode step it prints:

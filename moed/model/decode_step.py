@@ -115,7 +115,7 @@ class NativeDecodeStep:
         self._serves_rows: dict[int, bool] = {}
         self._scratch = torch.empty(0, dtype=torch.uint8)   # grown to the largest batch seen
         self._scratch_sizes: dict[int, int] = {}
-        self.last: tuple[weakref.ref, torch.Tensor] = (lambda: None, torch.empty(0, dtype=torch.long))
+        self._last: tuple[weakref.ref, torch.Tensor] | None = None    # (logits, their argmax)
         # The tensors the structs point into stay alive with the model, which outlives this.
 
     @classmethod
@@ -188,7 +188,7 @@ class NativeDecodeStep:
         if rc != 0:
             raise RuntimeError("moed_decode_step_bf16: " + ("out of memory" if rc == -1 else
                                                             "bad token id, block id or expert map"))
-        self.last = (weakref.ref(logits), greedy)
+        self._last = (weakref.ref(logits), greedy)
         return logits
 
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -196,5 +196,5 @@ class NativeDecodeStep:
         step, while they were in cache), else None. By identity: a new tensor that reuses the
         memory is not it; the logits are an inference tensor, which nothing outside inference
         mode can change in place."""
-        ref, greedy = self.last
-        return greedy if ref() is logits else None
+        last = self._last
+        return last[1] if last is not None and last[0]() is logits else None

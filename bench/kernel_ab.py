@@ -1,0 +1,94 @@
+"""Two builds of the CPU kernels on the native decode step, interleaved call by call.
+
+    .venv/bin/python bench/kernel_ab.py A.c B.c [--batches 1,8] [--calls 600] [--threads 2]
+
+Each file is a variant of moed/model/kernels/cpu_bf16.c with the same ABI (the decode step's
+structs and signatures). Both are compiled with the project's flags (kernels.CFLAGS) and loaded
+into one process, and the bench model's decode step is called alternately on each (A B B A ...),
+so a change of the host's memory bandwidth, which on a shared VM moves a decode step by tens of
+percent within minutes, falls on both alike. Two separate runs of one build differ by up to ±6%
+on the 2-core dev VM; `A.c A.c` here gives ~1%. Prints the median forward + argmax time per build and
+B/A per batch size, with the load average; JSON to bench/results/kernel_ab.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import cpu_model, load_average  # noqa: E402
+from engine import _checkpoint  # noqa: E402
+
+from moed.model import kernels as K  # noqa: E402
+from moed.model.batch import ForwardBatch  # noqa: E402
+from moed.model.runner import ModelRunner  # noqa: E402
+from moed.model.sampler import argmax_rows  # noqa: E402
+
+
+def compile_variant(src: Path, out: Path) -> Path:
+    cc = K._compiler()
+    p = subprocess.run([cc, *K.CFLAGS, "-o", str(out), str(src), "-lm"], capture_output=True, text=True,
+                       timeout=300)
+    if p.returncode != 0:
+        raise SystemExit(f"compiling {src} failed:\n{p.stderr[-2000:]}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--calls", type=int, default=600, help="decode steps per batch size, both builds")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", default=str(ROOT / ".cache" / "bench"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernel_ab.json"))
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    runner = ModelRunner(_checkpoint("qwen3_moe", Path(a.cache)), dtype="bfloat16", device="cpu",
+                         attention_backend="torch", num_blocks=400, block_size=16)
+    step = runner.native_decode
+    if step is None:
+        raise SystemExit("the native decode step does not serve here (see model_runner_ready's native_decode)")
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = [K.CpuKernels(compile_variant(src, Path(tmp) / f"{tag}.so")) for tag, src in (("a", a.a), ("b", a.b))]
+    print(f"A {a.a}  B {a.b}; {a.threads} threads; CPU: {cpu_model()}; load {load_average()[0]:.2f}", flush=True)
+    rows = []
+    for batch in (int(x) for x in a.batches.split(",")):
+        fb = ForwardBatch([[5]] * batch, [130] * batch, [list(range(i * 10, i * 10 + 10)) for i in range(batch)])
+        before = load_average()
+        times: dict[int, list[float]] = {0: [], 1: []}
+        for i in range(a.calls + 10):
+            v = (i + i // 2) % 2               # A B B A A B B A ...: neither always goes first
+            step.kernels = builds[v]
+            t = time.perf_counter()
+            argmax_rows(runner.forward(fb)).tolist()
+            if i >= 10:                        # warm-up
+                times[v].append(time.perf_counter() - t)
+        ma, mb = statistics.median(times[0]), statistics.median(times[1])
+        rows.append({"batch": batch, "a_ms": ma * 1e3, "b_ms": mb * 1e3, "b_over_a": mb / ma,
+                     "load_before": before, "load_after": load_average()})
+        print(f"batch {batch:>2}: A {ma * 1e3:.3f} ms  B {mb * 1e3:.3f} ms  B/A {mb / ma:.3f}  "
+              f"(load {before[0]:.2f} -> {load_average()[0]:.2f})", flush=True)
+    step.kernels = runner.model.kernels
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "kernel_ab", "a": str(a.a), "b": str(a.b), "cpu": cpu_model(),
+                               "threads": a.threads, "calls": a.calls, "runs": rows}, indent=2))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
