@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import time
 from collections import OrderedDict
@@ -52,6 +53,27 @@ _RPC_LABEL = b"moed internal rpc v1"
 START_SKEW_S = 2.0
 MAX_NONCES = 200_000       # ~ a few hundred calls a second over a 2-minute window
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost; '' and 0.0.0.0 (every interface) are not."""
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposed_hosts(cfg: Config) -> list[str]:
+    """The addresses off loopback where an insecure node would take unsigned calls: its HTTP
+    listener (every role that has a cluster key serves /internal/* or /cluster, and a colocated
+    node with tiers.peer_reuse lends KV there) and, with membership, its gossip socket."""
+    hosts = [f"server.host {cfg.server.host or '(every interface)'}"] \
+        if not is_loopback(cfg.server.host) else []
+    if cfg.cluster.enabled and not is_loopback(cfg.cluster.bind_host):
+        hosts.append(f"cluster.bind_host {cfg.cluster.bind_host or '(every interface)'}")
+    return hosts
 
 
 def derive(key: bytes) -> bytes:
@@ -100,12 +122,14 @@ class InternalAuth:
         cc = cfg.cluster
         keyring = load_keyring(cc) if environ is None else load_keyring(cc, environ)
         insecure = not keyring.primary
-        if insecure and cfg.server.role in ("prefill", "decode") and \
-                cfg.server.host not in LOOPBACK:
-            raise ConfigError(f"cluster.insecure: a {cfg.server.role} node without a cluster "
-                              f"key would let anyone who reaches {cfg.server.host} write into "
-                              f"KV caches; set cluster.key_file or cluster.key_env (insecure "
-                              f"is for loopback test clusters only)")
+        if insecure:
+            exposed = exposed_hosts(cfg)
+            if exposed:
+                raise ConfigError(
+                    f"cluster.insecure: a {cfg.server.role} node without a cluster key would "
+                    f"take unsigned node-to-node calls (/internal/*, KV leases, gossip) from "
+                    f"anyone who reaches {', '.join(exposed)}; set cluster.key_file or "
+                    f"cluster.key_env (insecure is for loopback test clusters only)")
         if insecure:
             log.warning("internal_rpc_insecure", detail="no cluster key: /internal/* and "
                         "/cluster are open to anyone who reaches this port (loopback only)")

@@ -241,6 +241,16 @@ def _refusals(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], dict[st
                                           "--host", "0.0.0.0"],
                                          {**no_key, "MOED_CLUSTER_INSECURE": "true"},
                                          "cluster.insecure: a decode node"),
+        # a colocated node lending its KV to peers (tiers.peer_reuse) takes /internal/kv/lease
+        "colocated-peer-reuse-insecure-off-loopback": (
+            ["--model", str(model), "--host", "0.0.0.0"],
+            {**no_key, "MOED_CLUSTER_INSECURE": "true", "MOED_CLUSTER_ENABLED": "true",
+             "MOED_TIERS_PEER_REUSE": "true"}, "cluster.insecure: a colocated node"),
+        # a router on loopback whose gossip socket is not: unsigned membership from anywhere
+        "router-insecure-gossip-off-loopback": (
+            ["--config", str(ROOT / "conf" / "router.toml"), "--host", "127.0.0.1"],
+            {**no_key, "MOED_CLUSTER_INSECURE": "true", "MOED_CLUSTER_BIND_HOST": "0.0.0.0",
+             "MOED_CLUSTER_ADVERTISE_HOST": "192.0.2.1"}, "cluster.bind_host 0.0.0.0"),
         "admin-token-file-missing": (["--model", str(model)],
                                      {"MOED_SERVER_ADMIN_TOKEN_FILE": str(tmp_path / "none")},
                                      "server.admin_token_file"),

@@ -173,6 +173,26 @@ def test_from_config_needs_a_key_or_loopback_insecure() -> None:
         InternalAuth.from_config(_cfg("decode", host="0.0.0.0", insecure=True), "d",
                                  environ={})
     assert InternalAuth.from_config(_cfg("decode", insecure=True), "d", environ={}).insecure
+
+
+@pytest.mark.parametrize("role", ["colocated", "prefill", "decode", "router"])
+@pytest.mark.parametrize("host,bind", [("0.0.0.0", "127.0.0.1"), ("10.1.2.3", "127.0.0.1"),
+                                       ("", "127.0.0.1"), ("127.0.0.1", "0.0.0.0")])
+def test_insecure_is_refused_off_loopback_for_every_role(role, host, bind) -> None:
+    """Every role with a cluster key serves /internal/* or /cluster (and a colocated node with
+    tiers.peer_reuse lends KV); an unsigned gossip socket off loopback lets anyone join."""
+    cfg = Config(server=ServerConfig(role=role, host=host),
+                 model=ModelConfig(path="" if role == "router" else "/m"),
+                 cluster=ClusterConfig(enabled=True, bind_host=bind, insecure=True))
+    with pytest.raises(ConfigError, match=f"cluster.insecure: a {role} node"):
+        InternalAuth.from_config(cfg, "n", environ={})
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_insecure_on_any_loopback_address_is_allowed(host) -> None:
+    cfg = Config(server=ServerConfig(role="colocated", host=host), model=ModelConfig(path="/m"),
+                 cluster=ClusterConfig(enabled=True, bind_host="127.0.0.5", insecure=True))
+    assert InternalAuth.from_config(cfg, "n", environ={}).insecure
     a = InternalAuth.from_config(_cfg("prefill", key_env="K"), "p", environ={"K": KEY.hex()})
     assert not a.insecure and a.window_s == 120.0
 
