@@ -224,7 +224,9 @@ class App:
         self.components: list[Component] = (build_components(cfg) if components is None
                                              else list(components))
         self.state = ServerState(config=cfg, api_keys=load_keys(cfg.server.api_keys_file,
-                                                                cfg.server.api_keys_env))
+                                                                cfg.server.api_keys_env),
+                                 metrics_tokens=load_keys(cfg.server.metrics_token_file,
+                                                          cfg.server.metrics_token_env))
         # client_max_size is fixed here; request_context re-binds each request to the live
         # server.max_body_bytes, so a reload can raise the limit as well as lower it
         self.web = web.Application(middlewares=[request_context, auth, read_body],
@@ -264,6 +266,8 @@ class App:
         self.config = cfg
         self.state.set_config(cfg)
         self.state.api_keys = load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env)
+        self.state.metrics_tokens = load_keys(cfg.server.metrics_token_file,
+                                              cfg.server.metrics_token_env)
 
     def fail(self, reason: str) -> None:
         """A component found, after start, that this node must not run (e.g. its cluster name

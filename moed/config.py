@@ -35,6 +35,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 MODEL_DTYPES = ("auto", "bfloat16", "float32", "float16")
 TOOL_PARSERS = ("auto", "none", "qwen", "mistral")   # moed.model.tool_parsers.PARSER_SETTINGS
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+PREFIX_CACHE_ISOLATION = ("shared", "api_key")      # moed.api.salt.ISOLATION
+METRICS_ACCESS = ("open", "api_key", "operator")
 MAX_CONFIG_BYTES = 1 << 20          # a config file is a few KiB; more is a mistake (or /dev/zero)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 MS_HOUR, MS_DAY = 3_600_000, 86_400_000
@@ -76,7 +78,29 @@ class ServerConfig:
     api_keys_env: str = _f("", live=True, doc="env var holding comma-separated keys")
     admin_token_file: str = _f("", live=True)
     admin_token_env: str = _f("", live=True)
-    metrics_require_auth: bool = _f(False, live=True)
+    metrics_require_auth: bool = _f(False, live=True,
+                                    doc="true = metrics_access \"api_key\" (kept for "
+                                    "existing configs)")
+    metrics_access: str = _f("open", live=True,
+                             doc="who may read /metrics: open (anyone who reaches the port, "
+                             "as Prometheus expects) | api_key (a tenant API key, the "
+                             "metrics token or the admin token) | operator (the metrics "
+                             "token or the admin token only: tenants never read the cache "
+                             "counters)")
+    cache_metrics_batch: int = _f(16, bounds=(1, 1 << 20),
+                                  doc="the prefix-cache, KV-tier and peer-read counters in "
+                                  "/metrics move only after this many more requests (one "
+                                  "request's hit is not observable on a busy node; "
+                                  "moed/obs/coarse.py); 1 = at once")
+    metrics_token_file: str = _f("", live=True, doc="Bearer token(s) for /metrics only, one "
+                                 "per line (a scraper's credential; the admin token also reads)")
+    metrics_token_env: str = _f("", live=True, doc="env var holding comma-separated metrics "
+                                "tokens")
+    prefix_cache_isolation: str = _f("shared", live=True,
+                                     doc="shared | api_key: with api_key, only requests "
+                                     "made with the same API key share cached prefix "
+                                     "blocks (moed/api/salt.py says why shared is the "
+                                     "default)")
     log_format: str = _f("json", live=True, doc="json | console")
     log_level: str = _f("info", live=True)
     # HTTP connection limits (slowloris, idle sockets, fd exhaustion): see moed/api/limits.py
@@ -107,6 +131,22 @@ class ServerConfig:
         _choice("server.role", self.role, ROLES)
         _choice("server.log_format", self.log_format, LOG_FORMATS)
         _choice("server.log_level", self.log_level, LOG_LEVELS)
+        _choice("server.prefix_cache_isolation", self.prefix_cache_isolation,
+                PREFIX_CACHE_ISOLATION)
+        _choice("server.metrics_access", self.metrics_access, METRICS_ACCESS)
+        if self.metrics_auth == "operator" and not (
+                self.metrics_token_file or self.metrics_token_env or self.admin_token_file
+                or self.admin_token_env):
+            raise ConfigError("server.metrics_access = \"operator\": nobody could read "
+                              "/metrics; set server.metrics_token_file or metrics_token_env "
+                              "(the scraper's token), or the admin token")
+
+    @property
+    def metrics_auth(self) -> str:
+        """metrics_access, with the older metrics_require_auth = true read as "api_key"."""
+        if self.metrics_require_auth and self.metrics_access == "open":
+            return "api_key"
+        return self.metrics_access
 
 
 @dataclass(frozen=True)

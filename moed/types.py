@@ -55,6 +55,7 @@ def check_transition(old: RequestState, new: RequestState) -> None:
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT = 1024             # a salt is an id or a secret, not a document
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
@@ -100,6 +101,10 @@ class SamplingParams:
     # vLLM's: special tokens (added tokens marked special) are left out of the output text;
     # false for tool calling whose markers are special tokens (Mistral's [TOOL_CALLS])
     skip_special_tokens: bool = True
+    # the prefix cache's salt (vLLM's cache_salt, and the tenant's key under
+    # server.prefix_cache_isolation = "api_key", both folded in by moed.api): only requests with
+    # the same salt share cached blocks (moed.kvcache.pool.salt_root); "" = no salt
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -124,6 +129,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be in (0, 2]")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("min_p must be in [0, 1]")
+        if len(self.cache_salt) > MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT} characters")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
             raise ValueError("logit_bias: token ids must be >= 0 and biases in [-100, 100]")
 

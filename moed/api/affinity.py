@@ -48,10 +48,22 @@ def prompt_ids(body: bytes, path: str, tok: Any) -> list[int] | None:
         return None
 
 
-def prompt_prefix(ids: Sequence[int], block_sizes: Collection[int]
+def client_salt(body: bytes) -> str:
+    """The body's `cache_salt` (vLLM's field), '' when absent or not a string (the node
+    refuses what is malformed; affinity only hints)."""
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return ""
+    salt = req.get("cache_salt") if isinstance(req, dict) else None
+    return salt if isinstance(salt, str) else ""
+
+
+def prompt_prefix(ids: Sequence[int], block_sizes: Collection[int], root: int | None = None
                   ) -> dict[int, tuple[tuple[int, int], ...]]:
     """block size → ((depth, digest key), ...) at the digest's depths (1, 2, 4, ...), over the
-    full blocks a prefix hit may cover (never the last token: moed.kvcache.manager)."""
+    full blocks a prefix hit may cover (never the last token: moed.kvcache.manager); root: the
+    request's salt (moed.kvcache.pool.salt_root), as the serving node will chain it."""
     out: dict[int, tuple[tuple[int, int], ...]] = {}
     for bs in block_sizes:
         if bs <= 0:
@@ -59,7 +71,7 @@ def prompt_prefix(ids: Sequence[int], block_sizes: Collection[int]
         n = min((len(ids) - 1) // bs, MAX_PREFIX_BLOCKS)
         wanted = set(digest_depths(n))
         got: list[tuple[int, int]] = []
-        parent: int | None = None
+        parent: int | None = root
         for d in range(1, max(wanted, default=0) + 1):
             parent = hash_block(parent, ids[(d - 1) * bs:d * bs])
             if d in wanted:

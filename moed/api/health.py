@@ -36,7 +36,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.engine is not None:
         stats = state.engine.stats()
-        metrics.observe_engine_stats(stats)
+        metrics.observe_engine_stats(stats, state.config.server.cache_metrics_batch)
         if state.capacity is not None:
             metrics.observe_capacity(state.capacity(), stats.queued_prompt_tokens)
     alive = state.engine is None or getattr(state.engine, "alive", True)

@@ -9,9 +9,10 @@
   Content-Length over it is refused at once, a chunked body when reading passes it; both 413.
 - Every error leaves as OpenAI-shaped JSON; an unexpected exception is logged with its
   traceback and answered 500 with only the request id.
-- Auth guards /v1/* (and /metrics when server.metrics_require_auth); /health and /ready stay open;
-  /cluster and /internal/transfer take the admin token or a call signed with the cluster secret
-  (moed.api.internal; /internal/prefill checks its signature over the body it reads).
+- Auth guards /v1/*; /metrics as server.metrics_access says (`check_metrics`); /health and
+  /ready stay open; /cluster and /internal/transfer take the admin token or a call signed
+  with the cluster secret (moed.api.internal; /internal/prefill checks its signature over
+  the body it reads).
 - A connection on a probe slot (moed.api.limits: the node is at server.max_connections) gets
   /health, /ready and /metrics only, and is closed after its response.
 - read_body (innermost, so only authenticated requests are buffered) reads the body within the
@@ -31,10 +32,11 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from moed.api import limits
-from moed.api.auth import check_bearer
+from moed.api.admin import ADMIN
+from moed.api.auth import bearer_token, check_bearer, key_matches
 from moed.api.errors import APIError
 from moed.api.internal import require_operator
-from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE
+from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE, ServerState
 from moed.obs import metrics, trace
 
 log = structlog.get_logger("moed.access")
@@ -158,13 +160,38 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
 async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     path = request.path
-    needs = path.startswith("/v1/") or path in TENANT_PATHS or (
-        path == "/metrics" and state.config.server.metrics_require_auth)
-    if needs and path not in OPEN_PATHS:
+    if path == "/metrics":
+        check_metrics(request, state)
+    elif path.startswith("/v1/") or path in TENANT_PATHS:
         check_bearer(request.headers.get("Authorization"), state.api_keys)
     elif path in OPERATOR_PATHS:
         require_operator(request)     # members, addresses, jobs: not for tenants
     return await handler(request)
+
+
+def check_metrics(request: web.Request, state: ServerState) -> None:
+    """server.metrics_access: open; api_key (a tenant key, the metrics token or the admin
+    token); operator (the metrics token or the admin token: the cache counters are a side
+    channel on other tenants' prompts, moed.api.salt)."""
+    mode = state.config.server.metrics_auth
+    if mode == "open":
+        return
+    hooks = request.app.get(ADMIN)
+    staff = state.metrics_tokens + (hooks.tokens() if hooks is not None else ())
+    token = bearer_token(request.headers.get("Authorization"))
+    if token is not None and staff and key_matches(token, staff):
+        return
+    if mode == "api_key":
+        check_bearer(request.headers.get("Authorization"), state.api_keys)
+        return
+    if token is not None and state.api_keys and key_matches(token, state.api_keys):
+        raise APIError(403, "API keys do not open /metrics here (server.metrics_access = "
+                            "\"operator\"): use the metrics token or the admin token.",
+                       code="key_not_allowed")
+    raise APIError(401, "/metrics needs the metrics token (server.metrics_token_file) or the "
+                        "admin token: send 'Authorization: Bearer <token>'.",
+                   code="invalid_api_key" if token is not None else "missing_api_key",
+                   headers={"WWW-Authenticate": "Bearer"})
 
 
 @web.middleware

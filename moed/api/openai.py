@@ -14,6 +14,7 @@ top level). A chat choice's text becomes content and tool_calls in moed.api.tool
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -26,6 +27,7 @@ from moed.api import tokens
 from moed.api.errors import APIError, bad_request
 from moed.api.generate import Choice, Generation, check_rough_length, encode_prompts
 from moed.api.protocol import GenerationRequest, parse_request
+from moed.api.salt import tenant_tag
 from moed.api.structured import compile_checked
 from moed.api.tools import ChatOutput, bind
 from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE, ServerState
@@ -299,6 +301,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     retry = state.config.admission.retry_after_s
     vocab = getattr(engine.tokenizer, "vocab_size", None)     # bounds token ids
     req = await state.offload.run(_parse, raw, chat, vocab, retry_after_s=retry)
+    tenant = tenant_tag(state.config.server.prefix_cache_isolation,
+                        request.headers.get("Authorization"))
+    if tenant:
+        req = dataclasses.replace(req, tenant=tenant)
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                             f"'{state.model_name}'.", param="model", code="model_not_found")

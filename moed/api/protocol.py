@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moed.api.errors import APIError, bad_request
+from moed.api.salt import MAX_CLIENT_SALT, effective_salt
 from moed.api.structured import parse_structured
 from moed.api.tools import (TemplateArgs, ToolRequest, history_fields, parse_template,
                             parse_tools, spaces_refused)
@@ -46,6 +47,8 @@ _COMMON_FIELDS = (
     "stream_options.include_usage", "stream_options.continuous_usage_stats", "ignore_eos",
     "return_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias", "logprobs", "echo", "prompt_logprobs",
+    # vLLM's: only requests with the same salt share cached prefix blocks (moed.api.salt)
+    "cache_salt",
     # refused or (being) implemented by structured outputs and tool calling
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend", "tools",
@@ -129,6 +132,8 @@ class GenerationRequest:
     # None: not sent (true, unless the tools' markers are special tokens: moed.api.tools.bind)
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True   # false: only where special tokens are skipped
+    cache_salt: str = ""                       # the client's (vLLM's field)
+    tenant: str = ""                           # the key's tag under API-key isolation (moed.api.salt)
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Engine parameters for choice `choice`: seed + choice, wrapped within the seed range,
@@ -146,7 +151,8 @@ class GenerationRequest:
                               logit_bias=self.logit_bias, min_p=self.min_p,
                               grammar=self.grammar,
                               prompt_logprobs=self.engine_prompt_logprobs,
-                              skip_special_tokens=self.skip_special_tokens is not False)
+                              skip_special_tokens=self.skip_special_tokens is not False,
+                              cache_salt=effective_salt(self.tenant, self.cache_salt))
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -448,7 +454,21 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
         template=parse_template(body) if chat else TemplateArgs(),
         skip_special_tokens=_skip_special(body),
         spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens") is not False,
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: _Body) -> str:
+    """vLLM's rule: when sent, a non-empty string."""
+    v = body.get("cache_salt")
+    if v is None:
+        return ""
+    if not isinstance(v, str) or not v:
+        raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
+    if len(v) > MAX_CLIENT_SALT:
+        raise bad_request(f"'cache_salt' is longer than {MAX_CLIENT_SALT} characters",
+                          "cache_salt")
+    return v
 
 
 # The same rules for the same fields on the utility endpoints (moed.api.tokens).

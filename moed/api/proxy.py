@@ -40,12 +40,14 @@ from multidict import CIMultiDict
 from moed.api import affinity
 from moed.api.errors import APIError
 from moed.api.middleware import request_id_of
+from moed.api.salt import effective_salt, tenant_tag
 from moed.balance import canary
 from moed.balance.candidate import Candidate, protocol_compatible
 from moed.balance.canary import Side
 from moed.balance.router import Placement, PlacementLimits, PromptPrefix, place
 from moed.cluster.state import PROTOCOL, LoadVector
 from moed.config import Config, RouterConfig
+from moed.kvcache.pool import salt_root
 from moed.obs import metrics, trace
 
 log = structlog.get_logger(__name__)
@@ -220,9 +222,14 @@ class Proxy:
         if not sizes:
             return {}, 0
 
+        # salted as the serving node salts it (the same server.prefix_cache_isolation)
+        tenant = tenant_tag(self._config().server.prefix_cache_isolation,
+                            request.headers.get("Authorization"))
+
         def work() -> tuple[PromptPrefix, int]:
             ids = affinity.prompt_ids(body, request.path, self.tokenizer)
-            return (affinity.prompt_prefix(ids, sizes), len(ids)) if ids else ({}, 0)
+            root = salt_root(effective_salt(tenant, affinity.client_salt(body)))
+            return (affinity.prompt_prefix(ids, sizes, root), len(ids)) if ids else ({}, 0)
         try:
             return await self._offload.run(work)
         except APIError:             # the pool is full: place by load rather than refuse

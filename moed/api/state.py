@@ -24,6 +24,7 @@ class ServerState:
     config: Config
     engine: EngineClient | None = None    # None on the router role
     api_keys: tuple[bytes, ...] = ()
+    metrics_tokens: tuple[bytes, ...] = ()   # server.metrics_token_file/_env: /metrics only
     ready: bool = False                   # /ready: started, model loaded, not draining
     draining: bool = False
     model_name: str = ""

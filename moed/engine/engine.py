@@ -292,6 +292,7 @@ class Engine:
             kv_blocks_total=st.total, kv_blocks_used=st.used, kv_blocks_free=st.free,
             prefix_cache_queries=st.prefix_query_tokens, prefix_cache_hits=st.prefix_hit_tokens,
             steps=self.steps, extra={"kv_blocks_cached": float(st.cached),
+                                     "prefix_cache_requests": float(st.prefix_queries),
                                      "preemptions": float(s.num_preemptions),
                                      "waiting_tier_kv": float(len(s.loading)),
                                      **self.balance.extra(),

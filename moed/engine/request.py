@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from moed.kvcache.pool import salt_root
 from moed.types import (FinishReason, RequestState, RequestTimings, SamplingParams,
                          check_transition)
 
@@ -89,10 +90,13 @@ class Request:
     prompt_logprobs_sent: bool = False
     token_ids: list[int] = field(init=False)
     stop_strings: StopStrings = field(init=False)
+    # the parent hash of the prompt's first block: its cache salt's (None = unsalted)
+    cache_root: int | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.stop_strings = StopStrings(self.params.stop)
+        self.cache_root = salt_root(self.params.cache_salt)
 
     # ---- views -----------------------------------------------------------------------------
     @property

@@ -215,11 +215,12 @@ class Scheduler:
                 self.finish(req, FinishReason.ERROR, _too_long(req, self.kv))
                 events.append(_event(req, (), "", (), FinishReason.ERROR, req.error))
                 continue
-            hit = NO_HIT if req.prompt_logprobs_pending else self.kv.prefix_hit(req.token_ids)
+            hit = NO_HIT if req.prompt_logprobs_pending else self.kv.prefix_hit(req.token_ids, req.cache_root)
             if req.remote_kv:
                 if not self.kv.can_allocate_prompt(hit, req.num_tokens):
                     break
-                alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, req.num_tokens)
+                alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit,
+                                                req.num_tokens, req.cache_root)
                 self.waiting.popleft()
                 _scheduled(req)
                 req.num_cached_tokens = alloc.num_cached_tokens
@@ -299,7 +300,7 @@ class Scheduler:
                 self.kv.append_slots(req.request_id, end)
                 chunks.append(ScheduledChunk(req, p.num_tokens, end == req.num_tokens))
                 continue
-            hit = NO_HIT if req.prompt_logprobs_pending else self.kv.prefix_hit(req.token_ids)
+            hit = NO_HIT if req.prompt_logprobs_pending else self.kv.prefix_hit(req.token_ids, req.cache_root)
             if self._admit_from_tiers(req, hit):
                 continue
             n = min(p.num_tokens, req.num_tokens - hit.num_tokens)
@@ -313,7 +314,8 @@ class Scheduler:
         """Give a waiting request (already off the queue) its blocks for the prefix hit plus
         `n` new tokens and make it RUNNING; -> its chunk of this step. Both policies seat
         requests here (the caller checked can_allocate_prompt)."""
-        alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, hit.num_tokens + n)
+        alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, hit.num_tokens + n,
+                                        req.cache_root)
         _scheduled(req)
         if req.num_preemptions == 0:
             req.num_cached_tokens = alloc.num_cached_tokens
@@ -369,7 +371,8 @@ class Scheduler:
             return False
         self._tier_noted.discard(req.request_id)
         t.pin(m.keys[:plan.num_load])     # the allocation below may evict into the tiers
-        alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, n_tok)
+        alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, n_tok,
+                                        req.cache_root)
         self.waiting.remove(req)
         _scheduled(req)
         if req.num_preemptions == 0:
@@ -410,10 +413,11 @@ class Scheduler:
 
     def _park_remote(self, req: Request) -> bool:
         """A remote-KV request gets its whole prompt's blocks and waits for the prefill node."""
-        hit = NO_HIT if req.prompt_logprobs_pending else self.kv.prefix_hit(req.token_ids)
+        hit = NO_HIT if req.prompt_logprobs_pending else self.kv.prefix_hit(req.token_ids, req.cache_root)
         if not self.kv.can_allocate_prompt(hit, req.num_tokens):
             return False
-        alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, req.num_tokens)
+        alloc = self.kv.allocate_prompt(req.request_id, req.token_ids, hit, req.num_tokens,
+                                        req.cache_root)
         self.waiting.remove(req)
         _scheduled(req)
         req.num_cached_tokens = alloc.num_cached_tokens

@@ -2,9 +2,9 @@
 
 The scheduler talks to this class only; the pool stays hidden. A request's life here:
 
-    hit = mgr.prefix_hit(tokens)                       # pure: which full blocks are cached
+    hit = mgr.prefix_hit(tokens, root)                 # pure: which full blocks are cached
     if mgr.can_allocate_prompt(hit, n):                # n = tokens the table must hold now
-        alloc = mgr.allocate_prompt(req_id, tokens, hit, n)   # -> Allocation
+        alloc = mgr.allocate_prompt(req_id, tokens, hit, n, root)   # -> Allocation
     ... each step:  mgr.can_append(req_id, n) / mgr.append_slots(req_id, n)
     ... after the step wrote K/V:  mgr.commit(req_id, tokens, num_computed)
     mgr.free(req_id)
@@ -14,7 +14,8 @@ A decode node whose prompt KV is WRITTEN by a prefill node allocates the whole p
 to the writer, and calls `commit` once the data has landed.
 
 The prefix hit never covers the last prompt token: the model must compute at least one token
-to produce the logits of the first output token.
+to produce the logits of the first output token. `root` is the request's salt
+(moed.kvcache.pool.salt_root; None = unsalted): the parent hash of its first block.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def leading(hashes: Sequence[int]) -> tuple[int, ...]:
 class _Table:
     blocks: list[int]
     hashes: list[int]              # hashes of blocks[:len(hashes)] (committed full blocks)
+    root: int | None = None        # the salt's parent hash of block 0 (pool.salt_root)
 
 
 class KVCacheManager:
@@ -116,12 +118,13 @@ class KVCacheManager:
         about to be reused, and of a block first cached."""
         self._pool.on_evict, self._pool.on_cached = on_evict, on_cached
 
-    def hashes_after(self, tokens: Sequence[int], hit: PrefixHit) -> list[int]:
+    def hashes_after(self, tokens: Sequence[int], hit: PrefixHit,
+                     root: int | None = None) -> list[int]:
         """The chained hashes of the prompt's full blocks after `hit` that still leave >= 1
         token to compute (what the tiers below L1 are asked for)."""
         bs = self.block_size
         out: list[int] = []
-        parent: int | None = hit.hashes[-1] if hit.hashes else None
+        parent: int | None = hit.hashes[-1] if hit.hashes else root
         for i in range(len(hit.block_ids), (len(tokens) - 1) // bs):
             parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
             out.append(parent)
@@ -130,14 +133,14 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def prefix_hit(self, tokens: Sequence[int]) -> PrefixHit:
+    def prefix_hit(self, tokens: Sequence[int], root: int | None = None) -> PrefixHit:
         """The longest cached run of full blocks at the start of `tokens`, leaving >= 1 token."""
         if not self.enable_prefix_caching:
             return NO_HIT
         bs = self.block_size
         ids: list[int] = []
         hashes: list[int] = []
-        parent: int | None = None
+        parent: int | None = root
         for i in range((len(tokens) - 1) // bs):
             h = hash_block(parent, tokens[i * bs:(i + 1) * bs])
             bid = self._pool.lookup(h)
@@ -159,9 +162,9 @@ class KVCacheManager:
         return self._pool.can_allocate(self._new_blocks_needed(hit, num_tokens))
 
     def allocate_prompt(self, req_id: str, tokens: Sequence[int], hit: PrefixHit,
-                        num_tokens: int) -> Allocation:
+                        num_tokens: int, root: int | None = None) -> Allocation:
         """Start a table holding `num_tokens` tokens: the hit's blocks, then fresh ones.
-        `hit` must come from `prefix_hit(tokens)` with no pool change in between."""
+        `hit` must come from `prefix_hit(tokens, root)` with no pool change in between."""
         if req_id in self._tables:
             raise RuntimeError(f"request {req_id} already holds KV blocks")
         if not self.can_allocate_prompt(hit, num_tokens):
@@ -170,7 +173,7 @@ class KVCacheManager:
             raise ValueError("num_tokens must cover the prefix hit")
         self._pool.touch(hit.block_ids)
         fresh = self._pool.allocate(max(0, self.blocks_for(num_tokens) - len(hit.block_ids)))
-        self._tables[req_id] = _Table(list(hit.block_ids) + fresh, list(hit.hashes))
+        self._tables[req_id] = _Table(list(hit.block_ids) + fresh, list(hit.hashes), root)
         if self.enable_prefix_caching:
             self._pool.record_prefix_query(len(tokens), hit.num_tokens)
         return Allocation(tuple(self._tables[req_id].blocks), hit.num_tokens, len(hit.block_ids))
@@ -195,7 +198,7 @@ class KVCacheManager:
         t = self._tables[req_id]
         bs = self.block_size
         full = min(num_computed // bs, len(t.blocks))
-        parent = t.hashes[-1] if t.hashes else None
+        parent = t.hashes[-1] if t.hashes else t.root
         for i in range(len(t.hashes), full):
             parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
             t.hashes.append(parent)

@@ -30,6 +30,18 @@ def hash_block(parent: int | None, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def salt_root(salt: str) -> int | None:
+    """The parent hash of a salted prompt's first block (vLLM's `cache_salt`; moed.api adds the
+    tenant's key under server.prefix_cache_isolation): blocks of prompts with different salts
+    never share a hash, so one tenant cannot hit, or time, another's cached prefix. '' = None,
+    the unsalted chain every node computes alike."""
+    if not salt:
+        return None
+    h = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                        person=b"moed-cache-salt")
+    return int.from_bytes(h.digest(), "little")
+
+
 @dataclass(frozen=True)
 class PoolStats:
     total: int
@@ -38,6 +50,7 @@ class PoolStats:
     cached: int          # blocks registered under a prefix hash (used or free)
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    prefix_queries: int = 0    # prompts looked up (what moed.obs.coarse batches the above by)
 
 
 class BlockPool:
@@ -49,6 +62,7 @@ class BlockPool:
         self._hash: list[int | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.prefix_queries = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         # the KV tiers below (moed.kvcache.tiers): told (block id, hash) when a cached block is
@@ -77,7 +91,8 @@ class BlockPool:
 
     def stats(self) -> PoolStats:
         return PoolStats(self.num_blocks, self.num_used, self.num_free, len(self._by_hash),
-                         self.prefix_query_tokens, self.prefix_hit_tokens)
+                         self.prefix_query_tokens, self.prefix_hit_tokens,
+                         self.prefix_queries)
 
     # ---- changes ---------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
@@ -134,6 +149,7 @@ class BlockPool:
         return True
 
     def record_prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries += 1
         self.prefix_query_tokens += queried_tokens
         self.prefix_hit_tokens += hit_tokens
 

@@ -18,10 +18,14 @@ text). Every scrape passes `promtool check metrics`: counters are cumulative and
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info,
                                PlatformCollector, ProcessCollector, disable_created_metrics,
                                generate_latest)
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from moed.obs.coarse import CoarseTotals
 
 disable_created_metrics()   # a _created series per counter/histogram child: a fifth of a scrape
 
@@ -402,22 +406,32 @@ def observe_kv(used: int, free: int) -> None:
     KV_USAGE.set(used / (used + free) if used + free else 0.0)
 
 
-def observe_engine_stats(stats: object) -> None:
-    """Copy an EngineStats snapshot into the engine metrics (called on scrape)."""
+# the prefix cache's and the tiers' counters, released in batches of requests (moed.obs.coarse)
+_CACHE_GATE = CoarseTotals(16)
+
+
+def observe_engine_stats(stats: object, cache_batch: int = 16) -> None:
+    """Copy an EngineStats snapshot into the engine metrics (called on scrape). The counters
+    that tell whether a prompt's prefix was cached move in batches of `cache_batch` requests
+    (server.cache_metrics_batch)."""
     RUNNING.set(getattr(stats, "running", 0))
     extra = getattr(stats, "extra", None) or {}
     WAITING.set(getattr(stats, "waiting", 0) + getattr(stats, "waiting_remote_kv", 0)
                 + int(extra.get("waiting_tier_kv", 0)))
     observe_kv(getattr(stats, "kv_blocks_used", 0), getattr(stats, "kv_blocks_free", 0))
     KV_BLOCKS_CAPACITY.set(getattr(stats, "kv_blocks_total", 0))
-    queries = getattr(stats, "prefix_cache_queries", 0)
-    hits = getattr(stats, "prefix_cache_hits", 0)
+    _CACHE_GATE.batch = cache_batch
+    cache = _CACHE_GATE.update(int(extra.get("prefix_cache_requests", 0)), {
+        "queries": getattr(stats, "prefix_cache_queries", 0),
+        "hits": getattr(stats, "prefix_cache_hits", 0),
+        **{k: v for k, v in extra.items() if k in _TIER_GATED}})
+    queries, hits = cache["queries"], cache["hits"]
     _advance(PREFIX_CACHE_QUERIES, queries)
     _advance(PREFIX_CACHE_HITS, hits)
     PREFIX_CACHE_HIT_RATE.set(hits / queries if queries else 0.0)
     _advance(PREEMPTIONS, extra.get("preemptions", 0.0))
     observe_cost(extra)
-    observe_tiers(extra)
+    observe_tiers({**extra, **{k: v for k, v in cache.items() if k in _TIER_GATED}})
 
 
 _TIER_GAUGES = (("capacity_bytes", TIER_CAPACITY), ("used_bytes", TIER_USED),
@@ -425,6 +439,10 @@ _TIER_GAUGES = (("capacity_bytes", TIER_CAPACITY), ("used_bytes", TIER_USED),
 _TIER_COUNTERS = (("hits", TIER_HITS), ("misses", TIER_MISSES), ("loads", TIER_LOADS),
                   ("load_bytes", TIER_LOAD_BYTES), ("corrupt", TIER_CORRUPT),
                   ("write_errors", TIER_WRITE_ERRORS))
+# the tier keys that say whether a prompt's blocks were found (batched with the prefix cache's)
+_TIER_GATED = frozenset({f"tier_{t}_{k}" for t in ("host", "disk")
+                         for k in ("hits", "misses", "loads", "load_bytes")}
+                        | {"tier_decisions_load", "tier_decisions_recompute"})
 
 
 def observe_tiers(extra: dict) -> None:
@@ -440,6 +458,21 @@ def observe_tiers(extra: dict) -> None:
         for d in ("load", "recompute"):
             _advance(TIER_DECISIONS.labels(d), extra[f"tier_decisions_{d}"])
         _advance(TIER_SLOWER, extra["tier_slower_than_recompute"])
+
+
+_PEER_TOTALS = {"hits": PEER_HITS, "read_blocks": PEER_READ_BLOCKS,
+                "read_bytes": PEER_READ_BYTES, "leases": PEER_LEASES}
+_PEER_LABELLED = {"lookups": PEER_LOOKUPS, "failures": PEER_FAILURES}
+
+
+def observe_peer(totals: Mapping[str, float]) -> None:
+    """Cluster prefix reuse's running totals (moed.roles.kvshare, released in batches of
+    requests): "hits", "read_blocks", "read_bytes", "leases", "lookups:<decision>",
+    "failures:<reason>"."""
+    for key, total in totals.items():
+        kind, _, label = key.partition(":")
+        labelled = _PEER_LABELLED.get(kind)
+        _advance(labelled.labels(label) if labelled is not None else _PEER_TOTALS[kind], total)
 
 
 def observe_capacity(c: object, queued_tokens: int) -> None:

@@ -193,6 +193,7 @@ class OpsComponent:
         s = new.server
         load_key_source(s.api_keys_file, s.api_keys_env, "api_keys")   # or the reload is invalid
         admin_tokens = load_key_source(s.admin_token_file, s.admin_token_env, "admin_token")
+        load_key_source(s.metrics_token_file, s.metrics_token_env, "metrics_token")
 
         def commit() -> None:
             self._app.set_config(new)     # limits, timeouts, API keys (re-read) for the next request

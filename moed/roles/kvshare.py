@@ -45,10 +45,12 @@ from moed.api.internal import require_signed
 from moed.cluster.state import layout_compatible, protocol_compatible
 from moed.config import Config
 from moed.engine.client import EngineClient, RequestStream
+from moed.kvcache.pool import salt_root
 from moed.kvcache.tiers.peer import (FAILURE_REASONS, LeaseGrant, LeaseRequest, LeaseTable,
                                      PeerOffer, best_peer, prompt_hashes)
 from moed.kvcache.tiers.policy import Bandwidth, Latency, plan_load
 from moed.obs import metrics
+from moed.obs.coarse import CoarseTotals
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.decode import DisaggEngine
 from moed.transfer import TransferState
@@ -90,6 +92,19 @@ class KVShareComponent:
         self._auth: Any = None
         self._expiry: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        # the peer counters as running totals, released to /metrics in batches of requests
+        # (prefetches and lease calls): one guess's read is not observable (moed.obs.coarse)
+        self._tally: dict[str, float] = {f"failures:{r}": 0.0 for r in FAILURE_REASONS}
+        self._requests = 0
+        self._gate = CoarseTotals(cfg.server.cache_metrics_batch)
+
+    def _count(self, added: dict[str, float] | None = None, requests: int = 0) -> None:
+        """Add to the running totals (keys as metrics.observe_peer names them) and release
+        them when a batch of requests is complete."""
+        self._requests += requests
+        for key, n in (added or {}).items():
+            self._tally[key] = self._tally.get(key, 0.0) + n
+        metrics.observe_peer(self._gate.update(self._requests, self._tally))
 
     def add_routes(self, web_app: web.Application) -> None:
         web_app.router.add_post("/internal/kv/lease", self.handle_lease)
@@ -117,6 +132,7 @@ class KVShareComponent:
         self._expiry = asyncio.create_task(self._expire_loop(), name="kv-lease-expiry")
         for reason in FAILURE_REASONS:      # every reason exported from the start, at 0
             metrics.PEER_FAILURES.labels(reason)
+        self._count()
         app.state.engine = PeerReuseEngine(self.engine, self)
 
     async def drain(self) -> None:
@@ -148,6 +164,7 @@ class KVShareComponent:
     async def handle_lease(self, request: web.Request) -> web.Response:
         body = await request.read()
         reader = require_signed(request, body)
+        self._count(requests=1)
         if self.worker is None:
             raise APIError(503, "Node is starting.", code="not_ready")
         try:
@@ -171,7 +188,7 @@ class KVShareComponent:
         lease = uuid.uuid4().hex
         if ids:
             self.leases.add(lease, reader, ids, time.monotonic() + LEASE_TTL_S)
-            metrics.PEER_LEASES.inc()
+            self._count({"leases": 1})
             metrics.PEER_LENT_BLOCKS.set(self.leases.pinned())
         md = base64.b64encode(await self.worker.local_metadata()).decode("ascii")
         grant = LeaseGrant(lease, tuple(ids), md, self.incarnation, LEASE_TTL_S)
@@ -232,21 +249,24 @@ class KVShareComponent:
                 peers.append((m.name, m.meta.http, m.load.prefix_digest))
         return peers
 
-    async def _offer(self, tokens: Sequence[int]) -> tuple[list[int], PeerOffer | None]:
+    async def _offer(self, tokens: Sequence[int], root: int | None
+                     ) -> tuple[list[int], PeerOffer | None]:
         peers = self._peers()
         if not peers:
             return [], None
         # O(prompt) hashing: off the event loop (a long prompt is milliseconds)
-        hashes = await asyncio.to_thread(prompt_hashes, tokens, self.engine.block_size)
+        hashes = await asyncio.to_thread(prompt_hashes, tokens, self.engine.block_size, root)
         return hashes, best_peer(hashes, peers) if hashes else None
 
-    async def prefetch(self, request_id: str, tokens: Sequence[int]) -> None:
+    async def prefetch(self, request_id: str, tokens: Sequence[int], salt: str = "") -> None:
         """Bring the prompt's leading blocks from a peer when that is predicted faster than
         recomputing them. Never raises (but a cancellation); every path frees what it took."""
         if self.session is None:
             return      # not started yet (or stopped): the prompt is computed as usual
+        self._count(requests=1)
         bs = self.engine.block_size
-        hashes, offer = await self._offer(tokens)
+        root = salt_root(salt)      # a salted prompt only matches blocks cached with its salt
+        hashes, offer = await self._offer(tokens, root)
         if offer is None:
             return
         eng = self.engine
@@ -254,7 +274,7 @@ class KVShareComponent:
         def local_state() -> tuple[int, list[float]]:
             """(leading blocks held here: L1, then the tiers below; the predicted recompute
             after loading k more, k = 0 .. what the peer advertises beyond them)."""
-            hit = eng.kv.prefix_hit(tokens)
+            hit = eng.kv.prefix_hit(tokens, root)
             held = len(hit.block_ids)
             tiers = eng.scheduler.tiers
             if tiers is not None:
@@ -274,7 +294,7 @@ class KVShareComponent:
         per_block = self.bandwidth.seconds(self.block_bytes)
         plan = plan_load([per_block] * (len(hashes) - held), recompute.__getitem__,
                          self.latency.value)
-        metrics.PEER_LOOKUPS.labels(plan.decision).inc()
+        self._count({f"lookups:{plan.decision}": 1})
         log.info("kv_peer_decision", request_id=request_id, peer=offer.name,
                  decision=plan.decision, predicted_load_s=round(plan.load_s, 6),
                  predicted_recompute_s=round(plan.recompute_s, 6), blocks_held=held,
@@ -292,7 +312,7 @@ class KVShareComponent:
         reason = await self._fetch(request_id, offer, hashes, held, upto)
         if reason is None:
             return
-        metrics.PEER_FAILURES.labels(reason.split(":")[0]).inc()
+        self._count({f"failures:{reason.split(':')[0]}": 1})
         log.warning("kv_peer_reuse_failed", request_id=request_id, peer=offer.name,
                     reason=reason, effect="prompt recomputed",
                     after_s=round(time.perf_counter() - t0, 4))
@@ -376,9 +396,7 @@ class KVShareComponent:
             # the fixed cost: lease round trip and step boundaries (not a first contact's
             # add_peer, paid once per peer incarnation)
             self.latency.observe(took - read_s - (r0 - a0 if first_contact else 0.0))
-            metrics.PEER_HITS.inc()
-            metrics.PEER_READ_BLOCKS.inc(len(want))
-            metrics.PEER_READ_BYTES.inc(h.nbytes)
+            self._count({"hits": 1, "read_blocks": len(want), "read_bytes": h.nbytes})
             log.info("kv_peer_read", request_id=request_id, peer=offer.name, blocks=len(want),
                      cached=n, bytes=h.nbytes, seconds=round(took, 6))
             return None
@@ -430,7 +448,7 @@ class PeerReuseEngine(DisaggEngine):
                           **kw: Any) -> RequestStream:
         if not kw.get("prefill_only") and params.prompt_logprobs is None:
             # prompt logprobs need every prompt position's logits: nothing to reuse then
-            await self._share.prefetch(request_id, list(prompt_token_ids))
+            await self._share.prefetch(request_id, list(prompt_token_ids), params.cache_salt)
         return self._engine.add_request(request_id, prompt_token_ids, params, **kw)
 
     def abort(self, request_id: str) -> None:

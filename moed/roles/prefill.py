@@ -79,7 +79,8 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 class PrefixReuse(Protocol):
     """Cluster prefix reuse's reader (moed.roles.kvshare.KVShareComponent)."""
 
-    async def prefetch(self, request_id: str, tokens: Sequence[int]) -> None: ...
+    async def prefetch(self, request_id: str, tokens: Sequence[int],
+                       salt: str = "") -> None: ...
 
 
 class JobFailed(Exception):
@@ -236,7 +237,7 @@ class PrefillComponent:
                 # bounded by the lease (what the read leaves unfinished cleans up on its own)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout_at(job.expires_at):
-                        await self.reuse.prefetch(job.engine_id, spec.token_ids)
+                        await self.reuse.prefetch(job.engine_id, spec.token_ids, params.cache_salt)
             stream = self.engine.add_request(job.engine_id, spec.token_ids, params,
                                              prefill_only=True)
         except ValueError as e:

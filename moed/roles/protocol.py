@@ -87,6 +87,8 @@ def sampling_fields(p: SamplingParams) -> dict[str, Any]:
     d = {k: getattr(p, k) for k in _FIRST_TOKEN_FIELDS}
     d["stop_token_ids"] = list(p.stop_token_ids)
     d["logit_bias"] = [[t, b] for t, b in p.logit_bias]
+    if p.cache_salt:    # the prefill node's own prefix cache is salted alike
+        d["cache_salt"] = p.cache_salt
     if p.grammar is not None:   # the first token obeys the request's grammar (structured outputs)
         d["grammar"] = {"kind": p.grammar.kind, "source": p.grammar.source}
     return d
@@ -116,7 +118,7 @@ def first_token_params(d: dict[str, Any]) -> SamplingParams:
             repetition_penalty=float(d.get("repetition_penalty", 1.0)),
             min_p=float(d.get("min_p", 0.0)),
             logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
-            grammar=grammar)
+            grammar=grammar, cache_salt=str(d.get("cache_salt", "")))
     except (TypeError, ValueError, KeyError) as e:
         raise ProtocolError(f"bad sampling params: {e}") from None
 

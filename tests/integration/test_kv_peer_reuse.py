@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 KEY_ENV = "CLUSTER_KEY_HEX"
 COMMON = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_BLOCK_SIZE": "4",
+          "MOED_SERVER_CACHE_METRICS_BATCH": "1",      # the peer counters at every request
           "MOED_ENGINE_NUM_KV_BLOCKS": "64", "MOED_MODEL_SERVED_NAME": "tiny",
           "MOED_CLUSTER_LOAD_UPDATE_INTERVAL_MS": "200", "MOED_TIERS_PEER_REUSE": "true",
           # the recompute prediction pinned (the token policy: no fitted cost model, whose

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 
 KEY_ENV = "CLUSTER_KEY_HEX"
 COMMON = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_BLOCK_SIZE": "4",
+          "MOED_SERVER_CACHE_METRICS_BATCH": "1",      # the peer counters at every request
           # room for the long job next to the cached prompts (P1 must still hold the first
           # prompt's blocks when P2 asks for them)
           "MOED_ENGINE_NUM_KV_BLOCKS": "640", "MOED_ENGINE_MAX_NUM_BATCHED_TOKENS": "16",

@@ -33,7 +33,8 @@ def test_l3_survives_a_restart_and_answers_the_same(moed_server, tiny_qwen3, tmp
     env = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_BLOCK_SIZE": "4",
            "MOED_ENGINE_NUM_KV_BLOCKS": "16", "MOED_MODEL_MAX_MODEL_LEN": "60",
            "MOED_MODEL_SERVED_NAME": "tiny", "MOED_TIERS_DISK_BYTES": str(1 << 24),
-           "MOED_TIERS_DISK_DIR": str(l3)}
+           "MOED_TIERS_DISK_DIR": str(l3),
+           "MOED_SERVER_CACHE_METRICS_BATCH": "1"}     # the tier counters at every request
     srv = moed_server(model=tiny_qwen3, env=env)
     first = [complete(srv, p) for p in PROMPTS]
     assert srv.metrics()['moed_kv_tier_capacity_bytes{tier="disk"}'] == 1 << 24

@@ -17,7 +17,8 @@ from moed_server import _wait_ready, start_server
 pytestmark = pytest.mark.timeout(240)
 
 COMMON = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "16",
-          "MOED_MODEL_SERVED_NAME": "tiny"}
+          "MOED_MODEL_SERVED_NAME": "tiny",
+          "MOED_SERVER_CACHE_METRICS_BATCH": "1"}     # prefix-hit counters at every request
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -36,7 +36,7 @@ def plan_for(sched: Any, req: Any, hit: Any, busy: bool
     until the next step boundary (TieredCache.hold): this load's own L1 allocation may push
     blocks down and evict them, and their recompute would then delay this load a step."""
     t, kv = sched.tiers, sched.kv
-    m = t.match(kv.hashes_after(req.token_ids, hit))
+    m = t.match(kv.hashes_after(req.token_ids, hit, req.cache_root))
     if not m.keys:
         return None
     bs, start = kv.block_size, hit.num_tokens
@@ -54,7 +54,7 @@ def would_load(sched: Any, req: Any) -> tuple[int, ...]:
     it recomputes)."""
     if req.remote_kv or req.prompt_logprobs_pending:
         return ()
-    got = plan_for(sched, req, sched.kv.prefix_hit(req.token_ids), busy=False)
+    got = plan_for(sched, req, sched.kv.prefix_hit(req.token_ids, req.cache_root), busy=False)
     return got[0].keys[:got[1].num_load] if got is not None else ()
 
 

@@ -26,11 +26,11 @@ FAILURE_REASONS = ("lease_refused", "lease_unreachable", "nothing_held", "no_roo
                    "read_failed", "read_timeout", "mismatch", "engine_busy")
 
 
-def prompt_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+def prompt_hashes(tokens: Sequence[int], block_size: int, root: int | None = None) -> list[int]:
     """The chained hashes of the prompt's full blocks that a prefix hit may cover (never the
-    last token: moed.kvcache.manager.prefix_hit)."""
+    last token: moed.kvcache.manager.prefix_hit); root: the prompt's salt (pool.salt_root)."""
     out: list[int] = []
-    parent: int | None = None
+    parent: int | None = root
     for i in range((len(tokens) - 1) // block_size):
         parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
         out.append(parent)

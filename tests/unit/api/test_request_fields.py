@@ -37,8 +37,11 @@ REFUSED_HTTP = f"{SAMPLING}::test_refused_fields_answer_400_naming_them"
 SKIP = "tests/unit/api/test_skip_special.py"
 MISTRAL_HTTP = "tests/integration/test_tool_calling_mistral.py"
 
+ISOLATION = "tests/integration/test_tenant_isolation.py"
+
 # fields of both endpoints
 _BOTH: dict[str, tuple[str, ...]] = {
+    "cache_salt": (f"{ISOLATION}::test_a_tenants_cached_prompt_is_no_hit_for_another",),
     "model": (f"{SERVER}::test_bad_input_is_4xx_openai_shaped[payload10-404-model]",
               f"{OPENAI}::test_models_and_completion"),
     "max_tokens": (f"{ME}::test_applied_max_tokens_and_max_completion_tokens",

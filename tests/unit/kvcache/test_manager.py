@@ -98,3 +98,23 @@ def test_prefix_caching_disabled():
     _alloc(m, "a", t)
     m.commit("a", t, 9)
     assert m.prefix_hit(t).num_tokens == 0 and m.stats().cached == 0
+
+
+def test_a_salted_prompt_hits_only_blocks_cached_with_its_salt():
+    from moed.kvcache.pool import salt_root
+    from moed.kvcache.tiers.peer import prompt_hashes
+
+    m = KVCacheManager(32, 4)
+    toks = list(range(17))
+    one, two = salt_root("tenant-one"), salt_root("tenant-two")
+    assert salt_root("") is None and one != two
+    hit = m.prefix_hit(toks, one)
+    m.allocate_prompt("a", toks, hit, len(toks), one)
+    m.commit("a", toks, len(toks))
+    m.free("a")
+    assert m.prefix_hit(toks, one).num_tokens == 16        # its own salt: the 4 full blocks
+    assert m.prefix_hit(toks, two).num_tokens == 0         # another salt: nothing
+    assert m.prefix_hit(toks).num_tokens == 0              # unsalted: nothing
+    # what the tiers and peers are asked for is chained from the same root
+    assert list(m.prefix_hit(toks, one).hashes) == prompt_hashes(toks, 4, one)
+    assert m.hashes_after(toks, m.prefix_hit(toks, two), two) == prompt_hashes(toks, 4, two)

@@ -75,7 +75,7 @@ def test_engine_totals_become_counters_that_never_go_back() -> None:
     def feed(q: int, h: int, p: int) -> list[float]:
         metrics.observe_engine_stats(EngineStats(
             prefix_cache_queries=q, prefix_cache_hits=h, kv_blocks_total=10, kv_blocks_used=4,
-            kv_blocks_free=6, extra={"preemptions": float(p)}))
+            kv_blocks_free=6, extra={"preemptions": float(p)}), cache_batch=1)
         return [_sample(n) for n in names]
 
     base = feed(10**9, 10**8, 10**6)           # past whatever earlier tests left
@@ -86,6 +86,28 @@ def test_engine_totals_become_counters_that_never_go_back() -> None:
     assert [a - b for a, b in zip(after_restart, now)] == [7, 2, 1]
     assert _sample("moed_kv_blocks_capacity") == 10
     assert _sample("moed_kv_cache_usage_ratio") == pytest.approx(0.4)
+
+
+def test_cache_counters_move_only_in_batches_of_requests() -> None:
+    """A prompt's prefix hit (and its tier loads) is not observable alone: the counters move
+    once 4 more requests (cache_batch) have looked up the cache, by their sum."""
+    names = ("moed_prefix_cache_hit_tokens_total", "moed_kv_tier_loaded_blocks_total")
+
+    def feed(requests: int, hits: int) -> list[float]:
+        tiers = {f"tier_host_{k}": 0.0 for k in ("capacity_bytes", "used_bytes", "blocks",
+                                                 "bandwidth_bytes_per_s", "hits", "misses",
+                                                 "load_bytes", "corrupt", "write_errors")}
+        metrics.observe_engine_stats(EngineStats(
+            prefix_cache_queries=10 * requests, prefix_cache_hits=hits,
+            extra={"prefix_cache_requests": float(requests), **tiers,
+                   "tier_host_loads": float(hits)}), cache_batch=4)
+        return [_sample(n, {"tier": "host"} if "tier" in n else None) for n in names]
+
+    feed(0, 0)                          # an engine from zero: releases nothing yet
+    base = feed(4, 0)
+    for r, h in ((5, 16), (6, 16), (7, 16)):    # a hit of 16 tokens, then 2 more requests
+        assert feed(r, h) == base, r
+    assert [a - b for a, b in zip(feed(8, 16), base)] == [16, 16]
 
 
 def test_request_metrics_carry_the_served_model_name() -> None:

@@ -81,8 +81,11 @@ class FakeWorker:
         return TransferStatus(self.outcome, reason)
 
 
-def _cfg() -> Config:
-    return Config(server=ServerConfig(role="colocated"), model=ModelConfig(path="/m"),
+def _cfg(cache_metrics_batch: int = 1) -> Config:
+    """Counters released at every request (the batching itself: test_peer_counters_move_in_
+    batches_of_requests)."""
+    return Config(server=ServerConfig(role="colocated", cache_metrics_batch=cache_metrics_batch),
+                  model=ModelConfig(path="/m"),
                   cluster=ClusterConfig(enabled=True), tiers=TiersConfig(peer_reuse=True))
 
 

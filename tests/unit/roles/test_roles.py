@@ -45,6 +45,14 @@ def test_first_token_params_keep_blocks_and_match_sampling() -> None:
         first_token_params({"temperature": "hot"})
 
 
+def test_the_cache_salt_travels_with_the_job() -> None:
+    """The prefill node's own prefix cache is salted as the decode node's (moed.api.salt)."""
+    assert first_token_params(sampling_fields(SamplingParams(cache_salt="k\x1fs"))).cache_salt \
+        == "k\x1fs"
+    assert "cache_salt" not in sampling_fields(SamplingParams())
+    assert first_token_params(sampling_fields(SamplingParams())).cache_salt == ""
+
+
 def test_first_token_notif() -> None:
     t = FirstToken("r1.2", 42, -0.5)
     assert FirstToken.decode(t.encode()) == t
