@@ -21,14 +21,13 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+import jsonschema
+import kubernetes_validate
 import pytest
+import yaml
 
-yaml = pytest.importorskip("yaml")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-import jsonschema  # noqa: E402
-
-from moed import cli, preflight  # noqa: E402
-from moed.config import OTHER_ENV, _env_fields, load  # noqa: E402
+from moed import cli, preflight
+from moed.config import OTHER_ENV, _env_fields, load
 
 REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy" / "kubernetes"
@@ -167,8 +166,8 @@ def test_every_object_is_valid(rendered, crd_validators, version) -> None:
             continue
         try:
             kubernetes_validate.validate(copy.deepcopy(d), version, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            problems.append(f"{where}: {e}")
+        except kubernetes_validate.ValidationError as e:    # its str() holds the schema
+            problems.append(f"{where}: {'.'.join(map(str, e.absolute_path))}: {e.message}")
         except kubernetes_validate.SchemaNotFoundError:
             problems.append(f"{where}: no schema for {key} (vendor its CRD's schema)")
     assert not problems, "\n".join(problems)
@@ -301,13 +300,11 @@ def test_pods_can_take_moed_settings_from_the_environment(rendered, overlay) -> 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_autoscalers_target_workloads_and_real_metrics(rendered, overlay) -> None:
-    from moed.obs import metrics
+    from moed.obs.metrics import REGISTRY      # every area's metrics
 
-    known = {m.name for m in metrics.REGISTRY.collect()} if hasattr(metrics, "REGISTRY") \
-        else set()
-    from prometheus_client import REGISTRY
-    known |= {m.name for m in REGISTRY.collect()}
-    known |= {s.name for m in REGISTRY.collect() for s in m.samples}
+    families = list(REGISTRY.collect())       # a labelled metric has no sample before use
+    known = {s.name for m in families for s in m.samples} | {m.name for m in families} \
+        | {f"{m.name}_total" for m in families if m.type == "counter"}
     docs = rendered[overlay]
     deployments = by_kind(docs, "Deployment")
     namespace = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
