@@ -6,9 +6,11 @@ hook runs, but kube-proxy and ingress controllers learn it a moment later; the n
 taking requests for DRAIN_DELAY_S (5) first. Then POST /admin/drain (the admin token from
 MOED_SERVER_ADMIN_TOKEN_FILE): /ready turns 503, the node leaves the gossip membership (routers
 stop picking it at once), in-flight requests finish within server.shutdown_grace_s and moed
-exits 0. The hook waits for that, because kubelet's SIGTERM after the hook would be a second
-stop signal, which skips the grace. Any failure here exits 1: kubelet then sends SIGTERM,
-which drains the same way (only without the delay).
+exits 0. The hook returns when the HTTP port has closed, i.e. every request is done: kubelet's
+SIGTERM after the hook would be a second stop signal, which skips the grace, but by then only
+moed's teardown is left, which it finishes (and exits 0) regardless. Waiting for the process
+itself is not possible: it is PID 1, and the hook dies with it. Any failure here exits 1:
+kubelet then sends SIGTERM, which drains the same way (only without the delay).
 """
 from __future__ import annotations
 
