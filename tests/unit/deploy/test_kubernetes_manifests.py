@@ -314,6 +314,11 @@ def test_autoscalers_target_workloads_and_real_metrics(rendered, overlay) -> Non
     for so in by_kind(docs, "ScaledObject").values():
         assert so["spec"]["scaleTargetRef"]["name"] in deployments
         for trig in so["spec"]["triggers"]:
+            # the thresholds are per pod: replicas = ceil(query / threshold)
+            assert (trig["type"], trig["metricType"]) == ("prometheus", "AverageValue")
+            # KEDA's schema takes any metadata key: a misspelt one would be ignored
+            assert set(trig["metadata"]) <= {"serverAddress", "query", "threshold",
+                                             "activationThreshold"}, trig["metadata"]
             q = trig["metadata"]["query"]
             for name in re.findall(r"\b(moed_[a-z_]+)\b", q):
                 assert name in known, f"{so['metadata']['name']}: {name} is no moed metric"
