@@ -295,6 +295,9 @@ def test_pods_can_take_moed_settings_from_the_environment(rendered, overlay) -> 
             assert not bad, (w["metadata"]["name"], bad)
             assert c["livenessProbe"]["httpGet"]["path"] == "/health"
             assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+            http = {p["name"] for p in c["ports"] if p["containerPort"] == 8000}
+            assert c["livenessProbe"]["httpGet"]["port"] in http
+            assert c["readinessProbe"]["httpGet"]["port"] in http
             assert c["lifecycle"]["preStop"]["exec"]["command"][-1].endswith("/drain.py")
 
 
