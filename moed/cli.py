@@ -168,7 +168,7 @@ SAME: tuple[Same, ...] = (
          "moed reads safetensors checkpoints only", ("auto", "safetensors")),
     Same("--swap-space", None, "preempted requests are recomputed, never swapped",
          "moed preempts by recomputing and keeps no swap space (a host-memory tier for "
-         "cached prefixes is tiers.host_bytes, docs/kv-tiers.md)", ("0",)),
+         "cached prefixes is tiers.host_bytes, docs/kv-tiers.md)", ("0", "0.0")),
     Same("--enforce-eager", None, "the model runs eagerly: moed captures no CUDA graphs"),
     Same("--enable-chunked-prefill", None, "prefill is always chunked, at most "
          "--max-num-batched-tokens a step"),
@@ -202,10 +202,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     for same in SAME:
         names = (same.name, same.short) if same.short else (same.name,)
         if same.ok:
-            vllm.add_argument(*names, dest=_refused_dest(same.name), metavar="|".join(same.ok),
+            vllm.add_argument(*names, dest=_same_dest(same.name), metavar="|".join(same.ok),
                               help=same.does)
         else:
-            vllm.add_argument(*names, dest=_refused_dest(same.name), action="store_const",
+            vllm.add_argument(*names, dest=_same_dest(same.name), action="store_const",
                               const="", help=same.does)
     refused = p.add_argument_group("vLLM flags moed refuses (the reason is the error)")
     for name, why in REFUSED.items():
@@ -219,6 +219,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def _refused_dest(name: str) -> str:
     return "refused_" + name.removeprefix("--").replace("-", "_")
+
+
+def _same_dest(name: str) -> str:
+    return "vllm_" + name.removeprefix("--").replace("-", "_")
 
 
 def _one(what: str, positional: str | None, flag: str | None) -> str | None:
@@ -248,7 +252,7 @@ def _resolve(args: argparse.Namespace) -> None:
             raise ConfigError(f"command line: {name} is not supported: {why}")
     args.vllm_same = []       # (flag, value, what moed does): logged once logging is set up
     for same in SAME:
-        value = getattr(args, _refused_dest(same.name), None)
+        value = getattr(args, _same_dest(same.name), None)
         if value is None:
             continue
         if same.ok and value not in same.ok:
