@@ -44,3 +44,12 @@ def test_a_lone_colocated_node_answers_cluster(moed_server, tiny_qwen3: Path,
                        timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert "colocated 1 -> 1" in r.stdout + r.stderr
+
+
+def test_a_router_with_static_backends_answers_cluster_too(moed_server) -> None:
+    srv = moed_server(role="router", args=["--node-name", "r-solo"])
+    status, text = srv.get("/cluster")
+    assert status == 200, text
+    [me] = json.loads(text)["members"]
+    assert (me["name"], me["state"], me["role"]) == ("r-solo", "alive", "router")
+    assert me["load"]["running"] == 0 and me["layout"] == ""      # no engine, no KV
