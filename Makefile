@@ -16,33 +16,46 @@ TORCH_INDEX ?=
 
 .PHONY: setup setup-serve serve test test-unit bench clean
 
+# Set-up steps print one line per phase; what pip (and the checkpoint writer) print goes to
+# SETUP_LOG (pip's warnings fill minutes of screen otherwise). A failed step says so, names
+# the log and prints its last lines. STEP runs one command that way.
+SETUP_LOG ?= $(VENV)/setup.log
+STEP = sh -c 'log=$$1; shift; "$$@" >>"$$log" 2>&1 && exit 0; rc=$$?; \
+	echo "moed: failed (exit $$rc): $$*"; echo "moed: the last lines of $$log:"; \
+	tail -n 25 "$$log"; exit $$rc' step $(SETUP_LOG)
+
 # Marker files: re-run a step only when the project's dependencies change.
 # torch first, pinned: every unpinned torch requirement resolved later (moed's own, nixl's) is
 # then already satisfied, so pip never swaps in another build (no CUDA download on a CPU box).
 $(VENV)/.torch-done:
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	touch $@
+	@echo "moed: [torch] torch==$(TORCH_VERSION) into $(VENV) (a few minutes the first time; pip's output: $(SETUP_LOG))"
+	@mkdir -p $(VENV)
+	@test -x $(PY) || $(STEP) $(PYTHON) -m venv $(VENV)
+	@$(STEP) $(PIP) install -q --upgrade pip
+	@$(STEP) $(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@touch $@
 
 # make serve: the runtime dependencies and the init extra (the demo checkpoint), nothing else.
 $(VENV)/.setup-serve: pyproject.toml $(VENV)/.torch-done
-	$(PIP) install -q -e '.[init]'
-	touch $@
+	@echo "moed: [moed] moed and its runtime dependencies (pip install -e '.[init]'; output: $(SETUP_LOG))"
+	@$(STEP) $(PIP) install -q -e '.[init]'
+	@touch $@
 
 # make test (and setup): the test and NIXL extras too.
 $(VENV)/.setup-done: pyproject.toml $(VENV)/.torch-done
-	$(PIP) install -q -e '.[init,test,nixl]'
-	touch $@
+	@echo "moed: [moed] moed with the init, test and nixl extras (pip install -e '.[init,test,nixl]'; output: $(SETUP_LOG))"
+	@$(STEP) $(PIP) install -q -e '.[init,test,nixl]'
+	@touch $@
 
 setup-serve: $(VENV)/.setup-serve
 setup: $(VENV)/.setup-done
 
 $(DEMO_MODEL)/config.json: | setup-serve
-	$(VENV)/bin/moed model init --arch qwen3_moe --preset tiny --out $(DEMO_MODEL)
+	@echo "moed: [demo model] a random-weight Qwen3-MoE checkpoint in $(DEMO_MODEL)/"
+	@$(STEP) $(VENV)/bin/moed model init --arch qwen3_moe --preset tiny --out $(DEMO_MODEL)
 
 serve: setup-serve $(DEMO_MODEL)/config.json
-	@echo "moed: serving $(DEMO_MODEL) on http://$(HOST):$(PORT) (Ctrl-C drains and stops). Once it logs 'ready', try:"
+	@echo "moed: [serving] $(DEMO_MODEL) on http://$(HOST):$(PORT) (Ctrl-C drains and stops). Once it logs 'ready', try:"
 	@echo "  curl -N http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"model\": \"$(notdir $(DEMO_MODEL))\", \"prompt\": \"def fib(n):\", \"max_tokens\": 16, \"stream\": true}'"
 	exec $(VENV)/bin/moed serve --config conf/moed.toml --model $(DEMO_MODEL) --host $(HOST) --port $(PORT)

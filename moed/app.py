@@ -196,6 +196,9 @@ def build_components(cfg: Config) -> list[Component]:
     if cfg.cluster.enabled:
         from moed.cluster.service import MembershipComponent   # raises ConfigError: no key
         comps.append(MembershipComponent(cfg))
+    else:                    # GET /cluster still answers: this node alone (moed.cluster.solo)
+        from moed.cluster.solo import SoloClusterComponent
+        comps.append(SoloClusterComponent(cfg))
     # ---- transfer (transfer helper): prefill/decode role components ----
     if role in ("prefill", "decode"):
         from moed.roles import role_component   # after the engine: it wraps/hooks it

@@ -21,7 +21,7 @@ from typing import Any, Callable, MutableMapping, Sequence
 
 from moed import __version__
 from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES, ROLES,
-                         Config, ConfigError, load)
+                         TOOL_PARSERS, Config, ConfigError, load)
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,15 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 def _dtype(value: str) -> str:
     return DTYPE_ALIASES.get(value, value)
+
+
+# vLLM's --tool-call-parser names for the formats moed parses (model.tool_parser); moed's own
+# names pass as they are, any other is refused by model.tool_parser's check
+TOOL_PARSER_ALIASES = {"hermes": "qwen"}
+
+
+def _tool_parser(value: str) -> str:
+    return TOOL_PARSER_ALIASES.get(value, value)
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -80,14 +89,94 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--ep-rank", "parallel.ep_rank", "this process's rank in the group", int, metavar="R"),
     Flag("--ep-init", "parallel.ep_init", "rank 0's rendezvous, tcp://host:port",
          metavar="URL"),
+    Flag("--tool-call-parser", "model.tool_parser", "format of the model's tool calls (vLLM's "
+         "hermes is qwen)", _tool_parser, metavar="NAME"),
+)
+
+# vLLM's on/off flags with a moed field of the same meaning: --X sets it, --no-X clears it
+SWITCHES: tuple[Flag, ...] = (
+    Flag("--enable-prefix-caching", "engine.enable_prefix_caching",
+         "reuse the KV blocks of a cached prompt prefix (on by default)"),
 )
 
 # vLLM flags with no honest moed equivalent: refused with the reason, never ignored
 REFUSED = {
     "--gpu-memory-utilization": "moed sizes the KV cache in MB, not as a share of GPU memory "
                                 "(it runs on CPUs too): use --kv-cache-memory MB",
+    "--quantization": "moed serves unquantized checkpoints (bfloat16, float16, float32: "
+                      "--dtype)",
+    "--tokenizer": "moed reads the tokenizer from the checkpoint directory (tokenizer.json, "
+                   "tokenizer_config.json): put it there",
+    "--chat-template": "moed renders the checkpoint's chat template (tokenizer_config.json's "
+                       "chat_template): put yours there",
+    "--cpu-offload-gb": "moed keeps the weights on the device it runs on; run on CPU "
+                        "(--device cpu) or spread the experts over processes (--ep-size N, "
+                        "docs/parallel.md)",
+    "--revision": "moed serves a local checkpoint directory: download the revision first "
+                  "(huggingface-cli download MODEL --revision R --local-dir DIR), then "
+                  "moed serve DIR",
+    "--download-dir": "moed serves a local checkpoint directory and downloads nothing: "
+                      "moed serve DIR",
+    "--reasoning-parser": "moed returns the model's thinking inside content (no "
+                          "reasoning_content); chat_template_kwargs {\"enable_thinking\": "
+                          "false} turns it off per request where the template reads it",
+    "--seed": "moed has no server-wide seed: a request's `seed` field makes its sampling "
+              "reproducible",
 }
+REFUSED_SHORT = {"--quantization": "-q"}
 
+# vLLM on/off flags moed cannot honour: refused with the reason (they take no value)
+REFUSED_SWITCHES = {
+    "--trust-remote-code": "moed never runs code from a checkpoint: it serves the "
+                           "architectures it implements (docs/models.md) from config.json and "
+                           "safetensors; drop the flag",
+    "--enable-expert-parallel": "moed's expert parallelism is one process per rank, sized by "
+                                "--ep-size N with --ep-rank and --ep-init (docs/parallel.md)",
+    "--no-enable-chunked-prefill": "moed always chunks prefill; a step's token budget is "
+                                   "--max-num-batched-tokens",
+    "--enable-log-requests": "moed does not log prompts or sampling parameters; each request "
+                             "gets one 'access' log line (status, token counts, latency)",
+    "--enable-lora": "moed serves no LoRA adapters",
+}
+REFUSED_SWITCH_SHORT = {"--enable-expert-parallel": "-ep"}
+
+
+@dataclass(frozen=True)
+class Same:
+    """A vLLM flag for what moed always does: accepted (with a log line) only with a value that
+    means that, refused naming what moed does instead otherwise. ok=(): a switch, no value."""
+    name: str
+    short: str | None
+    does: str                                 # what moed does (the log line)
+    instead: str = ""                         # the refusal of any other value
+    ok: tuple[str, ...] = ()
+
+
+SAME: tuple[Same, ...] = (
+    Same("--tensor-parallel-size", "-tp", "one process holds each layer whole: no tensor "
+         "parallelism", "moed has no tensor parallelism; a MoE model's experts spread over "
+         "processes with --ep-size N (docs/parallel.md)", ("1",)),
+    Same("--pipeline-parallel-size", "-pp", "one process holds every layer: no pipeline "
+         "parallelism", "moed has no pipeline parallelism; a MoE model's experts spread over "
+         "processes with --ep-size N (docs/parallel.md)", ("1",)),
+    Same("--data-parallel-size", "-dp", "one engine per node", "a moed node runs one engine: "
+         "run more nodes behind a router (docs/cluster.md; an --ep-size group's attention is "
+         "data parallel already)", ("1",)),
+    Same("--kv-cache-dtype", None, "the KV cache holds the model's dtype (--dtype)",
+         "moed's KV cache holds the model's dtype (--dtype); no fp8 KV cache", ("auto",)),
+    Same("--load-format", None, "weights are read from safetensors",
+         "moed reads safetensors checkpoints only", ("auto", "safetensors")),
+    Same("--swap-space", None, "preempted requests are recomputed, never swapped",
+         "moed preempts by recomputing and keeps no swap space (a host-memory tier for "
+         "cached prefixes is tiers.host_bytes, docs/kv-tiers.md)", ("0", "0.0")),
+    Same("--enforce-eager", None, "the model runs eagerly: moed captures no CUDA graphs"),
+    Same("--enable-chunked-prefill", None, "prefill is always chunked, at most "
+         "--max-num-batched-tokens a step"),
+    Same("--disable-log-requests", None, "prompts and sampling parameters are never logged "
+         "(one 'access' line per request: status, token counts, latency)"),
+    Same("--enable-auto-tool-choice", None, "tool calls are parsed under tool_choice auto "
+         "(the format: --tool-call-parser, model.tool_parser)"),
+)
 # --api-key: the keys go to the server through this variable of the process's own
 # environment, named by server.api_keys_env, which moed.api.auth.load_keys reads (also on
 # SIGHUP): the key stays out of the config, of check-config's output and of /admin/config.
@@ -105,12 +194,35 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     for f in FLAGS:
         p.add_argument(f.name, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
                        help=f"{f.help} ({f.field})")
+    for f in SWITCHES:
+        p.add_argument(f.name, dest=f.dest, action=argparse.BooleanOptionalAction,
+                       default=None, help=f"{f.help} ({f.field})")
+    vllm = p.add_argument_group("vLLM flags for what moed always does (any other value is "
+                                "refused)")
+    for same in SAME:
+        names = (same.name, same.short) if same.short else (same.name,)
+        if same.ok:
+            vllm.add_argument(*names, dest=_same_dest(same.name), metavar="|".join(same.ok),
+                              help=same.does)
+        else:
+            vllm.add_argument(*names, dest=_same_dest(same.name), action="store_const",
+                              const="", help=same.does)
+    refused = p.add_argument_group("vLLM flags moed refuses (the reason is the error)")
     for name, why in REFUSED.items():
-        p.add_argument(name, dest=_refused_dest(name), metavar="X", help=f"refused: {why}")
+        names = (name, REFUSED_SHORT[name]) if name in REFUSED_SHORT else (name,)
+        refused.add_argument(*names, dest=_refused_dest(name), metavar="X", help=why)
+    for name, why in REFUSED_SWITCHES.items():
+        names = (name, REFUSED_SWITCH_SHORT[name]) if name in REFUSED_SWITCH_SHORT else (name,)
+        refused.add_argument(*names, dest=_refused_dest(name), action="store_const", const="",
+                             help=why)
 
 
 def _refused_dest(name: str) -> str:
     return "refused_" + name.removeprefix("--").replace("-", "_")
+
+
+def _same_dest(name: str) -> str:
+    return "vllm_" + name.removeprefix("--").replace("-", "_")
 
 
 def _one(what: str, positional: str | None, flag: str | None) -> str | None:
@@ -125,9 +237,28 @@ def _resolve(args: argparse.Namespace) -> None:
     as ConfigErrors."""
     args.model = _one("MODEL", getattr(args, "model_pos", None), args.model)
     args.config = _one("CONFIG", getattr(args, "config_pos", None), args.config)
-    for name in REFUSED:
-        if getattr(args, _refused_dest(name)) is not None:
-            raise ConfigError(f"command line: {name} is not supported: {REFUSED[name]}")
+    if args.config and Path(args.config).is_dir():     # `check-config DIR`, as `serve MODEL`
+        what = "CONFIG" if getattr(args, "config_pos", None) else "--config"
+        raise ConfigError(f"command line: {what} {args.config} is a directory: {what} is a "
+                          f"TOML file; the model goes in --model (moed "
+                          f"{getattr(args, 'command', 'check-config')} --model {args.config})")
+    parser = getattr(args, "tool_call_parser", None)
+    if parser is not None and parser not in TOOL_PARSERS:
+        raise ConfigError(f"command line: --tool-call-parser {parser}: moed parses "
+                          f"{', '.join(TOOL_PARSERS)} (vLLM's hermes is qwen)")
+    for name in (*REFUSED, *REFUSED_SWITCHES):
+        if getattr(args, _refused_dest(name), None) is not None:
+            why = REFUSED.get(name) or REFUSED_SWITCHES[name]
+            raise ConfigError(f"command line: {name} is not supported: {why}")
+    args.vllm_same = []       # (flag, value, what moed does): logged once logging is set up
+    for same in SAME:
+        value = getattr(args, _same_dest(same.name), None)
+        if value is None:
+            continue
+        if same.ok and value not in same.ok:
+            raise ConfigError(f"command line: {same.name} {value} is not supported: "
+                              f"{same.instead}")
+        args.vllm_same.append((same.name, value, same.does))
     for key in args.api_key or ():
         if not key.strip() or "," in key:   # server.api_keys_env holds comma-separated keys
             raise ConfigError("command line: --api-key: a key must be non-empty and hold no comma")
@@ -135,7 +266,7 @@ def _resolve(args: argparse.Namespace) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"model": {"path": args.model}, "server": {}}
-    for f in FLAGS:
+    for f in (*FLAGS, *SWITCHES):
         section, key = f.field.split(".")
         out.setdefault(section, {})[key] = getattr(args, f.dest)
     if args.api_key:
@@ -178,26 +309,33 @@ def _refuse_model_flags_on_a_router(args: argparse.Namespace, cfg: Config) -> No
     if cfg.server.role != "router":
         return
     given = [
-        f.name for f in FLAGS
+        f.name for f in (*FLAGS, *SWITCHES)
         if f.field.startswith(("model.", "engine.")) and getattr(args, f.dest) is not None]
     if given:
         raise ConfigError(f"command line: {', '.join(given)}: a router node has no model or "
                           f"engine for {'them' if len(given) > 1 else 'it'}")
 
 
-def _configure_logs(cfg: Config) -> None:
+def _configure_logs(cfg: Config, args: argparse.Namespace | None = None) -> None:
     from moed.app import node_name
     from moed.obs import log as obslog
 
     obslog.configure(cfg.server.log_format, cfg.server.log_level, role=cfg.server.role,
                      node=node_name(cfg))
+    if args is not None and getattr(args, "vllm_same", None):
+        import structlog
+
+        log = structlog.get_logger(__name__)
+        for flag, value, does in args.vllm_same:   # accepted: say why it changes nothing
+            log.info("vllm_flag_accepted", flag=flag, value=value or None,
+                     detail=f"moed does this anyway: {does}")
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from moed import preflight
 
     cfg = _load(args)
-    _configure_logs(cfg)         # on stderr: stdout is the config alone
+    _configure_logs(cfg, args)   # on stderr: stdout is the config alone
     preflight.check(cfg)
     sys.stdout.write(to_toml(cfg))
     return 0
@@ -225,7 +363,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moed import preflight
     from moed.app import App
 
-    _configure_logs(cfg)
+    _configure_logs(cfg, args)
     preflight.check(cfg)         # what check-config checks: refused before listening
     if cfg.server.role != "router":
         structlog.get_logger(__name__).info("cpu_huge_pages", thp_alloc=thp)

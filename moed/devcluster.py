@@ -130,13 +130,18 @@ def alive_urls(cluster: Mapping[str, Any]) -> set[str]:
 
 
 def busy_ports(nodes: Sequence[NodePlan], host: str = HOST) -> list[str]:
-    """'host:port (what)' for every planned port something else holds now."""
+    """'host:port (what)' for every planned port something else holds now. The TCP probe binds
+    with SO_REUSEADDR as the nodes' listeners do (asyncio's create_server default): a port whose
+    only users are TIME_WAIT connections of a cluster just stopped is free for them, and a
+    listener still refuses it. (Not on UDP, where SO_REUSEADDR would share a bound port.)"""
     busy = []
     for n in nodes:
         for port, kinds in ((n.http_port, (socket.SOCK_STREAM,)),
                             (n.gossip_port, (socket.SOCK_STREAM, socket.SOCK_DGRAM))):
             for kind in kinds:
                 with socket.socket(socket.AF_INET, kind) as s:
+                    if kind == socket.SOCK_STREAM:
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     try:
                         s.bind((host, port))
                     except OSError:

@@ -254,4 +254,29 @@ def require_operator(request: web.Request) -> None:
     token = bearer_token(request.headers.get("Authorization"))
     if admin_tokens and token is not None and key_matches(token, admin_tokens):
         return
-    require_signed(request)
+    state = request.app.get(STATE)
+    if state is not None and getattr(state, "internal_auth", None) is None:
+        from moed.preflight import needs_cluster_key
+        if not needs_cluster_key(state.config):
+            # no cluster key on this node, ever: the admin token is the one way in (not a
+            # 503 "starting" that never ends)
+            if not admin_tokens:
+                raise APIError(403, f"{request.path} takes the admin token, and this node has "
+                                    f"none: set server.admin_token_file or "
+                                    f"server.admin_token_env.", code="admin_disabled")
+            raise _denied(request, f"{request.path} takes the admin token (Authorization: "
+                                   f"Bearer; server.admin_token_file or "
+                                   f"server.admin_token_env)", "missing_admin_token"
+                          if token is None else "bad_admin_token")
+    try:
+        require_signed(request)
+    except APIError as e:
+        if e.status != 401:
+            raise
+        # the caller is most likely an operator: name their credential before the nodes'
+        why = "" if e.code == "missing_signature" else \
+            f" ({e.message.removeprefix('Unauthorized: ').rstrip('.')})"
+        raise APIError(401, f"Unauthorized: {request.path} takes the admin token "
+                            f"(Authorization: Bearer; server.admin_token_file or "
+                            f"server.admin_token_env) or a call signed with the cluster "
+                            f"secret{why}.", code=e.code, headers=e.headers) from None

@@ -170,16 +170,7 @@ class MembershipComponent:
             raise ClusterError("cluster.advertise_host: required when bind_host is a "
                                "wildcard (peers need an address they can reach)")
         seeds = await resolve(cc.seeds)
-        host = self.cfg.server.host if self.cfg.server.host not in ("0.0.0.0", "::") else (
-            cc.advertise_host or cc.bind_host)
-        meta = NodeMeta(role=self.cfg.server.role, http=f"http://{host}:{app.port}",
-                        model=getattr(app.state, "model_name", "") or "",
-                        # the transfer endpoint is added by the prefill/decode role once its
-                        # transfer agent exists (moed.roles.common.advertise_transfer)
-                        layout=getattr(app.state.engine, "kv_layout_id", "") or "",
-                        transfer="", version=__version__, label=self.cfg.release.label(),
-                        model_id=getattr(app.state, "model_id", "") or "",
-                        config=self.cfg.digest(), protocol=PROTOCOL, **_ep_fields(self.cfg))
+        meta = node_meta(self.cfg, app)
         self.core = Membership(
             app.node, self.transport, AsyncioScheduler(), SwimConfig.from_cluster(cc),
             WireCodec(self.keyring), meta=meta, seeds=seeds,
@@ -389,6 +380,21 @@ _MESSAGE_KEYS = {"sent_packets": ("sent", "packet"), "recv_packets": ("received"
 _PROTOCOL_KEYS = {"probe_failures", "refutes", "suspicion_timeouts", "reprobes",
                   "last_chance_probes", "join_attempts", "stale_updates", "name_conflicts",
                   "name_taken"}
+
+
+def node_meta(cfg: Config, app: Any) -> NodeMeta:
+    """What this node says about itself (its metadata in the gossip, its /cluster entry)."""
+    cc = cfg.cluster
+    host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::") else (
+        cc.advertise_host or cc.bind_host)
+    return NodeMeta(role=cfg.server.role, http=f"http://{host}:{app.port}",
+                    model=getattr(app.state, "model_name", "") or "",
+                    # the transfer endpoint is added by the prefill/decode role once its
+                    # transfer agent exists (moed.roles.common.advertise_transfer)
+                    layout=getattr(app.state.engine, "kv_layout_id", "") or "",
+                    transfer="", version=__version__, label=cfg.release.label(),
+                    model_id=getattr(app.state, "model_id", "") or "",
+                    config=cfg.digest(), protocol=PROTOCOL, **_ep_fields(cfg))
 
 
 def _ep_fields(cfg: Any) -> dict[str, str]:

@@ -19,6 +19,12 @@ arguments text as they arrive; text outside calls is content. A header the strea
 so valid and header-malformed outputs stream to the same result `parse` gives at any split.
 Arguments that turn out malformed after fragments went out cannot be taken back: the stream
 keeps them (vLLM's parsers do the same); `parse` would return that text as content.
+
+A response that ends inside a call (max_tokens hit mid-arguments, or the model stopped there)
+gives the same result both ways: the call, with its arguments as far as they were written
+(not valid JSON then; finish_reason says "length"), which is what OpenAI returns. `parse` reads
+such a tail with the stream itself (`_cut_short`), because the stream has sent the call's name
+and fragments before it knew the text would end; content would contradict them.
 """
 from __future__ import annotations
 
@@ -151,7 +157,14 @@ def parse(fam: Family, text: str, max_calls: int | None = None) -> tuple[str, li
         if i < 0:
             break
         found = _bodies(fam, text, i + len(fam.start))
-        if found is None:                 # malformed: the marker is content, look further on
+        if found is None:
+            cut = _cut_short(fam, text[i:], None if max_calls is None else max_calls - len(calls))
+            if cut is not None:           # the text ends inside a call: as the stream has it
+                content.append(text[pos:i] + cut[0])
+                calls += cut[1]
+                pos = len(text)
+                break
+                                          # malformed: the marker is content, look further on
             content.append(text[pos:i + len(fam.start)])
             pos = i + len(fam.start)
             continue
@@ -162,6 +175,24 @@ def parse(fam: Family, text: str, max_calls: int | None = None) -> tuple[str, li
     if max_calls is None or len(calls) < max_calls:
         content.append(text[pos:])
     return "".join(content), calls
+
+
+def _cut_short(fam: Family, tail: str, room: int | None) -> tuple[str, list[ToolCall]] | None:
+    """(content, calls) of `tail` (from a start marker to the end of the text) when the text
+    ends inside a call the stream has begun (its name sent); None otherwise."""
+    st = ToolStream(fam, room)
+    content, deltas = st.feed(tail)
+    if not st.called or st.state in ("text", "done"):
+        return None
+    rest, _ = st.finish()
+    calls: list[ToolCall] = []
+    for d in deltas:
+        if d.id is not None:
+            calls.append(ToolCall(d.id, d.name or "", d.arguments))
+        else:
+            c = calls[d.index]
+            calls[d.index] = ToolCall(c.id, c.name, c.arguments + d.arguments)
+    return content + rest, calls
 
 
 # ---- streaming -------------------------------------------------------------------------------

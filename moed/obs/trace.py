@@ -161,8 +161,9 @@ def check(cfg: "TraceConfig") -> None:
             found = False
         if not found:
             raise ConfigError(f"trace.endpoint is set but the OpenTelemetry SDK is not "
-                              f"installed ({mod} missing): pip install 'moed[trace]', or "
-                              f"leave trace.endpoint empty")
+                              f"installed ({mod} missing): pip install -e '.[trace]' from a "
+                              f"checkout, pip install 'moed[trace]' from an index, or leave "
+                              f"trace.endpoint empty")
     read_headers(cfg.headers_file)
 
 

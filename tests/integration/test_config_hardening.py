@@ -80,7 +80,13 @@ def test_cli_refuses_a_bad_config_in_one_line(tmp_path: Path, command: str, kind
                 pass
     out = (r.stdout + r.stderr).decode(errors="replace")
     assert r.returncode == 2, out
-    assert out.splitlines() == [f"moed: config error: {p}: {BAD[kind]}"], out
+    if kind == "directory":     # on the command line: most likely the model's directory
+        flag = "--config" if command == "serve" else "CONFIG"
+        want = (f"moed: config error: command line: {flag} {p} is a directory: {flag} is a TOML "
+                f"file; the model goes in --model (moed {command} --model {p})")
+    else:
+        want = f"moed: config error: {p}: {BAD[kind]}"
+    assert out.splitlines() == [want], out
     assert "Traceback" not in out
 
 

@@ -87,6 +87,47 @@ def test_named_choice_streamed(client):
     assert args["city"] in ("Paris", "Rome")
 
 
+def _streamed(client, **kw) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], finish_reason) of a streamed chat, deltas put together."""
+    content, calls, finish = "", {}, None
+    for chunk in _chat(client, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            if tc.id is not None:
+                calls[tc.index] = [tc.function.name, tc.function.arguments or ""]
+            else:
+                calls[tc.index][1] += tc.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_a_call_cut_by_max_tokens_is_the_same_streamed_or_not(client):
+    """max_tokens inside <tool_call>: both ways the call with its arguments as far as written
+    (OpenAI's answer: tool_calls, finish_reason "length"), never the raw marker text in one and
+    tool_calls deltas in the other (docs/api.md, "Tool calls"). Cut before the call's name,
+    there is no call to give: the text, both ways."""
+    cut_in_arguments = 0
+    for max_tokens in range(2, 40, 3):
+        kw = dict(tools=[WEATHER], tool_choice="required", temperature=0.0,
+                  max_tokens=max_tokens, parallel_tool_calls=False)
+        ch = _chat(client, **kw).choices[0]
+        whole = (ch.message.content or "",
+                 [(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []],
+                 ch.finish_reason)
+        assert _streamed(client, **kw) == whole, max_tokens
+        if whole[1]:                  # (cut before the name was written: text both ways)
+            assert "<tool_call>" not in whole[0], max_tokens
+        if whole[2] == "length" and whole[1] and whole[1][0][1]:
+            with pytest.raises(ValueError):          # cut short: not JSON yet
+                json.loads(whole[1][0][1])
+            assert whole[1][0][0] == "get_weather"
+            cut_in_arguments += 1
+    assert cut_in_arguments >= 2          # the sweep did cut inside the arguments
+
+
 def test_round_trip_call_then_tool_message_then_answer(client):
     r = _chat(client, tools=[WEATHER], tool_choice="required", max_tokens=200, seed=1)
     call = r.choices[0].message.tool_calls[0]

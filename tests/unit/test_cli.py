@@ -103,6 +103,7 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to cli.F
     "--log-level": ("debug", "debug"),
     "--ep-size": ("4", 4), "--ep-rank": ("3", 3),
     "--ep-init": ("tcp://10.0.0.1:29500", "tcp://10.0.0.1:29500"),
+    "--tool-call-parser": ("hermes", "qwen"),          # vLLM's name for the Qwen format
 }
 
 
@@ -272,3 +273,79 @@ def test_check_config_refuses_what_serve_refuses_in_the_same_words(tmp_path, tin
         assert served == checked, case
         assert served[0] == 2 and served[1].startswith("moed: config error: ") and \
             says in served[1], (case, served)
+
+
+# ---- vLLM's flags (docs/config.md, "vLLM's command-line flags") --------------------------
+
+def test_vllm_flags_for_what_moed_does_are_accepted_with_a_log_line(capsys, tiny_qwen3):
+    rc, out, err = _run(capsys, "check-config", "--model", str(tiny_qwen3),
+                        "--tensor-parallel-size", "1", "-pp", "1", "-dp", "1",
+                        "--kv-cache-dtype", "auto", "--load-format", "safetensors",
+                        "--swap-space", "0", "--enforce-eager", "--enable-chunked-prefill",
+                        "--disable-log-requests", "--enable-auto-tool-choice",
+                        "--enable-prefix-caching", "--log-format", "console")
+    assert rc == 0 and tomllib.loads(out)["engine"]["enable_prefix_caching"] is True
+    accepted = [line for line in err.splitlines() if "vllm_flag_accepted" in line]
+    assert len(accepted) == len(cli.SAME)                  # one line each, naming the flag
+    for same in cli.SAME:
+        assert sum(f"flag={same.name} " in line for line in accepted) == 1
+    assert "moed does this anyway: one process holds each layer whole" in err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported: moed has no "
+                                      "tensor parallelism"),
+    (["-tp", "4"], "--tensor-parallel-size 4 is not supported"),
+    (["-pp", "2"], "--pipeline-parallel-size 2 is not supported"),
+    (["--data-parallel-size", "2"], "run more nodes behind a router"),
+    (["--kv-cache-dtype", "fp8"], "no fp8 KV cache"),
+    (["--load-format", "gguf"], "safetensors checkpoints only"),
+    (["--swap-space", "4"], "recomputing"),
+    (["--no-enable-chunked-prefill"], "always chunks prefill"),
+    (["--trust-remote-code"], "--trust-remote-code is not supported: moed never runs code"),
+    (["--enable-expert-parallel"], "--ep-size N"),
+    (["-ep"], "--enable-expert-parallel is not supported"),
+    (["-q", "fp8"], "--quantization is not supported"),
+    (["--seed", "0"], "a request's `seed` field"),
+    (["--tokenizer", "x"], "from the checkpoint directory"),
+    (["--chat-template", "t.jinja"], "tokenizer_config.json's chat_template"),
+    (["--enable-log-requests"], "does not log prompts"),
+    (["--tool-call-parser", "llama3_json"], "--tool-call-parser llama3_json: moed parses auto, "
+                                            "none, qwen, mistral"),
+])
+def test_vllm_flags_that_contradict_moed_are_refused_by_name(capsys, argv, says):
+    rc, out, err = _run(capsys, "check-config", "/m", *argv)
+    assert rc == 2 and out == "" and err.startswith("moed: config error: command line: ")
+    assert says in err and "unrecognized arguments" not in err
+
+
+def test_prefix_caching_switch_maps_to_the_engine_field():
+    assert _cfg("/m").engine.enable_prefix_caching is True
+    assert _cfg("/m", "--no-enable-prefix-caching").engine.enable_prefix_caching is False
+    assert _cfg("/m", "--no-enable-prefix-caching",
+                "--enable-prefix-caching").engine.enable_prefix_caching is True
+    with pytest.raises(ConfigError, match="--enable-prefix-caching: a router node"):
+        _cfg("/m", "--role", "router", "--no-enable-prefix-caching")
+
+
+def test_serve_refuses_pasted_vllm_flags_before_loading_anything(tmp_path):
+    """The issue's line, through the real CLI: one line naming the flag, exit 2, at once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "moed", "serve", str(tmp_path),
+                        "--tensor-parallel-size", "1", "--enable-prefix-caching",
+                        "--trust-remote-code"], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode == 2 and "unrecognized" not in r.stderr
+    assert r.stderr.strip() == ("moed: config error: command line: --trust-remote-code is not "
+                                "supported: " + cli.REFUSED_SWITCHES["--trust-remote-code"])
+
+
+def test_check_config_of_a_directory_says_where_the_model_goes(capsys, tmp_path):
+    rc, out, err = _run(capsys, "check-config", str(tmp_path))
+    assert rc == 2 and out == ""
+    assert err.strip() == (f"moed: config error: command line: CONFIG {tmp_path} is a "
+                           f"directory: CONFIG is a TOML file; the model goes in --model "
+                           f"(moed check-config --model {tmp_path})")
+    rc, _, err = _run(capsys, "serve", "--config", str(tmp_path))
+    assert rc == 2 and "--config is a TOML file; the model goes in --model (moed serve " in err

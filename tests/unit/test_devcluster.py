@@ -101,3 +101,29 @@ def test_secrets_land_where_the_shipped_files_point(tmp_path: Path) -> None:
     assert len(bytes.fromhex(key)) == 32
     assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "run/cluster.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_busy_ports_ignores_time_wait_but_not_a_listener() -> None:
+    """Right after a cluster stops, its ports sit in TIME_WAIT for ~60 s; the nodes bind with
+    SO_REUSEADDR (asyncio's default), so such a port is free for them and must read free."""
+    with socket.socket() as lsn:
+        lsn.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as a node's listener
+        lsn.bind(("127.0.0.1", 0))
+        lsn.listen()
+        port = lsn.getsockname()[1]
+        node = devcluster.NodePlan("router", "router", port, port, (), {})
+        assert devcluster.busy_ports([node]) == [f"127.0.0.1:{port} (router)"] * 2
+        client = socket.create_connection(("127.0.0.1", port), timeout=5)
+        served, _ = lsn.accept()
+        served.close()           # the server side closes first: TIME_WAIT lands on `port`
+        client.recv(1)           # the FIN arrived
+        client.close()
+    assert _time_wait_on(port), "the test needs a TIME_WAIT connection on the port"
+    assert devcluster.busy_ports([node]) == []
+
+
+def _time_wait_on(port: int) -> bool:
+    """Whether the kernel lists a TIME_WAIT socket whose local port is `port` (state 06)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return any(int(r[1].split(":")[1], 16) == port and r[3] == "06" for r in rows)

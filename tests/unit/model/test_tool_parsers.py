@@ -115,12 +115,42 @@ def test_malformed_call_then_a_valid_one():
         assert (content, _canon(calls)) == (bad, [("g", {"a": 1})]), cut
 
 
-def test_arguments_cut_short_stream_keeps_what_was_sent_whole_returns_content():
-    """Fragments already sent cannot be taken back (max_tokens cut the call): the stream keeps
-    the call as sent; the whole response, parsed strictly, gives the text as content."""
-    text = '<tool_call>\n{"name": "f", "arguments": {"city": "Par'
-    assert _whole(QWEN, text) == (text, [])
-    assert _stream(QWEN, [text])[:2] == ("", [("f", '{"city": "Par')])
+def test_arguments_cut_short_are_the_call_as_far_as_written_both_ways():
+    """max_tokens cut the call: fragments already streamed cannot be taken back, so the whole
+    response gives the same call with the same partial arguments (OpenAI's answer too)."""
+    text = 'Checking.\n<tool_call>\n{"name": "f", "arguments": {"city": "Par'
+    assert _whole(QWEN, text) == ("Checking.\n", [("f", '{"city": "Par')])
+    assert _stream(QWEN, [text])[:2] == ("Checking.\n", [("f", '{"city": "Par')])
+    done = '<tool_call>\n{"name": "f", "arguments": {"a": 1}'        # only the "}" missing
+    assert _whole(QWEN, done) == _stream(QWEN, [done])[:2] == ("", [("f", '{"a": 1}')])
+    m = '[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": '
+    assert _whole(MISTRAL, m) == _stream(MISTRAL, [m])[:2] == (
+        "", [("a", "{}"), ("b", '{"x": ')])
+
+
+def _same(calls):
+    """Arguments compared as JSON where they are JSON (parse re-serializes a whole body; the
+    stream sends the text as written), as text where cut short."""
+    out = []
+    for name, args in calls:
+        try:
+            out.append((name, json.loads(args)))
+        except ValueError:
+            out.append((name, args))
+    return out
+
+
+@pytest.mark.parametrize("fam,text,content,calls", VALID)
+def test_every_truncation_streams_to_what_the_whole_response_gives(fam, text, content, calls):
+    """Cut anywhere (max_tokens), split anywhere: the stream and the whole response agree."""
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        want_content, want_calls = _whole(fam, cut)
+        for size in (1, 3, len(cut) or 1):
+            got_content, got_calls, _ = _stream(fam, [cut[i:i + size]
+                                                     for i in range(0, len(cut), size)])
+            assert (got_content, _same(got_calls)) == (want_content, _same(want_calls)), (
+                end, size)
 
 
 def test_max_calls_keeps_the_first():

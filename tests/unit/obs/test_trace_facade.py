@@ -139,9 +139,23 @@ def test_missing_extra_is_a_clear_start_error(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("opentelemetry") else
                         real(name, *a))
-    with pytest.raises(ConfigError, match=r"pip install 'moed\[trace\]'"):
+    with pytest.raises(ConfigError) as e:
         trace.check(TraceConfig(endpoint="http://127.0.0.1:4318/v1/traces"))
+    # a newcomer runs from a checkout, where `moed[trace]` names no package: both lines
+    assert "pip install -e '.[trace]' from a checkout" in str(e.value)
+    assert "pip install 'moed[trace]' from an index" in str(e.value)
     trace.check(TraceConfig())                       # off: nothing is needed
+
+
+def test_docs_give_the_checkout_install_line() -> None:
+    """docs/tracing.md's install lines: the checkout's (editable, the one a fresh clone needs)
+    and the index's; the extra they name exists in pyproject.toml."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    doc = (root / "docs/tracing.md").read_text()
+    assert "pip install -e '.[trace]'" in doc and "pip install 'moed[trace]'" in doc
+    assert "\ntrace = [" in (root / "pyproject.toml").read_text()   # (tomllib: 3.11+)
 
 
 def test_headers_file(tmp_path) -> None:
