@@ -329,6 +329,15 @@ def _configure_logs(cfg: Config, args: argparse.Namespace | None = None) -> None
         for flag, value, does in args.vllm_same:   # accepted: say why it changes nothing
             log.info("vllm_flag_accepted", flag=flag, value=value or None,
                      detail=f"moed does this anyway: {does}")
+    if args is not None:
+        import structlog
+
+        for f in SWITCHES:     # vLLM's switches set a moed field: say which, and to what
+            on = getattr(args, f.dest, None)
+            if on is not None:
+                structlog.get_logger(__name__).info(
+                    "vllm_flag_applied", flag=f.name if on else f"--no-{f.name[2:]}",
+                    field=f.field, value=on)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

@@ -290,6 +290,9 @@ def test_vllm_flags_for_what_moed_does_are_accepted_with_a_log_line(capsys, tiny
     for same in cli.SAME:
         assert sum(f"flag={same.name} " in line for line in accepted) == 1
     assert "moed does this anyway: one process holds each layer whole" in err
+    applied = [line for line in err.splitlines() if "vllm_flag_applied" in line]
+    assert len(applied) == 1 and "flag=--enable-prefix-caching" in applied[0] and \
+        "field=engine.enable_prefix_caching" in applied[0]
 
 
 @pytest.mark.parametrize("argv,says", [
