@@ -159,7 +159,8 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     path = request.path
     needs = path.startswith("/v1/") or path in TENANT_PATHS or (
-        path == "/metrics" and state.config.server.metrics_require_auth)
+        path in ("/metrics", state.config.server.vllm_metrics_path)
+        and state.config.server.metrics_require_auth)
     if needs and path not in OPEN_PATHS:
         check_bearer(request.headers.get("Authorization"), state.api_keys)
     elif path in OPERATOR_PATHS:
