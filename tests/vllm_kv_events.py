@@ -119,11 +119,9 @@ class PrefixIndex:
     def __init__(self) -> None:
         self.blocks: dict[str, dict[str, set[int]]] = {}     # node -> medium -> hashes
         self.by_tokens: dict[str, dict[tuple[tuple[int, ...], ...], int]] = {}
-        self.last_seq: dict[str, int] = {}
 
-    def apply(self, node: str, seq: int, batch: KVEventBatch) -> None:
-        assert seq == self.last_seq.get(node, -1) + 1, f"{node}: gap before {seq}"
-        self.last_seq[node] = seq
+    def apply(self, node: str, batch: KVEventBatch) -> None:
+        """One batch of `node`'s stream, in sequence order (the caller fills gaps by replay)."""
         media = self.blocks.setdefault(node, {})
         chains = self.by_tokens.setdefault(node, {})
         for e in batch.events:

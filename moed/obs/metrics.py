@@ -166,6 +166,9 @@ DECODE_STEP_TIME = Histogram("moed_decode_step_seconds", "Wall time of one engin
                              "decode tokens only (no prefill)", buckets=_TOKEN_BUCKETS, registry=ENGINE)
 KV_BLOCKS_USED = Gauge("moed_kv_blocks_used", "KV cache blocks in use", registry=ENGINE)
 KV_BLOCKS_FREE = Gauge("moed_kv_blocks_free", "KV cache blocks free", registry=ENGINE)
+KV_BLOCKS_CACHED = Gauge("moed_kv_blocks_cached", "KV cache blocks registered under a prefix "
+                         "hash (in use or free; what the GPU medium of the KV events holds)",
+                         registry=ENGINE)
 KV_BLOCKS_CAPACITY = Gauge("moed_kv_blocks_capacity", "KV cache blocks in the pool",
                            registry=ENGINE)
 KV_USAGE = Gauge("moed_kv_cache_usage_ratio", "KV cache blocks in use / blocks in the pool "
@@ -423,6 +426,7 @@ def observe_engine_stats(stats: object) -> None:
     WAITING.set(_waiting(stats))
     observe_kv(getattr(stats, "kv_blocks_used", 0), getattr(stats, "kv_blocks_free", 0))
     KV_BLOCKS_CAPACITY.set(getattr(stats, "kv_blocks_total", 0))
+    KV_BLOCKS_CACHED.set(extra.get("kv_blocks_cached", 0))
     queries = getattr(stats, "prefix_cache_queries", 0)
     hits = getattr(stats, "prefix_cache_hits", 0)
     _advance(PREFIX_CACHE_QUERIES, queries)

@@ -166,8 +166,8 @@ def test_publisher_sequence_topic_and_replay() -> None:
         assert [(t, s) for t, s, _ in replayed] == [(b"kv@n1", nxt + 1), (b"kv@n1", nxt + 2)]
         assert replayed[1][2].events[0].block_hashes == [3]
         idx = PrefixIndex()
-        for _, seq, batch in sub.replay(0):
-            idx.apply("n1", seq, batch)
+        for _, _, batch in sub.replay(0):
+            idx.apply("n1", batch)
         assert idx.blocks["n1"]["GPU"] == {1, 2, 3}
     finally:
         sub.close()
