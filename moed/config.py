@@ -530,6 +530,7 @@ class TiersConfig:
 
 
 KV_EVENT_PUBLISHERS = ("zmq", "null")
+KV_EVENT_FORMATS = ("map", "array")
 
 
 @dataclass(frozen=True)
@@ -552,9 +553,13 @@ class KVEventsConfig:
                              doc="batches waiting for the publisher thread; beyond it a batch "
                              "is dropped and counted (moed_kv_event_batches_total)")
     topic: str = _f("", doc="the first frame of every message (subscribers filter on it)")
+    event_format: str = _f("map", doc="moed's addition to vLLM's keys: map (each event a map "
+                           "tagged by type, as vLLM sends since its PR #42892) | array (the "
+                           "positional arrays earlier vLLM sent, for consumers not yet updated)")
 
     def __post_init__(self) -> None:
         _check_bounds("kv_events", self)
+        _choice("kv_events.event_format", self.event_format, KV_EVENT_FORMATS)
         if self.publisher:
             _choice("kv_events.publisher", self.publisher, KV_EVENT_PUBLISHERS)
         for name in ("endpoint", "replay_endpoint"):

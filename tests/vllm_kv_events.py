@@ -59,6 +59,34 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# The layout vLLM sent before its PR #42892 (kv_events.event_format = "array"): the same
+# structs with array_like=True; the oldest consumers' BlockStored stops at medium.
+class LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class LegacyStored(LegacyEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class LegacyRemoved(LegacyEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class LegacyCleared(LegacyEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class LegacyBatch(EventBatch):
+    events: list[LegacyStored | LegacyRemoved | LegacyCleared]
+
+
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 END_SEQ = -1
 

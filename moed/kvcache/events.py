@@ -169,10 +169,24 @@ def _event_obj(e: Event, block_size: int) -> dict:
     return {"type": "AllBlocksCleared"}
 
 
+def _event_array(e: Event, block_size: int) -> list:
+    """The layout vLLM sent before its map encoding (msgspec array_like): the tag, then every
+    field in declaration order up to the last one not at its default."""
+    if isinstance(e, Stored):
+        return ["BlockStored", [wire_hash(h) for h in e.hashes],
+                None if e.parent is None else wire_hash(e.parent), list(e.token_ids),
+                block_size, None, e.medium, None]
+    if isinstance(e, Removed):
+        return ["BlockRemoved", [wire_hash(h) for h in e.hashes], e.medium]
+    return ["AllBlocksCleared"]
+
+
 def encode_batch(ts: float, events: Sequence[Event], block_size: int,
-                 data_parallel_rank: int = 0) -> bytes:
-    """vLLM's KVEventBatch: the array [ts, [event, ...], data_parallel_rank] in msgpack."""
+                 data_parallel_rank: int = 0, event_format: str = "map") -> bytes:
+    """vLLM's KVEventBatch: the array [ts, [event, ...], data_parallel_rank] in msgpack, each
+    event a tagged map (vLLM today) or, with event_format "array", a tagged array."""
     import msgspec
 
-    return msgspec.msgpack.encode([ts, [_event_obj(e, block_size) for e in events],
+    one = _event_array if event_format == "array" else _event_obj
+    return msgspec.msgpack.encode([ts, [one(e, block_size) for e in events],
                                    data_parallel_rank])

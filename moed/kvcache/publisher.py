@@ -58,6 +58,7 @@ class ZmqPublisher:
         self.endpoint = offset_port(cfg.endpoint, rank)
         self.replay_endpoint = offset_port(cfg.replay_endpoint, rank)
         self._topic = cfg.topic.encode()
+        self._format = cfg.event_format
         self._queue: queue.Queue[tuple[float, list[Event]] | None] = \
             queue.Queue(maxsize=cfg.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
@@ -125,7 +126,7 @@ class ZmqPublisher:
                 return
             ts, events = item
             try:
-                payload = encode_batch(ts, events, self.block_size, self.rank)
+                payload = encode_batch(ts, events, self.block_size, self.rank, self._format)
                 seq = self._seq.to_bytes(8, "big")
                 self._pub.send_multipart((self._topic, seq, payload))
             except Exception as e:      # a broken send must not end the thread

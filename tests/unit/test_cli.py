@@ -224,13 +224,16 @@ def test_kv_events_config_takes_vllm_json_and_refuses_unknown_keys(capsys, tmp_p
     k = cfg.kv_events
     assert (k.active, k.endpoint, k.replay_endpoint, k.topic, k.buffer_steps, k.hwm,
             k.max_queue_size) == (True, "tcp://*:6001", "", "kv", 7, 9, 11)
-    assert not _cfg("/m").kv_events.active
+    assert not _cfg("/m").kv_events.active and _cfg("/m").kv_events.event_format == "map"
+    assert _cfg("/m", "--kv-events-config", '{"event_format": "array"}').kv_events.event_format \
+        == "array"
     assert not _cfg("/m", "--kv-events-config", '{"enable_kv_cache_events": true, '
                     '"publisher": "null"}').kv_events.active
     for bad, says in (('{"enable_kv_cache_events": true, "buffer_step": 3}', "'buffer_step'"),
                       ('{"publisher": "kafka"}', "kv_events.publisher"),
                       ('{"endpoint": "http://x:1"}', "kv_events.endpoint"),
                       ('{"hwm": "many"}', "kv_events.hwm"), ("[1]", "JSON object"),
+                      ('{"event_format": "tuple"}', "kv_events.event_format"),
                       ("{nope", "not valid JSON")):
         assert cli.main(["check-config", "--model", "/m", "--kv-events-config", bad]) == 2, bad
         assert says in capsys.readouterr().err, bad

@@ -21,7 +21,7 @@ from moed.kvcache.pool import hash_block  # noqa: E402
 from moed.kvcache.publisher import ZmqPublisher, binds, offset_port  # noqa: E402
 from moed.kvcache.tiers import TieredCache, TierSettings  # noqa: E402
 from vllm_kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,  # noqa: E402
-                            PrefixIndex, Subscriber, decode)
+                            LegacyBatch, LegacyCleared, PrefixIndex, Subscriber, decode)
 
 BS = 2
 
@@ -92,6 +92,22 @@ def test_wire_format_decodes_with_vllm_structs() -> None:
     assert isinstance(d, BlockStored) and d.parent_block_hash == 7 and d.medium == "STORAGE"
     assert isinstance(r, BlockRemoved) and r.block_hashes == [5] and r.medium == "GPU"
     assert wire_hash(h0) == 5 and wire_hash((1 << 64) - 1) == (1 << 64) - 1
+
+
+def test_array_format_decodes_with_the_legacy_array_structs() -> None:
+    """event_format "array": what consumers written before vLLM's map encoding decode (the
+    same structs with array_like=True; the oldest stop at medium, extra fields ignored)."""
+    import msgspec
+
+    evs = [Cleared(), Stored((3, 4), 2, (1, 2, 3, 4), MEDIUM_HOST), Removed((3,), MEDIUM_L1)]
+    raw = encode_batch(1.0, evs, BS, event_format="array")
+    b = msgspec.msgpack.decode(raw, type=LegacyBatch)
+    c, st, r = b.events
+    assert isinstance(c, LegacyCleared) and b.data_parallel_rank == 0
+    assert (st.block_hashes, st.parent_block_hash, st.token_ids, st.block_size, st.medium) == \
+        ([3, 4], 2, [1, 2, 3, 4], BS, "CPU")
+    assert (r.block_hashes, r.medium) == ([3], "GPU")
+    assert msgspec.msgpack.decode(raw)[1][1][7] is None      # lora_name, as vLLM 0.11 sent
 
 
 def test_tiers_announce_with_the_tokens_l1_learnt(tmp_path: Path) -> None:
