@@ -58,6 +58,22 @@ class Cleared:
 Event = Stored | Removed | Cleared
 
 
+@dataclass
+class _Run:
+    """The event being extended (a chain grows one block at a time: appending to lists, not
+    rebuilding tuples, keeps a long prompt's commit linear); frozen when drained."""
+    stored: bool
+    medium: str
+    parent: int | None
+    hashes: list[int]
+    tokens: list[int]
+
+    def freeze(self) -> Event:
+        if self.stored:
+            return Stored(tuple(self.hashes), self.parent, tuple(self.tokens), self.medium)
+        return Removed(tuple(self.hashes), self.medium)
+
+
 class KVEventRecorder:
     """Collects the events of one engine step; `drain` hands them over in order.
 
@@ -69,7 +85,7 @@ class KVEventRecorder:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._events: list[Event] = []
+        self._events: list[Event | _Run] = []
         self._info: dict[int, tuple[int | None, tuple[int, ...]]] = {}
         self._where: dict[int, set[str]] = {}
         self._recent: OrderedDict[int, tuple[int | None, tuple[int, ...]]] = OrderedDict()
@@ -80,7 +96,7 @@ class KVEventRecorder:
 
     def drain(self) -> list[Event]:
         out, self._events = self._events, []
-        return out
+        return [e.freeze() if isinstance(e, _Run) else e for e in out]
 
     def held(self, medium: str) -> set[int]:
         """The hashes a medium holds (as announced): tests and debugging."""
@@ -112,12 +128,12 @@ class KVEventRecorder:
         else:
             toks = ()
         last = self._events[-1] if self._events else None
-        if (isinstance(last, Stored) and last.medium == medium and last.hashes[-1] == parent
-                and bool(last.token_ids) == bool(toks)):
-            self._events[-1] = Stored(last.hashes + (block_hash,), last.parent,
-                                      last.token_ids + toks, medium)
+        if (isinstance(last, _Run) and last.stored and last.medium == medium
+                and last.hashes[-1] == parent and bool(last.tokens) == bool(toks)):
+            last.hashes.append(block_hash)
+            last.tokens.extend(toks)
         else:
-            self._events.append(Stored((block_hash,), parent, toks, medium))
+            self._events.append(_Run(True, medium, parent, [block_hash], list(toks)))
 
     def removed(self, medium: str, block_hash: int) -> None:
         where = self._where.get(block_hash)
@@ -132,10 +148,10 @@ class KVEventRecorder:
                 if len(self._recent) > RECENT_INFO:
                     self._recent.popitem(last=False)
         last = self._events[-1] if self._events else None
-        if isinstance(last, Removed) and last.medium == medium:
-            self._events[-1] = Removed(last.hashes + (block_hash,), medium)
+        if isinstance(last, _Run) and not last.stored and last.medium == medium:
+            last.hashes.append(block_hash)
         else:
-            self._events.append(Removed((block_hash,), medium))
+            self._events.append(_Run(False, medium, None, [block_hash], []))
 
     def tier_changed(self, tier: str, block_hash: int, stored: bool) -> None:
         """The tiers' hook (moed.kvcache.tiers.TieredCache.on_change): tier is host or disk."""

@@ -213,3 +213,21 @@ def test_a_taken_port_is_a_clear_error() -> None:
             ZmqPublisher(cfg, BS)
     finally:
         first.close()
+
+
+def test_blocks_read_from_a_peer_are_announced_without_tokens() -> None:
+    m, rec = manager(6)
+    ids = m.reserve(2)
+    assert ids is not None
+    assert m.adopt(ids, [101, 102]) == 2
+    assert rec.drain() == [Stored((101, 102), None, (), MEDIUM_L1)]
+    assert rec.held(MEDIUM_L1) == {101, 102}
+
+
+def test_a_long_prompt_is_one_chained_event() -> None:
+    m, rec = manager(5000)
+    toks = list(range(2 * 4096 + 1))
+    run(m, "long", toks)
+    (ev,) = rec.drain()
+    assert len(ev.hashes) == 4096 and ev.token_ids == tuple(toks[:8192]) and ev.parent is None
+    assert rec.drain() == []
