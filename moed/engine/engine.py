@@ -210,7 +210,7 @@ class Engine:
             return None
         from moed.kvcache.events import KVEventRecorder
 
-        rec = KVEventRecorder(self.kv.block_size)
+        rec = KVEventRecorder(self.kv.block_size, keep_tokens=self.tiers is not None)
         rec.cleared()
         self.kv.set_events(rec)
         if self.tiers is not None:

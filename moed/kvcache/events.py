@@ -83,8 +83,11 @@ class KVEventRecorder:
     by an earlier process: their tokens are unknown and they are announced without them.
     A block no tier holds keeps its tokens a while (RECENT_INFO), for a write still landing."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, keep_tokens: bool = True) -> None:
+        """keep_tokens: remember each held block's tokens for the tiers' events (a node
+        without tiers below L1 never needs them again)."""
         self.block_size = block_size
+        self.keep_tokens = keep_tokens
         self._events: list[Event | _Run] = []
         self._info: dict[int, tuple[int | None, tuple[int, ...]]] = {}
         self._where: dict[int, set[str]] = {}
@@ -119,14 +122,13 @@ class KVEventRecorder:
             return
         where.add(medium)
         if tokens is not None:
-            self._info[block_hash] = (parent, tuple(tokens))
-        elif block_hash not in self._info and block_hash in self._recent:
-            self._info[block_hash] = self._recent.pop(block_hash)
-        known = self._info.get(block_hash)
-        if known is not None:
-            parent, toks = known
+            toks = tuple(tokens)
+            if self.keep_tokens:
+                self._info[block_hash] = (parent, toks)
         else:
-            toks = ()
+            if block_hash not in self._info and block_hash in self._recent:
+                self._info[block_hash] = self._recent.pop(block_hash)
+            parent, toks = self._info.get(block_hash, (parent, ()))
         last = self._events[-1] if self._events else None
         if (isinstance(last, _Run) and last.stored and last.medium == medium
                 and last.hashes[-1] == parent and bool(last.tokens) == bool(toks)):
