@@ -5,7 +5,7 @@ index the events build matches what the node says it holds (moed_kv_blocks_cache
 tier's block count) and moed's own chained hashes, through stores, L1 evictions to disk and a
 restart (sequence from 0, AllBlocksCleared first, the disk blocks found again). Then an
 llm-d-style scorer fed by two nodes' streams sends a repeated prefix to the node holding it,
-where it is a prefix-cache hit."""
+where it is a prefix-cache hit. A PUB endpoint already taken stops the start, saying so."""
 from __future__ import annotations
 
 import json
@@ -209,3 +209,24 @@ def test_a_scorer_fed_by_the_events_routes_a_prefix_to_its_node(moed_server,
     finally:
         for fl in follow.values():
             fl.sub.close()
+
+
+def test_a_taken_endpoint_stops_the_start_saying_why(tiny_qwen3, tmp_path: Path) -> None:
+    import socket
+
+    from moed_server import start_server
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        srv = start_server(model=tiny_qwen3, env={"MOED_BALANCE_CALIBRATION_STEPS": "0"},
+                           args=["--kv-events-config", json.dumps(
+                               {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})],
+                           wait=None, log_dir=tmp_path)
+        try:
+            assert srv.proc.wait(timeout=120) != 0
+        finally:
+            srv.stop(timeout=5.0)
+    failed = [r for r in srv.log_records() if r.get("event") == "start_failed"]
+    assert failed and f"cannot open tcp://*:{port}" in failed[0]["error"]
