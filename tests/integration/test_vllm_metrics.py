@@ -68,6 +68,11 @@ def test_own_path_leaves_metrics_clean_and_values_equal(moed_server, tiny_qwen3)
     info = _cache_info(vtext)
     assert info == {"model_name": "tiny", "engine": "0", "block_size": "16",
                     "num_gpu_blocks": str(int(own["moed_kv_blocks_capacity"]))}
+    # scraped often by a router: quiet, as /metrics is (no access line)
+    assert not [r for r in srv.log_records()
+                if r.get("event") == "access" and r.get("path") == "/metrics/vllm"]
+    assert [r for r in srv.log_records()
+            if r.get("event") == "access" and r.get("path") == "/v1/completions"]
     # only the vLLM names: promtool's one complaint there is the colon
     problems = lint(vtext)
     assert problems and all(p.endswith("metric names should not contain ':'") for p in problems)
