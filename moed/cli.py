@@ -91,6 +91,8 @@ FLAGS: tuple[Flag, ...] = (
          metavar="URL"),
     Flag("--tool-call-parser", "model.tool_parser", "format of the model's tool calls (vLLM's "
          "hermes is qwen)", _tool_parser, metavar="NAME"),
+    Flag("--vllm-metrics-path", "server.vllm_metrics_path", "also export the vLLM-named "
+         "gauges routers scrape at this path (/metrics: in moed's own scrape)", metavar="PATH"),
 )
 
 # vLLM's on/off flags with a moed field of the same meaning: --X sets it, --no-X clears it
@@ -215,6 +217,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         names = (name, REFUSED_SWITCH_SHORT[name]) if name in REFUSED_SWITCH_SHORT else (name,)
         refused.add_argument(*names, dest=_refused_dest(name), action="store_const", const="",
                              help=why)
+    p.add_argument("--kv-events-config", dest="kv_events_config", metavar="JSON",
+                   help="vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                   "\"endpoint\": \"tcp://*:5557\"}' (the [kv_events] section; "
+                   "docs/kv-events.md)")
 
 
 def _refused_dest(name: str) -> str:
@@ -264,11 +270,34 @@ def _resolve(args: argparse.Namespace) -> None:
             raise ConfigError("command line: --api-key: a key must be non-empty and hold no comma")
 
 
+def kv_events_json(text: str) -> dict[str, Any]:
+    """--kv-events-config: vLLM's JSON object as [kv_events] values; an unknown key is an
+    error naming it (vLLM's null for publisher or replay_endpoint is moed's empty string)."""
+    from moed.config import KVEventsConfig
+
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"command line: --kv-events-config: not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError("command line: --kv-events-config: expected a JSON object")
+    known = [f.name for f in dataclasses.fields(KVEventsConfig)]
+    unknown = [k for k in obj if k not in known]
+    if unknown:
+        raise ConfigError(f"command line: --kv-events-config: unknown key"
+                          f"{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                          f"(known: {', '.join(known)})")
+    return {k: "" if v is None and k in ("publisher", "replay_endpoint") else v
+            for k, v in obj.items()}
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"model": {"path": args.model}, "server": {}}
     for f in (*FLAGS, *SWITCHES):
         section, key = f.field.split(".")
         out.setdefault(section, {})[key] = getattr(args, f.dest)
+    if getattr(args, "kv_events_config", None) is not None:
+        out["kv_events"] = kv_events_json(args.kv_events_config)
     if args.api_key:
         out["server"]["api_keys_env"] = API_KEYS_ENV
     return out

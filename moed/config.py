@@ -101,6 +101,12 @@ class ServerConfig:
                                      "made with the same API key share cached prefix "
                                      "blocks (moed/api/salt.py says why shared is the "
                                      "default)")
+    vllm_metrics_path: str = _f("", doc="also export the vLLM-named gauges routers scrape "
+                                "(vllm:num_requests_waiting, vllm:num_requests_running, "
+                                "vllm:kv_cache_usage_perc, vllm:cache_config_info; "
+                                "docs/metrics.md) at this path: /metrics appends them to "
+                                "moed's own scrape, another path (e.g. /metrics/vllm) serves "
+                                "them alone; empty = not exported")
     log_format: str = _f("json", live=True, doc="json | console")
     log_level: str = _f("info", live=True)
     # HTTP connection limits (slowloris, idle sockets, fd exhaustion): see moed/api/limits.py
@@ -131,6 +137,14 @@ class ServerConfig:
         _choice("server.role", self.role, ROLES)
         _choice("server.log_format", self.log_format, LOG_FORMATS)
         _choice("server.log_level", self.log_level, LOG_LEVELS)
+        p = self.vllm_metrics_path
+        if p and (not p.startswith("/") or len(p) > 128 or not p.isascii()
+                  or any(c.isspace() or c in "?#{}" for c in p)
+                  or p in ("/health", "/ready", "/version") or p.startswith(("/v1/", "/admin/",
+                                                                             "/internal/"))):
+            raise ConfigError(f"server.vllm_metrics_path: {_short(p)} must be an absolute URL "
+                              f"path of at most 128 characters, without spaces, ?, # or braces, "
+                              f"that no other route of moed's API uses")
         _choice("server.prefix_cache_isolation", self.prefix_cache_isolation,
                 PREFIX_CACHE_ISOLATION)
         _choice("server.metrics_access", self.metrics_access, METRICS_ACCESS)
@@ -555,6 +569,53 @@ class TiersConfig:
         return self.host_bytes > 0 or self.disk_bytes > 0
 
 
+KV_EVENT_PUBLISHERS = ("zmq", "null")
+KV_EVENT_FORMATS = ("map", "array")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KV-events stream (moed/kvcache/events.py, docs/kv-events.md): the blocks this
+    node's KV tiers store and drop, published over ZMQ in vLLM's wire format for prefix-aware
+    routers (llm-d's precise prefix-cache scorer, Dynamo's KV router). The field names are
+    vLLM's `--kv-events-config` keys; that flag takes the same JSON."""
+    enable_kv_cache_events: bool = _f(False, doc="publish KV block events")
+    publisher: str = _f("", doc="zmq | null; empty: zmq when enable_kv_cache_events, else null")
+    endpoint: str = _f("tcp://*:5557", doc="the PUB socket: bound when it holds * or :: (or "
+                       "is ipc:// or inproc://), else connected (vLLM's rule); on an "
+                       "expert-parallel rank the port is offset by the rank")
+    replay_endpoint: str = _f("", doc="the ROUTER socket that replays buffered batches from "
+                              "a sequence number (always bound); empty = no replay")
+    buffer_steps: int = _f(10_000, bounds=(1, 10_000_000),
+                           doc="batches kept for replay (one batch per engine step at most)")
+    hwm: int = _f(100_000, bounds=(1, 1 << 31), doc="the PUB socket's send high-water mark")
+    max_queue_size: int = _f(100_000, bounds=(1, 10_000_000),
+                             doc="batches waiting for the publisher thread; beyond it a batch "
+                             "is dropped and counted (moed_kv_event_batches_total)")
+    topic: str = _f("", doc="the first frame of every message (subscribers filter on it)")
+    event_format: str = _f("map", doc="moed's addition to vLLM's keys: map (each event a map "
+                           "tagged by type, as vLLM sends since its PR #42892) | array (the "
+                           "positional arrays earlier vLLM sent, for consumers not yet updated)")
+
+    def __post_init__(self) -> None:
+        _check_bounds("kv_events", self)
+        _choice("kv_events.event_format", self.event_format, KV_EVENT_FORMATS)
+        if self.publisher:
+            _choice("kv_events.publisher", self.publisher, KV_EVENT_PUBLISHERS)
+        for name in ("endpoint", "replay_endpoint"):
+            v = getattr(self, name)
+            if v and not v.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"kv_events.{name}: {_short(v)} is not a tcp://, ipc:// or "
+                                  f"inproc:// ZMQ endpoint")
+        if self.active and not self.endpoint:
+            raise ConfigError("kv_events.endpoint: publishing needs an endpoint")
+
+    @property
+    def active(self) -> bool:
+        """Events are published (vLLM: enabled and the publisher is not null)."""
+        return self.enable_kv_cache_events and self.publisher in ("", "zmq")
+
+
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -570,6 +631,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         if self.server.role != "router" and not self.model.path:
@@ -595,6 +657,15 @@ class Config:
             if not self.engine.enable_prefix_caching:
                 raise ConfigError("tiers.peer_reuse: peers' blocks become prefix-cached blocks; "
                                   "it needs engine.enable_prefix_caching")
+        if self.server.vllm_metrics_path and self.server.role == "router":
+            raise ConfigError("server.vllm_metrics_path: a router has no engine whose queue and "
+                              "KV cache those gauges report")
+        if self.kv_events.active and self.server.role == "router":
+            raise ConfigError("kv_events: a router holds no KV cache (KV events are published "
+                              "by colocated, prefill and decode nodes)")
+        if self.kv_events.active and not self.engine.enable_prefix_caching:
+            raise ConfigError("kv_events: the events name prefix-cached blocks; they need "
+                              "engine.enable_prefix_caching")
         if self.tiers.enabled and not self.engine.enable_prefix_caching:
             raise ConfigError("tiers: KV tiers hold prefix-cached blocks; they need "
                               "engine.enable_prefix_caching")

@@ -43,6 +43,18 @@ def check(cfg: Config) -> None:
         model(cfg)
     if cfg.server.role in ("prefill", "decode"):
         transfer_backend(cfg.transfer.backend)
+    if cfg.kv_events.active:
+        kv_events()
+
+
+def kv_events() -> None:
+    """The KV-events publisher's packages (the kvevents extra) import."""
+    for module in ("zmq", "msgspec"):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"kv_events: cannot import {module} ({e}); install "
+                              f"moed[kvevents]") from None
 
 
 def parallel(cfg: Config) -> None:

@@ -34,6 +34,7 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    stats = None
     if state.engine is not None:
         stats = state.engine.stats()
         metrics.observe_engine_stats(stats, state.config.server.cache_metrics_batch)
@@ -45,8 +46,21 @@ async def metrics_handler(request: web.Request) -> web.Response:
     metrics.HTTP_INFLIGHT.set(state.inflight)
     cfg = state.config   # only this role's areas: no router gauge on an engine node, etc.
     body, ctype = metrics.render(cfg.server.role, cluster=cfg.cluster.enabled)
+    if cfg.server.vllm_metrics_path == "/metrics" and stats is not None:
+        body += metrics.render_vllm(stats, state.engine.block_size)
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = ctype
+    return resp
+
+
+async def vllm_metrics(request: web.Request) -> web.Response:
+    """server.vllm_metrics_path (other than /metrics): the vLLM-named gauges alone."""
+    state = request.app[STATE]
+    if state.engine is None:            # still loading (a router refuses the path)
+        return web.json_response({"status": "starting"}, status=503)
+    body = metrics.render_vllm(state.engine.stats(), state.engine.block_size)
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = metrics.CONTENT_TYPE_LATEST
     return resp
 
 
@@ -59,3 +73,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_handler)
+    path = app[STATE].config.server.vllm_metrics_path
+    if path and path != "/metrics":
+        app.router.add_get(path, vllm_metrics)

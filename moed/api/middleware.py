@@ -103,7 +103,12 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     start = time.perf_counter()
     status = 500
     err_kind = ""
-    quiet = request.path in OPEN_PATHS or request.path == "/metrics"   # probes: no log, no span
+    # probes and scrapes (the vLLM-named gauges' path too: a router scrapes it often): no log,
+    # no span; they may use a probe slot
+    state = request.app.get(STATE)
+    vllm_path = state.config.server.vllm_metrics_path if state is not None else ""
+    scrape = request.path == "/metrics" or (bool(vllm_path) and request.path == vllm_path)
+    quiet = request.path in OPEN_PATHS or scrape
     # the server span (a child of the caller's traceparent), its ids on every log line inside
     span_cm = trace.NO_SPAN if quiet else trace.server_span(
         f"{request.method} {_route_label(request)}", request.headers)
@@ -111,7 +116,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             structlog.contextvars.bound_contextvars(**trace.log_ids()):
         try:
             try:
-                if limits.probe_only(request) and request.path not in limits.PROBE_PATHS:
+                if (limits.probe_only(request) and request.path not in limits.PROBE_PATHS
+                        and not scrape):
                     raise limits.connection_limit_error()
                 request = _body_limit(request)
                 resp = await handler(request)
@@ -160,7 +166,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
 async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     path = request.path
-    if path == "/metrics":
+    if path == "/metrics" or path == state.config.server.vllm_metrics_path:
         check_metrics(request, state)
     elif path.startswith("/v1/") or path in TENANT_PATHS:
         check_bearer(request.headers.get("Authorization"), state.api_keys)

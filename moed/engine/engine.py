@@ -47,7 +47,7 @@ from typing import Any
 
 import structlog
 
-from moed.config import BalanceConfig, Config, EngineConfig, TiersConfig
+from moed.config import BalanceConfig, Config, EngineConfig, KVEventsConfig, TiersConfig
 from moed.engine.client import Listeners, Unsubscribe
 from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary, Command,
                                   CompleteRemotePrefill, ReleaseKV)
@@ -75,11 +75,13 @@ class Engine:
                  on_prefill_progress: Callable[[str, list[int], int], None] | None = None,
                  on_expert_load: Callable[[Any], None] | None = None,
                  balance: BalanceConfig | None = None, ep: Any = None,
-                 tiers: TiersConfig | None = None, model_id: str = "") -> None:
+                 tiers: TiersConfig | None = None, model_id: str = "",
+                 kv_events: KVEventsConfig | None = None) -> None:
         """ep: this rank's moed.parallel.runtime.EPRuntime (expert parallelism; joined).
         tiers: the KV tiers below the KV tensor (host memory, disk); None or all 0 = none.
         model_id: the checkpoint's (moed.model.identity): with the layout id it names the
-        disk tier's files, so a restart on other weights never reads their KV."""
+        disk tier's files, so a restart on other weights never reads their KV.
+        kv_events: vLLM's KV-events stream (moed.kvcache.events); published from start()."""
         self._model_id = model_id
         self.runner = runner
         self.ep = ep
@@ -100,6 +102,9 @@ class Engine:
         # the prefill balancer: cost model fed below from each step, time budget (None: tokens)
         self.balance = EngineBalance(self.scheduler, spec, balance)
         self.tiers = self._make_tiers(tiers)
+        self._kv_events_cfg = kv_events if kv_events is not None and kv_events.active else None
+        self._kv_events = self._make_kv_events()
+        self._kv_publisher: Any = None
         self._on_step: Listeners[Callable[[StepStats], None]] = Listeners("step")
         self._on_progress: Listeners[Callable[[str, list[int], int], None]] = \
             Listeners("prefill_progress")
@@ -159,7 +164,8 @@ class Engine:
             ep.attach(runner.model)     # the expert balancer, if parallel.eplb_interval_s
         from moed.model.identity import model_id
         engine = cls(runner, Tokenizer.from_dir(m.path), e, max_model_len=m.max_model_len or None,
-                     balance=cfg.balance, ep=ep, tiers=cfg.tiers, model_id=model_id(m.path), **kw)
+                     balance=cfg.balance, ep=ep, tiers=cfg.tiers, model_id=model_id(m.path),
+                     kv_events=cfg.kv_events, **kw)
         # what the KV budget buys: requests of the model's full context that fit at once
         tokens = num_blocks * e.block_size
         log.info("kv_cache_sized", kv_blocks=num_blocks, block_size=e.block_size,
@@ -196,6 +202,27 @@ class Engine:
         self.kv.set_tier_hooks(cache.offer, cache.on_cached)
         self.scheduler.tiers = cache
         return cache
+
+    def _make_kv_events(self) -> Any:
+        """The recorder on L1 and the tiers: a fresh process holds nothing (AllBlocksCleared
+        first), except the disk blocks an earlier one left (announced without tokens)."""
+        if self._kv_events_cfg is None:
+            return None
+        from moed.kvcache.events import KVEventRecorder
+
+        rec = KVEventRecorder(self.kv.block_size, keep_tokens=self.tiers is not None)
+        rec.cleared()
+        self.kv.set_events(rec)
+        if self.tiers is not None:
+            for tier, key in self.tiers.held():
+                rec.tier_changed(tier, key, True)
+            self.tiers.on_change = rec.tier_changed
+        return rec
+
+    def _flush_kv_events(self) -> None:
+        """This step's KV events to the publisher's thread (a put on its queue, no I/O)."""
+        if self._kv_publisher is not None and self._kv_events.pending:
+            self._kv_publisher.publish(self._kv_events.drain())
 
     def _tier_results(self) -> bool:
         """An I/O result is waiting (it may have woken the loop before the loop cleared its
@@ -407,6 +434,12 @@ class Engine:
         if self.tiers is not None:      # an I/O thread's finished load wakes the loop
             loop, wake = asyncio.get_running_loop(), self._wake
             self.tiers.set_waker(lambda: loop.call_soon_threadsafe(wake.set))
+        if self._kv_events_cfg is not None:
+            from moed.kvcache.publisher import ZmqPublisher
+
+            self._kv_publisher = ZmqPublisher(self._kv_events_cfg, self.kv.block_size,
+                                              getattr(getattr(self.ep, "cfg", None), "ep_rank", 0))
+            self._flush_kv_events()     # the start: cleared, then the disk tier's blocks
         self._task = asyncio.create_task(self._loop(), name="moed-engine-loop")
         log.info("engine_started", kv_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
                  max_model_len=self._max_model_len)
@@ -429,6 +462,10 @@ class Engine:
         if self.tiers is not None:          # queued L3 writes land, so a restart finds them
             self.tiers.set_waker(None)
             await asyncio.to_thread(self.tiers.close)
+        if self._kv_publisher is not None:
+            self._flush_kv_events()
+            await asyncio.to_thread(self._kv_publisher.close)
+            self._kv_publisher = None
         if self._executor is not None:
             # a failed EP group's step thread may still sit in a collective (until gloo's timeout)
             self._executor.shutdown(wait=self.ep is None or self.ep.group is None
@@ -463,6 +500,7 @@ class Engine:
             self._collect_tier_loads()
             t0 = time.perf_counter()
             plan = self._schedule()
+            self._flush_kv_events()
             if plan is None:
                 self._read_expert_load(force=True)      # flush the window before idling
                 self._wake.clear()
@@ -479,6 +517,7 @@ class Engine:
             finally:
                 self._load_pending = True
             self._finish_step(plan, res, t0, fwd_s, plps)
+            self._flush_kv_events()
             self._read_expert_load(force=False)
 
     async def _steps_ep(self) -> None:
@@ -497,6 +536,7 @@ class Engine:
                 t0 = time.perf_counter()
                 leaving = self._stopping
                 plan = None if leaving else self._schedule()
+                self._flush_kv_events()
                 if leaving:
                     await self._ep_call(agreement.wake_peers)
                 verdict = await self._ep_call(agreement.agree, plan is not None, leaving,
@@ -527,6 +567,7 @@ class Engine:
                 res, fwd_s, plps = await self._ep_call(self._execute, plan)
                 self.ep.observe_step()
                 self._finish_step(plan, res, t0, fwd_s, plps)   # tokens out before any move
+                self._flush_kv_events()
                 if self.ep.rebalance_due(verdict.rebalance):
                     await self._ep_call(self.ep.rebalance_step, verdict.rebalance)
                 self._read_expert_load(force=False)

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from moed.kvcache.events import MEDIUM_L1, KVEventRecorder
 from moed.kvcache.pool import BlockPool, PoolStats, hash_block
 
 
@@ -71,6 +72,7 @@ class KVCacheManager:
         # leading hashes of recently freed tables (the prefix digest reads them once a second)
         self._freed: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=256)
         self._freed_seq = 0
+        self.events: KVEventRecorder | None = None     # set_events
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -117,6 +119,11 @@ class KVCacheManager:
         """The tiers below L1 (moed.kvcache.tiers): (block id, prefix hash) of a cached block
         about to be reused, and of a block first cached."""
         self._pool.on_evict, self._pool.on_cached = on_evict, on_cached
+
+    def set_events(self, rec: KVEventRecorder | None) -> None:
+        """KV events (moed.kvcache.events): L1's cached blocks as they come and go."""
+        self.events = rec
+        self._pool.on_uncached = None if rec is None else (lambda h: rec.removed(MEDIUM_L1, h))
 
     def hashes_after(self, tokens: Sequence[int], hit: PrefixHit,
                      root: int | None = None) -> list[int]:
@@ -199,9 +206,13 @@ class KVCacheManager:
         bs = self.block_size
         full = min(num_computed // bs, len(t.blocks))
         parent = t.hashes[-1] if t.hashes else t.root
+        ev = self.events
         for i in range(len(t.hashes), full):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            # a salted chain's first block has no parent block (its root is no block)
+            prev, parent = parent if i else None, hash_block(parent, tokens[i * bs:(i + 1) * bs])
             t.hashes.append(parent)
+            if ev is not None and self._pool.lookup(parent) is None:   # cache() registers it
+                ev.stored(MEDIUM_L1, parent, prev, tokens[i * bs:(i + 1) * bs])
             self._pool.cache(t.blocks[i], parent)
 
     def free(self, req_id: str) -> None:
@@ -241,6 +252,11 @@ class KVCacheManager:
     def adopt(self, ids: Sequence[int], hashes: Sequence[int]) -> int:
         """Reserved blocks now hold the prefix blocks `hashes`: cache them and drop our
         reference, so the next prefix hit finds them. -> how many were registered."""
-        n = sum(self._pool.cache(b, h) for b, h in zip(ids, hashes))
+        ev, prev, n = self.events, None, 0
+        for b, h in zip(ids, hashes):
+            if ev is not None and self._pool.lookup(h) is None:   # tokens: unknown here
+                ev.stored(MEDIUM_L1, h, prev)
+            n += self._pool.cache(b, h)
+            prev = h
         self._pool.free(reversed(ids))
         return n

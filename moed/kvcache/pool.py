@@ -69,6 +69,8 @@ class BlockPool:
         # about to be reused (its data is still intact) and when a block is first cached
         self.on_evict: Callable[[int, int], None] | None = None
         self.on_cached: Callable[[int, int], None] | None = None
+        # KV events (moed.kvcache.events): the prefix hash of a block that stops being cached
+        self.on_uncached: Callable[[int], None] | None = None
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -156,6 +158,9 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (e.g. after new weights). Returns how many were dropped."""
         n = len(self._by_hash)
+        if self.on_uncached is not None:
+            for h in self._by_hash:
+                self.on_uncached(h)
         self._by_hash.clear()
         self._hash = [None] * self.num_blocks
         return n
@@ -166,3 +171,5 @@ class BlockPool:
             self._hash[bid] = None
             if self._by_hash.get(h) == bid:
                 del self._by_hash[h]
+                if self.on_uncached is not None:
+                    self.on_uncached(h)

@@ -170,6 +170,9 @@ DECODE_STEP_TIME = Histogram("moed_decode_step_seconds", "Wall time of one engin
                              "decode tokens only (no prefill)", buckets=_TOKEN_BUCKETS, registry=ENGINE)
 KV_BLOCKS_USED = Gauge("moed_kv_blocks_used", "KV cache blocks in use", registry=ENGINE)
 KV_BLOCKS_FREE = Gauge("moed_kv_blocks_free", "KV cache blocks free", registry=ENGINE)
+KV_BLOCKS_CACHED = Gauge("moed_kv_blocks_cached", "KV cache blocks registered under a prefix "
+                         "hash (in use or free; what the GPU medium of the KV events holds)",
+                         registry=ENGINE)
 KV_BLOCKS_CAPACITY = Gauge("moed_kv_blocks_capacity", "KV cache blocks in the pool",
                            registry=ENGINE)
 KV_USAGE = Gauge("moed_kv_cache_usage_ratio", "KV cache blocks in use / blocks in the pool "
@@ -226,6 +229,10 @@ PEER_LEASES = Counter("moed_kv_peer_leases_granted", "Leases this node granted t
                       "reading its cached blocks", registry=ENGINE)
 PEER_LENT_BLOCKS = Gauge("moed_kv_peer_lent_blocks", "Blocks pinned for peers' reads now",
                          registry=ENGINE)
+KV_EVENT_BATCHES = Counter("moed_kv_event_batches", "KV-event batches (kv_events, one per engine "
+                           "step with KV changes) by outcome: sent on the PUB socket, or "
+                           "dropped (publisher queue full or send failed)", ["outcome"],
+                           registry=ENGINE)
 MODEL_INFO = Info("moed_model", "The loaded model: architecture, dtype, device, attention backend, "
                   "and whether the native CPU kernels run (cpu_kernels on/off)", registry=ENGINE)
 
@@ -403,7 +410,17 @@ def observe_kv(used: int, free: int) -> None:
     """KV pool occupancy (per step and on scrape)."""
     KV_BLOCKS_USED.set(used)
     KV_BLOCKS_FREE.set(free)
-    KV_USAGE.set(used / (used + free) if used + free else 0.0)
+    KV_USAGE.set(_kv_usage(used, free))
+
+
+def _kv_usage(used: int, free: int) -> float:
+    return used / (used + free) if used + free else 0.0
+
+
+def _waiting(stats: object) -> int:
+    extra = getattr(stats, "extra", None) or {}
+    return (getattr(stats, "waiting", 0) + getattr(stats, "waiting_remote_kv", 0)
+            + int(extra.get("waiting_tier_kv", 0)))
 
 
 # the prefix cache's and the tiers' counters, released in batches of requests (moed.obs.coarse)
@@ -416,10 +433,10 @@ def observe_engine_stats(stats: object, cache_batch: int = 16) -> None:
     (server.cache_metrics_batch)."""
     RUNNING.set(getattr(stats, "running", 0))
     extra = getattr(stats, "extra", None) or {}
-    WAITING.set(getattr(stats, "waiting", 0) + getattr(stats, "waiting_remote_kv", 0)
-                + int(extra.get("waiting_tier_kv", 0)))
+    WAITING.set(_waiting(stats))
     observe_kv(getattr(stats, "kv_blocks_used", 0), getattr(stats, "kv_blocks_free", 0))
     KV_BLOCKS_CAPACITY.set(getattr(stats, "kv_blocks_total", 0))
+    KV_BLOCKS_CACHED.set(extra.get("kv_blocks_cached", 0))
     _CACHE_GATE.batch = cache_batch
     cache = _CACHE_GATE.update(int(extra.get("prefix_cache_requests", 0)), {
         "queries": getattr(stats, "prefix_cache_queries", 0),
@@ -607,6 +624,40 @@ ROUTER_CANARY_HEALTH = Gauge("moed_router_canary_health",
                              "0 unhealthy, -1 too few canary attempts (canary.min_requests); "
                              "one series, for the canary's label (none without canary.label)",
                              ["label"], registry=ROUTER)
+
+
+# ==== vLLM's names (server.vllm_metrics_path) ==============================================
+# The gauges the Gateway API Inference Extension's endpoint picker scrapes from a vLLM server
+# (its default metric specs), set from the same values as moed's own on each scrape. Not an
+# area of any role: they are served only when server.vllm_metrics_path is set, and their
+# colons fail promtool's lint, so moed's own /metrics stays clean unless the path is /metrics.
+
+VLLM = CollectorRegistry(auto_describe=True)
+VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting (moed_requests_waiting)",
+                     ["model_name", "engine"], registry=VLLM)
+VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests running "
+                     "(moed_requests_running)", ["model_name", "engine"], registry=VLLM)
+VLLM_KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (a ratio, despite "
+                      "the name: moed_kv_cache_usage_ratio)", ["model_name", "engine"],
+                      registry=VLLM)
+VLLM_CACHE_CONFIG = Gauge("vllm:cache_config_info", "1, labelled with the KV cache's block "
+                          "size and blocks (moed_kv_blocks_capacity)",
+                          ["model_name", "engine", "block_size", "num_gpu_blocks"],
+                          registry=VLLM)
+
+
+def render_vllm(stats: object, block_size: int) -> bytes:
+    """The vLLM-named gauges from an EngineStats snapshot, by the same functions as moed's own
+    (observe_engine_stats)."""
+    labels = (_MODEL_NAME, "0")
+    VLLM_WAITING.labels(*labels).set(_waiting(stats))
+    VLLM_RUNNING.labels(*labels).set(getattr(stats, "running", 0))
+    VLLM_KV_USAGE.labels(*labels).set(_kv_usage(getattr(stats, "kv_blocks_used", 0),
+                                                getattr(stats, "kv_blocks_free", 0)))
+    VLLM_CACHE_CONFIG.clear()       # one series: its labels are the pool's shape
+    VLLM_CACHE_CONFIG.labels(*labels, str(block_size),
+                             str(getattr(stats, "kv_blocks_total", 0))).set(1)
+    return generate_latest(VLLM)
 
 
 # Every area, for tests and tools (a name used in two areas fails here, at import).

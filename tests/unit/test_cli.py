@@ -104,6 +104,7 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to cli.F
     "--ep-size": ("4", 4), "--ep-rank": ("3", 3),
     "--ep-init": ("tcp://10.0.0.1:29500", "tcp://10.0.0.1:29500"),
     "--tool-call-parser": ("hermes", "qwen"),          # vLLM's name for the Qwen format
+    "--vllm-metrics-path": ("/metrics/vllm", "/metrics/vllm"),
 }
 
 
@@ -215,6 +216,28 @@ def test_kv_transfer_nodes_get_huge_pages_unless_the_operator_chose():
         assert env.get(cli.THP_ENV) == expect
     env = {cli.THP_ENV: "0"}                       # an explicit opt-out is kept
     assert cli.kv_transfer_env("decode", env) is False and env[cli.THP_ENV] == "0"
+
+
+def test_kv_events_config_takes_vllm_json_and_refuses_unknown_keys(capsys, tmp_path):
+    cfg = _cfg("/m", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": '
+               '"zmq", "endpoint": "tcp://*:6001", "replay_endpoint": null, "topic": "kv", '
+               '"buffer_steps": 7, "hwm": 9, "max_queue_size": 11}')
+    k = cfg.kv_events
+    assert (k.active, k.endpoint, k.replay_endpoint, k.topic, k.buffer_steps, k.hwm,
+            k.max_queue_size) == (True, "tcp://*:6001", "", "kv", 7, 9, 11)
+    assert not _cfg("/m").kv_events.active and _cfg("/m").kv_events.event_format == "map"
+    assert _cfg("/m", "--kv-events-config", '{"event_format": "array"}').kv_events.event_format \
+        == "array"
+    assert not _cfg("/m", "--kv-events-config", '{"enable_kv_cache_events": true, '
+                    '"publisher": "null"}').kv_events.active
+    for bad, says in (('{"enable_kv_cache_events": true, "buffer_step": 3}', "'buffer_step'"),
+                      ('{"publisher": "kafka"}', "kv_events.publisher"),
+                      ('{"endpoint": "http://x:1"}', "kv_events.endpoint"),
+                      ('{"hwm": "many"}', "kv_events.hwm"), ("[1]", "JSON object"),
+                      ('{"event_format": "tuple"}', "kv_events.event_format"),
+                      ("{nope", "not valid JSON")):
+        assert cli.main(["check-config", "--model", "/m", "--kv-events-config", bad]) == 2, bad
+        assert says in capsys.readouterr().err, bad
 
 
 def test_documented_default_file_matches_builtin_defaults():

@@ -148,6 +148,9 @@ class TieredCache:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="moed-kv-load")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="moed-kv-write")
         self._waker: Callable[[], None] | None = None
+        # KV events (moed.kvcache.events): (tier, key, stored?) when a block becomes readable
+        # in a tier or leaves it; loop thread only
+        self.on_change: Callable[[str, int, bool], None] | None = None
         self.recompute_s_per_byte = 1e-9        # the engine refreshes it from its cost model
         # a load is learned at the step boundary after the step in flight: the loaded request
         # then waits about one step longer than if it had recomputed in that step
@@ -380,6 +383,10 @@ class TieredCache:
                         f"tier_{t}_bandwidth_bytes_per_s": self.bandwidth[t].value})
         return out
 
+    def held(self) -> list[tuple[str, int]]:
+        """(tier, key) of every readable block (KV events announce a restart's disk blocks)."""
+        return [(e.tier, k) for k, e in self._index.items() if e.ready]
+
     def tier_of(self, key: int) -> str | None:
         e = self._index.get(key)
         return None if e is None else e.tier
@@ -406,6 +413,8 @@ class TieredCache:
         e = self._index.pop(key)
         self.used[tier] -= e.nbytes
         self.counters[tier].evicted += 1
+        if self.on_change is not None and e.ready:
+            self.on_change(tier, key, False)
         if tier == "host":
             assert self.host is not None
             try:
@@ -430,6 +439,8 @@ class TieredCache:
         self._index[key] = _Entry("host", len(data))
         self.used["host"] += len(data)
         self.counters["host"].stored += 1
+        if self.on_change is not None:
+            self.on_change("host", key, True)
 
     def _put_disk(self, key: int, data: bytes, hits: int = 0) -> None:
         if self.disk is None or key in self._index:
@@ -495,6 +506,8 @@ class TieredCache:
         if reason is None:
             e.ready = True
             self.counters["disk"].stored += 1
+            if self.on_change is not None:
+                self.on_change("disk", key, True)
             return
         # the block is simply not cached below: a later request recomputes it
         del self._index[key]
@@ -552,6 +565,8 @@ class TieredCache:
         del self._index[key]
         self.used[e.tier] -= e.nbytes
         self.counters[e.tier].corrupt += 1
+        if self.on_change is not None and e.ready:
+            self.on_change(e.tier, key, False)
         if e.tier == "host":
             assert self.host is not None
             self.host.delete(key)
