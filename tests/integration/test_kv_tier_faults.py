@@ -54,10 +54,10 @@ def complete(srv: ServerProcess, prompt: str) -> str:
 
 
 def stop_within_grace(srv: ServerProcess) -> None:
-    """SIGTERM: a clean exit (0) within the drain grace plus the tier's write flush; a
+    """SIGTERM: a clean exit (0) within the drain grace (plus 10 s for the interpreter to exit); a
     process that hangs is killed at the deadline and fails here."""
     t0 = time.monotonic()
-    rc = srv.stop(signal.SIGTERM, timeout=GRACE_S + 15)
+    rc = srv.stop(signal.SIGTERM, timeout=GRACE_S + 10)
     assert rc == 0, f"exit {rc} after {time.monotonic() - t0:.1f} s; log tail:\n{srv.tail()}"
 
 
