@@ -10,8 +10,11 @@ Qwen3-MoE, fp32, an L1 of 16 blocks of 4 tokens):
   it loads): the refused writes are logged and counted, and the tier's blocks and bytes equal
   what the files on disk hold.
 
-The read deadline itself (a read stuck in the kernel) has no way to happen on demand here: see
-tests/unit/kvcache/test_tiers_disk_faults.py."""
+- a read that never returns (the tier's directory becomes a FUSE mount whose reads are never
+  answered, tests/integration/stallfs.py): each load is abandoned at `tiers.read_timeout_s`
+  and its request recomputes the same text, spare threads stand in until every one is stuck,
+  loads are then suspended, and SIGTERM still exits cleanly with threads stuck in reads.
+"""
 from __future__ import annotations
 
 import json
@@ -27,12 +30,18 @@ import pytest
 
 from moed.kvcache.tiers import fileio
 from moed_server import ServerProcess, serve_process
+from stallfs import StallFS
 
 pytestmark = pytest.mark.timeout(240)
 
 PROMPTS = [f"Session {i}: the quick brown fox jumps over the lazy dog while the cat {i} sat "
            f"on the mat and watched the rain" for i in range(5)]
 GRACE_S = 5
+# ~170-token prompts (43 blocks of 4 tokens) in an L1 of 64 blocks, read with plain file I/O
+LONG_ENV = {"MOED_TIERS_DISK_IO": "file", "MOED_ENGINE_NUM_KV_BLOCKS": "64",
+            "MOED_MODEL_MAX_MODEL_LEN": "256"}
+LONG_PROMPTS = [f"Session {i}: " + " ".join(f"the quick fox {i} jumps over the lazy dog {j}"
+                                            for j in range(9)) for i in range(5)]
 
 
 def env(l3: Path, **kw: str) -> dict[str, str]:
@@ -85,11 +94,8 @@ def test_fifos_in_place_of_block_files_recompute_and_stop_cleanly(moed_server, t
     # faster than recomputing, so the requests do load (the tiny model's short prompts cost
     # about one step's fixed overhead either way, and the decision then goes by noise); the
     # FIFO is met at the open, before any payload I/O
-    srv = moed_server(model=tiny_qwen3, env=env(
-        l3, MOED_TIERS_DISK_IO="file", MOED_ENGINE_NUM_KV_BLOCKS="64",
-        MOED_MODEL_MAX_MODEL_LEN="256"))
-    prompts = [f"Session {i}: " + " ".join(f"the quick fox {i} jumps over the lazy dog {j}"
-                                           for j in range(9)) for i in range(5)]
+    srv = moed_server(model=tiny_qwen3, env=env(l3, **LONG_ENV))
+    prompts = LONG_PROMPTS
     first = [complete(srv, p) for p in prompts]
     files = sorted(tier_dir(l3).glob("*.kvb"))
     assert len(files) >= 5
@@ -115,6 +121,29 @@ def test_fifos_in_place_of_block_files_recompute_and_stop_cleanly(moed_server, t
     assert all(f.is_fifo() or f.is_file() for f in files)
     assert any(f.is_file() for f in files)
     stop_within_grace(srv)
+
+
+def test_a_read_that_never_returns_is_abandoned_and_does_not_hold_the_exit(
+        moed_server, tiny_qwen3, tmp_path: Path) -> None:
+    l3 = tmp_path / "l3"
+    srv = moed_server(model=tiny_qwen3, env=env(l3, MOED_TIERS_READ_TIMEOUT_S="1",
+                                                MOED_TIERS_LOAD_THREADS="1", **LONG_ENV))
+    first = [complete(srv, p) for p in LONG_PROMPTS]
+    with StallFS(tier_dir(l3)) as fs:   # from now on every block file's read hangs
+        for _ in range(4):              # until both threads (the loader, its spare) are stuck
+            assert [complete(srv, p) for p in LONG_PROMPTS] == first
+            if any(r.get("event") == "kv_tier_loads_suspended" for r in srv.log_records()):
+                break
+        recs = srv.log_records()
+        timeouts = [r for r in recs if r.get("event") == "kv_tier_read_timeout"]
+        assert len(timeouts) == 2 and fs.reads == 2, (timeouts, fs.reads)
+        assert all("no progress in 1 s" in r["reason"] for r in timeouts)
+        assert any(r.get("event") == "kv_tier_loads_suspended" for r in recs)
+        assert not [r for r in recs if r.get("event") == "access" and r.get("status") != 200]
+        assert srv.metrics()['moed_kv_tier_read_timeouts_total{tier="disk"}'] == 2
+        assert [complete(srv, p) for p in LONG_PROMPTS] == first    # suspended: recomputed
+        stop_within_grace(srv)          # two threads still blocked in a read
+        assert fs.interrupted == 2      # the exit's kill reached them (stallfs.py)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
