@@ -28,8 +28,8 @@ ATTR = struct.Struct("<QQQQQQIIIIIIIIII")     # fuse_attr (88 bytes)
 LOOKUP, FORGET, GETATTR, OPEN, READ, RELEASE, FLUSH, INIT, OPENDIR, RELEASEDIR, INTERRUPT, \
     BATCH_FORGET, DESTROY = 1, 2, 3, 14, 15, 18, 25, 26, 27, 29, 36, 42, 38
 NO_REPLY = (FORGET, BATCH_FORGET)
-ROFS = (4, 5, 6, 8, 9, 10, 11, 12, 13, 35)   # setattr readlink symlink mknod mkdir unlink rmdir
-#                                            # rename link create: a read-only file system
+# setattr readlink symlink mknod mkdir unlink rmdir rename link create: a read-only file system
+ROFS = (4, 5, 6, 8, 9, 10, 11, 12, 13, 35)
 FOPEN_DIRECT_IO = 1
 FILE_SIZE = 1 << 16
 
@@ -113,7 +113,7 @@ class StallFS:
         if op in NO_REPLY:
             return
         if op == INIT:
-            major, minor, readahead = struct.unpack_from("<III", body)
+            (readahead,) = struct.unpack_from("<I", body, 8)
             out = struct.pack("<IIIIHHIIHHI", 7, 31, readahead, 0, 16, 12, 1 << 17, 1, 32, 0, 0)
             self._reply(unique, data=out + bytes(64 - len(out)))
         elif op == LOOKUP:
