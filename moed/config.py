@@ -540,6 +540,11 @@ class TiersConfig:
                       "backend) | file (pread/pwrite) | auto (nixl when it loads, else file)")
     write_through: bool = _f(False, doc="also copy each block below when it is first "
                              "completed (hot data), not only when L1 evicts it")
+    load_threads: int = _f(2, bounds=(1, 64), doc="threads that read L2/L3 payloads for "
+                           "loads (as many spares stand in for threads stuck in a read)")
+    read_timeout_s: float = _f(5.0, bounds=(0.001, 3600.0), doc="a load whose block read "
+                               "makes no progress this long is abandoned: the request "
+                               "recomputes")
     host_bandwidth_mbps: float = _f(5000.0, bounds=(0.001, 1e9),
                                     doc="L2 read bandwidth assumed until measured (MB/s)")
     disk_bandwidth_mbps: float = _f(500.0, bounds=(0.001, 1e9),

@@ -195,7 +195,8 @@ class Engine:
             raise ValueError("a disk KV tier needs the checkpoint's model id (Engine model_id)")
         cache = TieredCache(TierSettings(
             host_bytes=t.host_bytes, disk_bytes=t.disk_bytes, disk_dir=t.disk_dir,
-            disk_io=t.disk_io, write_through=t.write_through, host_bandwidth=t.host_bandwidth_mbps * 1e6,
+            disk_io=t.disk_io, write_through=t.write_through, load_threads=t.load_threads,
+            read_timeout_s=t.read_timeout_s, host_bandwidth=t.host_bandwidth_mbps * 1e6,
             disk_bandwidth=t.disk_bandwidth_mbps * 1e6, half_life_s=t.reuse_half_life_s),
             KVBlockIO(self.runner.kv_cache, layout),
             f"{layout.layout_id}.m-{self._model_id}" if self._model_id else layout.layout_id)

@@ -204,6 +204,12 @@ TIER_CORRUPT = Counter("moed_kv_tier_corrupt_blocks", "Stored blocks that failed
 TIER_WRITE_ERRORS = Counter("moed_kv_tier_write_errors", "Block writes the medium refused "
                             "(e.g. disk full): the block is recomputed when needed", ["tier"],
                             registry=ENGINE)
+TIER_IGNORED = Counter("moed_kv_tier_ignored_files", "Entries in the disk tier's directory that "
+                       "are not regular files (a FIFO, a directory, a symlink), met at start "
+                       "or by a load: left in place, never read", ["tier"], registry=ENGINE)
+TIER_READ_TIMEOUTS = Counter("moed_kv_tier_read_timeouts", "Loads abandoned because a block "
+                             "read made no progress for tiers.read_timeout_s: the request "
+                             "recomputed", ["tier"], registry=ENGINE)
 TIER_BANDWIDTH = Gauge("moed_kv_tier_read_bandwidth_bytes_per_second", "Measured read bandwidth "
                        "of a tier (what load-or-recompute predicts from)", ["tier"],
                        registry=ENGINE)
@@ -455,7 +461,8 @@ _TIER_GAUGES = (("capacity_bytes", TIER_CAPACITY), ("used_bytes", TIER_USED),
                 ("blocks", TIER_BLOCKS), ("bandwidth_bytes_per_s", TIER_BANDWIDTH))
 _TIER_COUNTERS = (("hits", TIER_HITS), ("misses", TIER_MISSES), ("loads", TIER_LOADS),
                   ("load_bytes", TIER_LOAD_BYTES), ("corrupt", TIER_CORRUPT),
-                  ("write_errors", TIER_WRITE_ERRORS))
+                  ("write_errors", TIER_WRITE_ERRORS), ("ignored", TIER_IGNORED),
+                  ("read_timeouts", TIER_READ_TIMEOUTS))
 # the tier keys that say whether a prompt's blocks were found (batched with the prefix cache's)
 _TIER_GATED = frozenset({f"tier_{t}_{k}" for t in ("host", "disk")
                          for k in ("hits", "misses", "loads", "load_bytes")}

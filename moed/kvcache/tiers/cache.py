@@ -13,29 +13,39 @@ thread (in `offer`, `start_load`, `collect`). The I/O threads read payloads and 
 delete files; their results come back through `_done` and are applied by `collect`. A load
 pins its entries, so eviction never takes a block a load is reading. L3 writes are queued
 on their own thread, so a slow disk delays only the disk tier, never a step.
+
+Loads run on `load_threads` loader threads. A block read (open, read, verify) that makes no
+progress for `read_timeout_s` abandons its load: the request recomputes (never a wrong answer,
+never a request timeout because of the tier), the entry it was stuck on is dropped, and a spare
+thread takes the stuck one's place (tiers/iopool.py). The I/O threads are daemons: a read
+blocked for good never holds the process's exit.
 """
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
 
 from moed.kvcache.tiers import fileio
+from moed.kvcache.tiers.iopool import IOPool, Watchdog
 from moed.kvcache.tiers.policy import (Bandwidth, Candidate, Latency, LoadPlan, benefit, plan_load,
                                        victims)
-from moed.kvcache.tiers.store import BlockStore, CorruptBlock, DiskStore, HostStore
+from moed.kvcache.tiers.store import BlockStore, CorruptBlock, DiskStore, HostStore, NotRegular
 
 log = structlog.get_logger(__name__)
 
 TIERS = ("host", "disk")
 PROBE_KEY = (1 << 128) - 1      # the warm-up probe's key: not a key the pool's hashes produce
 PROBE_READS = 5                 # warm-up reads per tier; the first (thread and agent set-up) unused
+MAX_IGNORED_LOGGED = 20         # start-up log lines for entries that are not block files
+WRITE_FAIL_LOG_S = 10.0         # at most one kv_tier_write_failed line this often
 
 
 class BlockIO(Protocol):
@@ -62,6 +72,8 @@ class TierSettings:
     half_life_s: float = 60.0
     load_overhead_s: float = 0.0
     calibrate: bool = True               # measure each tier's read path at start (_calibrate)
+    load_threads: int = 2                # loader threads (and as many spares for stuck ones)
+    read_timeout_s: float = 5.0          # a block read stalled this long abandons its load
 
 
 @dataclass
@@ -95,6 +107,27 @@ class LoadResult:
     predicted_recompute_s: float
     failed: str | None = None           # why the read stopped early
     predicted_load_s: float = 0.0
+    not_regular: bool = False           # it stopped at an entry that is not a regular file
+    timed_out: bool = False             # abandoned at its read deadline (payloads empty)
+
+
+@dataclass(eq=False)
+class _Load:
+    """One load in flight. The loader thread writes `current`, `progress` and `finished`;
+    the loop thread `settled` (whichever of the result and the deadline it applies first)."""
+
+    request_id: str
+    where: list[tuple[int, str]]
+    block_ids: tuple[int, ...]
+    predicted_recompute_s: float
+    predicted_load_s: float
+    submitted: float                    # perf_counter()
+    progress: float = field(default_factory=time.monotonic)     # the last block read (or queued)
+    current: tuple[int, str] | None = None      # the entry being read now
+    fut: Future | None = None
+    finished: bool = False
+    settled: bool = False
+    posted: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -119,6 +152,8 @@ class TierCounters:
     evicted: int = 0
     corrupt: int = 0        # payloads that failed their checks (skipped, removed)
     write_errors: int = 0   # writes the medium refused (e.g. disk full)
+    ignored: int = 0        # entries that are not regular files (left alone, never read)
+    read_timeouts: int = 0  # loads abandoned at their read deadline (the request recomputed)
 
 
 class TieredCache:
@@ -144,9 +179,14 @@ class TieredCache:
         self.restored = 0
         self._index: dict[int, _Entry] = {}
         self._done: deque[tuple[str, Any]] = deque()    # (kind, result) from the I/O threads
-        self._inflight: set[Future] = set()
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="moed-kv-load")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="moed-kv-write")
+        self._inflight: set[Future] = set()         # writes and deletes
+        self._loads: set[_Load] = set()             # loads not yet posted by a thread
+        self._loader = IOPool(s.load_threads, "moed-kv-load", spares=s.load_threads)
+        self._writer = IOPool(1, "moed-kv-write")
+        self._watchdog = Watchdog("moed-kv-deadline", self._deadline)
+        self._suspended_logged = False
+        self._write_fail_logged = -WRITE_FAIL_LOG_S
+        self._write_fail_quiet = 0          # write failures since the last logged one
         self._waker: Callable[[], None] | None = None
         # KV events (moed.kvcache.events): (tier, key, stored?) when a block becomes readable
         # in a tier or leaves it; loop thread only
@@ -174,6 +214,10 @@ class TieredCache:
         assert self.disk is not None
         scan = self.disk.scan()
         self.counters["disk"].corrupt += scan.skipped
+        self.counters["disk"].ignored += len(scan.ignored)
+        for name, kind in scan.ignored[:MAX_IGNORED_LOGGED]:
+            log.warning("kv_tier_file_ignored", tier="disk", dir=str(self.disk.dir), name=name,
+                        kind=kind, effect="not a regular file: left in place, never read")
         for key, n in scan.entries.items():
             if self.used["disk"] + n > self.capacity["disk"]:
                 self.disk.delete(key)
@@ -182,7 +226,8 @@ class TieredCache:
             self.used["disk"] += n
         self.restored = len(self._index)
         log.info("kv_tier_restored", tier="disk", blocks=self.restored, skipped=scan.skipped,
-                 bytes=self.used["disk"], dir=str(self.disk.dir), io=self.disk.fileio.name)
+                 ignored=len(scan.ignored), bytes=self.used["disk"], dir=str(self.disk.dir),
+                 io=self.disk.fileio.name)
 
     def _calibrate(self) -> None:
         """Measure each tier's read path before the first decision: a probe block written
@@ -259,8 +304,18 @@ class TieredCache:
             self.offer(block_id, key)
 
     def match(self, keys: Sequence[int]) -> TierMatch:
-        """The leading run of `keys` held (and readable) below L1. Changes nothing."""
+        """The leading run of `keys` held (and readable) below L1. Changes nothing (none while
+        every loader thread is stuck in a read: a load would only wait for its deadline)."""
         got, tiers, sizes = [], [], []
+        if self._loader.saturated:
+            if not self._suspended_logged:
+                self._suspended_logged = True
+                log.warning("kv_tier_loads_suspended",
+                            threads=self._loader.size + self._loader.spares,
+                            effect="every loader thread is stuck in a read; requests recompute "
+                            "until one comes back")
+            return TierMatch((), (), (), len(keys))
+        self._suspended_logged = False
         for k in keys:
             e = self._index.get(k)
             if e is None or not e.ready:
@@ -313,10 +368,11 @@ class TieredCache:
                    predicted_recompute_s: float, predicted_load_s: float = 0.0) -> None:
         """Read pinned `keys` on the I/O thread into `block_ids` (applied by `collect`, which
         unpins them). The predictions are the decision's, for the load's record."""
-        where = [(k, self._index[k].tier) for k in keys]
-        fut = self._loader.submit(self._read, request_id, where, tuple(block_ids),
-                                  predicted_recompute_s, time.perf_counter(), predicted_load_s)
-        self._track(fut, "load")
+        job = _Load(request_id, [(k, self._index[k].tier) for k in keys], tuple(block_ids),
+                    predicted_recompute_s, predicted_load_s, time.perf_counter())
+        self._loads.add(job)
+        job.fut = self._loader.submit(self._read, job)
+        self._watchdog.arm(job, job.progress + self.s.read_timeout_s)
 
     def collect(self) -> list[LoadResult]:
         """Apply the I/O threads' finished work; -> the finished loads (engine: copy into L1).
@@ -330,8 +386,17 @@ class TieredCache:
         while self._done:
             kind, res = self._done.popleft()
             if kind == "load":
-                self._loaded(res)
-                loads.append(res)
+                job, r = res
+                self._loads.discard(job)
+                if not job.settled:     # else: abandoned at its deadline; the late read is dropped
+                    job.settled = True
+                    self._loaded(r)
+                    loads.append(r)
+            elif kind == "expired":
+                self._loads.discard(res)
+                if not res.settled:
+                    res.settled = True
+                    loads.append(self._expired(res))
             elif kind == "write":
                 self._written(*res)
         return loads
@@ -340,12 +405,18 @@ class TieredCache:
         return bool(self._done)
 
     def pending(self) -> int:
-        return len(self._inflight)
+        return len(self._inflight) + len(self._loads)
 
-    def wait(self, timeout: float) -> bool:
-        """Block until every queued I/O has finished (tests, the sync generate(), shutdown);
-        False on timeout. Results still need `collect`."""
+    def wait(self, timeout: float, loads: bool = True) -> bool:
+        """Block until every queued I/O has a result to collect (a load: read, or abandoned at
+        its deadline) (tests, the sync generate(), shutdown); False on timeout. Results still
+        need `collect`. loads=False: writes and deletes only."""
         deadline = time.monotonic() + timeout
+        while loads and self._loads:
+            job = next(iter(self._loads))
+            if not job.posted.wait(max(deadline - time.monotonic(), 0.0)):
+                return False
+            self._loads.discard(job)
         while self._inflight:
             fut = next(iter(self._inflight))
             left = deadline - time.monotonic()
@@ -359,11 +430,16 @@ class TieredCache:
         return True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Finish queued writes (an L3 that survives a restart), then stop the threads."""
-        self.wait(timeout)
+        """Finish queued writes (an L3 that survives a restart; at most `timeout`), then stop
+        the threads. Loads are not waited for: their requests have ended, and a thread stuck
+        in a read is a daemon that does not hold the process's exit."""
+        self._watchdog.close()
+        if not self.wait(timeout, loads=False):
+            log.warning("kv_tier_close_timeout", timeout_s=timeout,
+                        effect="queued L3 writes abandoned; a restart does not find them")
         self.collect()
-        self._loader.shutdown(wait=False, cancel_futures=True)
-        self._writer.shutdown(wait=False, cancel_futures=True)
+        self._loader.close()
+        self._writer.close()
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"tier_decisions_load": float(self.decisions["load"]),
@@ -380,6 +456,8 @@ class TieredCache:
                         f"tier_{t}_loads": float(c.loads), f"tier_{t}_load_bytes": float(c.load_bytes),
                         f"tier_{t}_corrupt": float(c.corrupt),
                         f"tier_{t}_write_errors": float(c.write_errors),
+                        f"tier_{t}_ignored": float(c.ignored),
+                        f"tier_{t}_read_timeouts": float(c.read_timeouts),
                         f"tier_{t}_bandwidth_bytes_per_s": self.bandwidth[t].value})
         return out
 
@@ -427,7 +505,7 @@ class TieredCache:
                 self._put_disk(key, data, hits=e.hits)
         else:
             assert self.disk is not None
-            self._track(self._writer.submit(self.disk.delete, key), "delete")
+            self._track(self._writer.submit(self._delete, key), "delete")
 
     def _put_host(self, key: int, data: bytes) -> None:
         assert self.host is not None
@@ -461,35 +539,60 @@ class TieredCache:
         try:
             self.disk.put(key, data)
             self._done.append(("write", (key, entry, None)))
-        except OSError as e:
-            reason = "disk full" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - any failure: the entry must not stay unwritten
+            reason = "disk full" if getattr(e, "errno", None) == errno.ENOSPC \
+                else f"{type(e).__name__}: {e}"
             self._done.append(("write", (key, entry, reason)))
         self._wake()
 
-    def _read(self, request_id: str, where: list[tuple[int, str]], block_ids: tuple[int, ...],
-              predicted_recompute_s: float, submitted: float, predicted_load_s: float = 0.0
-              ) -> None:
+    def _delete(self, key: int) -> None:
+        assert self.disk is not None
+        try:
+            self.disk.delete(key)
+        except OSError as e:
+            log.warning("kv_tier_delete_failed", tier="disk", key=f"{key:032x}",
+                        reason=f"{type(e).__name__}: {e}", effect="the file stays on disk")
+
+    def _read(self, job: _Load) -> None:
         t0 = time.perf_counter()
+        job.progress = time.monotonic()
         payloads: list[bytes] = []
         by_tier = {t: 0 for t in TIERS}
-        failed = None
-        for key, tier in where:
+        failed, not_regular = None, False
+        for key, tier in job.where:
+            job.current = (key, tier)
             store: BlockStore | None = self.host if tier == "host" else self.disk
             try:
                 assert store is not None
                 data = store.get(key)
                 if len(data) != self.io.block_bytes:
                     raise CorruptBlock(f"{len(data)} bytes, a block is {self.io.block_bytes}")
-            except (CorruptBlock, KeyError, OSError, AssertionError) as e:
+            except Exception as e:  # noqa: BLE001 - any failure ends the load: the rest recomputes
                 failed = f"{tier} block {key:032x}: {e}"
+                not_regular = isinstance(e, NotRegular)
                 break
             payloads.append(data)
             by_tier[tier] += len(data)
-        self._done.append(("load", LoadResult(request_id, tuple(k for k, _ in where), block_ids,
-                                              tuple(payloads),
-                                              time.perf_counter() - t0, submitted,
-                                              time.perf_counter() - submitted, by_tier,
-                                              predicted_recompute_s, failed, predicted_load_s)))
+            job.progress = time.monotonic()
+        job.finished = True
+        self._done.append(("load", (job, LoadResult(
+            job.request_id, tuple(k for k, _ in job.where), job.block_ids, tuple(payloads),
+            time.perf_counter() - t0, job.submitted, time.perf_counter() - job.submitted, by_tier,
+            job.predicted_recompute_s, failed, job.predicted_load_s, not_regular))))
+        job.posted.set()
+        self._wake()
+
+    def _deadline(self, job: _Load) -> None:
+        """The watchdog thread: a load's read deadline passed. Progress since (a block read)
+        moves the deadline on; otherwise the loop thread abandons the load (`_expired`)."""
+        if job.finished:
+            return
+        due = job.progress + self.s.read_timeout_s
+        if due > time.monotonic():
+            self._watchdog.arm(job, due)
+            return
+        self._done.append(("expired", job))
+        job.posted.set()
         self._wake()
 
     def _wake(self) -> None:
@@ -513,8 +616,54 @@ class TieredCache:
         del self._index[key]
         self.used["disk"] -= e.nbytes
         self.counters["disk"].write_errors += 1
+        # a full disk fails every write: one line per WRITE_FAIL_LOG_S, the rest counted
+        now = time.monotonic()
+        if now - self._write_fail_logged < WRITE_FAIL_LOG_S:
+            self._write_fail_quiet += 1
+            return
         log.warning("kv_tier_write_failed", tier="disk", reason=reason,
+                    not_logged=self._write_fail_quiet,
                     effect="block not cached; requests recompute it")
+        self._write_fail_logged, self._write_fail_quiet = now, 0
+
+    def _expired(self, job: _Load) -> LoadResult:
+        """Abandon a load at its read deadline: unpin its entries, drop the one the read is
+        stuck on (the next request must not wait for it too), stand a spare thread in for the
+        stuck one. The request recomputes every block."""
+        assert job.fut is not None
+        if not job.fut.cancel():        # running: its thread may never come back
+            self._loader.stuck(job.fut)
+        for key, _ in job.where:
+            e = self._index.get(key)
+            if e is not None:
+                e.pins -= 1
+        stuck_on = job.current
+        tier = stuck_on[1] if stuck_on else (job.where[0][1] if job.where else "disk")
+        self.counters[tier].read_timeouts += 1
+        if stuck_on is not None:
+            e = self._index.get(stuck_on[0])
+            if e is not None and not e.pins:
+                self._remove(stuck_on[0], e)
+        why = (f"{tier} block {stuck_on[0]:032x}: " if stuck_on else "queued: ") + \
+            f"no progress in {self.s.read_timeout_s:g} s"
+        log.warning("kv_tier_read_timeout", request_id=job.request_id, tier=tier, reason=why,
+                    effect="load abandoned; the request recomputes")
+        return LoadResult(job.request_id, tuple(k for k, _ in job.where), job.block_ids, (),
+                          0.0, job.submitted, time.perf_counter() - job.submitted,
+                          {t: 0 for t in TIERS}, job.predicted_recompute_s, why,
+                          job.predicted_load_s, timed_out=True)
+
+    def _remove(self, key: int, e: _Entry) -> None:
+        """Drop an entry from the index and its store (a disk file: queued on the writer)."""
+        del self._index[key]
+        self.used[e.tier] -= e.nbytes
+        if self.on_change is not None and e.ready:      # KV events: the block is gone
+            self.on_change(e.tier, key, False)
+        if e.tier == "host":
+            assert self.host is not None
+            self.host.delete(key)
+        else:
+            self._track(self._writer.submit(self._delete, key), "delete")
 
     def _loaded(self, r: LoadResult) -> None:
         now = time.monotonic()
@@ -532,7 +681,10 @@ class TieredCache:
                 c.loads += 1
                 c.load_bytes += e.nbytes
             elif i == n_ok and r.failed is not None:
-                self._drop_corrupt(key, e, r.failed)
+                if r.not_regular:
+                    self._drop_not_regular(key, e, r.failed)
+                else:
+                    self._drop_corrupt(key, e, r.failed)
         total = sum(r.bytes_by_tier.values())
         for t, n in r.bytes_by_tier.items():
             if n:   # the read time split by bytes: each tier's share of this load
@@ -558,20 +710,24 @@ class TieredCache:
                      predicted_load_s=round(r.predicted_load_s, 6),
                      predicted_recompute_s=round(r.predicted_recompute_s, 6), blocks=n_ok)
 
+    def _drop_not_regular(self, key: int, e: _Entry, why: str) -> None:
+        """Something other than a regular file sits under the block's name (a FIFO, a
+        directory, a link): forgotten, left alone, never opened; the request recomputes."""
+        if e.pins:
+            return
+        del self._index[key]
+        self.used[e.tier] -= e.nbytes
+        if self.on_change is not None and e.ready:
+            self.on_change(e.tier, key, False)
+        self.counters[e.tier].ignored += 1
+        log.warning("kv_tier_file_ignored", tier=e.tier, reason=why,
+                    effect="not a regular file: left in place, never read; recomputed")
+
     def _drop_corrupt(self, key: int, e: _Entry, why: str) -> None:
         """A payload failed its checks: never served again; the request recomputes it."""
         if e.pins:
             return      # another load holds it; the last reader drops it
-        del self._index[key]
-        self.used[e.tier] -= e.nbytes
+        self._remove(key, e)
         self.counters[e.tier].corrupt += 1
-        if self.on_change is not None and e.ready:
-            self.on_change(e.tier, key, False)
-        if e.tier == "host":
-            assert self.host is not None
-            self.host.delete(key)
-        else:
-            assert self.disk is not None
-            self._track(self._writer.submit(self.disk.delete, key), "delete")
         log.warning("kv_tier_block_corrupt", tier=e.tier, reason=why,
                     effect="block skipped and removed; recomputed")

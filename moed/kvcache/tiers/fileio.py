@@ -7,6 +7,7 @@ threads: each I/O thread gets its own (the loader, the writer, the start-up scan
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -56,12 +57,26 @@ class NixlFileIO(FileIO):
         return ag
 
     def _xfer(self, op: str, buf: Any, fd: int, offset: int) -> None:
+        """NIXL raises its own exception types (nixlBackendError when the POSIX backend's
+        write fails, e.g. on a full disk): they become OSError, what the cache takes for a
+        failed read or write, with ENOSPC when the file system is out of space."""
+        try:
+            self._xfer_nixl(op, buf, fd, offset)
+        except Exception as e:      # noqa: BLE001 - nixlBackendError and friends
+            if isinstance(e, OSError) and e.errno is not None:
+                raise
+            code = errno.ENOSPC if op == "WRITE" and _no_space(fd) else errno.EIO
+            raise OSError(code, f"NIXL {op} of {buf.nbytes} bytes failed: "
+                                f"{type(e).__name__}: {e}") from None
+
+    def _xfer_nixl(self, op: str, buf: Any, fd: int, offset: int) -> None:
         ag = self._agent()
         n = buf.nbytes
         mem = ag.register_memory([(buf.ctypes.data, n, 0, "")], "DRAM")
-        fil = ag.register_memory([(offset, n, fd, "")], "FILE")
+        fil = None
         handle = None
         try:
+            fil = ag.register_memory([(offset, n, fd, "")], "FILE")
             handle = ag.initialize_xfer(op, ag.get_xfer_descs([(buf.ctypes.data, n, 0)], "DRAM"),
                                         ag.get_xfer_descs([(offset, n, fd)], "FILE"),
                                         self._local.name)
@@ -77,7 +92,8 @@ class NixlFileIO(FileIO):
         finally:
             if handle is not None:
                 ag.release_xfer_handle(handle)
-            ag.deregister_memory(fil)
+            if fil is not None:
+                ag.deregister_memory(fil)
             ag.deregister_memory(mem)
 
     def write(self, fd: int, offset: int, data: bytes) -> None:
@@ -91,6 +107,14 @@ class NixlFileIO(FileIO):
         buf = np.empty(n, dtype=np.uint8)
         self._xfer("READ", buf, fd, offset)
         return buf.tobytes()
+
+
+def _no_space(fd: int) -> bool:
+    try:
+        st = os.fstatvfs(fd)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 64 * 1024       # less than a few pages left
 
 
 def make(kind: str) -> FileIO:

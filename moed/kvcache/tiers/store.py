@@ -18,11 +18,20 @@ The namespace is the KV layout id plus the checkpoint's model id (the engine's),
 restarted on other weights of the same shape never reads their KV. A restart rebuilds the
 index from the files (`scan`): a file whose namespace, key, length or checksum does not match
 is skipped, counted and removed — never served.
+
+Only regular files are opened: an entry is checked with lstat before the open (a FIFO, a
+device, a directory or a symlink is never opened), and opened with O_NOFOLLOW | O_NONBLOCK and
+checked again with fstat (an entry swapped in between cannot block the open or lead out of the
+tier). Anything else in the directory is left where it is and never read (`NotRegular`; `scan`
+lists it as ignored).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import stat
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -37,6 +46,43 @@ SUFFIX = ".kvb"
 
 class CorruptBlock(Exception):
     """A stored block failed its checks (truncated, bit-flipped, another layout)."""
+
+
+class NotRegular(OSError):
+    """The entry under a block's file name is not a regular file (a FIFO, a directory, a
+    device, a symlink): never opened for reading, never removed."""
+
+
+# never block on an open (a FIFO) and never follow a link out of the tier
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "unknown"
+
+
+def open_regular(p: Path, flags: int = os.O_RDONLY) -> int:
+    """An fd on `p` if it is a regular file (NotRegular otherwise; FileNotFoundError)."""
+    st = os.lstat(p)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegular(f"{p.name}: a {kind_of(st.st_mode)}, not a regular file")
+    try:
+        fd = os.open(p, flags | OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:      # became a symlink since the lstat
+            raise NotRegular(f"{p.name}: a symlink, not a regular file") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegular(f"{p.name}: a {kind_of(st.st_mode)}, not a regular file")
+    return fd
 
 
 def checksum(data: bytes) -> bytes:
@@ -103,6 +149,7 @@ class HostStore(BlockStore):
 class ScanResult:
     entries: dict[int, int]      # key -> payload bytes, for every valid file
     skipped: int                 # corrupt, truncated or foreign files (removed)
+    ignored: tuple[tuple[str, str], ...] = ()   # (name, kind): not regular files, left alone
 
 
 class DiskStore(BlockStore):
@@ -131,7 +178,12 @@ class DiskStore(BlockStore):
         final = self.path(key)
         tmp = final.with_suffix(f".tmp{os.getpid()}")
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            # O_EXCL: a fresh file (a stale temp file of this pid is removed first; anything
+            # else under that name fails the write)
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.lstat(tmp).st_mode):
+                    os.unlink(tmp)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644)
             try:
                 header = self._header(key, len(data), checksum(data))
                 FileIO.write(self.fileio, fd, 0, header)        # metadata: plain I/O
@@ -140,11 +192,13 @@ class DiskStore(BlockStore):
                 os.close(fd)
             os.replace(tmp, final)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(tmp).st_mode):
+                    os.unlink(tmp)
             raise
 
     def _read(self, p: Path, key: int | None) -> bytes:
-        fd = os.open(p, os.O_RDONLY)
+        fd = open_regular(p)
         try:
             size = os.fstat(fd).st_size
             h = self._header_len
@@ -176,31 +230,66 @@ class DiskStore(BlockStore):
         return n
 
     def get(self, key: int) -> bytes:
-        p = self.path(key)
-        if not p.exists():
-            raise KeyError(key)
-        return self._read(p, key)
+        try:
+            return self._read(self.path(key), key)
+        except FileNotFoundError:
+            raise KeyError(key) from None
 
     def delete(self, key: int) -> None:
-        self.path(key).unlink(missing_ok=True)
+        """Remove the block's file; anything but a regular file there is left alone."""
+        p = self.path(key)
+        try:
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                os.unlink(p)
+        except FileNotFoundError:
+            pass
 
     def used_bytes(self) -> int:
         """Bytes of the payloads in the directory (a walk: tests and restarts, not hot)."""
-        return sum(p.stat().st_size - self._header_len for p in self.dir.glob(f"*{SUFFIX}"))
+        return sum(st.st_size - self._header_len for _, st in self._regular_blocks())
+
+    def _regular_blocks(self) -> list[tuple[Path, os.stat_result]]:
+        out = []
+        for p in self.dir.glob(f"*{SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(p)
+                if stat.S_ISREG(st.st_mode):
+                    out.append((p, st))
+        return out
 
     def scan(self) -> ScanResult:
-        """Rebuild the index after a restart: every valid file; invalid ones are removed."""
+        """Rebuild the index after a restart: every valid file; invalid ones are removed;
+        entries that are not regular files (FIFOs, directories, links, devices) are listed
+        as ignored and left where they are, never opened."""
         entries: dict[int, int] = {}
         skipped = 0
+        ignored: list[tuple[str, str]] = []
         for p in self.dir.iterdir():
+            try:
+                mode = os.lstat(p).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                ignored.append((p.name, kind_of(mode)))
+                continue
             if p.suffix != SUFFIX:      # a temp file left by a crash mid-write
-                p.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
                 continue
             try:
                 data = self._read(p, None)
+            except NotRegular as e:     # swapped in since the lstat
+                ignored.append((p.name, str(e)))
+                continue
             except (CorruptBlock, OSError, ValueError, struct.error):
                 skipped += 1
-                p.unlink(missing_ok=True)
+                self._remove_file(p)
                 continue
             entries[int(p.stem, 16)] = len(data)
-        return ScanResult(entries, skipped)
+        return ScanResult(entries, skipped, tuple(ignored))
+
+    @staticmethod
+    def _remove_file(p: Path) -> None:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                os.unlink(p)

@@ -96,7 +96,8 @@ def test_cache_counters_move_only_in_batches_of_requests() -> None:
     def feed(requests: int, hits: int) -> list[float]:
         tiers = {f"tier_host_{k}": 0.0 for k in ("capacity_bytes", "used_bytes", "blocks",
                                                  "bandwidth_bytes_per_s", "hits", "misses",
-                                                 "load_bytes", "corrupt", "write_errors")}
+                                                 "load_bytes", "corrupt", "write_errors",
+                                                 "ignored", "read_timeouts")}
         metrics.observe_engine_stats(EngineStats(
             prefix_cache_queries=10 * requests, prefix_cache_hits=hits,
             extra={"prefix_cache_requests": float(requests), **tiers,
