@@ -641,8 +641,8 @@ class Engine:
             masks = {r.request_id: m for r, m in zip(gram, got)}
             for j, why in failed.items():
                 self._grammar_failed[gram[j].request_id] = why
-        rows = [self._sample_row(plan.chunks[i].request, masks.get(plan.chunks[i].request.request_id))
-                for i in idx]
+        reqs = [plan.chunks[i].request for i in idx]
+        rows = [self._sample_row(r, masks.get(r.request_id)) for r in reqs]
         known = getattr(self.runner, "argmax_of", None)     # the step's own argmax, if it has one
         argmax = known(out) if known is not None and logits is out else None
         return sample(logits, rows, argmax), time.perf_counter() - t0, plps

@@ -30,7 +30,6 @@ state), so what the probe builds is what every request's first masks reuse.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import threading
@@ -345,11 +344,6 @@ def set_default_limits(limits: GrammarLimits) -> None:
         compilers = list(_COMPILERS.values())
     for c in compilers:
         c.set_limits(limits)
-
-
-async def compile_async(tokenizer: Any, spec: GrammarSpec) -> None:
-    """Compile `spec` into the tokenizer's cache in a worker thread (raises GrammarError)."""
-    await asyncio.to_thread(lambda: compiler_for(tokenizer).compile(spec))
 
 
 # ---- the mask in torch ---------------------------------------------------------------------

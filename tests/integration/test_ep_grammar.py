@@ -1,13 +1,13 @@
 """A tenant's grammar never takes down an expert-parallel group (issue 27, item 2): an EP=2
 colocated group under a 2 s collective timeout (the issue's 5 s on its slower host; here the
-first masks take ~0.6-1.2 s each), four `a{1000}{1000}` regexes (and two
+first masks take ~0.6-1.2 s each), four distinct `X{1000}{1000}` regexes (and two
 3,000-property schemas) sent to rank 0 while another tenant streams on rank 1.
 
-Before: each regex's first mask (~1-2 s) ran on rank 0's step thread after its forward pass,
-rank 0's step outlasted the timeout, rank 1 timed out in `recv`, both ranks exited 1 and the
-stream on rank 1 ended with an error (on 9e325de with this test: rank 1 exits 1). Now the grammars are compiled (and refused: 400
-grammar_too_complex) before admission, masks run beside the forward pass under
-structured.mask_timeout_ms, and the group serves on."""
+Before: each regex's first mask ran on rank 0's step thread after its forward pass, rank 0's
+step outlasted the timeout, rank 1 timed out in `recv`, both ranks exited 1 and the stream on
+rank 1 ended with an error (on 9e325de with this test: rank 1 exits 1). Now the grammars are
+compiled (and refused: 400 grammar_too_complex) before admission, masks run beside the forward
+pass under structured.mask_timeout_ms, and the group serves on."""
 from __future__ import annotations
 
 import json
