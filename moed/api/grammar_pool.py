@@ -8,7 +8,8 @@ both shared one 2-thread pool, sixteen 90 KB schemas made an unrelated 2-token r
     is refused; it never delays other requests' tokenization);
   - to finish: `compile_timeout_s` from its start; past it, 400 `grammar_too_complex` naming
     the field. llguidance cannot be interrupted, so the worker finishes the compile (its
-    limits bound it) and caches the refusal: the same grammar again is refused at once.
+    limits bound it). Refusals for a limit are cached (the same grammar again is refused at
+    once); one for time is not (it depends on the load of the moment).
 """
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ class GrammarPool:
             except asyncio.TimeoutError:
                 metrics.GRAMMAR_REFUSED.labels("timeout").inc()
                 raise refusal(spec, GrammarTooComplex(
-                    f"compiling it took over the budget of {self.compile_timeout_s:g} s")) \
-                    from None
+                    f"compiling it took over the budget of {self.compile_timeout_s:g} s",
+                    timed_out=True)) from None
             except GrammarError as e:
                 _refused(e)
                 raise refusal(spec, e) from None
@@ -103,8 +104,10 @@ def _has_compiler(tokenizer: Any) -> bool:
 def _refused(e: Exception) -> None:
     from moed.model.grammar import GrammarTooComplex
 
-    metrics.GRAMMAR_REFUSED.labels("too_complex" if isinstance(e, GrammarTooComplex)
-                                   else "invalid").inc()
+    reason = "invalid"
+    if isinstance(e, GrammarTooComplex):
+        reason = "timeout" if e.timed_out else "too_complex"
+    metrics.GRAMMAR_REFUSED.labels(reason).inc()
 
 
 def _busy(what: str, retry_after_s: int) -> APIError:

@@ -61,6 +61,10 @@ class GrammarError(ValueError):
 class GrammarTooComplex(GrammarError):
     """The spec compiles, but not within the budget (time, or one of llguidance's limits)."""
 
+    def __init__(self, msg: str, timed_out: bool = False) -> None:
+        super().__init__(msg)
+        self.timed_out = timed_out      # over compile_timeout_s (load-dependent: not cached)
+
 
 # llguidance's resource-limit errors (its LexerTooComplex / ParserTooComplex and the fuel and
 # size checks): "too many expressions constructed", "too many states: N >= N", "Current row
@@ -236,7 +240,8 @@ class GrammarCompiler:
         except GrammarError as e:
             m = e
         with self._lock:
-            if limits == self.limits:
+            # a refusal for time depends on the host's load now: the next try may fit
+            if limits == self.limits and not getattr(m, "timed_out", False):
                 self._cache[spec] = m
                 self._cache.move_to_end(spec)
                 while len(self._cache) > self.max_entries:
@@ -254,7 +259,7 @@ class GrammarCompiler:
         took = time.monotonic() - t0
         if took > lim.compile_timeout_s:
             raise GrammarTooComplex(f"compiling it took {took:.2f} s, over the budget of "
-                                    f"{lim.compile_timeout_s:g} s")
+                                    f"{lim.compile_timeout_s:g} s", timed_out=True)
         return m
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
@@ -284,7 +289,7 @@ def _probe(m: Any, lim: GrammarLimits, deadline: float) -> None:
     def late() -> None:
         if time.monotonic() > deadline:
             raise GrammarTooComplex(f"compiling it took over the budget of "
-                                    f"{lim.compile_timeout_s:g} s")
+                                    f"{lim.compile_timeout_s:g} s", timed_out=True)
 
     frontier = [m]
     for _ in range(max(1, lim.probe_depth)):

@@ -225,8 +225,9 @@ def test_the_limits_are_the_budget(tok) -> None:
         tight.compile(spec)
     slow = GrammarCompiler(tok.to_json(), tok.eos_token_ids,
                            limits=GrammarLimits(compile_timeout_s=0.0))
-    with pytest.raises(GrammarTooComplex, match="budget of 0 s"):
+    with pytest.raises(GrammarTooComplex, match="budget of 0 s") as e:
         slow.compile(GrammarSpec("regex", "[a-z]{3}"))
+    assert e.value.timed_out and not slow.cached(GrammarSpec("regex", "[a-z]{3}"))   # load
 
 
 def test_set_limits_drops_what_the_old_budget_judged(tok) -> None:

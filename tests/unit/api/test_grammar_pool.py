@@ -1,0 +1,68 @@
+"""moed.api.grammar_pool: compilation on its own bounded pool; a full queue is a 429
+grammar_busy, a compile past its budget a 400 grammar_too_complex naming the field, a cached
+grammar (or refusal) answers without queueing."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from moed.api.errors import APIError
+from moed.api.grammar_pool import GrammarPool
+from moed.types import GrammarSpec
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen3):
+    from moed.model.grammar import compiler_for
+    from moed.model.tokenizer import Tokenizer
+
+    t = Tokenizer.from_dir(tiny_qwen3)
+    compiler_for(t)         # the LLTokenizer, built once
+    return t
+
+
+async def test_a_full_queue_is_429_grammar_busy(tok) -> None:
+    pool = GrammarPool(workers=1, max_queued=1)
+    try:
+        slow = [GrammarSpec("regex", c + "{1000}{1000}", param="guided_regex") for c in "xy"]
+        first = asyncio.ensure_future(pool.compile(tok, slow[0]))     # holds the worker
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(pool.compile(tok, slow[1]))    # waits for it
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as e:
+            await pool.compile(tok, GrammarSpec("regex", "[0-9]{4}"))
+        assert e.value.status == 429 and e.value.code == "grammar_busy"
+        assert "Retry-After" in e.value.headers
+        for f in (first, second):
+            with pytest.raises(APIError) as e:
+                await asyncio.wait_for(f, 60)
+            assert e.value.status == 400 and e.value.code == "grammar_too_complex"
+            assert e.value.param == "guided_regex"
+        assert pool.queued == 0
+    finally:
+        pool.shutdown()
+
+
+async def test_past_the_budget_is_400_and_a_cached_refusal_answers_at_once(tok) -> None:
+    pool = GrammarPool(workers=1, compile_timeout_s=0.001)
+    try:
+        spec = GrammarSpec("regex", "z{1000}{1000}", param="structured_outputs")   # ~0.5 s+
+        with pytest.raises(APIError) as e:
+            await pool.compile(tok, spec)
+        assert e.value.status == 400 and e.value.code == "grammar_too_complex"
+        assert e.value.param == "structured_outputs" and "budget of 0.001 s" in e.value.message
+        bad = GrammarSpec("regex", "((", param="guided_regex")
+        roomy = GrammarPool(workers=1)
+        try:
+            for _ in range(2):          # the second is the cached refusal
+                with pytest.raises(APIError) as e:
+                    await roomy.compile(tok, bad)
+                assert e.value.status == 400 and e.value.code is None
+            await roomy.compile(tok, GrammarSpec("regex", "[0-9]{4}"))
+            await roomy.compile(tok, GrammarSpec("regex", "[0-9]{4}"))
+            assert roomy.queued == 0
+        finally:
+            roomy.shutdown()
+    finally:
+        pool.shutdown()
