@@ -39,13 +39,12 @@ class GrammarPool:
         from moed.model.grammar import GrammarError, GrammarTooComplex, compiler_for
 
         comp = compiler_for(tokenizer) if _has_compiler(tokenizer) else None
-        if comp is not None and comp.cached(spec):      # hit (or a cached refusal): no queue
-            try:
-                comp.compile(spec)
-                return
-            except GrammarError as e:
-                _refused(e)
-                raise refusal(spec, e) from None
+        hit = None if comp is None else comp.peek(spec)
+        if isinstance(hit, GrammarError):       # a cached refusal: at once, no queue
+            _refused(hit)
+            raise refusal(spec, hit) from None
+        if hit is not None:
+            return
         if self.queued >= self.max_queued:
             raise _busy("compilations waiting", retry_after_s)
         loop = asyncio.get_running_loop()

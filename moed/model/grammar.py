@@ -270,6 +270,16 @@ class GrammarCompiler:
         with self._lock:
             return spec in self._cache
 
+    def peek(self, spec: GrammarSpec) -> Any:
+        """The cache's entry for `spec` (a compiled matcher or the GrammarError it was refused
+        with), None if absent; never compiles (the event loop may call it)."""
+        with self._lock:
+            m = self._cache.get(spec)
+            if m is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+            return m
+
 
 def _probe(m: Any, lim: GrammarLimits, deadline: float) -> None:
     """Walk the grammar's first steps on copies of `m`: its first mask, then up to
