@@ -670,9 +670,11 @@ class Engine:
                                        None if res is None else res.top_logprobs)
         if any(c.request.params.prompt_logprobs is not None for c in plan.chunks):
             events = _with_prompt_logprobs(events, plan)
-        for ev in events:       # a token that took the grammar past a limit (Request.append_token)
-            if ev.error_kind is ErrorKind.GRAMMAR:
+        for c in plan.chunks:   # a token that took the grammar past a limit (Request.append_token)
+            if c.request.error_kind is ErrorKind.GRAMMAR and c.request.grammar is not None:
                 metrics.GRAMMAR_FAILED.labels("limit").inc()
+                self._forget_grammar(c.request)
+                c.request.grammar = None        # counted once
         self._publish(events)
         self.steps += 1
         self.balance.observe(plan.batch, fwd_s)     # the cost model learns from every step
@@ -710,8 +712,17 @@ class Engine:
                    f"({self._masks.timeout_s * 1000:g} ms)" if why == "mask_timeout"
                    else f"a grammar engine limit was hit: {r.grammar.error}")
             log.warning("grammar_overran", request_id=r.request_id, reason=why)
+            if why == "limit":
+                self._forget_grammar(r)
             self.scheduler.finish(r, FinishReason.ERROR, msg)
             self._publish([_error(r, msg, ErrorKind.GRAMMAR)])
+
+    def _forget_grammar(self, req: Request) -> None:
+        from moed.model.grammar import compiler_for
+
+        spec = req.params.grammar
+        if spec is not None and self._tokenizer is not None:
+            compiler_for(self._tokenizer).forget(spec)
 
     def _fail(self, plan: StepPlan, err: Exception) -> None:
         self._grammar_failed.clear()

@@ -270,6 +270,13 @@ class GrammarCompiler:
         with self._lock:
             return spec in self._cache
 
+    def forget(self, spec: GrammarSpec) -> None:
+        """Drop `spec`'s compiled matcher: a request of it hit a limit while generating, and
+        the lexer states its copies share may be what is full (the next request compiles
+        afresh, on the grammar pool)."""
+        with self._lock:
+            self._cache.pop(spec, None)
+
     def peek(self, spec: GrammarSpec) -> Any:
         """The cache's entry for `spec` (a compiled matcher or the GrammarError it was refused
         with), None if absent; never compiles (the event loop may call it)."""

@@ -252,3 +252,13 @@ def test_a_matcher_past_a_limit_says_so(comp, tok) -> None:
     ok = comp.matcher(GrammarSpec("regex", "ab"))
     assert not ok.accept(tok.encode("z", add_special_tokens=False)[0])
     assert ok.failed and not ok.too_complex         # a refused token is no limit
+
+
+def test_forget_drops_a_compiled_grammar(comp) -> None:
+    """The engine forgets a grammar one of whose requests hit a limit while generating: its
+    copies share one lexer state table, which may be what is full."""
+    spec = GrammarSpec("regex", "[a-c]{2,5}")
+    comp.compile(spec)
+    assert comp.peek(spec) is not None
+    comp.forget(spec)
+    assert comp.peek(spec) is None and not comp.cached(spec)
