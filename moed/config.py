@@ -528,9 +528,9 @@ class StructuredConfig:
                                         "started within this: 429 grammar_busy")
     compile_timeout_s: float = _f(2.0, bounds=(0.01, 600.0), doc="one grammar's compile and "
                                   "probe budget (wall clock): past it, 400 grammar_too_complex")
-    mask_timeout_ms: int = _f(100, bounds=(1, 60000), doc="a request whose token mask is not "
-                              "ready this long after its step's forward pass began is failed "
-                              "alone (400 grammar_too_complex)")
+    mask_timeout_ms: int = _f(100, bounds=(1, 60000), doc="a request whose token mask is still "
+                              "computing this long after it began is failed alone (400 "
+                              "grammar_too_complex)")
     mask_workers: int = _f(2, bounds=(1, 64), doc="threads that compute token masks while the "
                            "forward pass runs")
     probe_tokens: int = _f(8, bounds=(1, 1024), doc="tokens tried at each of the compile "

@@ -708,7 +708,7 @@ class Engine:
             if why is None or r.finished:
                 continue
             metrics.GRAMMAR_FAILED.labels(why).inc()
-            msg = (f"its token mask was not ready within structured.mask_timeout_ms "
+            msg = (f"its token mask took over structured.mask_timeout_ms "
                    f"({self._masks.timeout_s * 1000:g} ms)" if why == "mask_timeout"
                    else f"a grammar engine limit was hit: {r.grammar.error}")
             log.warning("grammar_overran", request_id=r.request_id, reason=why)

@@ -146,7 +146,7 @@ GRAMMAR_REFUSED = Counter("moed_grammar_refused",
 GRAMMAR_FAILED = Counter("moed_grammar_failed",
                          "Requests failed alone while generating because their grammar "
                          "overran: limit (an llguidance limit hit by a mask or token), "
-                         "mask_timeout (mask not ready within structured.mask_timeout_ms)",
+                         "mask_timeout (mask still computing after structured.mask_timeout_ms)",
                          ["reason"], registry=ENGINE)
 CLIENT_DISCONNECTS = Counter("moed_client_disconnects",
                              "Requests aborted because the client went away", registry=ENGINE)
