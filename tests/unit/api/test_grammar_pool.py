@@ -4,6 +4,7 @@ grammar (or refusal) answers without queueing."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -22,25 +23,56 @@ def tok(tiny_qwen3):
     return t
 
 
-async def test_a_full_queue_is_429_grammar_busy(tok) -> None:
-    pool = GrammarPool(workers=1, max_queued=1)
+async def test_a_full_queue_is_429_grammar_busy(tok, monkeypatch) -> None:
+    from moed.model.grammar import compiler_for
+
+    comp = compiler_for(tok)
+    gate = threading.Event()
+    real = comp.compile
+
+    def held(spec):         # a compile that takes as long as the test says
+        assert gate.wait(30)
+        return real(spec)
+
+    monkeypatch.setattr(comp, "compile", held)
+    pool = GrammarPool(workers=1, max_queued=1, queue_timeout_s=30)
     try:
-        slow = [GrammarSpec("regex", c + "{1000}{1000}", param="guided_regex") for c in "xy"]
-        first = asyncio.ensure_future(pool.compile(tok, slow[0]))     # holds the worker
+        specs = [GrammarSpec("regex", f"[0-9]{{{k}}}", param="guided_regex") for k in (5, 6)]
+        first = asyncio.ensure_future(pool.compile(tok, specs[0]))     # holds the worker
         await asyncio.sleep(0.05)
-        second = asyncio.ensure_future(pool.compile(tok, slow[1]))    # waits for it
+        second = asyncio.ensure_future(pool.compile(tok, specs[1]))    # waits for it
         await asyncio.sleep(0.05)
         with pytest.raises(APIError) as e:
-            await pool.compile(tok, GrammarSpec("regex", "[0-9]{4}"))
+            await pool.compile(tok, GrammarSpec("regex", "[0-9]{7}"))
         assert e.value.status == 429 and e.value.code == "grammar_busy"
         assert "Retry-After" in e.value.headers
-        for f in (first, second):
-            with pytest.raises(APIError) as e:
-                await asyncio.wait_for(f, 60)
-            assert e.value.status == 400 and e.value.code == "grammar_too_complex"
-            assert e.value.param == "guided_regex"
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 30)
         assert pool.queued == 0
     finally:
+        gate.set()
+        pool.shutdown()
+
+
+async def test_a_compile_that_never_starts_is_429_not_a_hang(tok, monkeypatch) -> None:
+    from moed.model.grammar import compiler_for
+
+    comp = compiler_for(tok)
+    gate = threading.Event()
+    real = comp.compile
+    monkeypatch.setattr(comp, "compile", lambda spec: (gate.wait(30), real(spec))[1])
+    pool = GrammarPool(workers=1, max_queued=4, queue_timeout_s=0.2)
+    try:
+        first = asyncio.ensure_future(pool.compile(tok, GrammarSpec("regex", "[a-z]{8}")))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as e:
+            await pool.compile(tok, GrammarSpec("regex", "[a-z]{9}"))
+        assert e.value.status == 429 and e.value.code == "grammar_busy"
+        gate.set()
+        await asyncio.wait_for(first, 30)
+        assert pool.queued == 0
+    finally:
+        gate.set()
         pool.shutdown()
 
 
