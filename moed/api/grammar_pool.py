@@ -36,9 +36,10 @@ class GrammarPool:
 
     async def compile(self, tokenizer: Any, spec: GrammarSpec, retry_after_s: int = 1) -> None:
         """Compile `spec` into the tokenizer's grammar cache, or raise the APIError for it."""
-        from moed.model.grammar import GrammarError, GrammarTooComplex, compiler_for
+        from moed.model.grammar import (GrammarError, GrammarTooComplex, built_compiler,
+                                        compiler_for)
 
-        comp = compiler_for(tokenizer) if _has_compiler(tokenizer) else None
+        comp = built_compiler(tokenizer)
         hit = None if comp is None else comp.peek(spec)
         if isinstance(hit, GrammarError):       # a cached refusal: at once, no queue
             _refused(hit)
@@ -65,10 +66,9 @@ class GrammarPool:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())   # seen if abandoned
         try:
             try:
-                await asyncio.wait_for(asyncio.shield(started.wait()), self.queue_timeout_s)
+                await asyncio.wait_for(started.wait(), self.queue_timeout_s)
             except asyncio.TimeoutError:
                 if not started.is_set():
-                    cancelled.set()
                     raise _busy("a compile worker", retry_after_s) from None
             self.queued -= 1
             counted = False
@@ -85,19 +85,12 @@ class GrammarPool:
                 _refused(e)
                 raise refusal(spec, e) from None
         finally:
-            if counted:
+            if counted:             # refused, or the client left, before it started
                 self.queued -= 1
+                cancelled.set()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _has_compiler(tokenizer: Any) -> bool:
-    """compiler_for builds the LLTokenizer on first use (~0.6 s for 32k): not on the loop."""
-    from moed.model.grammar import _COMPILERS, _COMPILERS_LOCK
-
-    with _COMPILERS_LOCK:
-        return tokenizer in _COMPILERS
 
 
 def _refused(e: Exception) -> None:

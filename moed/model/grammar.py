@@ -289,11 +289,12 @@ class GrammarCompiler:
 
 
 def _probe(m: Any, lim: GrammarLimits, deadline: float) -> None:
-    """Walk the grammar's first steps on copies of `m`: its first mask, then up to
-    `probe_tokens` allowed tokens (spread over the allowed ids) each consumed and masked, then
-    on along one of them for `probe_depth` steps. Raises GrammarTooComplex for a limit hit or
-    the deadline passed. What it builds (lexer states, the first mask) stays in `m`'s shared
-    state, so the first mask of every request is cheap."""
+    """Walk the grammar's first steps on copies of `m`, `probe_depth` steps deep: at each, every
+    branch kept (the first step: `m` alone; later: two, the first and last) is masked and up
+    to `probe_tokens` of its allowed tokens, spread over the allowed ids, are consumed on copies.
+    Raises GrammarTooComplex for a limit hit or the deadline passed. Cost: about 2 x depth
+    masks and 2 x depth x probe_tokens tokens. What it builds (lexer states, the first mask)
+    stays in `m`'s shared state, so the first mask of every request is cheap."""
     def mask(x: Any) -> list[int] | None:
         bm = x.compute_bitmask()        # bytes, little-endian: token i is bit i%8 of byte i//8
         if x.is_error():
@@ -328,7 +329,7 @@ def _probe(m: Any, lim: GrammarLimits, deadline: float) -> None:
                     continue
                 nxt.append(c)
                 late()
-        # breadth only at the first level: deeper, follow two branches (cost stays linear)
+        # go on along two branches, not all (the cost stays linear in the depth)
         frontier = nxt[:1] + nxt[-1:] if len(nxt) > 1 else nxt
         if not frontier:
             return
@@ -353,6 +354,13 @@ def compiler_for(tokenizer: Any) -> GrammarCompiler:
                         limits=_DEFAULT_LIMITS)
     with _COMPILERS_LOCK:
         return _COMPILERS.setdefault(tokenizer, c)
+
+
+def built_compiler(tokenizer: Any) -> GrammarCompiler | None:
+    """The tokenizer's GrammarCompiler if it exists already (None: `compiler_for` would build
+    it, which is not for the event loop)."""
+    with _COMPILERS_LOCK:
+        return _COMPILERS.get(tokenizer) if tokenizer is not None else None
 
 
 _DEFAULT_LIMITS = GrammarLimits()
