@@ -155,6 +155,14 @@ def _expert_parallel(engine: Any, app: App) -> None:
 def _build_engine(cfg: Config) -> EngineClient:
     from moed.engine.engine import Engine   # lazy: the router role never imports torch
 
+    from moed.model.grammar import GrammarLimits, set_default_limits
+    st = cfg.structured         # every grammar compiler of this process gets the budget
+    set_default_limits(GrammarLimits(
+        compile_timeout_s=st.compile_timeout_s, probe_tokens=st.probe_tokens,
+        probe_depth=st.probe_depth, max_grammar_size=st.max_grammar_size,
+        initial_lexer_fuel=st.initial_lexer_fuel, step_lexer_fuel=st.step_lexer_fuel,
+        step_max_items=st.step_max_items, max_items_in_row=st.max_items_in_row,
+        max_lexer_states=st.max_lexer_states))
     engine = Engine.from_config(cfg)
     # the cost model's calibration (a few synthetic steps) before /ready: the first requests
     # are budgeted from a fitted model (balance.calibration_steps; moed.engine.balancing).
@@ -331,6 +339,7 @@ class App:
         if self._runner is not None:
             await self._runner.cleanup()
         self.state.offload.shutdown()
+        self.state.grammar.shutdown()
         for c in reversed(self._started):
             await _quietly(c.stop(), f"{c.name}.stop")
         self._started.clear()

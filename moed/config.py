@@ -622,6 +622,44 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """Structured outputs' budget (moed/model/grammar.py, docs/api.md): grammars compile on
+    their own pool before admission, under a time budget and llguidance's limits; a request
+    whose grammar overruns them is a 400 `grammar_too_complex`, alone."""
+    compile_workers: int = _f(2, bounds=(1, 64), doc="threads that compile grammars (apart "
+                              "from the parse/tokenize pool)")
+    compile_queue: int = _f(32, bounds=(1, 4096), doc="compilations waiting for a worker; "
+                            "beyond this: 429 grammar_busy")
+    compile_queue_timeout_s: float = _f(10.0, bounds=(0.01, 3600.0), doc="a compilation not "
+                                        "started within this: 429 grammar_busy")
+    compile_timeout_s: float = _f(2.0, bounds=(0.01, 600.0), doc="one grammar's compile and "
+                                  "probe budget (wall clock): past it, 400 grammar_too_complex")
+    mask_timeout_ms: int = _f(100, bounds=(1, 60000), doc="a request whose token mask is still "
+                              "computing this long after it began is failed alone (400 "
+                              "grammar_too_complex)")
+    mask_workers: int = _f(2, bounds=(1, 64), doc="threads that compute token masks while the "
+                           "forward pass runs")
+    probe_tokens: int = _f(8, bounds=(1, 1024), doc="tokens tried at each of the compile "
+                           "probe's first step")
+    probe_depth: int = _f(3, bounds=(1, 64), doc="steps the compile probe walks")
+    max_grammar_size: int = _f(500_000, bounds=(1, 1 << 32), doc="llguidance: symbols in the "
+                               "grammar's productions")
+    initial_lexer_fuel: int = _f(1_000_000, bounds=(1, 1 << 40), doc="llguidance: lexer "
+                                 "construction fuel (~50k/ms)")
+    step_lexer_fuel: int = _f(200_000, bounds=(1, 1 << 40), doc="llguidance: one mask's lexer "
+                              "fuel (~14k/ms)")
+    step_max_items: int = _f(50_000, bounds=(1, 1 << 32), doc="llguidance: Earley items per "
+                             "mask (~20k/ms)")
+    max_items_in_row: int = _f(2_000, bounds=(1, 1 << 32), doc="llguidance: items in one "
+                               "Earley row (a schema of many optional properties hits it)")
+    max_lexer_states: int = _f(250_000, bounds=(1, 1 << 32), doc="llguidance: lexer states "
+                               "per grammar, shared by its requests (~1-2 kB each)")
+
+    def __post_init__(self) -> None:
+        _check_bounds("structured", self)
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -637,6 +675,7 @@ class Config:
     tiers: TiersConfig = field(default_factory=TiersConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
 
     def __post_init__(self) -> None:
         if self.server.role != "router" and not self.model.path:
@@ -674,6 +713,11 @@ class Config:
         if self.tiers.enabled and not self.engine.enable_prefix_caching:
             raise ConfigError("tiers: KV tiers hold prefix-cached blocks; they need "
                               "engine.enable_prefix_caching")
+        if self.parallel.ep_size > 1 and \
+                self.structured.mask_timeout_ms / 1000 >= self.parallel.collective_timeout_s / 2:
+            raise ConfigError("structured.mask_timeout_ms must stay under half of "
+                              "parallel.collective_timeout_s: a late token mask fails its "
+                              "request, never the expert-parallel group")
         if self.server.role == "router" and self.canary.share > 0 and not self.canary.label:
             raise ConfigError("canary.share: a share needs canary.label (the canary's version "
                               "label)")

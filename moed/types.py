@@ -22,6 +22,7 @@ class ErrorKind(str, enum.Enum):
 
     INTERNAL = "internal"        # a bug or a failed step: 500
     UNAVAILABLE = "unavailable"  # no capacity here now (e.g. remote prefill failed): 503, retry
+    GRAMMAR = "grammar"          # the request's own grammar overran its budget: 400
 
 
 class RequestState(str, enum.Enum):
@@ -65,10 +66,13 @@ class GrammarSpec:
     """A constraint on the generated text (structured outputs), as data: the grammar engine
     (moed.model.grammar) compiles it. `source` is the JSON schema text (json_schema), unused
     (json_object: any JSON object), a regular expression (regex), a JSON list of strings
-    (choice) or a Lark grammar (lark; also what tool calling builds)."""
+    (choice) or a Lark grammar (lark; also what tool calling builds). `param` names the
+    request field it came from, for error messages; it is not part of its identity (the
+    grammar cache's key is (kind, source)) and does not travel to other nodes."""
 
     kind: str
     source: str = ""
+    param: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:

@@ -215,6 +215,10 @@ class Generation:
             self._observe(ch, ev)
             if ev.finish_reason is FinishReason.ERROR:
                 log.error("engine_request_failed", engine_request=ch.engine_id, error=ev.error)
+                if ev.error_kind is ErrorKind.GRAMMAR:   # its own grammar overran: alone
+                    from moed.api.structured import too_complex_in_flight
+                    raise too_complex_in_flight(getattr(self.req, "grammar", None),
+                                                ev.error or "")
                 if ev.error_kind is ErrorKind.UNAVAILABLE:   # e.g. remote prefill failed
                     raise APIError(503, f"This node cannot serve the request now: {ev.error} "
                                         f"(request id {self.request_id}).", code="unavailable",

@@ -28,7 +28,6 @@ from moed.api.errors import APIError, bad_request
 from moed.api.generate import Choice, Generation, check_rough_length, encode_prompts
 from moed.api.protocol import GenerationRequest, parse_request
 from moed.api.salt import tenant_tag
-from moed.api.structured import compile_checked
 from moed.api.tools import ChatOutput, bind
 from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE, ServerState
 from moed.obs import metrics, trace
@@ -311,9 +310,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     if chat and (req.tools is not None or req.template.kwargs):   # needs the checkpoint
         req = await state.offload.run(bind, req, engine.tokenizer,
                                       state.config.model.tool_parser, retry_after_s=retry)
-    if req.grammar is not None:    # compiled off the loop before any engine work: bad = 400
-        await state.offload.run(compile_checked, engine.tokenizer, req.grammar,
-                                retry_after_s=retry)
+    if req.grammar is not None:    # compiled on its own pool before any engine work: 400/429
+        await state.grammar.compile(engine.tokenizer, req.grammar, retry_after_s=retry)
     check_rough_length(engine, req)        # hopeless prompts never reach the tokenizer
     prompt_ids = await state.offload.run(encode_prompts, engine, req, retry_after_s=retry)
     rid = request[REQUEST_ID]

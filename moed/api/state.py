@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 from aiohttp import web
 
 from moed.api.admission import Admission
+from moed.api.grammar_pool import GrammarPool
 from moed.api.offload import Offload
 from moed.config import Config
 from moed.engine.client import EngineClient
@@ -42,12 +43,16 @@ class ServerState:
     ep: Any | None = None
     admission: Admission = field(init=False)
     offload: Offload = field(init=False, default_factory=Offload)   # O(prompt) work, off the loop
+    grammar: GrammarPool = field(init=False)      # structured outputs' compilation, apart
     _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         a = self.config.admission
         self.admission = Admission(a.max_waiting_requests, a.max_queued_prompt_tokens,
                                    self.config.engine.max_num_seqs)
+        st = self.config.structured
+        self.grammar = GrammarPool(st.compile_workers, st.compile_queue,
+                                   st.compile_queue_timeout_s, st.compile_timeout_s)
         self._idle.set()
 
     def set_config(self, cfg: Config) -> None:

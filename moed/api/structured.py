@@ -14,9 +14,14 @@ Accepted, as OpenAI and vLLM define them (pure: no I/O; runs in the parser's off
   `guided_whitespace_pattern`, `guided_decoding_backend` ("auto" or "guidance" only).
 
 More than one constraint in a request is a 400 naming the second; a grammar the engine
-(llguidance) cannot compile is a 400 with its reason, naming the field. What moed does not do
-(`structural_tag`, the xgrammar/outlines backends, a schema `description` shown to the model)
-is a 400 naming it.
+(llguidance) cannot compile is a 400 with its reason, naming the field, and one that does not
+compile within the budget (`[structured]`: time and llguidance's limits) a 400
+`grammar_too_complex` naming it. What moed does not do (`structural_tag`, the
+xgrammar/outlines backends, a schema `description` shown to the model) is a 400 naming it.
+
+Parsing here is O(body) and checks only the fields' shape; the grammar is compiled (and so
+validated) later, on the grammar pool (moed.api.grammar_pool): a 90 KB schema takes ~0.2 s to
+validate, and the parse pool is shared with tokenization and response formatting.
 """
 from __future__ import annotations
 
@@ -25,8 +30,9 @@ import json
 import re
 from typing import Any
 
-from moed.api.errors import bad_request
-from moed.model.grammar import GrammarError, validate
+from dataclasses import replace
+
+from moed.api.errors import APIError, bad_request
 from moed.types import GrammarSpec
 
 TOP_LEVEL_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
@@ -39,7 +45,8 @@ _SO_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_ta
 
 
 def parse_structured(body: Any) -> GrammarSpec | None:
-    """The one constraint a request body asks for (None: none), validated by the engine."""
+    """The one constraint a request body asks for (None: none), naming its field (`param`);
+    compiled later (`compile_checked`)."""
     found: list[tuple[str, GrammarSpec]] = []
     rf = _response_format(body.get("response_format"))
     if rf is not None:
@@ -54,26 +61,41 @@ def parse_structured(body: Any) -> GrammarSpec | None:
     if not found:
         return None
     param, spec = found[0]
-    try:
-        validate(spec)
-    except GrammarError as e:
-        raise bad_request(f"'{param}': the grammar engine cannot compile it: "
-                          f"{_reason(e)}", param) from None
-    return spec
+    return replace(spec, param=param)
 
 
 def compile_checked(tokenizer: Any, spec: GrammarSpec) -> None:
-    """Compile `spec` for this tokenizer into the grammar cache (the handler runs this in its
-    offload pool before the request reaches the engine): APIError(400) with the engine's
-    reason if it cannot. `parse_structured` already validated the fields it read (naming
-    them); what fails only here depends on the tokenizer, or came from tool calling."""
-    from moed.model.grammar import compiler_for
+    """Compile `spec` for this tokenizer into the grammar cache, under the budget (the
+    handler runs this on the grammar pool before the request reaches the engine). Raises
+    APIError(400) naming the field: `grammar_too_complex` past the budget, else the engine's
+    reason."""
+    from moed.model.grammar import GrammarError, compiler_for
 
     try:
         compiler_for(tokenizer).compile(spec)
     except GrammarError as e:
-        raise bad_request(f"the grammar engine cannot compile the output constraint for this "
-                          f"model's tokenizer: {_reason(e)}") from None
+        raise refusal(spec, e) from None
+
+
+def refusal(spec: GrammarSpec, e: Exception) -> APIError:
+    """The 400 for a grammar the engine refused (`e`: a GrammarError)."""
+    from moed.model.grammar import GrammarTooComplex
+
+    what = f"'{spec.param}'" if spec.param else "the output constraint"
+    if isinstance(e, GrammarTooComplex):
+        return bad_request(f"{what} is too complex for the grammar engine's budget: "
+                           f"{_reason(e)}", spec.param, code="grammar_too_complex")
+    return bad_request(f"{what}: the grammar engine cannot compile it: {_reason(e)}",
+                       spec.param)
+
+
+def too_complex_in_flight(spec: GrammarSpec | None, reason: str) -> APIError:
+    """The 400 for a request whose grammar overran a limit or `mask_timeout_ms` while it
+    generated (the engine failed it alone, ErrorKind.GRAMMAR)."""
+    param = None if spec is None else spec.param
+    what = f"'{param}'" if param else "the output constraint"
+    return bad_request(f"{what} became too complex for the grammar engine's budget while "
+                       f"generating: {reason[:600]}", param, code="grammar_too_complex")
 
 
 def _reason(e: Exception) -> str:

@@ -261,14 +261,9 @@ def bind(req: Any, tok: Any, setting: str) -> Any:
             raise bad_request(f"{what} cannot be combined with response_format or guided "
                               f"decoding (both constrain the output)",
                               "tool_choice" if t.forced else "tools")
-        grammar = tool_grammar(fam, t, getattr(tok, "token_to_id", None))
-        from moed.model.grammar import GrammarError, validate   # llguidance: the server only
-
-        try:                  # a parameters schema the engine cannot take: a 400 naming tools
-            validate(grammar)
-        except GrammarError as e:
-            raise bad_request(f"the grammar engine cannot compile the tools' parameters "
-                              f"schemas: {str(e)[:600]}", "tools") from None
+        # compiled (and refused naming 'tools') on the grammar pool, as every constraint is
+        grammar = replace(tool_grammar(fam, t, getattr(tok, "token_to_id", None)),
+                          param="tools")
     return replace(req, tools=replace(t, family=fam.name), grammar=grammar)
 
 

@@ -47,11 +47,13 @@ from typing import Any
 
 import structlog
 
-from moed.config import BalanceConfig, Config, EngineConfig, KVEventsConfig, TiersConfig
+from moed.config import (BalanceConfig, Config, EngineConfig, KVEventsConfig,
+                         StructuredConfig, TiersConfig)
 from moed.engine.client import Listeners, Unsubscribe
 from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary, Command,
                                   CompleteRemotePrefill, ReleaseKV)
 from moed.engine.balancing import EngineBalance, calibrate
+from moed.engine.masks import MaskPool
 from moed.engine.request import Request
 from moed.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
 from moed.engine.stream import RequestStream, StepStats
@@ -59,8 +61,9 @@ from moed.kvcache.manager import KVCacheManager
 from moed.model.logprobs import compute as compute_prompt_logprobs
 from moed.model.logprobs import prompt_positions
 from moed.model.sampler import SampleResult, SampleRow, make_generator, sample, skip_one_token
-from moed.types import (ContextRule, EngineStats, FinishReason, PromptLogprob, SamplingParams,
-                        TokenEvent)
+from moed.obs import metrics
+from moed.types import (ContextRule, EngineStats, ErrorKind, FinishReason, PromptLogprob,
+                        SamplingParams, TokenEvent)
 
 log = structlog.get_logger(__name__)
 
@@ -76,7 +79,8 @@ class Engine:
                  on_expert_load: Callable[[Any], None] | None = None,
                  balance: BalanceConfig | None = None, ep: Any = None,
                  tiers: TiersConfig | None = None, model_id: str = "",
-                 kv_events: KVEventsConfig | None = None) -> None:
+                 kv_events: KVEventsConfig | None = None,
+                 structured: StructuredConfig | None = None) -> None:
         """ep: this rank's moed.parallel.runtime.EPRuntime (expert parallelism; joined).
         tiers: the KV tiers below the KV tensor (host memory, disk); None or all 0 = none.
         model_id: the checkpoint's (moed.model.identity): with the layout id it names the
@@ -124,6 +128,11 @@ class Engine:
         self._executor: ThreadPoolExecutor | None = None
         self._stopping = False
         self.steps = 0
+        # structured outputs: masks beside the forward pass, each with a deadline
+        # (moed.engine.masks); requests whose grammar overran this step, failed at its end
+        st = structured or StructuredConfig()
+        self._masks = MaskPool(st.mask_workers, st.mask_timeout_ms / 1000)
+        self._grammar_failed: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, cfg: Config, **kw: Any) -> Engine:
@@ -165,7 +174,7 @@ class Engine:
         from moed.model.identity import model_id
         engine = cls(runner, Tokenizer.from_dir(m.path), e, max_model_len=m.max_model_len or None,
                      balance=cfg.balance, ep=ep, tiers=cfg.tiers, model_id=model_id(m.path),
-                     kv_events=cfg.kv_events, **kw)
+                     kv_events=cfg.kv_events, structured=cfg.structured, **kw)
         # what the KV budget buys: requests of the model's full context that fit at once
         tokens = num_blocks * e.block_size
         log.info("kv_cache_sized", kv_blocks=num_blocks, block_size=e.block_size,
@@ -463,6 +472,7 @@ class Engine:
         if self.tiers is not None:          # queued L3 writes land, so a restart finds them
             self.tiers.set_waker(None)
             await asyncio.to_thread(self.tiers.close)
+        self._masks.shutdown()
         if self._kv_publisher is not None:
             self._flush_kv_events()
             await asyncio.to_thread(self._kv_publisher.close)
@@ -598,8 +608,6 @@ class Engine:
     def _group_down(self, reason: str, failed: bool = True) -> None:
         """The EP group cannot step: every request ends 503 (retryable on another node), the
         loop ends, and (failed) the app is told to leave membership and exit non-zero."""
-        from moed.types import ErrorKind
-
         self._stopping = True
         msg = "the node's expert-parallel group lost a rank"     # no peer address to clients
         for rid in list(self.scheduler.requests):
@@ -650,6 +658,8 @@ class Engine:
         batch = plan.batch
         if any(asks):       # rows that do not ask pay nothing: the batch stays as planned
             batch = replace(batch, all_logits=tuple(bool(a) for a in asks))
+        gram = [c.request for c in plan.chunks if c.sample and c.request.grammar is not None]
+        pending = self._masks.start([r.grammar for r in gram]) if gram else None
         logits = out = self.runner.forward(batch)
         plps: PromptLPs = {}
         if batch.all_logits:
@@ -668,26 +678,34 @@ class Engine:
             return None, time.perf_counter() - t0, plps
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
-        rows = [self._sample_row(plan.chunks[i].request) for i in idx]
+        masks: dict[str, Any] = {}
+        if pending is not None:
+            got, failed = pending.collect()
+            masks = {r.request_id: m for r, m in zip(gram, got)}
+            for j, why in failed.items():
+                self._grammar_failed[gram[j].request_id] = why
+        reqs = [plan.chunks[i].request for i in idx]
+        rows = [self._sample_row(r, masks.get(r.request_id)) for r in reqs]
         known = getattr(self.runner, "argmax_of", None)     # the step's own argmax, if it has one
         argmax = known(out) if known is not None and logits is out else None
         return sample(logits, rows, argmax), time.perf_counter() - t0, plps
 
-    def _sample_row(self, req: Request) -> SampleRow:
+    def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params
         banned: tuple[int, ...] = ()
         if req.num_output_tokens < p.min_tokens:
             banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
         if not p.penalized:
-            return SampleRow(p, req.rng, banned, grammar=req.grammar)
+            return SampleRow(p, req.rng, banned, grammar=req.grammar, mask=mask)
         # the penalties' history: read here, in the executor thread, while the loop waits (it
         # appends this step's token only after)
         return SampleRow(p, req.rng, banned, req.token_ids, req.num_prompt_tokens,
-                         grammar=req.grammar)
+                         grammar=req.grammar, mask=mask)
 
     def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
                      fwd_s: float, plps: PromptLPs | None = None) -> None:
         toks = [] if res is None else res.token_ids
+        self._fail_grammars(plan)
         for c in plan.chunks if plps else ():
             if c.request.request_id in plps and not c.request.finished:
                 c.request.prompt_logprobs.extend(plps[c.request.request_id])
@@ -695,6 +713,11 @@ class Engine:
                                        None if res is None else res.top_logprobs)
         if any(c.request.params.prompt_logprobs is not None for c in plan.chunks):
             events = _with_prompt_logprobs(events, plan)
+        for c in plan.chunks:   # a token that took the grammar past a limit (Request.append_token)
+            if c.request.error_kind is ErrorKind.GRAMMAR and c.request.grammar is not None:
+                metrics.GRAMMAR_FAILED.labels("limit").inc()
+                self._forget_grammar(c.request)
+                c.request.grammar = None        # counted once
         self._publish(events)
         self.steps += 1
         self.balance.observe(plan.batch, fwd_s)     # the cost model learns from every step
@@ -716,7 +739,36 @@ class Engine:
                 forward_seconds=fwd_s, running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting), kv_blocks_used=st.used, kv_blocks_free=st.free))
 
+    def _fail_grammars(self, plan: StepPlan) -> None:
+        """End the requests whose grammar overran this step (late mask, limit hit), alone: a
+        400 grammar_too_complex; their sampled token is dropped (update skips them)."""
+        if not self._grammar_failed:
+            return
+        failed, self._grammar_failed = self._grammar_failed, {}
+        for c in plan.chunks:
+            r = c.request
+            why = failed.get(r.request_id)
+            if why is None or r.finished:
+                continue
+            metrics.GRAMMAR_FAILED.labels(why).inc()
+            msg = (f"its token mask took over structured.mask_timeout_ms "
+                   f"({self._masks.timeout_s * 1000:g} ms)" if why == "mask_timeout"
+                   else f"a grammar engine limit was hit: {r.grammar.error}")
+            log.warning("grammar_overran", request_id=r.request_id, reason=why)
+            if why == "limit":
+                self._forget_grammar(r)
+            self.scheduler.finish(r, FinishReason.ERROR, msg)
+            self._publish([_error(r, msg, ErrorKind.GRAMMAR)])
+
+    def _forget_grammar(self, req: Request) -> None:
+        from moed.model.grammar import compiler_for
+
+        spec = req.params.grammar
+        if spec is not None and self._tokenizer is not None:
+            compiler_for(self._tokenizer).forget(spec)
+
     def _fail(self, plan: StepPlan, err: Exception) -> None:
+        self._grammar_failed.clear()
         msg = f"engine step failed: {type(err).__name__}: {err}"
         for c in plan.chunks:
             r = c.request
@@ -870,7 +922,7 @@ def _with_prompt_logprobs(events: list[TokenEvent], plan: StepPlan) -> list[Toke
     return out
 
 
-def _error(req: Request, msg: str) -> TokenEvent:
-    return TokenEvent.finish(req.request_id, FinishReason.ERROR,
+def _error(req: Request, msg: str, kind: ErrorKind | None = None) -> TokenEvent:
+    return TokenEvent.finish(req.request_id, FinishReason.ERROR, error_kind=kind,
                              prompt_tokens=req.num_prompt_tokens,
                              cached_tokens=req.num_cached_tokens, error=msg)

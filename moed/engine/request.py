@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from moed.kvcache.pool import salt_root
-from moed.types import (FinishReason, RequestState, RequestTimings, SamplingParams,
+from moed.types import (ErrorKind, FinishReason, RequestState, RequestTimings, SamplingParams,
                          check_transition)
 
 
@@ -82,6 +82,7 @@ class Request:
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None     # with error: GRAMMAR when the grammar overran
     rng: Any = None                  # sampler state (a torch.Generator for seeded requests)
     grammar: Any = None              # structured outputs: this request's GrammarMatcher
     # params.prompt_logprobs: prompt tokens 1.. so far (moed.types.PromptLogprob), and whether
@@ -157,6 +158,9 @@ class Request:
         if self.grammar is not None:
             if not self.grammar.accept(token_id):
                 self.error = f"structured output: token {token_id} refused ({self.grammar.error})"
+                if self.grammar.too_complex:    # a limit, not a bad token: the request's own 400
+                    self.error = f"a grammar engine limit was hit: {self.grammar.error}"
+                    self.error_kind = ErrorKind.GRAMMAR
                 return self._drain()[0], FinishReason.ERROR
             done = self.grammar.stopped
         past_min = n_out > p.min_tokens

@@ -562,4 +562,5 @@ def _event(req: Request, toks: tuple[int, ...], text: str, lps: tuple[float, ...
            top: tuple[tuple[tuple[int, float], ...], ...] = ()) -> TokenEvent:
     return TokenEvent(req.request_id, toks, text, lps, reason, req.num_prompt_tokens,
                       req.num_cached_tokens, error, top,
-                      timings=None if reason is None else req.timings())
+                      timings=None if reason is None else req.timings(),
+                      error_kind=req.error_kind if error is not None else None)

@@ -9,21 +9,35 @@ Glossary: a *compiled* grammar is an llguidance LLMatcher built for this tokeniz
 advanced; each request gets a deep copy of it, its *matcher*, advanced by every token the request
 accepts. The *bitmask* is int32 [rows, ceil(V/32)], bit j of word w allowing token 32*w + j.
 
-Life of a constraint: the API handler compiles the request's spec in its offload pool
-(`GrammarCompiler.compile`, cached by (kind, source) in a bounded LRU) so a bad grammar is a 400
-before any engine work → the engine's `_new_request` takes a matcher from the cache (a hit) →
-each step, in the executor thread, the sampler asks each grammar row for its bitmask and masks
-its logits → `Request.append_token` feeds the sampled token to the matcher; once the matcher is
-stopped (only EOS could follow) the request finishes with "stop".
+Life of a constraint: the API handler compiles the request's spec in the grammar pool
+(moed.api.grammar_pool; `GrammarCompiler.compile`, cached by (kind, source) in a bounded LRU,
+refusals too) under a budget — llguidance's limits (`GrammarLimits`: lexer fuel and states,
+Earley items, grammar size) and a wall-clock time — and probes the first steps (`_probe`), so a
+bad grammar is a 400 and one too big for the budget a 400 `grammar_too_complex`, both before any
+engine work → the engine's `_new_request` takes a matcher from the cache (a hit) → each step the
+masks are computed in the mask pool while the forward pass runs (moed.engine.masks), a mask late
+past `mask_timeout_ms` or hitting a limit fails its request alone → `Request.append_token`
+feeds the sampled token to the matcher; once the matcher is stopped (only EOS could follow) the
+request finishes with "stop".
+
+Why a probe: llguidance builds its lexer and Earley rows lazily, so a grammar that passes
+validation can still blow a limit at the first mask or the first token (`a{1000}{1000}`: the
+first mask took ~1 s here, the second token "too many expressions constructed"; a schema of
+500+ optional properties: "Current row has 2007 items; max is 2000" after `{`). Walking a few
+tokens at compile time moves those failures to admission, where they are a 400.
+Deep copies of one compiled matcher share its lexer's state table (llguidance's shared
+state), so what the probe builds is what every request's first masks reuse.
 """
 from __future__ import annotations
 
-import asyncio
 import json
+import re
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moed.types import GrammarSpec
@@ -42,6 +56,57 @@ JSON_WHITESPACE = r"(\r?\n)?[\x20\x09]{0,48}"
 
 class GrammarError(ValueError):
     """The grammar engine cannot compile the spec; the text is llguidance's reason."""
+
+
+class GrammarTooComplex(GrammarError):
+    """The spec compiles, but not within the budget (time, or one of llguidance's limits)."""
+
+    def __init__(self, msg: str, timed_out: bool = False) -> None:
+        super().__init__(msg)
+        self.timed_out = timed_out      # over compile_timeout_s (load-dependent: not cached)
+
+
+# llguidance's resource-limit errors (its LexerTooComplex / ParserTooComplex and the fuel and
+# size checks): "too many expressions constructed", "too many states: N >= N", "Current row
+# has N items; max is N", "... fuel ...", "schema too large", "grammar too large".
+_LIMIT = re.compile(r"too many|max is|fuel|too large|too complex|limit", re.I)
+
+
+def is_limit_error(msg: str) -> bool:
+    return bool(_LIMIT.search(msg))
+
+
+def _bare(msg: str) -> str:
+    """llguidance's message without its parser-state dump (for developers, not clients)."""
+    return msg.split("\n<state>")[0].replace("<non-verbose/>", "").strip()
+
+
+def _classify(msg: str) -> GrammarError:
+    msg = _bare(msg)
+    return GrammarTooComplex(msg) if is_limit_error(msg) else GrammarError(msg)
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """The compile budget and llguidance's limits (config `[structured]`, docs/config.md).
+    llguidance's own defaults are in brackets."""
+
+    compile_timeout_s: float = 2.0       # wall clock of compile + probe, on a grammar worker
+    probe_tokens: int = 8                # first-step tokens the probe walks (breadth)
+    probe_depth: int = 3                 # steps the probe walks (depth)
+    max_grammar_size: int = 500_000      # symbols in the grammar's productions [500k]
+    initial_lexer_fuel: int = 1_000_000  # lexer construction (~50k/ms) [1M]
+    step_lexer_fuel: int = 200_000       # one mask's lexer work (~14k/ms) [200k]
+    step_max_items: int = 50_000         # Earley items per mask (~20k/ms) [50k]
+    max_items_in_row: int = 2_000        # one Earley row's items [2000]
+    max_lexer_states: int = 250_000      # lexer states, shared by all copies (~1-2 kB each)
+
+    def llg(self) -> Any:
+        return _llg().LLParserLimits(
+            max_items_in_row=self.max_items_in_row, initial_lexer_fuel=self.initial_lexer_fuel,
+            step_lexer_fuel=self.step_lexer_fuel, step_max_items=self.step_max_items,
+            max_lexer_states=self.max_lexer_states, max_grammar_size=self.max_grammar_size,
+            verbose_errors=False)       # no grammar or parser state in a client's message
 
 
 def _llg() -> Any:
@@ -77,12 +142,13 @@ def grammar_text(spec: GrammarSpec) -> str:
         raise GrammarError(str(e) or type(e).__name__) from None
 
 
-def validate(spec: GrammarSpec) -> None:
+def validate(spec: GrammarSpec, limits: GrammarLimits | None = None) -> None:
     """Raise GrammarError with llguidance's reason if `spec` cannot compile (no tokenizer
-    needed: the API's parser calls it)."""
-    err = _llg().LLMatcher.validate_grammar(grammar_text(spec))
+    needed). O(grammar): the API compiles on its grammar pool instead (`compile`)."""
+    lim = (limits or GrammarLimits()).llg()
+    err = _llg().LLMatcher.validate_grammar(grammar_text(spec), limits=lim)
     if err:
-        raise GrammarError(err)
+        raise _classify(err)
 
 
 class GrammarMatcher:
@@ -97,9 +163,14 @@ class GrammarMatcher:
         self.words = words          # bitmask width in int32 words
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] (int32, contiguous, on the CPU)."""
+        """Write the allowed next tokens into bitmask[row] (int32, contiguous, on the CPU).
+        A matcher that hit a limit is in error (`failed`) and allows only EOS."""
         v = bitmask[row]
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._m.is_error())
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar refuses it (see `error`)."""
@@ -116,42 +187,79 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        return str(self._m.get_error())
+        """llguidance's reason, without its parser-state dump."""
+        return _bare(str(self._m.get_error()))
+
+    @property
+    def too_complex(self) -> bool:
+        """In error because a limit was hit (not because a token was refused)."""
+        return self.failed and is_limit_error(self.error)
 
 
 class GrammarCompiler:
-    """Compiles GrammarSpecs for one tokenizer; thread-safe (the API's offload threads and the
-    engine loop both call it). Compilation runs outside the lock; llguidance drops the GIL."""
+    """Compiles GrammarSpecs for one tokenizer under a budget (`GrammarLimits`); thread-safe
+    (the API's grammar pool and the engine loop both call it). Compilation runs outside the
+    lock; llguidance drops the GIL. Refusals are cached too: a flood of one bad grammar costs
+    one compile."""
 
     def __init__(self, tokenizer_json: str, eos_token_ids: Sequence[int],
-                 max_entries: int = CACHE_ENTRIES) -> None:
+                 max_entries: int = CACHE_ENTRIES, limits: GrammarLimits | None = None) -> None:
         llg = _llg()
         eos = [int(t) for t in eos_token_ids]
         self._tok = llg.LLTokenizer(tokenizer_json, eos_token=eos or None)
         self.vocab_size = int(self._tok.vocab_size)
         self.words = (self.vocab_size + 31) // 32      # bitmask width in int32 words
         self.max_entries = max_entries
-        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self.limits = limits or GrammarLimits()
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()   # matcher or GrammarError
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
+    def set_limits(self, limits: GrammarLimits) -> None:
+        """A new budget (start-up, from config): cached results were judged by the old one."""
+        with self._lock:
+            if limits != self.limits:
+                self.limits = limits
+                self._cache.clear()
+
     def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled (never advanced) matcher for `spec`, from the cache when it is there."""
+        """The compiled (never advanced) matcher for `spec`, from the cache when it is there.
+        Raises GrammarError (GrammarTooComplex past the budget)."""
         with self._lock:
             m = self._cache.get(spec)
             if m is not None:
                 self._cache.move_to_end(spec)
                 self.hits += 1
+                if isinstance(m, GrammarError):
+                    raise m
                 return m
             self.misses += 1
-        m = _llg().LLMatcher(self._tok, grammar_text(spec), log_level=0)
-        if m.is_error():
-            raise GrammarError(m.get_error())
+            limits = self.limits
+        try:
+            m = self._build(spec, limits)
+        except GrammarError as e:
+            m = e
         with self._lock:
-            self._cache[spec] = m
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
+            # a refusal for time depends on the host's load now: the next try may fit
+            if limits == self.limits and not getattr(m, "timed_out", False):
+                self._cache[spec] = m
+                self._cache.move_to_end(spec)
+                while len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)
+        if isinstance(m, GrammarError):
+            raise m
+        return m
+
+    def _build(self, spec: GrammarSpec, lim: GrammarLimits) -> Any:
+        t0 = time.monotonic()
+        m = _llg().LLMatcher(self._tok, grammar_text(spec), log_level=0, limits=lim.llg())
+        if m.is_error():
+            raise _classify(m.get_error())
+        _probe(m, lim, t0 + lim.compile_timeout_s)
+        took = time.monotonic() - t0
+        if took > lim.compile_timeout_s:
+            raise GrammarTooComplex(f"compiling it took {took:.2f} s, over the budget of "
+                                    f"{lim.compile_timeout_s:g} s", timed_out=True)
         return m
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
@@ -161,6 +269,72 @@ class GrammarCompiler:
     def cached(self, spec: GrammarSpec) -> bool:
         with self._lock:
             return spec in self._cache
+
+    def forget(self, spec: GrammarSpec) -> None:
+        """Drop `spec`'s compiled matcher: a request of it hit a limit while generating, and
+        the lexer states its copies share may be what is full (the next request compiles
+        afresh, on the grammar pool)."""
+        with self._lock:
+            self._cache.pop(spec, None)
+
+    def peek(self, spec: GrammarSpec) -> Any:
+        """The cache's entry for `spec` (a compiled matcher or the GrammarError it was refused
+        with), None if absent; never compiles (the event loop may call it)."""
+        with self._lock:
+            m = self._cache.get(spec)
+            if m is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+            return m
+
+
+def _probe(m: Any, lim: GrammarLimits, deadline: float) -> None:
+    """Walk the grammar's first steps on copies of `m`, `probe_depth` steps deep: at each, every
+    branch kept (the first step: `m` alone; later: two, the first and last) is masked and up
+    to `probe_tokens` of its allowed tokens, spread over the allowed ids, are consumed on copies.
+    Raises GrammarTooComplex for a limit hit or the deadline passed. Cost: about 2 x depth
+    masks and 2 x depth x probe_tokens tokens. What it builds (lexer states, the first mask)
+    stays in `m`'s shared state, so the first mask of every request is cheap."""
+    def mask(x: Any) -> list[int] | None:
+        bm = x.compute_bitmask()        # bytes, little-endian: token i is bit i%8 of byte i//8
+        if x.is_error():
+            err = _classify(x.get_error())
+            if isinstance(err, GrammarTooComplex):
+                raise err
+            return None
+        return [8 * i + j for i, b in enumerate(bm) if b for j in range(8) if b >> j & 1]
+
+    def late() -> None:
+        if time.monotonic() > deadline:
+            raise GrammarTooComplex(f"compiling it took over the budget of "
+                                    f"{lim.compile_timeout_s:g} s", timed_out=True)
+
+    frontier = [m]
+    for _ in range(max(1, lim.probe_depth)):
+        nxt = []
+        for x in frontier:
+            allowed = mask(x)
+            late()
+            if not allowed:
+                continue
+            k = min(len(allowed), max(1, lim.probe_tokens))
+            picks = [allowed[(i * (len(allowed) - 1)) // max(1, k - 1)] for i in range(k)]
+            for tok in dict.fromkeys(picks):
+                c = x.deep_copy()
+                c.consume_token(int(tok))
+                if c.is_error():
+                    err = _classify(c.get_error())
+                    if isinstance(err, GrammarTooComplex):
+                        raise err
+                    continue
+                nxt.append(c)
+                late()
+        # go on along two branches, not all (the cost stays linear in the depth)
+        frontier = nxt[:1] + nxt[-1:] if len(nxt) > 1 else nxt
+        if not frontier:
+            return
+    for x in frontier:
+        mask(x)
 
 
 _COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()
@@ -176,14 +350,30 @@ def compiler_for(tokenizer: Any) -> GrammarCompiler:
         c = _COMPILERS.get(tokenizer)
     if c is not None:
         return c
-    c = GrammarCompiler(tokenizer.to_json(), getattr(tokenizer, "eos_token_ids", ()))
+    c = GrammarCompiler(tokenizer.to_json(), getattr(tokenizer, "eos_token_ids", ()),
+                        limits=_DEFAULT_LIMITS)
     with _COMPILERS_LOCK:
         return _COMPILERS.setdefault(tokenizer, c)
 
 
-async def compile_async(tokenizer: Any, spec: GrammarSpec) -> None:
-    """Compile `spec` into the tokenizer's cache in a worker thread (raises GrammarError)."""
-    await asyncio.to_thread(lambda: compiler_for(tokenizer).compile(spec))
+def built_compiler(tokenizer: Any) -> GrammarCompiler | None:
+    """The tokenizer's GrammarCompiler if it exists already (None: `compiler_for` would build
+    it, which is not for the event loop)."""
+    with _COMPILERS_LOCK:
+        return _COMPILERS.get(tokenizer) if tokenizer is not None else None
+
+
+_DEFAULT_LIMITS = GrammarLimits()
+
+
+def set_default_limits(limits: GrammarLimits) -> None:
+    """The budget every compiler uses (the app sets it from `[structured]` at start-up)."""
+    global _DEFAULT_LIMITS
+    _DEFAULT_LIMITS = limits
+    with _COMPILERS_LOCK:
+        compilers = list(_COMPILERS.values())
+    for c in compilers:
+        c.set_limits(limits)
 
 
 # ---- the mask in torch ---------------------------------------------------------------------
@@ -229,16 +419,18 @@ def _lut(device: Any) -> torch.Tensor:
 
 
 def mask_logits(logits: torch.Tensor, rows: Sequence[int],
-                matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+                matchers: Sequence[GrammarMatcher],
+                bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """A copy of logits [B, V] with every token the grammar forbids at -inf in `rows` (one
     matcher each); the other rows are untouched. The bitmask is filled on the CPU (llguidance),
     and turned into an additive 0/-inf bias by a byte lookup table on the logits' device: an
     `embedding` gather of 8 values per byte is 2-8x faster than shifting every bit out
     (32k vocabulary: ~60-100 us a row on this CPU, against 250-480; token i's bit is byte i//8
-    of the little-endian int32 words, bit i%8)."""
+    of the little-endian int32 words, bit i%8). `bitmask`: the rows' masks, already
+    computed (moed.engine.masks); None: filled here."""
     import torch
 
-    bm = fill_bitmask(matchers)
+    bm = fill_bitmask(matchers) if bitmask is None else bitmask
     n, words = bm.shape
     vocab = logits.shape[1]
     idx = bm.view(torch.uint8).reshape(n, words * 4).to(logits.device).int()

@@ -17,7 +17,8 @@ extras (`params.penalized` false) skip that path: their logits are not touched.
 Structured outputs (moed.model.grammar): a row with a grammar matcher has every token its
 grammar forbids set to -inf first, before everything above (vLLM applies the grammar bitmask to
 the logits before its sampler), so greedy and sampled rows both pick an allowed token; the
-bitmask is filled here, in the step's executor thread. Rows without a grammar pay nothing.
+bitmask is the row's `mask` when the engine computed it beside the forward pass
+(moed.engine.masks), else filled here. Rows without a grammar pay nothing.
 Banned ids (min_tokens) yield to the grammar: if they would leave a grammar row no token, the
 row keeps the grammar's mask alone.
 """
@@ -43,6 +44,7 @@ class SampleRow:
     token_ids: Sequence[int] = ()
     num_prompt: int = 0
     grammar: Any = None                          # moed.model.grammar.GrammarMatcher
+    mask: Any = None            # the grammar's int32 [words] bitmask, if already computed
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     raw = logits
     gram = [i for i, r in enumerate(rows) if r.grammar is not None]
     if gram:
-        logits = mask_logits(logits, gram, [rows[i].grammar for i in gram])
+        masks = [rows[i].mask for i in gram]
+        logits = mask_logits(logits, gram, [rows[i].grammar for i in gram],
+                             torch.stack(masks) if all(m is not None for m in masks) else None)
     pen = [i for i, r in enumerate(rows) if r.params.penalized]
     if pen:
         logits = _penalize(logits, rows, pen)

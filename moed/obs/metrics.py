@@ -142,6 +142,16 @@ REQUESTS_FINISHED = Counter("moed_requests_finished",
 ADMISSION_REJECTED = Counter("moed_admission_rejected",
                              "Requests refused by admission control (429) or draining (503)",
                              ["reason"], registry=ENGINE)
+GRAMMAR_REFUSED = Counter("moed_grammar_refused",
+                          "Structured-output grammars refused before admission (400): "
+                          "invalid, too_complex (a limit hit while compiling or probing), "
+                          "timeout (over structured.compile_timeout_s)",
+                          ["reason"], registry=ENGINE)
+GRAMMAR_FAILED = Counter("moed_grammar_failed",
+                         "Requests failed alone while generating because their grammar "
+                         "overran: limit (an llguidance limit hit by a mask or token), "
+                         "mask_timeout (mask still computing after structured.mask_timeout_ms)",
+                         ["reason"], registry=ENGINE)
 CLIENT_DISCONNECTS = Counter("moed_client_disconnects",
                              "Requests aborted because the client went away", registry=ENGINE)
 REQUEST_TIMEOUTS = Counter("moed_request_timeouts", "Requests aborted by request_timeout_s",

@@ -39,12 +39,12 @@ from typing import Any, Callable, Protocol, Sequence
 import structlog
 from aiohttp import web
 
+from moed.api.errors import APIError
 from moed.api.internal import require_signed
 from moed.api.state import STATE
 from moed.balance import capacity
 from moed.config import Config
 from moed.engine.client import EngineClient
-from moed.model.grammar import GrammarError, compile_async
 from moed.obs import metrics, trace
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.protocol import (FirstToken, PrefillJobSpec, ProtocolError, first_token_params,
@@ -198,11 +198,12 @@ class PrefillComponent:
             metrics.TRANSFER_FAILURES.labels("incompatible_model").inc()
             return _error(409, "incompatible_model", "this prefill node serves another "
                           "checkpoint (model id differs): KV would not match")
-        if params.grammar is not None:     # compiled off the loop; add_request then hits the cache
+        if params.grammar is not None:     # on the grammar pool, under the budget; then a hit
             try:
-                await compile_async(self.engine.tokenizer, params.grammar)
-            except GrammarError as e:
-                return _error(400, "bad_job", f"grammar: {e}")
+                await request.app[STATE].grammar.compile(self.engine.tokenizer, params.grammar)
+            except APIError as e:       # 400 grammar_too_complex / bad grammar, 429 grammar_busy
+                return _error(e.status, "bad_job" if e.status == 400 else e.code or "busy",
+                              f"grammar: {e.message}")
         refused = request.app[STATE].internal_auth.check_capability(
             spec.capability, spec.job_id, spec.decode_node, spec.decode_incarnation,
             spec.skip_blocks, spec.dst_block_ids, spec.expires_ms)

@@ -311,3 +311,19 @@ def test_out_of_bounds_values_are_refused_naming_the_field(
         env = {f"MOED_{sec.upper()}_{name.upper()}": _toml_number(bad), "MOED_MODEL_PATH": "m"}
         with pytest.raises(ConfigError, match=f"{sec}.{name}"):
             config.load(environ=env)
+
+
+def test_structured_budget_from_env_and_its_bound_under_the_collective_timeout() -> None:
+    env = {"MOED_MODEL_PATH": "/m", "MOED_STRUCTURED_COMPILE_TIMEOUT_S": "0.5",
+           "MOED_STRUCTURED_MAX_ITEMS_IN_ROW": "500", "MOED_STRUCTURED_MASK_TIMEOUT_MS": "40"}
+    cfg = config.load(environ=env)
+    st = cfg.structured
+    assert (st.compile_timeout_s, st.max_items_in_row, st.mask_timeout_ms) == (0.5, 500, 40)
+    with pytest.raises(config.ConfigError, match="structured.compile_timeout_s"):
+        config.load(environ={**env, "MOED_STRUCTURED_COMPILE_TIMEOUT_S": "0"})
+    with pytest.raises(config.ConfigError, match="MOED_STRUCTURED_MASK_TIMEOUT"):
+        config.load(environ={**env, "MOED_STRUCTURED_MASK_TIMEOUT": "40"})   # misspelt
+    ep = {**env, "MOED_PARALLEL_EP_SIZE": "2", "MOED_PARALLEL_EP_INIT": "tcp://127.0.0.1:9",
+          "MOED_PARALLEL_COLLECTIVE_TIMEOUT_S": "0.5", "MOED_STRUCTURED_MASK_TIMEOUT_MS": "300"}
+    with pytest.raises(config.ConfigError, match="mask_timeout_ms must stay under half"):
+        config.load(environ=ep)

@@ -128,14 +128,44 @@ def test_more_than_one_constraint_is_refused_naming_the_second() -> None:
         GrammarSpec("regex", "a")
 
 
-def test_a_grammar_the_engine_cannot_compile_is_a_400_with_its_reason() -> None:
-    msg = _refused({"guided_regex": "(("}, "guided_regex")
-    assert "unclosed group" in msg
-    msg = _refused({"response_format": {"type": "json_schema", "json_schema": {
+@pytest.fixture(scope="module")
+def tok(tiny_qwen3):
+    from moed.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_qwen3)
+
+
+def _not_compiled(tok, extra: dict, param: str) -> APIError:
+    """Parsing checks shapes only (O(body), on the parse pool); the grammar engine's refusal
+    comes from compiling (on the grammar pool), naming the field."""
+    from moed.api.structured import compile_checked
+
+    spec = _grammar(extra)
+    assert spec is not None and spec.param == param
+    with pytest.raises(APIError) as e:
+        compile_checked(tok, spec)
+    assert e.value.status == 400 and e.value.param == param, (e.value.param, e.value.message)
+    return e.value
+
+
+def test_a_grammar_the_engine_cannot_compile_is_a_400_with_its_reason(tok) -> None:
+    e = _not_compiled(tok, {"guided_regex": "(("}, "guided_regex")
+    assert "unclosed group" in e.message and e.code is None
+    e = _not_compiled(tok, {"response_format": {"type": "json_schema", "json_schema": {
         "name": "t", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}},
         "response_format")
-    assert "cannot compile" in msg
-    msg = _refused({"structured_outputs": {"json": {"type": "florp"}}}, "structured_outputs")
-    assert "florp" in msg
-    msg = _refused({"guided_grammar": "start: undefined_rule"}, "guided_grammar")
-    assert "undefined_rule" in msg
+    assert "cannot compile" in e.message
+    e = _not_compiled(tok, {"structured_outputs": {"json": {"type": "florp"}}},
+                      "structured_outputs")
+    assert "florp" in e.message
+    e = _not_compiled(tok, {"guided_grammar": "start: undefined_rule"}, "guided_grammar")
+    assert "undefined_rule" in e.message
+
+
+def test_a_grammar_past_the_budget_is_grammar_too_complex_naming_the_field(tok) -> None:
+    e = _not_compiled(tok, {"guided_regex": "a{1000}{1000}"}, "guided_regex")
+    assert e.code == "grammar_too_complex" and "too complex" in e.message
+    props = {f"p{i}": {"type": "string"} for i in range(600)}
+    e = _not_compiled(tok, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "t", "schema": {"type": "object", "properties": props}}}}, "response_format")
+    assert e.code == "grammar_too_complex" and "max is 2000" in e.message

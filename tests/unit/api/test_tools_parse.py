@@ -315,8 +315,12 @@ def test_parallel_tool_calls_false_keeps_one_call(tiny_qwen3):
 def test_a_schema_the_engine_cannot_compile_is_a_400_naming_tools(qwen_tok):
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"d": {"type": "string", "format": "no-such-format"}}}}}
+    from moed.api.structured import compile_checked
+
+    spec = bind(_chat(tools=[bad], tool_choice="required"), qwen_tok, "auto").grammar
+    assert spec.param == "tools"        # compiled (and refused) on the grammar pool
     with pytest.raises(APIError) as e:
-        bind(_chat(tools=[bad], tool_choice="required"), qwen_tok, "auto")
+        compile_checked(qwen_tok, spec)
     assert e.value.param == "tools" and "grammar engine" in e.value.message
     assert bind(_chat(tools=[bad]), qwen_tok, "auto").tools.family == "qwen"   # auto: no grammar
 

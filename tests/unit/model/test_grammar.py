@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from moed.engine.request import Request
-from moed.model.grammar import (GrammarCompiler, GrammarError, allowed_tokens, compiler_for,
-                                fill_bitmask, mask_logits, validate)
+from moed.model.grammar import (GrammarCompiler, GrammarError, GrammarLimits, GrammarTooComplex,
+                                allowed_tokens, compiler_for, fill_bitmask, mask_logits,
+                                validate)
 from moed.model.sampler import SampleRow, sample
 from moed.model.tokenizer import Tokenizer
 from moed.roles.protocol import first_token_params, sampling_fields
@@ -84,9 +85,11 @@ def test_bad_grammars_raise_the_engines_reason(comp) -> None:
                          (GrammarSpec("choice", "[]"), "non-empty")):
         with pytest.raises(GrammarError, match=reason):
             validate(spec)
-        with pytest.raises(GrammarError):
+        with pytest.raises(GrammarError) as first:
             comp.compile(spec)
-        assert not comp.cached(spec)
+        assert comp.cached(spec) and not isinstance(first.value, GrammarTooComplex)
+        with pytest.raises(GrammarError, match=reason):     # the refusal, from the cache
+            comp.compile(spec)
 
 
 def test_allowed_tokens_pads_logits_wider_than_the_tokenizer() -> None:
@@ -190,3 +193,72 @@ def test_engine_outputs_validate_and_preemption_does_not_readvance(tiny_qwen3, t
     for o in outs:
         obj = json.loads(tok.decode(o))
         assert set(obj) == {"name", "n"} and isinstance(obj["n"], int) and len(obj["name"]) <= 6
+
+
+# ---- the compile budget (issue 27: grammars that passed validation failed at token one) -----
+
+def _optional_props(n: int) -> GrammarSpec:
+    return GrammarSpec("json_schema", json.dumps(
+        {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}))
+
+
+@pytest.mark.parametrize("spec, says", [
+    (GrammarSpec("regex", "a{1000}{1000}"), "too many"),     # LexerTooComplex at token two
+    (_optional_props(600), "max is 2000"),                    # ParserTooComplex after "{"
+])
+def test_grammars_past_a_limit_are_too_complex_at_compile_time(comp, spec, says) -> None:
+    validate(spec)      # llguidance's validation passes them: only walking them finds out
+    with pytest.raises(GrammarTooComplex, match=says) as e:
+        comp.compile(spec)
+    assert "<state>" not in str(e.value) and "non-verbose" not in str(e.value)
+    with pytest.raises(GrammarTooComplex):      # cached: the second refusal costs nothing
+        comp.compile(spec)
+    assert comp.hits == 1
+
+
+def test_the_limits_are_the_budget(tok) -> None:
+    spec = _optional_props(50)
+    GrammarCompiler(tok.to_json(), tok.eos_token_ids).compile(spec)       # fits the defaults
+    tight = GrammarCompiler(tok.to_json(), tok.eos_token_ids,
+                            limits=GrammarLimits(max_items_in_row=20))
+    with pytest.raises(GrammarTooComplex, match="max is 20"):
+        tight.compile(spec)
+    slow = GrammarCompiler(tok.to_json(), tok.eos_token_ids,
+                           limits=GrammarLimits(compile_timeout_s=0.0))
+    with pytest.raises(GrammarTooComplex, match="budget of 0 s") as e:
+        slow.compile(GrammarSpec("regex", "[a-z]{3}"))
+    assert e.value.timed_out and not slow.cached(GrammarSpec("regex", "[a-z]{3}"))   # load
+
+
+def test_set_limits_drops_what_the_old_budget_judged(tok) -> None:
+    c = GrammarCompiler(tok.to_json(), tok.eos_token_ids, limits=GrammarLimits(max_items_in_row=20))
+    spec = _optional_props(50)
+    with pytest.raises(GrammarTooComplex):
+        c.compile(spec)
+    c.set_limits(GrammarLimits())
+    c.compile(spec)
+
+
+def test_a_matcher_past_a_limit_says_so(comp, tok) -> None:
+    """At step time a limit puts the matcher in error: `too_complex` (the engine fails the
+    request alone, ErrorKind.GRAMMAR) rather than a refused token (a 500)."""
+    import llguidance
+
+    from moed.model.grammar import GrammarMatcher, grammar_text
+    m = llguidance.LLMatcher(comp._tok, grammar_text(_optional_props(600)), log_level=0)
+    gm = GrammarMatcher(m, comp.words)
+    assert not gm.accept(tok.encode("{", add_special_tokens=False)[0])
+    assert gm.failed and gm.too_complex and "<state>" not in gm.error
+    ok = comp.matcher(GrammarSpec("regex", "ab"))
+    assert not ok.accept(tok.encode("z", add_special_tokens=False)[0])
+    assert ok.failed and not ok.too_complex         # a refused token is no limit
+
+
+def test_forget_drops_a_compiled_grammar(comp) -> None:
+    """The engine forgets a grammar one of whose requests hit a limit while generating: its
+    copies share one lexer state table, which may be what is full."""
+    spec = GrammarSpec("regex", "[a-c]{2,5}")
+    comp.compile(spec)
+    assert comp.peek(spec) is not None
+    comp.forget(spec)
+    assert comp.peek(spec) is None and not comp.cached(spec)
