@@ -1,0 +1,33 @@
+"""Quantized weights: the record (weight.py), checkpoint formats (formats.py, checkpoint.py),
+online quantizers (quantize.py) and the reference matmul (linear.py). See docs/quantization.md."""
+from __future__ import annotations
+
+import torch
+
+from moed.model.quant.weight import QuantWeight
+
+# Canonical weights (loader names, the part after `layers.{i}.`) that a format applies to:
+# the projections of attention, the experts, dense and shared MLPs. Routers, norms, embeddings,
+# lm_head and biases stay in the checkpoint's dtype; MLA's kv_b too (its per-head halves are
+# read as plain matrices by the absorbed decode).
+QUANTIZABLE = frozenset({"qkv", "o_proj", "experts.gate_up", "experts.down", "mlp.gate_up", "mlp.down",
+                         "attn.q", "attn.q_a", "attn.q_b", "attn.kv_a",
+                         "shared.gate", "shared.up", "shared.down"})
+
+
+def quantizable(name: str) -> bool:
+    return name.startswith("layers.") and name.split(".", 2)[2] in QUANTIZABLE
+
+
+def bytes_by_format(weights: dict[str, torch.Tensor | QuantWeight]) -> dict[str, int]:
+    """Bytes held per format (QuantWeights by format, plain tensors by dtype), shared tensors once."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for w in weights.values():
+        key = id(w)
+        if key in seen:
+            continue
+        seen.add(key)
+        name = w.fmt if isinstance(w, QuantWeight) else str(w.dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + w.nbytes
+    return out
