@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, MutableMapping, Sequence
 
 from moed import __version__
-from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES, ROLES,
+from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES, QUANTIZATIONS, ROLES,
                          Config, ConfigError, load)
 
 
@@ -70,6 +70,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", "model.dtype", "weights and KV dtype; auto: the checkpoint's (vLLM's "
          "half and float are float16 and float32)", _dtype, MODEL_DTYPES),
     Flag("--device", "model.device", "auto, cpu, cuda or cuda:N"),
+    Flag("--quantization", "model.quantization", "quantize a bf16 checkpoint's weights at load "
+         "(a quantized checkpoint's own format needs no flag)", choices=QUANTIZATIONS[1:]),
     Flag("--attention-backend", "engine.attention_backend", "attention kernels",
          choices=ATTENTION_BACKENDS),
     Flag("--log-format", "server.log_format", "console: human-readable lines instead of JSON",
