@@ -108,7 +108,6 @@ class ModelRunner:
         log.info("model_runner_ready", **self.describe(), native_decode=why_not or "on",
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
                  kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
-                 quantization=self.quant_plan.describe(),
                  weights_mb={k: round(v / 2**20, 2) for k, v in held.items()},
                  rss_mb=rss_mb(), seconds=round(time.monotonic() - t0, 2))
 
@@ -116,7 +115,8 @@ class ModelRunner:
         """What runs: for the model_runner_ready log line and the moed_model_info metric."""
         return {"arch": self.spec.arch, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "backend": self.backend.name,
-                "cpu_kernels": "on" if self.ctx.kernels is not None else "off"}
+                "cpu_kernels": "on" if self.ctx.kernels is not None else "off",
+                "quantization": self.quant_plan.fmt or "none"}
 
     def kv_region(self) -> KVRegion:
         """The KV tensor and its byte layout, as the transfer layer registers it."""

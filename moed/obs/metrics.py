@@ -223,7 +223,8 @@ PEER_LEASES = Counter("moed_kv_peer_leases_granted", "Leases this node granted t
 PEER_LENT_BLOCKS = Gauge("moed_kv_peer_lent_blocks", "Blocks pinned for peers' reads now",
                          registry=ENGINE)
 MODEL_INFO = Info("moed_model", "The loaded model: architecture, dtype, device, attention backend, "
-                  "and whether the native CPU kernels run (cpu_kernels on/off)", registry=ENGINE)
+                  "whether the native CPU kernels run (cpu_kernels on/off) and the weights' "
+                  "quantization (fp8/int8/int4/none)", registry=ENGINE)
 
 
 # Expert load (EPLB input, imbalance panel): one series per (MoE layer, expert) that ever got a

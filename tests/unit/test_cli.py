@@ -99,6 +99,7 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to cli.F
     "--kv-cache-memory": ("77", 77), "--kv-cache-memory-fraction": ("0.5", 0.5),
     "--block-size": ("32", 32),
     "--dtype": ("half", "float16"), "--device": ("cuda:1", "cuda:1"),
+    "--quantization": ("int4", "int4"),
     "--attention-backend": ("torch", "torch"), "--log-format": ("console", "console"),
     "--log-level": ("debug", "debug"),
     "--ep-size": ("4", 4), "--ep-rank": ("3", 3),
