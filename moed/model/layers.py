@@ -73,6 +73,9 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.packed is None:
             if self.quant is not None:
+                if x.shape[0] <= 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+                    # the dequantized matrix through ATen's bf16 gemv, as plain weights (gemv)
+                    return gemv(x, self.quant.dequantize(x.dtype), self.bias)
                 return qlinear(x, self.quant, self.bias)
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] <= self.gemv_rows:

@@ -218,3 +218,18 @@ def test_truncated_scale_file_named(src, tmp_path):
     f.write_bytes(f.read_bytes()[:-8])          # the file's last tensor loses its tail
     with pytest.raises(WeightError, match=last.replace(".", r"\.")):
         _load(d)
+
+
+def test_held_bytes_ratio_on_an_expert_heavy_model(make_checkpoint):
+    """Acceptance 4 by the held bytes (deterministic): a model whose plain tensors (embeddings,
+    lm_head, routers, norms) are ~2% of its weights, like Qwen3-30B-A3B's: int4 <= 0.35x and
+    int8/fp8 <= 0.6x of bf16 (the RSS figure: bench/quant_memory.py)."""
+    d = make_checkpoint("qwen3_moe", "tiny", 6, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                        num_experts=32, moe_intermediate_size=256, vocab_size=512)
+    spec = load_spec(d)
+    bf16 = sum(bytes_by_format(load_weights(d, spec, "bfloat16")).values())
+    plain = bytes_by_format(load_weights(d, spec, "bfloat16", plan=plan(d, "int4")))["bfloat16"]
+    assert plain / bf16 < 0.03
+    for fmt, limit in (("int4", 0.35), ("int8", 0.6), ("fp8", 0.6)):
+        held = sum(bytes_by_format(load_weights(d, spec, "bfloat16", plan=plan(d, fmt))).values())
+        assert held / bf16 <= limit, (fmt, held / bf16)
