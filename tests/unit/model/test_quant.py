@@ -233,3 +233,25 @@ def test_held_bytes_ratio_on_an_expert_heavy_model(make_checkpoint):
     for fmt, limit in (("int4", 0.35), ("int8", 0.6), ("fp8", 0.6)):
         held = sum(bytes_by_format(load_weights(d, spec, "bfloat16", plan=plan(d, fmt))).values())
         assert held / bf16 <= limit, (fmt, held / bf16)
+
+
+def test_compressed_tensors_packing_is_the_packages_own():
+    """The test writer packs as compressed-tensors' pack_to_int32 does, and moed's reader
+    unpacks as its unpack_from_int32 (4 and 8 bits, along rows and columns)."""
+    ct = pytest.importorskip("compressed_tensors")
+    try:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    except ImportError:                 # the module's home before 0.13
+        from compressed_tensors.compressors.quantized_compressors.pack_quantized import (pack_to_int32,
+                                                                                        unpack_from_int32)
+    from moed.model.quant.checkpoint import unpack_int32
+
+    g = torch.Generator().manual_seed(4)
+    for bits in (4, 8):
+        off = 1 << (bits - 1)
+        q = torch.randint(-off, off, (16, 37), generator=g).to(torch.int8)
+        for dim in (0, 1):
+            theirs = pack_to_int32(q, bits, packed_dim=dim)
+            assert torch.equal(theirs, quant_ckpt.pack_int32(q.to(torch.int64) + off, bits, dim)), (ct, bits, dim)
+            ours = unpack_int32(theirs, bits, dim)[:16, :37] - off
+            assert torch.equal(ours.to(torch.int8), unpack_from_int32(theirs, bits, q.shape, packed_dim=dim))
