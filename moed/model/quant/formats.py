@@ -142,6 +142,12 @@ def _gptq(qc: dict[str, Any]) -> CheckpointQuant:
     if qc.get("desc_act"):
         raise _err("desc_act", "true is not supported (act-order: g_idx permutes the groups); "
                                "use a checkpoint quantized with desc_act false")
+    dynamic = qc.get("dynamic") or {}
+    overrides = [k for k, v in dynamic.items() if not str(k).startswith("-:") and v] \
+        if isinstance(dynamic, dict) else ["?"]
+    if overrides:       # gptqmodel's per-module bits/group: moed reads one layout for all
+        raise _err("dynamic", f"per-module overrides {overrides[:3]} are not supported "
+                              f"(only '-:' exclusions, whose modules stay plain on disk)")
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _err("checkpoint_format", f"{fmt!r} is not supported (gptq, gptq_v2)")

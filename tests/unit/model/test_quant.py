@@ -95,6 +95,7 @@ def test_bytes_ratio_int4_int8():
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
     ({"quant_method": "gptq", "bits": 4, "desc_act": True}, "desc_act"),
     ({"quant_method": "gptq", "bits": 3}, "bits"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {r"+:.*down_proj": {"bits": 8}}}, "dynamic"),
     (quant_ckpt.config_for("ct", bits=4, group=32, symmetric=True, packed=False), "num_bits"),
 ])
 def test_config_refusals_name_the_key(qc, needle):
