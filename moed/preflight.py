@@ -162,8 +162,11 @@ def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> 
         except ValueError as e:
             raise ConfigError(f"parallel.redundant_experts: {e}") from None
     if p.rank_memory_mb:
+        from moed.model.quant import formats
+        m = cfg.model
         b = rank_budget(spec, dtype, p.ep_size, p.ep_rank, num_blocks,  # type: ignore[arg-type]
-                        cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts)
+                        cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts,
+                        formats.plan(m.path, m.quantization, m.quantization_group_size))
         if not b.fits:
             raise ConfigError(f"parallel.rank_memory_mb: {b.message()}")
         import structlog     # a fitting rank says how much KV its memory leaves room for

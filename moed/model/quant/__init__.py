@@ -31,3 +31,28 @@ def bytes_by_format(weights: dict[str, torch.Tensor | QuantWeight]) -> dict[str,
         name = w.fmt if isinstance(w, QuantWeight) else str(w.dtype).removeprefix("torch.")
         out[name] = out.get(name, 0) + w.nbytes
     return out
+
+
+def held_bytes(shape: tuple[int, ...], fmt: str, group: int) -> int:
+    """Bytes a [..., out, in] matrix holds in a format (symmetric: no zero points)."""
+    *lead, out, n = shape
+    rows = out
+    for d in lead:
+        rows *= d
+    per_row = {"fp8": n, "int8": n, "int4": -(-n // 2)}[fmt] + 4 * -(-n // group)
+    return rows * per_row
+
+
+def plan_bytes(name: str, shape: tuple[int, ...], itemsize: int, plan: object | None) -> int:
+    """What a canonical weight will hold under a quantization Plan (formats.Plan; None: plain)."""
+    import math
+
+    fmt = getattr(plan, "fmt", "")
+    if not fmt or not quantizable(name):
+        return math.prod(shape) * itemsize
+    ck = getattr(plan, "checkpoint", None)
+    if ck is not None:
+        group = ck.block[1] if fmt == "fp8" else (ck.group or shape[-1])
+    else:
+        group = 128 if fmt == "fp8" else shape[-1] if fmt == "int8" else getattr(plan, "group_size")
+    return held_bytes(shape, fmt, group)
