@@ -1,5 +1,6 @@
 """Quantized weights under expert parallelism (real `moed serve` processes, gloo on 127.0.0.1):
-an EP=2 group serving a quantized checkpoint or `--quantization` gives one process's greedy
+an EP=2 group serving a quantized checkpoint (Qwen3-MoE GPTQ, DeepSeek-V3 fp8 blocks) or
+`--quantization` gives one process's greedy
 completions, each rank holding about half of the quantized expert bytes (it loads only its
 experts' packed tensors and scales); and the expert balancer moves packed experts with their
 scales (and zero points) between ranks mid-serve without changing an output."""
@@ -35,10 +36,18 @@ def gptq_asym(make_checkpoint, tmp_path_factory):
     return d / "q"
 
 
+@pytest.fixture(scope="module")
+def deepseek_fp8(make_checkpoint, tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant-ds")
+    quant_ckpt.make(make_checkpoint("deepseek_v3"), d / "q", d / "o", "fp8", block=(128, 128))
+    return d / "q"
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("how", ["gptq-int4-asym", "online-int8"])
-def test_ep2_quantized_equals_one_process(moed_server, make_checkpoint, gptq_asym, how):
-    model = gptq_asym if how.startswith("gptq") else make_checkpoint("qwen3_moe")
+@pytest.mark.parametrize("how", ["gptq-int4-asym", "online-int8", "deepseek-fp8"])
+def test_ep2_quantized_equals_one_process(moed_server, make_checkpoint, request, how):
+    model = request.getfixturevalue("gptq_asym") if how.startswith("gptq") else \
+        request.getfixturevalue("deepseek_fp8") if how.startswith("deepseek") else make_checkpoint("qwen3_moe")
     args = [*ARGS, "--dtype", "float32", *(["--quantization", "int8"] if how == "online-int8" else [])]
     one, two = launch_group(moed_server, model, 1, args=args), launch_group(moed_server, model, 2, args=args)
     wait_ready([*one, *two], ready_timeout=180)
