@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 # nn.Linear weights that the formats quantize (the router `mlp.gate`, norms, embeddings and
 # lm_head stay as they are, as the published checkpoints have them)
 LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|"
-                    r"kv_a_proj_with_mqa|kv_b_proj)\.weight$")
+                    r"kv_a_proj_with_mqa|kv_b_proj|w1|w2|w3)\.weight$")
 
 
 def pack_int32(u: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -48,6 +48,8 @@ CASES = [   # id, arch, how: ("ckpt", method, kw) | ("online", fmt, group)
     ("qwen-online-int4", "qwen3_moe", ("online", "int4", 32)),
     ("qwen-online-int8", "qwen3_moe", ("online", "int8", 128)),
     ("qwen-online-fp8", "qwen3_moe", ("online", "fp8", 128)),
+    ("mixtral-gptq-int4-asym", "mixtral", ("ckpt", "gptq", dict(group=32, symmetric=False))),
+    ("mixtral-online-fp8", "mixtral", ("online", "fp8", 128)),
     ("deepseek-fp8-block128", "deepseek_v3", ("ckpt", "fp8", dict(block=(128, 128)))),
     ("deepseek-ct-w4a16", "deepseek_v3", ("ckpt", "ct", dict(bits=4, group=16, symmetric=True, packed=True))),
     ("deepseek-gptq-int4-asym", "deepseek_v3", ("ckpt", "gptq", dict(group=16, symmetric=False))),
@@ -56,7 +58,7 @@ CASES = [   # id, arch, how: ("ckpt", method, kw) | ("online", fmt, group)
 
 
 def _prepare(make_checkpoint, tmp_path, arch, how):
-    src = make_checkpoint(arch, "tiny", 3, **(QWEN if arch == "qwen3_moe" else DEEPSEEK))
+    src = make_checkpoint(arch, "tiny", 3, **(DEEPSEEK if arch == "deepseek_v3" else QWEN))
     kind, what, opt = how
     if kind == "ckpt":
         quant_ckpt.make(src, tmp_path / "q", tmp_path / "oracle", what, **opt)
