@@ -10,6 +10,8 @@ transformers to run.
          low bits first; weight along dim 1, zero points along dim 0; int-quantized: int8 as is
   gptq   GPTQ v1 (AutoGPTQ QuantLinear.pack): qweight [in/8, out] packed along the input,
          qzeros [groups, out/8] storing zero - 1, scales fp16 [groups, out], g_idx = j // group
+  awq    AutoAWQ GEMM (WQLinear_GEMM.from_linear): qweight [in, out/8] and qzeros [groups, out/8]
+         packed along the output, nibble i = column (0, 2, 4, 6, 1, 3, 5, 7)[i] of its 8
 """
 from __future__ import annotations
 
@@ -113,6 +115,25 @@ def gptq(w: torch.Tensor, g: int, symmetric: bool, gen: torch.Generator):
             "g_idx": (torch.arange(n) // g).to(torch.int32)}, deq
 
 
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]     # AutoAWQ WQLinear_GEMM: nibble i holds column AWQ_ORDER[i]
+
+
+def awq(w: torch.Tensor, g: int, gen: torch.Generator):
+    out, n = w.shape
+    wg = _groups(w.float(), g)
+    s = ((wg.amax(-1) - wg.amin(-1)) / 15).to(torch.float16).float()
+    z = torch.randint(0, 16, (out, n // g), generator=gen)
+    q = torch.round(wg / s[..., None] + z[..., None]).clamp(0, 15).to(torch.int64)
+    deq = ((q - z[..., None]).float() * s[..., None]).view_as(w)
+
+    def pack(u: torch.Tensor) -> torch.Tensor:       # [rows, cols] -> [rows, cols / 8]
+        r, c = u.shape
+        return pack_int32(u.view(r, c // 8, 8)[..., AWQ_ORDER].reshape(r, c), 4, 1)
+
+    return {"qweight": pack(q.view(out, n).t().contiguous()), "qzeros": pack(z.t().contiguous()),
+            "scales": s.t().to(torch.float16).contiguous()}, deq
+
+
 def write(src: Path, dst: Path, oracle: Path, encode: Callable, quantization_config: dict | None) -> None:
     """dst: the quantized checkpoint (config.json with quantization_config); oracle: fp32 weights,
     the quantized ones dequantized. encode(name, w) -> (tensors by suffix, dequantized) or None."""
@@ -144,6 +165,9 @@ def config_for(method: str, **kw) -> dict:
     if method == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                 "weight_block_size": list(kw["block"])}
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": kw["group"], "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}
     if method == "gptq":
         return {"quant_method": "gptq", "bits": 4, "group_size": kw["group"], "desc_act": False,
                 "sym": kw["symmetric"], "checkpoint_format": "gptq", "damp_percent": 0.01}
@@ -167,6 +191,8 @@ def make(src: Path, dst: Path, oracle: Path, method: str, seed: int = 0, **kw) -
         encode = lambda name, w: ct(w, kw["bits"], kw["group"], kw["symmetric"], kw["packed"], gen)  # noqa: E731
     elif method == "gptq":
         encode = lambda name, w: gptq(w, kw["group"], kw["symmetric"], gen)                  # noqa: E731
+    elif method == "awq":
+        encode = lambda name, w: awq(w, kw["group"], gen)                                    # noqa: E731
     else:
         raise ValueError(method)
     write(src, dst, oracle, encode, config_for(method, **kw))

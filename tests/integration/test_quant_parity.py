@@ -45,6 +45,7 @@ CASES = [   # id, arch, how: ("ckpt", method, kw) | ("online", fmt, group)
     ("qwen-ct-w4a16-asym", "qwen3_moe", ("ckpt", "ct", dict(bits=4, group=32, symmetric=False, packed=True))),
     ("qwen-ct-w8a16-channel", "qwen3_moe", ("ckpt", "ct", dict(bits=8, group=0, symmetric=True, packed=False))),
     ("qwen-gptq-int4", "qwen3_moe", ("ckpt", "gptq", dict(group=32, symmetric=True))),
+    ("qwen-awq-int4", "qwen3_moe", ("ckpt", "awq", dict(group=32))),
     ("qwen-online-int4", "qwen3_moe", ("online", "int4", 32)),
     ("qwen-online-int8", "qwen3_moe", ("online", "int8", 128)),
     ("qwen-online-fp8", "qwen3_moe", ("online", "fp8", 128)),
@@ -137,12 +138,12 @@ def test_bad_quantized_checkpoints_refused_in_one_line(make_checkpoint, tmp_path
     block = fp8("block")
     _edit_config(block, lambda q: q.__setitem__("weight_block_size", [128, 128]))
     method = fp8("method")
-    _edit_config(method, lambda q: q.__setitem__("quant_method", "awq"))
+    _edit_config(method, lambda q: q.__setitem__("quant_method", "bitsandbytes"))
     cases = {
         "scale of the wrong shape": ([wrong], "q_proj.weight_scale_inv: shape [1, 2], expected [2, 2]"),
         "truncated file": ([truncated], "does not hold"),
         "weight_block_size not as declared": ([block], "in 128x128 blocks, quantization_config.weight_block_size"),
-        "unsupported quant_method": ([method], "quantization_config.quant_method: 'awq' is not supported"),
+        "unsupported quant_method": ([method], "quantization_config.quant_method: 'bitsandbytes' is not supported"),
         "int4 on an fp8 checkpoint": ([fp8("requant"), "--quantization", "int4"],
                                       "model.quantization: int4 asked, but the checkpoint is already quantized"),
     }

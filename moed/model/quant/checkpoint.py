@@ -18,6 +18,9 @@ name rules apply unchanged. Layouts (W = dequantized weight, [out, in] as nn.Lin
                      X.qzeros int32 [groups, out/8] (v1: zero - 1); X.scales [groups, out];
                      X.g_idx [in] (must be j // group: act-order is refused)
                      W[i, j] = (q[j, i] - z[g, i]) * s[g, i]
+  awq (GEMM)         X.qweight int32 [in, out/8], 8 nibbles per word along the output in the
+                     order (0, 2, 4, 6, 1, 3, 5, 7); X.qzeros int32 [groups, out/8] packed alike
+                     (zeros as they are); X.scales [groups, out]; W as gptq's
 Every shape is checked against the others and the config's group/block size; a mismatch is a
 WeightError naming the tensor. A symmetric checkpoint's zero points, when stored, must be zero.
 """
@@ -39,7 +42,11 @@ _SUFFIXES = {
     "ct-packed": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
     "ct-int": ("weight", "weight_scale", "weight_zero_point"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
 }
+# AutoAWQ's GEMM packing: nibble i of a word holds column AWQ_ORDER[i] of its 8; reading the
+# nibbles in AWQ_REVERSE order gives the columns in order
+AWQ_REVERSE = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
 
 
 def _kind(ck: CheckpointQuant) -> str:
@@ -82,6 +89,10 @@ class QuantSource:
         elif kind == "ct-int":
             self.shape = tuple(_shape(parts["weight"]))
             self.group = ck.group or self.shape[-1]
+        elif kind == "awq":
+            n, cols = _shape(parts["qweight"])
+            self.shape = (cols * 8, n)
+            self.group = ck.group or n
         else:
             rows, out = _shape(parts["qweight"])
             self.shape = (out, rows * 8)
@@ -112,7 +123,7 @@ class QuantSource:
             self._expect("weight_scale", [out, groups], f"group size {self.group}")
             if self.asymmetric:
                 self._expect("weight_zero_point", [out, groups], f"group size {self.group}")
-        else:
+        else:       # gptq, awq: the same zeros and scales
             if out % 8:
                 raise WeightError(f"{self.base}.qweight: {out} output columns, not a multiple of 8")
             self._expect("qzeros", [groups, out // 8], f"group size {self.group}")
@@ -123,6 +134,11 @@ class QuantSource:
         out, n = self.shape
         if kind == "fp8":
             return from_block_fp8(_read(p["weight"]), _read(p["weight_scale_inv"]), self.ck.block)
+        if kind == "awq":
+            u = _awq_columns(unpack_int32(_read(p["qweight"]), 4, 1)).t()        # [out, in]
+            z = _awq_columns(unpack_int32(_read(p["qzeros"]), 4, 1)).t()         # [out, groups]
+            scale = _read(p["scales"]).float().t().contiguous()
+            return QuantWeight("int4", pack_int4(u), scale, z.to(torch.uint8).contiguous(), self.group, n)
         if kind == "gptq":
             u = unpack_int32(_read(p["qweight"]), 4, 0)[:n].t()                  # [out, in]
             z = unpack_int32(_read(p["qzeros"]), 4, 1) + int(self.ck.zeros_minus_one)   # [groups, out]
@@ -147,6 +163,12 @@ class QuantSource:
         return QuantWeight("int8", q.contiguous(), scale, zp, self.group, n)
 
 
+def _awq_columns(u: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] unpacked in nibble order -> columns in order (AWQ_REVERSE per 8)."""
+    r, c = u.shape
+    return u.view(r, c // 8, 8)[..., AWQ_REVERSE].reshape(r, c)
+
+
 class Grouper:
     """Collects each quantized matrix's tensors as the files are walked (see the module doc)."""
 
@@ -157,6 +179,7 @@ class Grouper:
 
     def _required(self) -> set[str]:
         req = {"fp8": {"weight", "weight_scale_inv"}, "gptq": {"qweight", "qzeros", "scales"},
+               "awq": {"qweight", "qzeros", "scales"},
                "ct-packed": {"weight_packed", "weight_scale", "weight_shape"},
                "ct-int": {"weight", "weight_scale"}}[self.kind]
         if not self.ck.symmetric and self.kind.startswith("ct"):

@@ -9,7 +9,8 @@ Served on load (moed/model/quant/checkpoint.py reads the tensors):
                       (pack-quantized), strategy channel or group, symmetric or not
   gptq                bits 4, desc_act false, checkpoint_format gptq (v1: zeros stored minus
                       one) or gptq_v2
-Everything else is refused by name (ConfigError-ready ValueError naming the key): AWQ, bitsandbytes,
+  awq                 bits 4, version gemm, zero_point true (AutoAWQ's GEMM packing)
+Everything else is refused by name (ConfigError-ready ValueError naming the key): bitsandbytes,
 GPTQ with desc_act (its g_idx permutes the groups), activation quantization, other bit widths.
 """
 from __future__ import annotations
@@ -73,7 +74,9 @@ def parse(qc: Any) -> CheckpointQuant | None:
         return _compressed_tensors(qc)
     if method == "gptq":
         return _gptq(qc)
-    raise _err("quant_method", f"{method!r} is not supported (fp8, compressed-tensors, gptq)")
+    if method == "awq":
+        return _awq(qc)
+    raise _err("quant_method", f"{method!r} is not supported (fp8, compressed-tensors, gptq, awq)")
 
 
 def _fp8(qc: dict[str, Any]) -> CheckpointQuant:
@@ -156,6 +159,22 @@ def _gptq(qc: dict[str, Any]) -> CheckpointQuant:
         raise _err("group_size", f"{group!r}: expected a positive integer or -1")
     return CheckpointQuant("gptq", "int4", group=max(group, 0), symmetric=bool(qc.get("sym", True)),
                            zeros_minus_one=fmt == "gptq")
+
+
+def _awq(qc: dict[str, Any]) -> CheckpointQuant:
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise _err("bits", f"{bits!r} is not supported (4)")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _err("version", f"{qc['version']!r} is not supported (gemm: the packing AutoAWQ "
+                              f"writes for GEMM kernels)")
+    if not qc.get("zero_point", True):
+        raise _err("zero_point", "false is not supported (AWQ checkpoints carry zero points)")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or not (group > 0 or group == -1):
+        raise _err("group_size", f"{group!r}: expected a positive integer or -1")
+    return CheckpointQuant("awq", "int4", group=max(group, 0), symmetric=False)
 
 
 def read_config(model_dir: str | Path) -> CheckpointQuant | None:

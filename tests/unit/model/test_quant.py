@@ -89,7 +89,9 @@ def test_bytes_ratio_int4_int8():
 # ---- config ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("qc,needle", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method: 'awq' is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method: 'bitsandbytes' is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version"),
+    ({"quant_method": "awq", "bits": 4, "zero_point": False}, "zero_point"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
@@ -123,6 +125,7 @@ FORMATS = [
     ("ct", dict(bits=8, group=16, symmetric=False, packed=False)),
     ("gptq", dict(group=48, symmetric=True)),
     ("gptq", dict(group=16, symmetric=False)),
+    ("awq", dict(group=16)),
 ]
 
 
