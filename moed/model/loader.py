@@ -35,6 +35,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import re
 import time
 from pathlib import Path
@@ -321,9 +322,11 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtyp
         raise WeightError(f"{d}: unexpected tensors: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
     weights = asm.finish()
     held = bytes_by_format(weights)
+    # before/after: what these weights hold plain in the compute dtype, and what they hold
+    plain = sum(math.prod(shape) for shape in asm.shapes.values()) * tdtype.itemsize
     log.info("weights_loaded", model_dir=str(d), shards=len(files), tensors=ntensors, bytes=nbytes,
              dtype=str(tdtype).removeprefix("torch."), quantization=plan.describe(),
-             resident_bytes=sum(held.values()), bytes_by_format=held,
+             unquantized_bytes=plain, resident_bytes=sum(held.values()), bytes_by_format=held,
              seconds=round(time.monotonic() - t0, 3))
     return weights
 
