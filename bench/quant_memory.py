@@ -28,7 +28,6 @@ def child(model_dir: str, fmt: str, steps: int) -> None:
     import torch
 
     from moed.model.batch import ForwardBatch
-    from moed.model.quant import bytes_by_format  # noqa: F401 - imported before the baseline
     from moed.model.runner import ModelRunner
 
     torch.ones(1) @ torch.ones(1)
