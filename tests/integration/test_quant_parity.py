@@ -1,8 +1,8 @@
 """Quantized weights end to end: checkpoints in each format (tests/quant_ckpt.py, written by the
 formats' published definitions from random bf16 checkpoints) and `model.quantization` of a bf16
 one, served by the real engine in fp32 (chunked prefill mixed with decodes, then prefix-cache
-hits: test_engine_parity's scenario, 64 new tokens per request), every token and logit against transformers run on the same
-weights dequantized to fp32.
+hits: test_engine_parity's scenario, 64 new tokens per request), every token and logit against
+transformers run on the same weights dequantized to fp32.
 
 Tolerance: the logits within 1e-3 (test_engine_parity's). moed's reference path multiplies by
 the dequantized weight, which in fp32 is bit-for-bit the oracle's (the same (q - zero) * scale,

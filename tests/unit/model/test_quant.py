@@ -200,7 +200,8 @@ def test_block_size_that_does_not_divide_as_declared(src, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"]["weight_block_size"] = [64, 64]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(WeightError, match=r"weight_scale_inv: shape .* in 64x64 blocks, quantization_config.weight_block_size"):
+    with pytest.raises(WeightError, match=r"weight_scale_inv: shape .* in 64x64 blocks, "
+                                          r"quantization_config.weight_block_size"):
         _load(d)
 
 
