@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, MutableMapping, Sequence
 
 from moed import __version__
-from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES, ROLES,
-                         TOOL_PARSERS, Config, ConfigError, load)
+from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES, QUANTIZATIONS,
+                         ROLES, TOOL_PARSERS, Config, ConfigError, load)
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Flag:
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    short: str | None = None        # vLLM's one-letter alias, where it has one
 
     @property
     def dest(self) -> str:
@@ -79,6 +80,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", "model.dtype", "weights and KV dtype; auto: the checkpoint's (vLLM's "
          "half and float are float16 and float32)", _dtype, MODEL_DTYPES),
     Flag("--device", "model.device", "auto, cpu, cuda or cuda:N"),
+    Flag("--quantization", "model.quantization", "quantize a bf16 checkpoint's weights at load "
+         "(a quantized checkpoint's own format needs no flag)", choices=QUANTIZATIONS[1:],
+         short="-q"),
     Flag("--attention-backend", "engine.attention_backend", "attention kernels",
          choices=ATTENTION_BACKENDS),
     Flag("--log-format", "server.log_format", "console: human-readable lines instead of JSON",
@@ -105,8 +109,6 @@ SWITCHES: tuple[Flag, ...] = (
 REFUSED = {
     "--gpu-memory-utilization": "moed sizes the KV cache in MB, not as a share of GPU memory "
                                 "(it runs on CPUs too): use --kv-cache-memory MB",
-    "--quantization": "moed serves unquantized checkpoints (bfloat16, float16, float32: "
-                      "--dtype)",
     "--tokenizer": "moed reads the tokenizer from the checkpoint directory (tokenizer.json, "
                    "tokenizer_config.json): put it there",
     "--chat-template": "moed renders the checkpoint's chat template (tokenizer_config.json's "
@@ -125,7 +127,7 @@ REFUSED = {
     "--seed": "moed has no server-wide seed: a request's `seed` field makes its sampling "
               "reproducible",
 }
-REFUSED_SHORT = {"--quantization": "-q"}
+REFUSED_SHORT: dict[str, str] = {}
 
 # vLLM on/off flags moed cannot honour: refused with the reason (they take no value)
 REFUSED_SWITCHES = {
@@ -194,7 +196,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    "keys still count, server.api_keys_env is replaced). Visible in ps: prefer "
                    "server.api_keys_file in production")
     for f in FLAGS:
-        p.add_argument(f.name, dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
+        p.add_argument(*(f.name, f.short) if f.short else (f.name,), dest=f.dest, type=f.type, choices=f.choices, metavar=f.metavar,
                        help=f"{f.help} ({f.field})")
     for f in SWITCHES:
         p.add_argument(f.name, dest=f.dest, action=argparse.BooleanOptionalAction,

@@ -33,6 +33,7 @@ ROLES = ("colocated", "prefill", "decode", "router")
 LOG_FORMATS = ("json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MODEL_DTYPES = ("auto", "bfloat16", "float32", "float16")
+QUANTIZATIONS = ("", "fp8", "int8", "int4")     # moed.model.quant.formats.ONLINE, "" = none/checkpoint's
 TOOL_PARSERS = ("auto", "none", "qwen", "mistral")   # moed.model.tool_parsers.PARSER_SETTINGS
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 PREFIX_CACHE_ISOLATION = ("shared", "api_key")      # moed.api.salt.ISOLATION
@@ -173,11 +174,21 @@ class ModelConfig:
                             doc="0 = the checkpoint's max_position_embeddings")
     tool_parser: str = _f("auto", doc="format of the model's tool calls: auto (from the chat "
                                       "template, then model_type) | qwen | mistral | none")
+    quantization: str = _f("", doc="weights quantized at load (vLLM's --quantization): fp8 "
+                                   "(128x128 blocks) | int8 (per output channel) | int4 (groups "
+                                   "of quantization_group_size); \"\" = the checkpoint's own "
+                                   "(quantization_config) or none")
+    quantization_group_size: int = _f(128, bounds=(2, 1 << 16),
+                                      doc="input columns per int4 scale (model.quantization int4)")
 
     def __post_init__(self) -> None:
         _check_bounds("model", self)
         _choice("model.dtype", self.dtype, MODEL_DTYPES)
         _choice("model.tool_parser", self.tool_parser, TOOL_PARSERS)
+        _choice("model.quantization", self.quantization, QUANTIZATIONS)
+        if self.quantization_group_size % 2:
+            raise ConfigError(f"model.quantization_group_size: {self.quantization_group_size} "
+                              f"is odd; two int4 values share a byte")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device: {_short(self.device)} is not auto, cpu, cuda "
                               f"or cuda:N")

@@ -6,7 +6,8 @@ Each check reads what the node itself reads at start, with the node's own functi
   which also refuses a prefill/decode node without a key off loopback);
 - the API-key and admin-token sources (moed.ops.daemon.load_key_source);
 - for a node with a model: config.json (its model_type served by moed/model/archs), the weight
-  files it names present, model.max_model_len within the checkpoint's context, the device
+  files it names present, its quantization_config served and every quantized tensor's scales
+  shaped as declared (headers only; moed/model/quant), model.max_model_len within the checkpoint's context, the device
   available, one KV block within engine.kv_cache_memory_mb (this imports torch, as
   moed/model/spec.py does; the weights are never read); with parallel.rank_memory_mb, dense
   weights + this rank's expert slots + the KV blocks within it (moed/parallel/budget.py);
@@ -123,6 +124,7 @@ def model(cfg: Config) -> None:
     with _refused("model.path", OSError, ValueError, TypeError, KeyError, AttributeError):
         spec = load_spec(m.path)
         checkpoint_files(Path(m.path))
+    quantization(cfg)
     if m.max_model_len > spec.max_position_embeddings:    # the engine would cap it, unsaid
         raise ConfigError(f"model.max_model_len: {m.max_model_len} is beyond the checkpoint's "
                           f"max_position_embeddings {spec.max_position_embeddings}")
@@ -138,6 +140,23 @@ def model(cfg: Config) -> None:
             kv_mb, _, _ = kv_memory_mb(cfg, spec, dtype, device)
             num_blocks = auto_num_blocks(spec, e.block_size, dtype, kv_mb)
     memory_budget(cfg, spec, dtype, num_blocks)
+
+
+def quantization(cfg: Config) -> None:
+    """config.json's quantization_config served (moed/model/quant/formats.py), model.quantization
+    compatible with it, and every quantized tensor's scales shaped as the config declares (the
+    safetensors headers only; no weight is read)."""
+    from moed.model.quant import formats
+    from moed.model.quant.preflight import check_headers
+
+    m = cfg.model
+    try:
+        plan = formats.plan(m.path, m.quantization, m.quantization_group_size)
+    except formats.QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+    if plan.checkpoint is not None:
+        with _refused("model.path", ValueError, OSError):
+            check_headers(Path(m.path), plan.checkpoint)
 
 
 def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> None:
@@ -156,8 +175,11 @@ def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> 
         except ValueError as e:
             raise ConfigError(f"parallel.redundant_experts: {e}") from None
     if p.rank_memory_mb:
+        from moed.model.quant import formats
+        m = cfg.model
         b = rank_budget(spec, dtype, p.ep_size, p.ep_rank, num_blocks,  # type: ignore[arg-type]
-                        cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts)
+                        cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts,
+                        formats.plan(m.path, m.quantization, m.quantization_group_size))
         if not b.fits:
             raise ConfigError(f"parallel.rank_memory_mb: {b.message()}")
         import structlog     # a fitting rank says how much KV its memory leaves room for

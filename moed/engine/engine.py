@@ -167,7 +167,9 @@ class Engine:
         runner = ModelRunner(m.path, dtype=dtype, device=device, spec=spec,
                              attention_backend=e.attention_backend, num_blocks=num_blocks,
                              block_size=e.block_size,
-                             placement=None if ep is None else ep.placement)
+                             placement=None if ep is None else ep.placement,
+                             quantization=m.quantization,
+                             quantization_group_size=m.quantization_group_size)
         if ep is not None:
             ep.join()
             ep.attach(runner.model)     # the expert balancer, if parallel.eplb_interval_s

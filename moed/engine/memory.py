@@ -76,8 +76,12 @@ def kv_memory_mb(cfg, spec, dtype, device) -> tuple[int, str, dict[str, float]]:
     from moed.parallel.budget import rank_budget
 
     p = cfg.parallel
+    from moed.model.quant import formats
+
+    m = cfg.model
+    quant = formats.plan(m.path, m.quantization, m.quantization_group_size) if m.path else None
     weights = rank_budget(spec, dtype, p.ep_size, p.ep_rank, 0, e.block_size, 0,
-                          p.redundant_experts).weights_bytes
+                          p.redundant_experts, quant).weights_bytes
     if getattr(device, "type", "cpu") == "cuda":
         import torch
         available = torch.cuda.mem_get_info(device)[0]

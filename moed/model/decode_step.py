@@ -57,6 +57,8 @@ def _native(lin: Linear) -> bool:
 
 def unsupported(model: MoEDecoder, backend: object, kv_cache: torch.Tensor) -> str | None:
     """Why the native step cannot serve this model (None: it can, row counts permitting)."""
+    if model.quantized:
+        return f"quantized weights ({', '.join(model.quantized)}): the native step reads bf16 only"
     if model.kernels is None:
         return "cpu kernels off"
     if model.spec.attention_kind != "gqa":

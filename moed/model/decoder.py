@@ -14,6 +14,7 @@ import torch
 from moed.model.attention.base import AttentionBackend
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
+from moed.model.quant.weight import QuantWeight
 from moed.model.layers import AttentionBlock, DenseMLP, Linear, Rotary, add_rms_norm
 from moed.model.moe import MoELayer
 from moed.model.spec import ModelSpec
@@ -68,6 +69,8 @@ class MoEDecoder:
         keep), so nothing outlives the build that the model does not use."""
         self.spec, self.ctx = spec, ctx
         self.kernels = ctx.kernels        # None: the torch path throughout (see ComputeContext)
+        # formats of the quantized weights (moed/model/quant): they take the reference path
+        self.quantized = tuple(sorted({x.fmt for x in w.values() if isinstance(x, QuantWeight)}))
         self.embed, self.norm = w["embed"], w["norm"]
         self.lm_head = Linear(w["lm_head"], pack=ctx.pack, kernels=ctx.kernels)
         # Tokens routed per logical expert since the last read ([layers, experts], int64).

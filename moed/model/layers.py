@@ -15,6 +15,8 @@ from moed.model.attention.base import AttentionBackend
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
+from moed.model.quant.linear import qlinear
+from moed.model.quant.weight import QuantWeight
 from moed.model.spec import ModelSpec
 
 
@@ -30,14 +32,22 @@ class Linear:
       1 row (2 for weights up to 2 MB) skips oneDNN: torch's own bf16 gemv streams the plain
       weight at full bandwidth with ~4 us of call overhead, where oneDNN reaches ~2/3 of it and
       spends ~14 us per call on setup (measured: [1024,1024] weight, 2 threads, 72 vs 101 us).
-    - Else (fp32, GPU) plain F.linear."""
+    - Else (fp32, GPU) plain F.linear.
+    - A quantized weight (moed/model/quant) takes the reference path, dequantized per call
+      (quant/linear.py): the bf16 kernels and oneDNN packing do not apply to it."""
 
-    __slots__ = ("weight", "bias", "packed", "gemv_rows", "kernels", "kpacked", "out_features", "choice")
+    __slots__ = ("weight", "bias", "packed", "gemv_rows", "kernels", "kpacked", "out_features", "choice",
+                 "quant")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
+    def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None, pack: bool = False,
                  kernels: CpuKernels | None = None, kpacked: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
+        self.quant = weight if isinstance(weight, QuantWeight) else None
+        if self.quant is not None:
+            self.kernels = self.kpacked = self.packed = self.choice = None
+            self.gemv_rows = 0
+            return
         self.kernels = kernels if pack and kernels is not None and weight.shape[1] % 2 == 0 else None
         self.kpacked = self.packed = None
         self.choice: LinearChoice | None = None     # kernels only: oneDNN for some row classes
@@ -62,6 +72,11 @@ class Linear:
                 return self.kernels.linear_bf16(x, self.kpacked, self.out_features, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.packed is None:
+            if self.quant is not None:
+                if x.shape[0] <= 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+                    # the dequantized matrix through ATen's bf16 gemv, as plain weights (gemv)
+                    return gemv(x, self.quant.dequantize(x.dtype), self.bias)
+                return qlinear(x, self.quant, self.bias)
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] <= self.gemv_rows:
             return gemv(x, self.weight, self.bias)
@@ -178,7 +193,8 @@ class AttentionBlock:
 class DenseMLP:
     """SwiGLU MLP of dense layers (Qwen3 mlp_only_layers)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, ctx: ComputeContext) -> None:
+    def __init__(self, gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
+                 ctx: ComputeContext) -> None:
         self.gate_up = Linear(gate_up, pack=ctx.pack, kernels=ctx.kernels)
         self.down = Linear(down, pack=ctx.pack, kernels=ctx.kernels)
 

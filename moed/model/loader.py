@@ -35,6 +35,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import re
 import time
 from pathlib import Path
@@ -44,12 +45,17 @@ import structlog
 import torch
 
 from moed.model import archs
+from moed.model.quant import bytes_by_format, quantizable
+from moed.model.quant.checkpoint import Grouper, QuantSource
+from moed.model.quant.formats import Plan
+from moed.model.quant.quantize import quantize
+from moed.model.quant.weight import QuantWeight, empty
 from moed.model.safetensors_file import Mapped, Stored, WeightError, read_index
 from moed.model.spec import ModelSpec, parse_dtype
 
 log = structlog.get_logger(__name__)
 
-Weights = dict[str, torch.Tensor]
+Weights = dict[str, torch.Tensor | QuantWeight]
 
 
 _L = r"^(?:model\.)?layers\.(\d+)\."
@@ -118,17 +124,20 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-Source = torch.Tensor | Stored     # what _Assembler places: a tensor, or one still on disk
+# what _Assembler places: a tensor, one still on disk, or a quantized matrix's parts
+Source = torch.Tensor | Stored | QuantSource
 
 
 class _Assembler:
     """Places each checkpoint tensor into its slice of a preallocated canonical tensor."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 slots: tuple[int, ...] | None = None) -> None:
+                 slots: tuple[int, ...] | None = None, plan: Plan | None = None) -> None:
         """slots: the logical expert of each expert slot to fill (expert parallelism: this
-        rank's, replicas included); None: every expert, slot e = expert e."""
+        rank's, replicas included); None: every expert, slot e = expert e. plan: quantized
+        weights (a quantized checkpoint's, or model.quantization of a plain one)."""
         self.spec, self.dtype, self.device = spec, dtype, device
+        self.plan = plan or Plan(None)
         self.rules = compile_rules(archs.get(spec.arch).weight_names)
         # DeepSeek-V3's MTP head: layers past num_hidden_layers in real checkpoints, not served
         self.skip_past_end = archs.get(spec.arch).skip_layers_past_end
@@ -141,21 +150,44 @@ class _Assembler:
         self.filled: dict[str, set] = {}       # canonical name -> parts written
         self.parts: dict[str, int] = {}        # canonical name -> parts needed
 
-    def _dst(self, name: str, nparts: int) -> torch.Tensor:
+    def _dst(self, name: str, nparts: int, first: Source) -> torch.Tensor | QuantWeight:
+        """The canonical tensor, allocated on its first part: quantized where the name takes a
+        format and the part is quantized (its format) or a plain one is to be (model.quantization)."""
         if name not in self.shapes:
             raise WeightError(f"unexpected tensor for {name} (not in this config)")
         if name not in self.out:
-            self.out[name] = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+            shape, online = self.shapes[name], self.plan.online
+            if isinstance(first, QuantSource) and quantizable(name):
+                self.out[name] = empty(first.fmt, shape, first.group, first.asymmetric, self.device)
+            elif online and quantizable(name):
+                self.out[name] = empty(online, shape, 128 if online == "fp8" else
+                                       shape[-1] if online == "int8" else self.plan.group_size,
+                                       False, self.device)
+            else:
+                self.out[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
             self.filled[name], self.parts[name] = set(), nparts
         return self.out[name]
 
     def put(self, name: str, part: object, nparts: int, dst_slice: tuple, t: Source, src: str) -> None:
-        dst = self._dst(name, nparts)[dst_slice]
+        dst = self._dst(name, nparts, t)[dst_slice]
         if tuple(dst.shape) != tuple(t.shape):
             raise WeightError(f"{src}: shape {tuple(t.shape)}, expected {tuple(dst.shape)} for config")
         if part in self.filled[name]:
             raise WeightError(f"{src}: duplicate tensor")
-        if isinstance(t, Stored):
+        if isinstance(dst, QuantWeight):
+            if isinstance(t, QuantSource):
+                q = t.read()
+            elif self.plan.online:      # quantized per checkpoint matrix, as a quantizer would
+                q = quantize(t.read() if isinstance(t, Stored) else t, dst.fmt, dst.group)
+            else:
+                raise WeightError(f"{src}: a plain tensor where the other parts of {name} are quantized")
+            try:
+                dst.copy_(q, src)
+            except ValueError as e:
+                raise WeightError(str(e)) from None
+        elif isinstance(t, QuantSource):    # a quantized matrix kept plain (lm_head, MLA's kv_b)
+            dst.copy_(t.read().dequantize(torch.float32))
+        elif isinstance(t, Stored):
             t.into(dst)
         else:
             dst.copy_(t)
@@ -215,6 +247,8 @@ class _Assembler:
         elif kind.startswith("fused."):
             if t.shape[0] != s.num_experts:
                 raise WeightError(f"{key}: shape {tuple(t.shape)}, expected {s.num_experts} experts")
+            if isinstance(t, QuantSource):
+                raise WeightError(f"{key}: quantized experts in the fused naming are not supported")
             if self.slots != tuple(range(s.num_experts)):     # expert parallelism: our slots
                 whole = t.read() if isinstance(t, Stored) else t
                 t = whole.index_select(0, torch.tensor(self.slots, dtype=torch.long))
@@ -242,15 +276,21 @@ class _Assembler:
 
 
 def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "cpu", slots: tuple[int, ...] | None = None) -> Weights:
+                 device: str | torch.device = "cpu", slots: tuple[int, ...] | None = None,
+                 plan: Plan | None = None) -> Weights:
     """All tensors of the checkpoint in canonical names, cast to dtype ("auto" = config's).
     slots: expert parallelism: fill only these experts' slots (logical expert per slot, this
-    rank's share); the other experts' tensors are skipped unread.
+    rank's share); the other experts' tensors are skipped unread (and their scales).
+    plan (moed/model/quant/formats.py): a quantized checkpoint's tensors become QuantWeights
+    (the projections; anything else dequantized into its plain tensor), or the projections of
+    a plain one are quantized as they are placed (model.quantization).
     Logs a `shard_loaded` line per file (a big checkpoint loads for minutes); a progress bar
     too when the logs are console lines on a terminal."""
     d = Path(model_dir)
     tdtype = spec.dtype if dtype == "auto" else parse_dtype(dtype)
-    asm = _Assembler(spec, tdtype, torch.device(device), slots)
+    plan = plan or Plan(None)
+    asm = _Assembler(spec, tdtype, torch.device(device), slots, plan)
+    grouper = None if plan.checkpoint is None else Grouper(plan.checkpoint)
     files = checkpoint_files(d)
     sizes = [p.stat().st_size for p in files]
     t0, nbytes, ntensors, unexpected = time.monotonic(), 0, 0, []
@@ -258,7 +298,10 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtyp
         for n, (path, size) in enumerate(zip(files, sizes)):
             t_shard, read = time.monotonic(), 0
             with Mapped(path) as f:
-                for key, t in read_index(f).items():
+                items: Any = read_index(f).items()
+                if grouper is not None:     # a quantized matrix's tensors become one source
+                    items = grouper.feed(items)
+                for key, t in items:
                     if _IGNORED.search(key) or asm.skip(key):
                         continue
                     size_t = t.nbytes
@@ -269,13 +312,22 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtyp
                         continue
                     ntensors += 1
                     nbytes += size_t
+                if grouper is not None:
+                    grouper.end_of_file()
             bar.update(size - read)          # the file's header and skipped tensors
             _log_shard(path.name, n + 1, len(files), size, time.monotonic() - t_shard)
+    if grouper is not None:
+        grouper.finish()
     if unexpected:
         raise WeightError(f"{d}: unexpected tensors: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
     weights = asm.finish()
+    held = bytes_by_format(weights)
+    # before/after: what these weights hold plain in the compute dtype, and what they hold
+    plain = sum(math.prod(shape) for shape in asm.shapes.values()) * tdtype.itemsize
     log.info("weights_loaded", model_dir=str(d), shards=len(files), tensors=ntensors, bytes=nbytes,
-             dtype=str(tdtype).removeprefix("torch."), seconds=round(time.monotonic() - t0, 3))
+             dtype=str(tdtype).removeprefix("torch."), quantization=plan.describe(),
+             unquantized_bytes=plain, resident_bytes=sum(held.values()), bytes_by_format=held,
+             seconds=round(time.monotonic() - t0, 3))
     return weights
 
 

@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
 import torch
 import torch.nn.functional as F
 
@@ -40,7 +41,10 @@ from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
 from moed.model.layers import Linear
+from moed.model.quant.weight import QuantWeight
 from moed.model.spec import ModelSpec
+
+log = structlog.get_logger(__name__)
 
 def fused_serves(tokens: int, top_k: int, num_physical: int, expert_choice: LinearChoice | None) -> bool:
     """Whether the fused kernel serves a batch: unless the expert matmuls at this batch's rows
@@ -123,11 +127,13 @@ class ExpertExecutor(ABC):
 class LocalExperts(ExpertExecutor):
     """Every physical expert in this process, as slices of the fused weights."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pack: bool,
+    def __init__(self, gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight, pack: bool,
                  kernels: CpuKernels | None, packed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """gate_up [P, 2I, H] (gate half first); down [P, H, I]; packed: the kernels' copies of
-        both (then the only ones kept: the plain tensors are held by nothing and freed)."""
+        both (then the only ones kept: the plain tensors are held by nothing and freed).
+        Quantized (QuantWeight): each expert's Linear is a view of its slot, reference path."""
         self.num_physical, self.intermediate = gate_up.shape[0], down.shape[2]
+        self.quant = (gate_up, down) if isinstance(gate_up, QuantWeight) else None
         if packed is not None:
             self.gate_up_p, self.down_p = packed
             self.experts = [(Linear(gate_up[e], pack=pack, kernels=kernels, kpacked=self.gate_up_p[e]),
@@ -163,11 +169,17 @@ class LocalExperts(ExpertExecutor):
         ranks): the kernels' packed gate_up and down when kept, else the plain weights."""
         if getattr(self, "gate_up_p", None) is not None:
             return [self.gate_up_p[slot], self.down_p[slot]]
+        if self.quant is not None:      # data, scales (and zeros) of both: moved whole
+            return [t for w in self.quant for t in w[slot].tensors()]
         return [lin.weight for lin in self.experts[slot]]
 
     def load_slot(self, slot: int, weights: list[torch.Tensor]) -> None:
         """Overwrite slot `slot` with another expert's weights (slot_weights' shapes), in place,
         at a step boundary; oneDNN copies are re-packed from the new plain weights."""
+        if self.quant is not None:      # the experts' Linears are views of these slots
+            for dst, src in zip(self.slot_weights(slot), weights, strict=True):
+                dst.copy_(src)
+            return
         for dst, src, lin in zip(self.slot_weights(slot), weights, self.experts[slot], strict=True):
             dst.copy_(src)
             if lin.packed is not None:   # with kernels, the plain weight comes back from dst
@@ -183,6 +195,17 @@ class LocalExperts(ExpertExecutor):
             y = down(F.silu(g) * u) * weights[:, j:j + 1]
             out = y if out is None else out + y
         return out
+
+
+_logged_quantized = False
+
+
+def _log_quantized_experts(fmt: str) -> None:
+    global _logged_quantized
+    if not _logged_quantized:
+        log.info("moe_torch_path", reason=f"{fmt} experts: the fused CPU MoE kernel reads bf16 only; "
+                                          f"the reference path dequantizes per expert call")
+        _logged_quantized = True
 
 
 class ExpertPlacement(Protocol):
@@ -210,6 +233,9 @@ class MoELayer:
         h, i = router.shape[1], down.shape[2]
         self.hidden = h
         k = ctx.kernels if ctx.kernels is not None and h % 2 == 0 and i % 2 == 0 else None
+        if k is not None and isinstance(gate_up, QuantWeight):
+            _log_quantized_experts(gate_up.fmt)
+            k = None
         self.kernels = k          # the fused fast path; None: router then executor, in torch
         if k is not None:
             # The kernels' packed copies serve the fused path and the experts' skinny matmuls.
@@ -232,6 +258,8 @@ class MoELayer:
         e = self.experts
         if getattr(e, "gate_up_p", None) is not None:
             return e.gate_up_p.nbytes + e.down_p.nbytes
+        if e.quant is not None:
+            return sum(w.nbytes for w in e.quant)
         return sum(lin.weight.nbytes for pair in e.experts for lin in pair if lin.weight is not None)
 
     def set_expert_map(self, logical_to_physical: torch.Tensor, num_replicas: torch.Tensor) -> None:

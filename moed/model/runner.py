@@ -24,6 +24,8 @@ from moed.model.decoder import MoEDecoder
 from moed.model.kv_layout import KVLayout
 from moed.model.loader import Weights, load_weights
 from moed.model.moe import ExpertPlacement
+from moed.model.quant import bytes_by_format
+from moed.model.quant import formats as quant_formats
 from moed.model.spec import ModelSpec, load_spec, parse_dtype
 from moed.transfer.base import KVRegion, RegionLayout
 
@@ -73,9 +75,13 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "auto", attention_backend: str = "auto",
                  num_blocks: int, block_size: int, spec: ModelSpec | None = None,
-                 weights: Weights | None = None, placement: ExpertPlacement | None = None) -> None:
+                 weights: Weights | None = None, placement: ExpertPlacement | None = None,
+                 quantization: str = "", quantization_group_size: int = 128) -> None:
         """placement: expert parallelism (moed.parallel.dispatch.Placement): only this rank's
-        expert slots are loaded, and every MoE layer dispatches over the group."""
+        expert slots are loaded, and every MoE layer dispatches over the group.
+        quantization: model.quantization ("" = the checkpoint's own format, or none; fp8, int8,
+        int4 quantize a plain checkpoint at load, moed/model/quant); a QuantConfigError for a
+        combination that is refused."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         t0 = time.monotonic()
@@ -87,9 +93,12 @@ class ModelRunner:
         self.kv_layout: KVLayout = arch.kv_layout(self.spec, block_size, self.dtype)
         self.ctx = ComputeContext.build(self.device, self.dtype, placement)
         own = weights is None
+        self.quant_plan = quant_formats.plan(model_dir, quantization, quantization_group_size) if own \
+            else quant_formats.Plan(None)
         if own:
             weights = load_weights(model_dir, self.spec, self.dtype, self.device,
-                                   None if placement is None else placement.local_slots)
+                                   None if placement is None else placement.local_slots, self.quant_plan)
+        held = bytes_by_format(weights)
         self.backend = get_backend(attention_backend, self.spec, self.kv_layout, self.ctx)
         self.model = MoEDecoder(self.spec, weights, arch.build_layer, self.ctx, consume=own)
         del weights
@@ -99,13 +108,15 @@ class ModelRunner:
         log.info("model_runner_ready", **self.describe(), native_decode=why_not or "on",
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
                  kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
+                 weights_mb={k: round(v / 2**20, 2) for k, v in held.items()},
                  rss_mb=rss_mb(), seconds=round(time.monotonic() - t0, 2))
 
     def describe(self) -> dict[str, str]:
         """What runs: for the model_runner_ready log line and the moed_model_info metric."""
         return {"arch": self.spec.arch, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "backend": self.backend.name,
-                "cpu_kernels": "on" if self.ctx.kernels is not None else "off"}
+                "cpu_kernels": "on" if self.ctx.kernels is not None else "off",
+                "quantization": self.quant_plan.fmt or "none"}
 
     def kv_region(self) -> KVRegion:
         """The KV tensor and its byte layout, as the transfer layer registers it."""

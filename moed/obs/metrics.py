@@ -250,7 +250,8 @@ KV_EVENT_BATCHES = Counter("moed_kv_event_batches", "KV-event batches (kv_events
                            "dropped (publisher queue full or send failed)", ["outcome"],
                            registry=ENGINE)
 MODEL_INFO = Info("moed_model", "The loaded model: architecture, dtype, device, attention backend, "
-                  "and whether the native CPU kernels run (cpu_kernels on/off)", registry=ENGINE)
+                  "whether the native CPU kernels run (cpu_kernels on/off) and the weights' "
+                  "quantization (fp8/int8/int4/none)", registry=ENGINE)
 
 
 # Expert load (EPLB input, imbalance panel): one series per (MoE layer, expert) that ever got a

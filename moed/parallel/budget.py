@@ -8,7 +8,6 @@ EP=N holds ~1/N of the experts, and `kv_blocks_fit` says how many KV blocks the 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +58,14 @@ class RankBudget:
 
 
 def rank_budget(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, num_blocks: int,
-                block_size: int, limit_mb: int, redundant: int = 0) -> RankBudget:
+                block_size: int, limit_mb: int, redundant: int = 0, quant: object | None = None) -> RankBudget:
+    """quant: the weights' quantization Plan (moed/model/quant/formats.py), None: plain."""
+    from moed.model.quant import plan_bytes
+
     item = torch.empty((), dtype=dtype).element_size()
     dense = experts = 0
     for name, shape in expected_shapes(spec).items():
-        n = math.prod(shape) * item
+        n = plan_bytes(name, shape, item, quant)
         if is_expert(name):
             experts += n
         else:

@@ -28,7 +28,7 @@ KEY = "sk-flags-" + os.urandom(6).hex()
 FLAGS = {"--served-model-name": "tiny-chat", "--max-model-len": "512", "--max-num-seqs": "3",
          "--max-num-batched-tokens": "96", "--kv-cache-memory": "2", "--block-size": "32",
          "--dtype": "float32", "--device": "cpu", "--attention-backend": "torch",
-         "--node-name": "flags-node"}
+         "--node-name": "flags-node", "--quantization": "int8"}
 
 
 def _complete(url: str, key: str | None) -> tuple[int, dict]:
@@ -78,7 +78,7 @@ def test_serve_flags_take_effect_through_the_api(moed_server, tiny_qwen3: Path) 
     metrics = srv.get("/metrics")[1]
     info = next(ln for ln in metrics.splitlines() if ln.startswith("moed_model_info{"))
     assert all(f'{k}="{v}"' in info for k, v in
-               (("dtype", "float32"), ("device", "cpu"), ("backend", "torch"))), info
+               (("dtype", "float32"), ("device", "cpu"), ("backend", "torch"), ("quantization", "int8"))), info
     assert 'node="flags-node"' in metrics
 
     # --kv-cache-memory and --block-size: the pool the runner built from them

@@ -39,6 +39,7 @@ from moed.model.decoder import DecoderLayer, Weights, dense_block
 from moed.model.kv_layout import KVLayout
 from moed.model.layers import DenseMLP, Linear
 from moed.model.moe import ExpertPlacement, MoELayer, Router
+from moed.model.quant.weight import cat_rows
 from moed.model.spec import ModelSpec, SpecError, required
 
 log = structlog.get_logger(__name__)
@@ -230,7 +231,7 @@ def build_layer(spec: ModelSpec, i: int, w: Weights, load_row: torch.Tensor, ctx
     else:
         shared = None
         if spec.shared_expert_intermediate_size:
-            shared = DenseMLP(torch.cat((w[p + "shared.gate"], w[p + "shared.up"])), w[p + "shared.down"], ctx)
+            shared = DenseMLP(cat_rows([w[p + "shared.gate"], w[p + "shared.up"]]), w[p + "shared.down"], ctx)
         mlp = SharedExpertMoE(spec, w[p + "router"], w[p + "router_bias"], w[p + "experts.gate_up"],
                               w[p + "experts.down"], shared, load_row, ctx, ctx.placement)
     return DecoderLayer(w[p + "input_norm"], w[p + "post_norm"], spec.rms_norm_eps,

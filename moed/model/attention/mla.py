@@ -34,6 +34,7 @@ from moed.model.attention.base import AttentionBackend
 from moed.model.context import ComputeContext
 from moed.model.kv_layout import KVLayout
 from moed.model.layers import Linear, Rotary, apply_rotary, rms_norm
+from moed.model.quant.weight import QuantWeight
 from moed.model.spec import ModelSpec
 
 # DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank) are built with their default eps, not the config's.
@@ -193,24 +194,29 @@ class MLAAttention:
         perm = deinterleave(self.rope) if spec.rope_interleave else None
         qd = self.nope + self.rope
 
-        def q_rows(t: torch.Tensor) -> torch.Tensor:       # permute each head's rope rows
+        def rows(t: torch.Tensor | QuantWeight, idx: torch.Tensor) -> torch.Tensor | QuantWeight:
+            if isinstance(t, QuantWeight):      # data, scales and zeros: rows are exact
+                return t.index_rows(idx)
+            return t.index_select(0, idx.to(t.device))
+
+        def q_rows(t: torch.Tensor | QuantWeight) -> torch.Tensor | QuantWeight:   # each head's rope rows
             if perm is None:
                 return t
-            t = t.view(self.h, qd, -1).clone()
-            t[:, self.nope:] = t[:, self.nope:][:, perm.to(t.device)]
-            return t.view(self.h * qd, -1)
+            idx = torch.arange(self.h * qd).view(self.h, qd)
+            idx[:, self.nope:] = idx[:, self.nope:][:, perm]
+            return rows(t, idx.flatten())
 
         def lin(name: str, rows=None) -> Linear:
             wt, b = w[p + name], w.get(p + name + ".bias")
             if rows is not None:
                 wt = rows(wt)
                 b = None if b is None else rows(b.unsqueeze(1)).squeeze(1)
-            return Linear(wt.contiguous(), b, ctx.pack, ctx.kernels)
+            return Linear(wt if isinstance(wt, QuantWeight) else wt.contiguous(), b, ctx.pack, ctx.kernels)
 
-        def kv_rows(t: torch.Tensor) -> torch.Tensor:
+        def kv_rows(t: torch.Tensor | QuantWeight) -> torch.Tensor | QuantWeight:
             if perm is None:
                 return t
-            return torch.cat((t[:self.r], t[self.r:][perm.to(t.device)]))
+            return rows(t, torch.cat((torch.arange(self.r), self.r + perm)))
 
         self.lora = spec.q_lora_rank > 0
         if self.lora:

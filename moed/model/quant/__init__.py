@@ -1,0 +1,58 @@
+"""Quantized weights: the record (weight.py), checkpoint formats (formats.py, checkpoint.py),
+online quantizers (quantize.py) and the reference matmul (linear.py). See docs/quantization.md."""
+from __future__ import annotations
+
+import torch
+
+from moed.model.quant.weight import QuantWeight
+
+# Canonical weights (loader names, the part after `layers.{i}.`) that a format applies to:
+# the projections of attention, the experts, dense and shared MLPs. Routers, norms, embeddings,
+# lm_head and biases stay in the checkpoint's dtype; MLA's kv_b too (its per-head halves are
+# read as plain matrices by the absorbed decode).
+QUANTIZABLE = frozenset({"qkv", "o_proj", "experts.gate_up", "experts.down", "mlp.gate_up", "mlp.down",
+                         "attn.q", "attn.q_a", "attn.q_b", "attn.kv_a",
+                         "shared.gate", "shared.up", "shared.down"})
+
+
+def quantizable(name: str) -> bool:
+    return name.startswith("layers.") and name.split(".", 2)[2] in QUANTIZABLE
+
+
+def bytes_by_format(weights: dict[str, torch.Tensor | QuantWeight]) -> dict[str, int]:
+    """Bytes held per format (QuantWeights by format, plain tensors by dtype), shared tensors once."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for w in weights.values():
+        key = id(w)
+        if key in seen:
+            continue
+        seen.add(key)
+        name = w.fmt if isinstance(w, QuantWeight) else str(w.dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + w.nbytes
+    return out
+
+
+def held_bytes(shape: tuple[int, ...], fmt: str, group: int) -> int:
+    """Bytes a [..., out, in] matrix holds in a format (symmetric: no zero points)."""
+    *lead, out, n = shape
+    rows = out
+    for d in lead:
+        rows *= d
+    per_row = {"fp8": n, "int8": n, "int4": -(-n // 2)}[fmt] + 4 * -(-n // group)
+    return rows * per_row
+
+
+def plan_bytes(name: str, shape: tuple[int, ...], itemsize: int, plan: object | None) -> int:
+    """What a canonical weight will hold under a quantization Plan (formats.Plan; None: plain)."""
+    import math
+
+    fmt = getattr(plan, "fmt", "")
+    if not fmt or not quantizable(name):
+        return math.prod(shape) * itemsize
+    ck = getattr(plan, "checkpoint", None)
+    if ck is not None:
+        group = ck.block[1] if fmt == "fp8" else (ck.group or shape[-1])
+    else:
+        group = 128 if fmt == "fp8" else shape[-1] if fmt == "int8" else getattr(plan, "group_size")
+    return held_bytes(shape, fmt, group)
