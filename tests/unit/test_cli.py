@@ -332,7 +332,6 @@ def test_vllm_flags_for_what_moed_does_are_accepted_with_a_log_line(capsys, tiny
     (["--trust-remote-code"], "--trust-remote-code is not supported: moed never runs code"),
     (["--enable-expert-parallel"], "--ep-size N"),
     (["-ep"], "--enable-expert-parallel is not supported"),
-    (["-q", "fp16"], "invalid choice"),
     (["--seed", "0"], "a request's `seed` field"),
     (["--tokenizer", "x"], "from the checkpoint directory"),
     (["--chat-template", "t.jinja"], "tokenizer_config.json's chat_template"),
@@ -376,3 +375,8 @@ def test_check_config_of_a_directory_says_where_the_model_goes(capsys, tmp_path)
                            f"(moed check-config --model {tmp_path})")
     rc, _, err = _run(capsys, "serve", "--config", str(tmp_path))
     assert rc == 2 and "--config is a TOML file; the model goes in --model (moed serve " in err
+
+
+def test_vllms_short_quantization_flag_sets_the_field(capsys, tiny_qwen3):
+    rc, out, _ = _run(capsys, "check-config", "--model", str(tiny_qwen3), "-q", "int8")
+    assert rc == 0 and tomllib.loads(out)["model"]["quantization"] == "int8"
