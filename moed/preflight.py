@@ -136,13 +136,14 @@ def model(cfg: Config) -> None:
                else "engine.kv_cache_memory_mb")
         with _refused(key, ValueError, RuntimeError):
             kv_mb, _, _ = kv_memory_mb(cfg, spec, dtype, device)
-            num_blocks = auto_num_blocks(spec, e.block_size, dtype, kv_mb)
+            num_blocks = auto_num_blocks(spec, e.block_size, dtype, kv_mb, e.kv_cache_dtype)
     memory_budget(cfg, spec, dtype, num_blocks)
 
 
 def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> None:
     """Expert parallelism needs experts; parallel.rank_memory_mb must hold dense weights +
     this rank's expert slots + the KV blocks (moed/parallel/budget.py), numbers in the error."""
+    from moed.model.kv_layout import kv_cache_dtype
     from moed.parallel.budget import rank_budget
 
     p = cfg.parallel
@@ -157,7 +158,8 @@ def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> 
             raise ConfigError(f"parallel.redundant_experts: {e}") from None
     if p.rank_memory_mb:
         b = rank_budget(spec, dtype, p.ep_size, p.ep_rank, num_blocks,  # type: ignore[arg-type]
-                        cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts)
+                        cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts,
+                        kv_cache_dtype(cfg.engine.kv_cache_dtype, dtype))  # type: ignore[arg-type]
         if not b.fits:
             raise ConfigError(f"parallel.rank_memory_mb: {b.message()}")
         import structlog     # a fitting rank says how much KV its memory leaves room for

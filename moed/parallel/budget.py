@@ -59,7 +59,9 @@ class RankBudget:
 
 
 def rank_budget(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, num_blocks: int,
-                block_size: int, limit_mb: int, redundant: int = 0) -> RankBudget:
+                block_size: int, limit_mb: int, redundant: int = 0,
+                kv_dtype: torch.dtype | None = None) -> RankBudget:
+    """kv_dtype: the KV cache's (engine.kv_cache_dtype; default: the model's dtype)."""
     item = torch.empty((), dtype=dtype).element_size()
     dense = experts = 0
     for name, shape in expected_shapes(spec).items():
@@ -72,5 +74,5 @@ def rank_budget(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, nu
     if ep_size > 1:
         slots = EPLayout.contiguous(spec.num_experts, ep_size, redundant).slots_per_rank
     mine = experts * slots // max(spec.num_experts, 1)
-    kv = archs.kv_layout(spec, block_size, dtype).bytes_per_block
+    kv = archs.kv_layout(spec, block_size, kv_dtype or dtype).bytes_per_block
     return RankBudget(ep_size, slots, dense, mine, experts, kv, num_blocks, limit_mb << 20)
