@@ -109,6 +109,9 @@ def test_fp8_prefill_and_bf16_decode_never_pair(moed_server, tiny_qwen3) -> None
     _wait(lambda: members().get("p8", {}).get("state") == "alive", 30, "p8 seen by d")
     view = members()
     assert view["p8"]["layout"] and view["d"]["layout"] and view["p8"]["layout"] != view["d"]["layout"]
+    # the gauge, side by side: fp8 = a quarter of D's fp32 cache (half of a bf16 one)
+    per_token = "moed_kv_cache_bytes_per_token"
+    assert 4 * p.metrics()[per_token] == d.metrics()[per_token] > 0
 
     # gossip: P is never a candidate; a prompt past local_prefill_max_tokens has nowhere to go
     c = _client(d)
