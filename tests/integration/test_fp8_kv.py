@@ -161,7 +161,8 @@ def test_disk_tier_restores_fp8_blocks_and_only_into_fp8(moed_server, tiny_qwen3
     dirs = {d.name for d in l3.iterdir()}
     assert len(dirs) == 1 and next(iter(dirs)).startswith(fp8_id), dirs
 
-    again = moed_server(model=tiny_qwen3, env={**env, **FP8_ENV})
+    # the restarted node says fp8 with vLLM's flag instead: the same layout, so it restores
+    again = moed_server(model=tiny_qwen3, env=env, args=["--kv-cache-dtype", "fp8_e4m3"])
     assert _event(again, "kv_tier_restored")["blocks"] > 0
     assert [_greedy(again, p, 4) for p in prompts] == first
     assert again.metrics()['moed_kv_tier_hit_blocks_total{tier="disk"}'] > 0
