@@ -20,7 +20,7 @@ import torch
 from moed.model.attention import mla
 from moed.model.attention.base import paging
 from moed.model.batch import ForwardBatch
-from moed.model.kv_layout import dequantize_kv, is_fp8, quantize_kv, write_rows
+from moed.model.kv_layout import is_fp8, quantize_kv, write_rows
 
 
 @dataclass
@@ -71,14 +71,13 @@ class TorchMLABackend(mla.MLABackend):
         flat = kv_layer.view(-1, kv_layer.shape[-1])
         new = torch.cat((c_kv, k_rope), dim=-1)                                  # [T, r + rope]
         write_rows(flat, self.write, new)
-        dt = q_nope.dtype
         if is_fp8(flat.dtype):     # a fresh prompt reads what the cache holds, as chunks do
-            new = dequantize_kv(quantize_kv(new, flat.dtype), dt)
+            new = self.read_kv(quantize_kv(new, flat.dtype))
         t, h = q_nope.shape[0], q_nope.shape[1]
         out = torch.empty((t, h, w_uv.shape[1]), dtype=q_nope.dtype, device=q_nope.device)
         if self.dec_rows is not None:
             b, length = self.dec_shape
-            latent = dequantize_kv(flat.index_select(0, self.dec_gather), dt).view(b, length, -1)
+            latent = self.read_kv(flat.index_select(0, self.dec_gather)).view(b, length, -1)
             qn, qr = (q_nope, q_rope) if self.dec_all else \
                 (q_nope.index_select(0, self.dec_rows), q_rope.index_select(0, self.dec_rows))
             od = mla.absorbed(qn, qr, latent, self.dec_bias, w_uk if w_uk_abs is None else w_uk_abs,
@@ -88,6 +87,6 @@ class TorchMLABackend(mla.MLABackend):
             out.index_copy_(0, self.dec_rows, od)
         for p in self.prefills:    # one call per sequence: compute-bound, the loop is cheap
             sl = slice(p.row, p.row + p.n)
-            latent = new[sl] if p.rows is None else dequantize_kv(flat.index_select(0, p.rows), dt)
+            latent = new[sl] if p.rows is None else self.read_kv(flat.index_select(0, p.rows))
             out[sl] = mla.expanded(q_nope[sl], q_rope[sl], latent, w_uk, w_uv, self.scale, p.mask, kv_b)
         return out

@@ -15,7 +15,8 @@ rows, both products on the packed-block matmul kernel, 2.2-2.7x torch's CPU flas
 128-2048 tokens (1 Zen4 thread), rounding as the flash kernel it replaces. Whether the kernels serve is the model's ComputeContext's
 answer; this backend only adds that the kernel is built for head sizes 32, 64, 128 and 256.
 An fp8 KV cache (moed/model/kv_layout.py) is written through quantize_kv and read back through
-dequantize_kv on the torch path only (the native kernels read bf16 blocks); a fresh prompt
+dequantize_kv on the torch path only (the native attention kernels read bf16 blocks; with bf16
+compute on CPU the read is the kernels' fp8 -> bf16 table lookup, read_kv); a fresh prompt
 attends over its own K/V rounded the same way, so a prompt gives the same numbers whether it
 is prefilled at once, in chunks, or after a prefix-cache hit.
 """
@@ -31,7 +32,7 @@ from moed.model.attention.base import AttentionBackend, paging
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
-from moed.model.kv_layout import KVLayout, dequantize_kv, is_fp8, quantize_kv, write_rows
+from moed.model.kv_layout import KVLayout, is_fp8, quantize_kv, write_rows
 from moed.model.spec import ModelSpec
 
 
@@ -128,9 +129,9 @@ class TorchBackend(AttentionBackend):
             if p.k_rows is None:
                 ks, vs = k[p.row:p.row + p.n], v[p.row:p.row + p.n]
                 if self.fp8:      # what the cache holds, as a later chunk will read it
-                    ks, vs = (dequantize_kv(quantize_kv(t, kv_layer.dtype), q.dtype) for t in (ks, vs))
+                    ks, vs = (self.read_kv(quantize_kv(t, kv_layer.dtype)) for t in (ks, vs))
             else:
-                ks, vs = (dequantize_kv(flat.index_select(0, rows), q.dtype)
+                ks, vs = (self.read_kv(flat.index_select(0, rows))
                           for rows in (p.k_rows, p.k_rows + self.v_rows))
             if self.kernels is not None:     # blocked over queries on the packed-block matmul
                 out[p.row:p.row + p.n] = self.kernels.prefill_attn_bf16(q[p.row:p.row + p.n], ks, vs,
@@ -153,8 +154,8 @@ class TorchBackend(AttentionBackend):
         b, length = self.dec_shape
         hkv, d = self.hkv, self.d
         rows = flat.view(-1, d)
-        kd = dequantize_kv(rows.index_select(0, self.dec_k), q.dtype).view(b, hkv, length, d)
-        vd = dequantize_kv(rows.index_select(0, self.dec_v), q.dtype).view(b, hkv, length, d)
+        kd = self.read_kv(rows.index_select(0, self.dec_k)).view(b, hkv, length, d)
+        vd = self.read_kv(rows.index_select(0, self.dec_v)).view(b, hkv, length, d)
         qg = q.view(b, hkv, -1, d)                                              # [B, Hkv, G, D]
         scores = torch.matmul(qg, kd.transpose(-1, -2))                          # [B, Hkv, G, L]
         # bias + scale * scores in fp32 (type promotion) in one op; bias is 0 or -inf, so exact.

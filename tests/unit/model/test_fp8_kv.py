@@ -172,3 +172,23 @@ def test_native_paths_refuse_fp8_with_a_reason(make_checkpoint):
     assert bf.kv_layout.layout_id != r.kv_layout.layout_id
     lo = r.forward(ForwardBatch([[1, 2, 3, 4, 5], [6]], [0, 0], [[1, 2], [3]]))
     assert torch.isfinite(lo).all()
+
+
+def test_native_fp8_read_equals_torch_cast(make_checkpoint):
+    """The CPU table lookup (bf16 compute) gives torch's cast bit for bit, and the same logits."""
+    from moed.model.kernels import cpu_kernels
+
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("no native CPU kernels on this machine")
+    every = torch.arange(256, dtype=torch.uint8).view(FP8).repeat(300)      # > the threading cut
+    assert torch.equal(k.fp8_to_bf16(every).view(torch.int16), every.to(torch.bfloat16).view(torch.int16))
+    ckpt = make_checkpoint("qwen3_moe")
+    runs = []
+    for native in (True, False):
+        r = ModelRunner(ckpt, dtype="bfloat16", device="cpu", num_blocks=16, block_size=4, kv_dtype="fp8")
+        assert (r.backend._fp8_lut is not None) is True
+        if not native:
+            r.backend._fp8_lut = None                          # torch's own cast
+        runs.append(torch.cat([r.forward(b) for b in _step_batches()]))
+    assert torch.equal(runs[0], runs[1])
