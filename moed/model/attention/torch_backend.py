@@ -15,8 +15,9 @@ rows, both products on the packed-block matmul kernel, 2.2-2.7x torch's CPU flas
 128-2048 tokens (1 Zen4 thread), rounding as the flash kernel it replaces. Whether the kernels serve is the model's ComputeContext's
 answer; this backend only adds that the kernel is built for head sizes 32, 64, 128 and 256.
 An fp8 KV cache (moed/model/kv_layout.py) is written through quantize_kv and read back through
-dequantize_kv on the torch path only (the native attention kernels read bf16 blocks; with bf16
-compute on CPU the read is the kernels' fp8 -> bf16 table lookup, read_kv); a fresh prompt
+dequantize_kv (with bf16 compute on CPU: the kernels' fp8 -> bf16 table lookup, read_kv); decode
+then runs on the torch path (the native decode kernel reads bf16 blocks), prefill on the prefill
+kernel as with a bf16 cache (it takes K/V as tensors); a fresh prompt
 attends over its own K/V rounded the same way, so a prompt gives the same numbers whether it
 is prefilled at once, in chunks, or after a prefix-cache hit.
 """
@@ -55,8 +56,10 @@ class TorchBackend(AttentionBackend):
         fits = self.d in (32, 64, 128, 256)                     # the head sizes the kernel is built for
         self.fp8 = is_fp8(kv.dtype)                             # the kernels read bf16 blocks only
         self.kernels: CpuKernels | None = ctx.kernels if fits and not self.fp8 else None
-        self.kernels_off = "fp8 KV cache (the CPU kernels read bf16 blocks)" \
-            if self.fp8 and ctx.kernels is not None else ""
+        # the prefill kernel takes K/V as tensors (an fp8 history is read back to bf16 first)
+        self.prefill_kernels: CpuKernels | None = ctx.kernels if fits else None
+        self.kernels_off = "fp8 KV cache (the CPU decode attention kernel reads bf16 blocks)" \
+            if self.fp8 and self.prefill_kernels is not None else ""
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
@@ -110,7 +113,7 @@ class TorchBackend(AttentionBackend):
             if start > 0:     # chunked prefill: attend over the cached history too
                 slot = torch.arange(start + n, device=dev)
                 k_rows = table_t[i, slot // bs] * self.rows_per_block + slot % bs
-                if self.kernels is None:     # the kernel masks by position itself
+                if self.prefill_kernels is None:     # the kernel masks by position itself
                     mask = slot[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
             self.prefills.append(_Prefill(row_of[i], n, start, k_rows, mask))
 
@@ -133,8 +136,8 @@ class TorchBackend(AttentionBackend):
             else:
                 ks, vs = (self.read_kv(flat.index_select(0, rows))
                           for rows in (p.k_rows, p.k_rows + self.v_rows))
-            if self.kernels is not None:     # blocked over queries on the packed-block matmul
-                out[p.row:p.row + p.n] = self.kernels.prefill_attn_bf16(q[p.row:p.row + p.n], ks, vs,
+            if self.prefill_kernels is not None:     # blocked over queries on the packed-block matmul
+                out[p.row:p.row + p.n] = self.prefill_kernels.prefill_attn_bf16(q[p.row:p.row + p.n], ks, vs,
                                                                         p.start, self.scale)
                 continue
             # Head-major contiguous [1, H, n, D]: CPU flash attention runs faster on it than on
