@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, MutableMapping, Sequence
 
 from moed import __version__
-from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES, ROLES,
-                         TOOL_PARSERS, Config, ConfigError, load)
-from moed.config import KV_CACHE_DTYPES
+from moed.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOG_FORMATS, LOG_LEVELS,
+                         MODEL_DTYPES, ROLES, TOOL_PARSERS, Config, ConfigError, load)
 
 
 @dataclass(frozen=True)
