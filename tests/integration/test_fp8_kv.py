@@ -10,7 +10,8 @@
   short one is prefilled locally); with a static peer the transfer handshake refuses the
   mismatched layout and the client gets a clear error;
 - the disk tier: fp8 blocks written before a restart are restored and give the same output;
-  a node on the model's own dtype does not restore them (another layout, another directory)."""
+  a node on the model's own dtype does not restore them (another layout, another directory);
+- an EP=2 group with fp8 caches answers as one fp8 process."""
 from __future__ import annotations
 
 import json
@@ -174,3 +175,27 @@ def test_disk_tier_restores_fp8_blocks_and_only_into_fp8(moed_server, tiny_qwen3
     [_greedy(other, p, 4) for p in prompts]
     assert other.metrics().get('moed_kv_tier_hit_blocks_total{tier="disk"}', 0) == 0
     assert len(list(l3.iterdir())) == 2         # its own directory beside the fp8 one
+
+
+def test_ep_group_with_fp8_answers_as_one_process(moed_server, tiny_qwen3) -> None:
+    """Expert parallelism composes: an EP=2 group, each rank with an fp8 cache, answers as one
+    fp8 process (the KV stays per rank; only the experts are spread)."""
+    from ep_group import complete, launch_group, wait_ready
+
+    args = ["--kv-cache-memory", "8", "--served-model-name", "m", "--dtype", "float32",
+            "--kv-cache-dtype", "fp8"]
+    groups = {n: launch_group(moed_server, tiny_qwen3, n, args=args) for n in (1, 2)}
+    wait_ready([srv for g in groups.values() for srv in g], ready_timeout=90)
+    prompts = ["the quick brown fox", "hello world, this is a longer prompt about", "1 2 3"]
+
+    def outputs(ranks):
+        out = []
+        for i, p in enumerate(prompts):
+            status, body = complete(ranks[i % len(ranks)], p, 6)
+            assert status == 200, body
+            out.append(body["choices"][0]["text"])
+        return out
+
+    assert outputs(groups[2]) == outputs(groups[1])
+    for srv in groups[2]:
+        assert _event(srv, "model_runner_ready")["kv_dtype"] == "float8_e4m3fn"
