@@ -9,6 +9,7 @@
   prefill node is not a candidate (a long prompt fails with "no prefill node available", a
   short one is prefilled locally); with a static peer the transfer handshake refuses the
   mismatched layout and the client gets a clear error;
+- structured output through an fp8 P/D pair answers as colocated;
 - the disk tier: fp8 blocks written before a restart are restored and give the same output;
   a node on the model's own dtype does not restore them (another layout, another directory);
 - an EP=2 group with fp8 caches answers as one fp8 process."""
@@ -85,6 +86,13 @@ def test_pd_with_fp8_equals_colocated_fp8(arch, make_checkpoint, tmp_path) -> No
         # every prompt block went over NIXL once, at the fp8 layout's size
         blocks = sum(-(-n // 4) for n in lens)
         assert pm["moed_transfer_bytes_total"] == blocks * fp8.bytes_per_block
+        # structured output composes: D's matcher takes P's first token, as colocated
+        kw = dict(model="tiny", prompt="Pick one:", max_tokens=20, temperature=1.0, n=4, seed=5,
+                  extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}})
+        got = _client(s["D"]).completions.create(**kw)
+        assert all(c.text in ("alpha", "beta", "gamma") for c in got.choices)
+        assert [c.text for c in got.choices] == \
+            [c.text for c in _client(s["C"]).completions.create(**kw).choices]
 
 
 def test_fp8_prefill_and_bf16_decode_never_pair(moed_server, tiny_qwen3) -> None:
