@@ -124,6 +124,7 @@ class EngineComponent(BaseComponent):
         app.state.model_id = await asyncio.to_thread(model_id, self.cfg.model.path)
         metrics.set_model_name(app.state.model_name)
         metrics.MODEL_INFO.info(self.engine.model_info())
+        metrics.KV_BYTES_PER_TOKEN.set(getattr(self.engine, "kv_bytes_per_token", 0))
         log.info("model_loaded", model=app.state.model_name,
                  max_model_len=self.engine.max_model_len,
                  load_s=round(time.perf_counter() - t0, 2))

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Callable, MutableMapping, Sequence
 
 from moed import __version__
-from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES, QUANTIZATIONS,
-                         ROLES, TOOL_PARSERS, Config, ConfigError, load)
+from moed.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOG_FORMATS, LOG_LEVELS,
+                         MODEL_DTYPES, QUANTIZATIONS, ROLES, TOOL_PARSERS, Config, ConfigError,
+                         load)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--block-size", "engine.block_size", "tokens per KV block", int, metavar="N"),
     Flag("--dtype", "model.dtype", "weights and KV dtype; auto: the checkpoint's (vLLM's "
          "half and float are float16 and float32)", _dtype, MODEL_DTYPES),
+    Flag("--kv-cache-dtype", "engine.kv_cache_dtype", "auto: the model's dtype; fp8 "
+         "(fp8_e4m3): float8 e4m3 KV, half of bf16's bytes (fp8_e5m2 is refused)",
+         metavar="DTYPE"),
     Flag("--device", "model.device", "auto, cpu, cuda or cuda:N"),
     Flag("--quantization", "model.quantization", "quantize a bf16 checkpoint's weights at load "
          "(a quantized checkpoint's own format needs no flag)", choices=QUANTIZATIONS[1:],
@@ -166,8 +170,6 @@ SAME: tuple[Same, ...] = (
     Same("--data-parallel-size", "-dp", "one engine per node", "a moed node runs one engine: "
          "run more nodes behind a router (docs/cluster.md; an --ep-size group's attention is "
          "data parallel already)", ("1",)),
-    Same("--kv-cache-dtype", None, "the KV cache holds the model's dtype (--dtype)",
-         "moed's KV cache holds the model's dtype (--dtype); no fp8 KV cache", ("auto",)),
     Same("--load-format", None, "weights are read from safetensors",
          "moed reads safetensors checkpoints only", ("auto", "safetensors")),
     Same("--swap-space", None, "preempted requests are recomputed, never swapped",
@@ -254,6 +256,13 @@ def _resolve(args: argparse.Namespace) -> None:
     if parser is not None and parser not in TOOL_PARSERS:
         raise ConfigError(f"command line: --tool-call-parser {parser}: moed parses "
                           f"{', '.join(TOOL_PARSERS)} (vLLM's hermes is qwen)")
+    kv_dtype = getattr(args, "kv_cache_dtype", None)
+    if kv_dtype == "fp8_e5m2":
+        raise ConfigError("command line: --kv-cache-dtype fp8_e5m2 is not supported: moed's fp8 "
+                          "KV cache is e4m3 (fp8 or fp8_e4m3)")
+    if kv_dtype is not None and kv_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"command line: --kv-cache-dtype {kv_dtype}: expected "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
     for name in (*REFUSED, *REFUSED_SWITCHES):
         if getattr(args, _refused_dest(name), None) is not None:
             why = REFUSED.get(name) or REFUSED_SWITCHES[name]

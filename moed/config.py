@@ -36,6 +36,7 @@ MODEL_DTYPES = ("auto", "bfloat16", "float32", "float16")
 QUANTIZATIONS = ("", "fp8", "int8", "int4")     # moed.model.quant.formats.ONLINE, "" = none/checkpoint's
 TOOL_PARSERS = ("auto", "none", "qwen", "mistral")   # moed.model.tool_parsers.PARSER_SETTINGS
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")       # moed.model.kv_layout.kv_cache_dtype
 PREFIX_CACHE_ISOLATION = ("shared", "api_key")      # moed.api.salt.ISOLATION
 METRICS_ACCESS = ("open", "api_key", "operator")
 MAX_CONFIG_BYTES = 1 << 20          # a config file is a few KiB; more is a mistake (or /dev/zero)
@@ -207,6 +208,9 @@ class EngineConfig:
                                          "available at start beside the weights (host "
                                          "MemAvailable capped by the cgroup; free GPU memory); "
                                          "0 = use kv_cache_memory_mb")
+    kv_cache_dtype: str = _f("auto", doc="auto: the model's dtype | fp8 (= fp8_e4m3: float8 "
+                                         "e4m3, a fixed scale of 1.0 per layer, half the bytes "
+                                         "of bf16; vLLM's fp8_e5m2 is refused)")
     enable_prefix_caching: bool = _f(True)
     max_num_seqs: int = _f(64, live=True, bounds=(1, 1 << 16), doc="running requests per step")
     max_num_batched_tokens: int = _f(512, live=True, bounds=(1, 1 << 24),
@@ -218,6 +222,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_bounds("engine", self)
         _choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise ConfigError("engine.kv_cache_dtype: fp8_e5m2 is not supported; moed's fp8 KV "
+                              "cache is e4m3 (fp8 or fp8_e4m3)")
+        _choice("engine.kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.num_kv_blocks and self.kv_cache_memory_fraction:
             raise ConfigError("engine.kv_cache_memory_fraction: set it or engine.num_kv_blocks, "
                               "not both (each sizes the KV cache)")

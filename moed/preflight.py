@@ -138,7 +138,7 @@ def model(cfg: Config) -> None:
                else "engine.kv_cache_memory_mb")
         with _refused(key, ValueError, RuntimeError):
             kv_mb, _, _ = kv_memory_mb(cfg, spec, dtype, device)
-            num_blocks = auto_num_blocks(spec, e.block_size, dtype, kv_mb)
+            num_blocks = auto_num_blocks(spec, e.block_size, dtype, kv_mb, e.kv_cache_dtype)
     memory_budget(cfg, spec, dtype, num_blocks)
 
 
@@ -162,6 +162,7 @@ def quantization(cfg: Config) -> None:
 def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> None:
     """Expert parallelism needs experts; parallel.rank_memory_mb must hold dense weights +
     this rank's expert slots + the KV blocks (moed/parallel/budget.py), numbers in the error."""
+    from moed.model.kv_layout import kv_cache_dtype
     from moed.parallel.budget import rank_budget
 
     p = cfg.parallel
@@ -179,7 +180,8 @@ def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> 
         m = cfg.model
         b = rank_budget(spec, dtype, p.ep_size, p.ep_rank, num_blocks,  # type: ignore[arg-type]
                         cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts,
-                        formats.plan(m.path, m.quantization, m.quantization_group_size))
+                        quant=formats.plan(m.path, m.quantization, m.quantization_group_size),
+                        kv_dtype=kv_cache_dtype(cfg.engine.kv_cache_dtype, dtype))  # type: ignore[arg-type]
         if not b.fits:
             raise ConfigError(f"parallel.rank_memory_mb: {b.message()}")
         import structlog     # a fitting rank says how much KV its memory leaves room for

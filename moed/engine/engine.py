@@ -159,14 +159,14 @@ class Engine:
         if not num_blocks:
             kv_mb, sized_by, sized = kv_memory_mb(cfg, spec, dtype, device)
             num_blocks = auto_num_blocks(spec, block_size=e.block_size, dtype=dtype,
-                                         memory_mb=kv_mb)
+                                         memory_mb=kv_mb, kv_dtype=e.kv_cache_dtype)
         ep = None
         if cfg.parallel.ep_size > 1:    # plan (which experts to load), load, then rendezvous
             from moed.parallel.runtime import EPRuntime
             ep = EPRuntime.plan(cfg.parallel, spec.num_experts, device)
         runner = ModelRunner(m.path, dtype=dtype, device=device, spec=spec,
                              attention_backend=e.attention_backend, num_blocks=num_blocks,
-                             block_size=e.block_size,
+                             block_size=e.block_size, kv_dtype=e.kv_cache_dtype,
                              placement=None if ep is None else ep.placement,
                              quantization=m.quantization,
                              quantization_group_size=m.quantization_group_size)
@@ -181,6 +181,7 @@ class Engine:
         tokens = num_blocks * e.block_size
         log.info("kv_cache_sized", kv_blocks=num_blocks, block_size=e.block_size,
                  kv_mb=round(num_blocks * runner.kv_layout.bytes_per_block / 2**20, 1),
+                 kv_dtype=runner.kv_layout.dtype_name, kv_bytes_per_token=runner.kv_layout.bytes_per_token,
                  sized_by=sized_by, **sized,
                  kv_tokens=tokens, max_model_len=engine.max_model_len,
                  max_concurrency_at_max_len=round(tokens / engine.max_model_len, 2),
@@ -286,8 +287,14 @@ class Engine:
         return ContextRule(self._max_model_len, self.kv.capacity_tokens)
 
     def model_info(self) -> dict[str, str]:
-        """Which path serves (arch, dtype, device, attention backend, CPU kernels)."""
+        """Which path serves (arch, dtype, device, attention backend, CPU kernels, KV dtype)."""
         return self.runner.describe()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's KV across all layers (the moed_kv_cache_bytes_per_token gauge)."""
+        layout = getattr(self.runner, "kv_layout", None)
+        return layout.bytes_per_token if layout is not None else 0
 
     def limits(self) -> dict[str, int]:
         """The limits the scheduler uses now (a reload lands at the next step)."""

@@ -61,6 +61,8 @@ def unsupported(model: MoEDecoder, backend: object, kv_cache: torch.Tensor) -> s
         return f"quantized weights ({', '.join(model.quantized)}): the native step reads bf16 only"
     if model.kernels is None:
         return "cpu kernels off"
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        return "fp8 KV cache (the native step reads bf16 blocks)"
     if model.spec.attention_kind != "gqa":
         return f"{model.spec.attention_kind} attention"
     if not isinstance(backend, TorchBackend) or backend.kernels is None:

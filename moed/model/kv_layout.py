@@ -11,6 +11,15 @@ and never look inside. Kinds of entry (per token, per layer):
        key k_rope (rope_dim); a block is [block_size, latent]. Served by archs/deepseek_v3.py
        with the attention in moed/model/attention/mla*.py.
 
+The KV dtype is the model's (engine.kv_cache_dtype = auto) or float8 e4m3 (fp8): one byte an
+element, so a block is half of bf16's (a quarter of fp32's) and the same MB hold twice the
+blocks. Scale: one fixed scale per layer for K and V alike, 1.0 (vLLM's default k_scale = v_scale
+= 1.0 for a checkpoint without scales): values are clamped to e4m3's +-448 and rounded to 3
+mantissa bits on write (quantize_kv) and cast back to the compute dtype on read (dequantize_kv).
+A fixed scale keeps a block raw bytes with no side data: transfer, the tiers and the layout id
+need nothing beyond the dtype. (A per-block dynamic scale would be more accurate for small
+values, but the scale would have to travel inside each block.)
+
 Everything that sizes, allocates, registers or compares the KV tensor reads it from here (the
 architecture module says which layout its model has); nothing else assumes 2 x H_kv x D.
 `layout_id` hashes only arch-independent facts (kind, entry shape, dtype, block size, layers):
@@ -25,6 +34,50 @@ from dataclasses import dataclass
 import torch
 
 KINDS = ("gqa", "mla")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0                 # e4m3fn's largest finite value
+FP8_KV_SCALE = 1.0              # per layer, K and V: stored = clamp(x / scale), read = stored * scale
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """engine.kv_cache_dtype -> the KV tensor's dtype ("auto": the model's own)."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return FP8
+    raise ValueError(f"KV cache dtype {name!r}: expected auto, fp8 or fp8_e4m3")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: unchanged for a cache of x's dtype, clamped and cast for fp8
+    (a plain cast would turn anything past +-448 into NaN)."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    if FP8_KV_SCALE != 1.0:
+        x = x / FP8_KV_SCALE
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached values in the compute dtype."""
+    if not is_fp8(x.dtype):
+        return x if x.dtype == dtype else x.to(dtype)
+    y = x.to(dtype)
+    return y * FP8_KV_SCALE if FP8_KV_SCALE != 1.0 else y
+
+
+def write_rows(flat: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """flat.index_copy_(0, index, rows) in the cache's dtype; fp8 goes through a uint8 view
+    (torch has no CPU index_copy_ for float8: the bytes are the same)."""
+    rows = quantize_kv(rows, flat.dtype)
+    if is_fp8(flat.dtype):
+        flat.view(torch.uint8).index_copy_(0, index, rows.view(torch.uint8))
+    else:
+        flat.index_copy_(0, index, rows)
 
 
 @dataclass(frozen=True)
@@ -91,6 +144,11 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         """One block across all layers (what a block costs the memory budget)."""
         return self.num_layers * self.block_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token's KV across all layers (what --kv-cache-dtype fp8 halves from bf16)."""
+        return self.num_layers * math.prod(self.entry_shape) * self.elem_bytes
 
     @property
     def dtype_name(self) -> str:

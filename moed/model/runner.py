@@ -21,7 +21,7 @@ from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.decode_step import NativeDecodeStep
 from moed.model.decoder import MoEDecoder
-from moed.model.kv_layout import KVLayout
+from moed.model.kv_layout import KVLayout, kv_cache_dtype
 from moed.model.loader import Weights, load_weights
 from moed.model.moe import ExpertPlacement
 from moed.model.quant import bytes_by_format
@@ -50,9 +50,12 @@ def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: torch.devic
     return dt
 
 
-def auto_num_blocks(spec: ModelSpec, block_size: int, dtype: str | torch.dtype, memory_mb: int) -> int:
-    """How many KV blocks fit in memory_mb."""
-    per_block = archs.kv_layout(spec, block_size, parse_dtype(dtype)).bytes_per_block
+def auto_num_blocks(spec: ModelSpec, block_size: int, dtype: str | torch.dtype, memory_mb: int,
+                    kv_dtype: str = "auto") -> int:
+    """How many KV blocks fit in memory_mb (kv_dtype: engine.kv_cache_dtype; fp8 holds twice
+    bf16's blocks)."""
+    per_block = archs.kv_layout(spec, block_size,
+                                kv_cache_dtype(kv_dtype, parse_dtype(dtype))).bytes_per_block
     n = (memory_mb << 20) // per_block
     if n < 1:
         raise ValueError(f"{memory_mb} MB of KV memory holds no block of {per_block} bytes")
@@ -76,12 +79,14 @@ class ModelRunner:
                  device: str | torch.device = "auto", attention_backend: str = "auto",
                  num_blocks: int, block_size: int, spec: ModelSpec | None = None,
                  weights: Weights | None = None, placement: ExpertPlacement | None = None,
-                 quantization: str = "", quantization_group_size: int = 128) -> None:
+                 quantization: str = "", quantization_group_size: int = 128,
+                 kv_dtype: str = "auto") -> None:
         """placement: expert parallelism (moed.parallel.dispatch.Placement): only this rank's
         expert slots are loaded, and every MoE layer dispatches over the group.
         quantization: model.quantization ("" = the checkpoint's own format, or none; fp8, int8,
         int4 quantize a plain checkpoint at load, moed/model/quant); a QuantConfigError for a
-        combination that is refused."""
+        combination that is refused.
+        kv_dtype: engine.kv_cache_dtype ("auto": the model's dtype; "fp8": float8 e4m3)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         t0 = time.monotonic()
@@ -90,7 +95,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.spec, self.device)
         self.block_size, self.num_blocks = block_size, num_blocks
         arch = archs.get(self.spec.arch)
-        self.kv_layout: KVLayout = arch.kv_layout(self.spec, block_size, self.dtype)
+        self.kv_layout: KVLayout = arch.kv_layout(self.spec, block_size,
+                                                  kv_cache_dtype(kv_dtype, self.dtype))
         self.ctx = ComputeContext.build(self.device, self.dtype, placement)
         own = weights is None
         self.quant_plan = quant_formats.plan(model_dir, quantization, quantization_group_size) if own \
@@ -105,8 +111,13 @@ class ModelRunner:
         self.kv_cache = self.kv_layout.allocate(num_blocks, self.device)
         # Decode-only steps in one native call where the model allows (decode_step.py).
         self.native_decode, why_not = NativeDecodeStep.for_model(self.model, self.backend, self.kv_cache)
+        self.native_decode_off = why_not or ""
+        if getattr(self.backend, "kernels_off", ""):
+            log.info("attention_kernels_off", reason=self.backend.kernels_off,
+                     effect="attention runs on the torch path")
         log.info("model_runner_ready", **self.describe(), native_decode=why_not or "on",
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
+                 kv_bytes_per_token=self.kv_layout.bytes_per_token,
                  kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
                  weights_mb={k: round(v / 2**20, 2) for k, v in held.items()},
                  rss_mb=rss_mb(), seconds=round(time.monotonic() - t0, 2))
@@ -116,7 +127,8 @@ class ModelRunner:
         return {"arch": self.spec.arch, "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."), "backend": self.backend.name,
                 "cpu_kernels": "on" if self.ctx.kernels is not None else "off",
-                "quantization": self.quant_plan.fmt or "none"}
+                "quantization": self.quant_plan.fmt or "none",
+                "kv_dtype": self.kv_layout.dtype_name}
 
     def kv_region(self) -> KVRegion:
         """The KV tensor and its byte layout, as the transfer layer registers it."""

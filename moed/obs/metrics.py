@@ -185,6 +185,9 @@ KV_BLOCKS_CACHED = Gauge("moed_kv_blocks_cached", "KV cache blocks registered un
                          registry=ENGINE)
 KV_BLOCKS_CAPACITY = Gauge("moed_kv_blocks_capacity", "KV cache blocks in the pool",
                            registry=ENGINE)
+KV_BYTES_PER_TOKEN = Gauge("moed_kv_cache_bytes_per_token", "KV cache bytes one token takes "
+                           "across all layers (engine.kv_cache_dtype fp8: half of bf16's)",
+                           registry=ENGINE)
 KV_USAGE = Gauge("moed_kv_cache_usage_ratio", "KV cache blocks in use / blocks in the pool "
                  "(0..1)", registry=ENGINE)
 PREFIX_CACHE_HIT_RATE = Gauge("moed_prefix_cache_hit_rate",

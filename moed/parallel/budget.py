@@ -58,8 +58,10 @@ class RankBudget:
 
 
 def rank_budget(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, num_blocks: int,
-                block_size: int, limit_mb: int, redundant: int = 0, quant: object | None = None) -> RankBudget:
-    """quant: the weights' quantization Plan (moed/model/quant/formats.py), None: plain."""
+                block_size: int, limit_mb: int, redundant: int = 0, quant: object | None = None,
+                kv_dtype: torch.dtype | None = None) -> RankBudget:
+    """quant: the weights' quantization Plan (moed/model/quant/formats.py), None: plain.
+    kv_dtype: the KV cache's (engine.kv_cache_dtype; default: the model's dtype)."""
     from moed.model.quant import plan_bytes
 
     item = torch.empty((), dtype=dtype).element_size()
@@ -74,5 +76,5 @@ def rank_budget(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, nu
     if ep_size > 1:
         slots = EPLayout.contiguous(spec.num_experts, ep_size, redundant).slots_per_rank
     mine = experts * slots // max(spec.num_experts, 1)
-    kv = archs.kv_layout(spec, block_size, dtype).bytes_per_block
+    kv = archs.kv_layout(spec, block_size, kv_dtype or dtype).bytes_per_block
     return RankBudget(ep_size, slots, dense, mine, experts, kv, num_blocks, limit_mb << 20)

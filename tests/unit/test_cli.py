@@ -106,6 +106,7 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to cli.F
     "--ep-init": ("tcp://10.0.0.1:29500", "tcp://10.0.0.1:29500"),
     "--tool-call-parser": ("hermes", "qwen"),          # vLLM's name for the Qwen format
     "--vllm-metrics-path": ("/metrics/vllm", "/metrics/vllm"),
+    "--kv-cache-dtype": ("fp8_e4m3", "fp8_e4m3"),
 }
 
 
@@ -304,7 +305,7 @@ def test_check_config_refuses_what_serve_refuses_in_the_same_words(tmp_path, tin
 def test_vllm_flags_for_what_moed_does_are_accepted_with_a_log_line(capsys, tiny_qwen3):
     rc, out, err = _run(capsys, "check-config", "--model", str(tiny_qwen3),
                         "--tensor-parallel-size", "1", "-pp", "1", "-dp", "1",
-                        "--kv-cache-dtype", "auto", "--load-format", "safetensors",
+                        "--load-format", "safetensors",
                         "--swap-space", "0", "--enforce-eager", "--enable-chunked-prefill",
                         "--disable-log-requests", "--enable-auto-tool-choice",
                         "--enable-prefix-caching", "--log-format", "console")
@@ -325,7 +326,10 @@ def test_vllm_flags_for_what_moed_does_are_accepted_with_a_log_line(capsys, tiny
     (["-tp", "4"], "--tensor-parallel-size 4 is not supported"),
     (["-pp", "2"], "--pipeline-parallel-size 2 is not supported"),
     (["--data-parallel-size", "2"], "run more nodes behind a router"),
-    (["--kv-cache-dtype", "fp8"], "no fp8 KV cache"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2 is not supported: moed's fp8 "
+                                       "KV cache is e4m3"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype int8: expected auto, fp8, "
+                                   "fp8_e4m3"),
     (["--load-format", "gguf"], "safetensors checkpoints only"),
     (["--swap-space", "4"], "recomputing"),
     (["--no-enable-chunked-prefill"], "always chunks prefill"),

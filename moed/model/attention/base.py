@@ -18,7 +18,7 @@ import torch
 
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
-from moed.model.kv_layout import KVLayout
+from moed.model.kv_layout import FP8_KV_SCALE, KVLayout, dequantize_kv, is_fp8
 from moed.model.spec import ModelSpec
 
 
@@ -69,6 +69,15 @@ class AttentionBackend(ABC):
         self.spec, self.kv = spec, kv
         self.block_size, self.device, self.dtype = kv.block_size, ctx.device, ctx.dtype
         self.scale = spec.head_dim ** -0.5
+        # fp8 cache, bf16 compute on CPU: the native table lookup instead of torch's scalar cast
+        self._fp8_lut = ctx.kernels if is_fp8(kv.dtype) and ctx.kernels is not None and \
+            ctx.dtype == torch.bfloat16 and FP8_KV_SCALE == 1.0 else None
+
+    def read_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """Cached values (gathered rows) in the compute dtype."""
+        if self._fp8_lut is not None and x.dtype == torch.float8_e4m3fn and x.device.type == "cpu":
+            return self._fp8_lut.fp8_to_bf16(x)
+        return dequantize_kv(x, self.dtype)
 
     @abstractmethod
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:

@@ -5,6 +5,9 @@ FlashInfer's CSR page table (indptr, indices, last_page_len) once per step and p
 decode wrapper (every sequence has one new token) or the prefill wrapper (anything else);
 forward() appends the new K/V with append_paged_kv_cache, then runs the planned wrapper.
 The softmax scale is FlashInfer's default, 1/sqrt(head_dim), as in the HF models.
+An fp8 KV cache (moed/model/kv_layout.py): the new K/V are clamped and cast to e4m3 before the
+append, the wrappers are planned with kv_data_type float8_e4m3fn and run with k_scale = v_scale
+= FP8_KV_SCALE (FlashInfer dequantizes inside the kernel). Untested without a GPU.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 from moed.model.attention.base import AttentionBackend, paging
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
-from moed.model.kv_layout import KVLayout
+from moed.model.kv_layout import FP8_KV_SCALE, KVLayout, is_fp8, quantize_kv
 from moed.model.spec import ModelSpec
 
 _WORKSPACE_BYTES = 128 << 20
@@ -51,17 +54,20 @@ class FlashInferBackend(AttentionBackend):
         if batch.is_decode_only:
             self._decode.plan(cum, self.indices, last, s.num_heads, s.num_kv_heads, s.head_dim, bs,
                               pos_encoding_mode="NONE",
-                              q_data_type=self.dtype, kv_data_type=self.dtype)
+                              q_data_type=self.dtype, kv_data_type=self.kv.dtype)
             self._wrapper = self._decode
         else:
             qo = torch.tensor([0] + q_lens, dtype=i32).cumsum(0, dtype=i32)
             self._prefill.plan(qo, cum, self.indices, last, s.num_heads, s.num_kv_heads, s.head_dim, bs,
                                causal=True,
-                               q_data_type=self.dtype, kv_data_type=self.dtype)
+                               q_data_type=self.dtype, kv_data_type=self.kv.dtype)
             self._wrapper = self._prefill
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
-        self._fi.append_paged_kv_cache(k.contiguous(), v, self.batch_indices, self.positions, kv_layer,
+        k, v = quantize_kv(k.contiguous(), kv_layer.dtype), quantize_kv(v, kv_layer.dtype)
+        self._fi.append_paged_kv_cache(k, v, self.batch_indices, self.positions, kv_layer,
                                        self.indices, self.indptr, self.last_page_len, kv_layout="NHD")
+        if is_fp8(kv_layer.dtype):
+            return self._wrapper.run(q.contiguous(), kv_layer, k_scale=FP8_KV_SCALE, v_scale=FP8_KV_SCALE)
         return self._wrapper.run(q.contiguous(), kv_layer)     # q may be a view of the fused q|k

@@ -8,7 +8,10 @@ kpe = [..., r:] (pages of page_size = block_size tokens). plan() builds the CSR 
 chunked prefill and prefix hits (queries at the end of their sequence's KV) work as decode does;
 forward_mla writes the new [c_kv | k_rope] rows, projects q_nope into the latent space with W_uk,
 runs the kernel (output in the latent space) and projects back with W_uv. DeepSeek-V3's sizes
-(r 512, rope 64) are the ones FlashInfer documents.
+(r 512, rope 64) are the ones FlashInfer documents. An fp8 cache: the rows are written through
+write_rows (clamped e4m3 cast) and the wrapper is planned with kv dtype float8_e4m3fn (scale
+1.0, FP8_KV_SCALE); whether the installed FlashInfer's MLA kernel takes fp8 is its answer at
+plan time. Untested without a GPU.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from moed.model.attention import mla
 from moed.model.attention.base import paging
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
-from moed.model.kv_layout import KVLayout
+from moed.model.kv_layout import KVLayout, write_rows
 from moed.model.spec import ModelSpec
 
 _WORKSPACE_BYTES = 128 << 20
@@ -54,7 +57,7 @@ class FlashInferMLABackend(mla.MLABackend):
                     k_rope: torch.Tensor, kv_layer: torch.Tensor, w_uk: torch.Tensor,
                     w_uv: torch.Tensor, w_uk_abs: torch.Tensor | None = None,
                     w_uv_abs: torch.Tensor | None = None, kv_b: mla.Linear | None = None) -> torch.Tensor:
-        kv_layer.view(-1, kv_layer.shape[-1]).index_copy_(0, self.write, torch.cat((c_kv, k_rope), dim=-1))
+        write_rows(kv_layer.view(-1, kv_layer.shape[-1]), self.write, torch.cat((c_kv, k_rope), dim=-1))
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk).contiguous()              # [T, H, r]
         o_lat = self._wrapper.run(q_lat, q_rope.contiguous(), kv_layer[..., :self.rank], kv_layer[..., self.rank:])
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)

@@ -7,6 +7,8 @@ step. forward_mla writes the new tokens' [c_kv | k_rope] with one index_copy_, t
     a length mask (no per-head K/V)
   prefill / chunked sequences: one expanded-form SDPA call each (causal, offset by the tokens
     already cached; the history is read back from the cache)
+An fp8 cache (moed/model/kv_layout.py) is written through quantize_kv and read through
+dequantize_kv; a fresh prompt attends over its latent rounded the same way (chunked = at once).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from moed.model.attention import mla
 from moed.model.attention.base import paging
 from moed.model.batch import ForwardBatch
+from moed.model.kv_layout import is_fp8, quantize_kv, write_rows
 
 
 @dataclass
@@ -67,12 +70,14 @@ class TorchMLABackend(mla.MLABackend):
                     w_uv_abs: torch.Tensor | None = None, kv_b: mla.Linear | None = None) -> torch.Tensor:
         flat = kv_layer.view(-1, kv_layer.shape[-1])
         new = torch.cat((c_kv, k_rope), dim=-1)                                  # [T, r + rope]
-        flat.index_copy_(0, self.write, new)
+        write_rows(flat, self.write, new)
+        if is_fp8(flat.dtype):     # a fresh prompt reads what the cache holds, as chunks do
+            new = self.read_kv(quantize_kv(new, flat.dtype))
         t, h = q_nope.shape[0], q_nope.shape[1]
         out = torch.empty((t, h, w_uv.shape[1]), dtype=q_nope.dtype, device=q_nope.device)
         if self.dec_rows is not None:
             b, length = self.dec_shape
-            latent = flat.index_select(0, self.dec_gather).view(b, length, -1)
+            latent = self.read_kv(flat.index_select(0, self.dec_gather)).view(b, length, -1)
             qn, qr = (q_nope, q_rope) if self.dec_all else \
                 (q_nope.index_select(0, self.dec_rows), q_rope.index_select(0, self.dec_rows))
             od = mla.absorbed(qn, qr, latent, self.dec_bias, w_uk if w_uk_abs is None else w_uk_abs,
@@ -82,6 +87,6 @@ class TorchMLABackend(mla.MLABackend):
             out.index_copy_(0, self.dec_rows, od)
         for p in self.prefills:    # one call per sequence: compute-bound, the loop is cheap
             sl = slice(p.row, p.row + p.n)
-            latent = new[sl] if p.rows is None else flat.index_select(0, p.rows)
+            latent = new[sl] if p.rows is None else self.read_kv(flat.index_select(0, p.rows))
             out[sl] = mla.expanded(q_nope[sl], q_rope[sl], latent, w_uk, w_uv, self.scale, p.mask, kv_b)
         return out

@@ -14,6 +14,12 @@ same roundings as the torch path, and each prefill to `prefill_attn_bf16`: block
 rows, both products on the packed-block matmul kernel, 2.2-2.7x torch's CPU flash kernel at
 128-2048 tokens (1 Zen4 thread), rounding as the flash kernel it replaces. Whether the kernels serve is the model's ComputeContext's
 answer; this backend only adds that the kernel is built for head sizes 32, 64, 128 and 256.
+An fp8 KV cache (moed/model/kv_layout.py) is written through quantize_kv and read back through
+dequantize_kv (with bf16 compute on CPU: the kernels' fp8 -> bf16 table lookup, read_kv); decode
+then runs on the torch path (the native decode kernel reads bf16 blocks), prefill on the prefill
+kernel as with a bf16 cache (it takes K/V as tensors); a fresh prompt
+attends over its own K/V rounded the same way, so a prompt gives the same numbers whether it
+is prefilled at once, in chunks, or after a prefix-cache hit.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from moed.model.attention.base import AttentionBackend, paging
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
-from moed.model.kv_layout import KVLayout
+from moed.model.kv_layout import KVLayout, is_fp8, quantize_kv, write_rows
 from moed.model.spec import ModelSpec
 
 
@@ -48,7 +54,12 @@ class TorchBackend(AttentionBackend):
         planes, bs, self.hkv, self.d = kv.block_shape
         self.rows_per_block, self.v_rows = planes * bs, bs      # V: one plane after K
         fits = self.d in (32, 64, 128, 256)                     # the head sizes the kernel is built for
-        self.kernels: CpuKernels | None = ctx.kernels if fits else None
+        self.fp8 = is_fp8(kv.dtype)                             # the kernels read bf16 blocks only
+        self.kernels: CpuKernels | None = ctx.kernels if fits and not self.fp8 else None
+        # the prefill kernel takes K/V as tensors (an fp8 history is read back to bf16 first)
+        self.prefill_kernels: CpuKernels | None = ctx.kernels if fits else None
+        self.kernels_off = "fp8 KV cache (the CPU decode attention kernel reads bf16 blocks)" \
+            if self.fp8 and self.prefill_kernels is not None else ""
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
@@ -102,15 +113,15 @@ class TorchBackend(AttentionBackend):
             if start > 0:     # chunked prefill: attend over the cached history too
                 slot = torch.arange(start + n, device=dev)
                 k_rows = table_t[i, slot // bs] * self.rows_per_block + slot % bs
-                if self.kernels is None:     # the kernel masks by position itself
+                if self.prefill_kernels is None:     # the kernel masks by position itself
                     mask = slot[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
             self.prefills.append(_Prefill(row_of[i], n, start, k_rows, mask))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
         flat = kv_layer.view(-1, self.hkv, self.d)
-        flat.index_copy_(0, self.write_k, k)
-        flat.index_copy_(0, self.write_v, v)
+        write_rows(flat, self.write_k, k)
+        write_rows(flat, self.write_v, v)
         out = torch.empty_like(q)
         if self.has_dec:
             od = self._decode(q if self.dec_all else q.index_select(0, self.dec_rows), flat, kv_layer)
@@ -120,10 +131,13 @@ class TorchBackend(AttentionBackend):
         for p in self.prefills:   # one call per sequence: compute-bound, the loop is cheap
             if p.k_rows is None:
                 ks, vs = k[p.row:p.row + p.n], v[p.row:p.row + p.n]
+                if self.fp8:      # what the cache holds, as a later chunk will read it
+                    ks, vs = (self.read_kv(quantize_kv(t, kv_layer.dtype)) for t in (ks, vs))
             else:
-                ks, vs = flat.index_select(0, p.k_rows), flat.index_select(0, p.k_rows + self.v_rows)
-            if self.kernels is not None:     # blocked over queries on the packed-block matmul
-                out[p.row:p.row + p.n] = self.kernels.prefill_attn_bf16(q[p.row:p.row + p.n], ks, vs,
+                ks, vs = (self.read_kv(flat.index_select(0, rows))
+                          for rows in (p.k_rows, p.k_rows + self.v_rows))
+            if self.prefill_kernels is not None:     # blocked over queries on the packed-block matmul
+                out[p.row:p.row + p.n] = self.prefill_kernels.prefill_attn_bf16(q[p.row:p.row + p.n], ks, vs,
                                                                         p.start, self.scale)
                 continue
             # Head-major contiguous [1, H, n, D]: CPU flash attention runs faster on it than on
@@ -143,8 +157,8 @@ class TorchBackend(AttentionBackend):
         b, length = self.dec_shape
         hkv, d = self.hkv, self.d
         rows = flat.view(-1, d)
-        kd = rows.index_select(0, self.dec_k).view(b, hkv, length, d)
-        vd = rows.index_select(0, self.dec_v).view(b, hkv, length, d)
+        kd = self.read_kv(rows.index_select(0, self.dec_k)).view(b, hkv, length, d)
+        vd = self.read_kv(rows.index_select(0, self.dec_v)).view(b, hkv, length, d)
         qg = q.view(b, hkv, -1, d)                                              # [B, Hkv, G, D]
         scores = torch.matmul(qg, kd.transpose(-1, -2))                          # [B, Hkv, G, L]
         # bias + scale * scores in fp32 (type promotion) in one op; bias is 0 or -inf, so exact.

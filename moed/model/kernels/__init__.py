@@ -141,6 +141,11 @@ class CpuKernels:
         lib.moed_decode_step_scratch.restype = _l
         lib.moed_argmax_f32.argtypes = [_p, _l, _l, _p, _i]
         lib.moed_argmax_f32.restype = None
+        lib.moed_lut_u8_to_u16.argtypes = [_p, _l, _p, _p, _i]
+        lib.moed_lut_u8_to_u16.restype = None
+        # the 256 e4m3 bytes as bf16, by torch's own cast (exact: each is a bf16 value)
+        self._fp8_lut = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn) \
+            .to(torch.bfloat16).view(torch.int16).contiguous()
         self.lib, self.path = lib, path
         # (N, K) -> LinearChoice: native or oneDNN per row class, measured once (choice.py)
         self.choose = KernelChooser(self, path)
@@ -290,6 +295,14 @@ class CpuKernels:
                                         None if weight is None else weight.data_ptr(), eps,
                                         cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                                         torch.get_num_threads())
+        return out
+
+    def fp8_to_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """x.to(torch.bfloat16) for float8_e4m3fn x, the same values, by a table lookup."""
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        self.lib.moed_lut_u8_to_u16(x.data_ptr(), x.numel(), self._fp8_lut.data_ptr(), out.data_ptr(),
+                                    torch.get_num_threads())
         return out
 
     def argmax_f32(self, x: torch.Tensor) -> torch.Tensor:

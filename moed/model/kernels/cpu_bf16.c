@@ -1082,3 +1082,11 @@ void moed_argmax_f32(const float *x, long B, long V, int64_t *out, int nthreads)
         out[b] = found;
     }
 }
+
+/* An fp8 KV cache read back (moed/model/kv_layout.py): dst[i] = lut[src[i]], lut the 256 bf16
+ * values of the e4m3 bytes (torch's own conversion, exact: every e4m3 value is a bf16). torch's
+ * CPU float8 -> bf16 cast is scalar (~6.5 ns an element on Zen4); this is a table lookup. */
+void moed_lut_u8_to_u16(const uint8_t *src, long n, const uint16_t *lut, uint16_t *dst, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 1 << 16)
+    for (long i = 0; i < n; i++) dst[i] = lut[src[i]];
+}
