@@ -903,6 +903,7 @@ def _merge(base: dict[str, dict[str, Any]], overlay: Mapping[str, Any], source: 
 OTHER_ENV: Mapping[str, str] = {
     "MOED_CPU_KERNELS": "0 turns the native CPU kernels off (moed/model/kernels)",
     "MOED_KERNEL_CACHE": "where the native CPU kernels are built (moed/model/kernels)",
+    "MOED_CPU_ISA": "auto (default), avx512bf16 or avx2: the native CPU kernels' variant (moed/model/kernels)",
     "MOED_CACHE_DIR": "`moed model init`'s tokenizer cache (moed/model/bpe_train.py)",
     "MOED_BENCH_CACHE": "bench/engine.py's checkpoint cache",
 }

@@ -97,6 +97,7 @@ class ModelRunner:
         # Decode-only steps in one native call where the model allows (decode_step.py).
         self.native_decode, why_not = NativeDecodeStep.for_model(self.model, self.backend, self.kv_cache)
         log.info("model_runner_ready", **self.describe(), native_decode=why_not or "on",
+                 cpu_isa=getattr(self.ctx.kernels, "isa", "none"),
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
                  kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
                  rss_mb=rss_mb(), seconds=round(time.monotonic() - t0, 2))
