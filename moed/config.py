@@ -909,6 +909,12 @@ OTHER_ENV: Mapping[str, str] = {
 }
 
 
+# MOED_CPU_ISA's values (moed/model/kernels ISAS, plus auto): checked with the config, so a
+# misspelt variant stops the node before the model loads (whether this CPU runs it is checked
+# where the kernels load: kernels.IsaRefused).
+CPU_ISA_VALUES = ("auto", "avx512bf16", "avx2")
+
+
 def env_name(section: str, key: str) -> str:
     """The environment variable of a config field: MOED_<SECTION>_<FIELD>."""
     return f"MOED_{section}_{key}".upper()
@@ -953,6 +959,9 @@ def _check_env(environ: Mapping[str, str], merged: Mapping[str, Mapping[str, Any
     if unknown:
         raise ConfigError(f"environment: unknown variable{'s' if len(unknown) > 1 else ''} "
                           f"{', '.join(unknown)}")
+    isa = environ.get("MOED_CPU_ISA", "auto").strip().lower() or "auto"
+    if isa not in CPU_ISA_VALUES:
+        raise ConfigError(f"environment: MOED_CPU_ISA={isa!r}: not one of {', '.join(CPU_ISA_VALUES)}")
 
 
 def load(path: str | Path | None = None, *, environ: Mapping[str, str] | None = None,

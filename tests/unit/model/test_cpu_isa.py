@@ -202,10 +202,15 @@ def test_forcing_refuses_what_is_no_variant_or_cannot_run(monkeypatch):
     assert K.isa_from_env() == "avx2"
 
 
-def test_the_setting_is_a_known_moed_variable():
-    from moed.config import unknown_env
+def test_the_setting_is_a_known_moed_variable_checked_with_the_config(tmp_path):
+    from moed.config import CPU_ISA_VALUES, ConfigError, load, unknown_env
 
     assert unknown_env({K.ISA_ENV: "avx2"}) == []
+    assert CPU_ISA_VALUES == ("auto", *K.ISAS)
+    env = {"MOED_MODEL_PATH": str(tmp_path)}
+    assert load(environ={**env, K.ISA_ENV: "AVX2"}) is not None
+    with pytest.raises(ConfigError, match="MOED_CPU_ISA='amx': not one of auto, avx512bf16, avx2"):
+        load(environ={**env, K.ISA_ENV: "amx"})
 
 
 @pytest.fixture(scope="module")
