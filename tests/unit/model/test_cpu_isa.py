@@ -155,6 +155,7 @@ def test_variants_are_bitwise_equal_through_a_model(make_checkpoint):
                 r = ModelRunner(ckpt, dtype="bfloat16", device="cpu", attention_backend="torch",
                                 num_blocks=16, block_size=16)
                 assert r.ctx.kernels is k and r.native_decode is not None
+                assert r._kernel_classes() == f"1:{isa} 2-8:{isa} 9-64:{isa} 65-512:{isa} >512:{isa}"
                 prompts, tables = [[5, 6, 7, 8, 9] * 4, [11, 12, 13]], [[0, 1, 2], [3, 4, 5]]
                 out = [r.forward(ForwardBatch(prompts, [0, 0], tables))]
                 pos = [20, 3]
@@ -167,6 +168,15 @@ def test_variants_are_bitwise_equal_through_a_model(make_checkpoint):
     (la, kva, ea), (lb, kvb, eb) = runs
     assert all(torch.equal(x, y) for x, y in zip(la, lb))
     assert torch.equal(kva, kvb) and torch.equal(ea, eb)
+
+
+def test_what_serves_each_row_class_is_summed_over_shapes():
+    """model_runner_ready's kernel_classes: the variant, oneDNN, or both with oneDNN's share."""
+    from moed.model.kernels.choice import LinearChoice, by_class
+
+    a, b = LinearChoice((False, False, False, True, True)), LinearChoice((False, False, True, False, True))
+    assert by_class([a, b], "avx2") == "1:avx2 2-8:avx2 9-64:avx2+onednn(1/2) 65-512:avx2+onednn(1/2) >512:onednn"
+    assert by_class([], "avx2") == "none"
 
 
 def test_auto_picks_the_fastest_variant_the_cpu_runs(monkeypatch):
