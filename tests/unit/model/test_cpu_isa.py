@@ -223,6 +223,21 @@ def test_the_setting_is_a_known_moed_variable_checked_with_the_config(tmp_path):
         load(environ={**env, K.ISA_ENV: "amx"})
 
 
+def test_serve_refuses_a_forced_variant_the_cpu_cannot_run_before_loading(make_checkpoint, monkeypatch):
+    """moed serve / check-config's pre-flight: a one-line ConfigError, before any weight is read."""
+    from moed import preflight
+    from moed.config import ConfigError, load
+
+    cfg = load(environ={"MOED_MODEL_PATH": str(make_checkpoint("qwen3_moe")), "MOED_MODEL_DEVICE": "cpu",
+                        K.ISA_ENV: "avx512bf16"})
+    monkeypatch.setenv(K.ISA_ENV, "avx512bf16")
+    monkeypatch.setattr(K, "cpu_flags", lambda: AVX2_ONLY)
+    with pytest.raises(ConfigError, match="environment: MOED_CPU_ISA=avx512bf16: this CPU cannot run it"):
+        preflight.check(cfg)
+    monkeypatch.setenv(K.ISA_ENV, "avx2")
+    preflight.check(cfg)
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict:
     """Every variant built into one fresh cache."""
