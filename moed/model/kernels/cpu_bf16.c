@@ -149,9 +149,8 @@ static inline __attribute__((always_inline)) void block_rows(
 }
 #else
 /* block_rows on AVX2: the same sums in the same order (per k pair: + x_odd * w_odd, then
- * + x_even * w_even, each an FMA, as vdpbf16ps), for at most 2 rows at a time: 2 rows x 32
- * columns are 8 accumulators of 8 lanes, which with the widened weights and the broadcast
- * inputs fit the 16 ymm registers. Row grouping changes no bits (rows are independent). */
+ * + x_even * w_even, each an FMA, as vdpbf16ps), for 1 or 2 rows (decode: 1), the inputs
+ * widened as they are read. Row grouping changes no bits (rows are independent). */
 static inline __attribute__((always_inline)) void block_rows2(
         const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
@@ -176,10 +175,54 @@ static inline __attribute__((always_inline)) void block_rows2(
         for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + r * ldy + 8 * q, a[r][q]);
 }
 
+/* K pairs of the inputs widened at a time by block_rows3 (3 rows x 2 x 128 floats: 3 KB). */
+#define XCHUNK 128
+
+/* block_rows2 for up to 3 rows, for many-row work (compute-bound): the inputs are widened to
+ * fp32 odd/even a chunk of k pairs at a time, then broadcast straight from memory, so the 12
+ * accumulators, the widened weights and one broadcast fit the 16 ymm registers and the vector
+ * ALUs do FMAs rather than re-widening inputs every k pair. Same sums, same order. */
+static inline __attribute__((always_inline)) void block_rows3(
+        const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    uint32_t xw[3][2 * XCHUNK] __attribute__((aligned(32)));      /* per k pair: odd, even (fp32 bits) */
+    __m256 a[3][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) a[r][q] = _mm256_setzero_ps();
+    for (long c0 = 0; c0 < K2; c0 += XCHUNK) {
+        const long cn = K2 - c0 < XCHUNK ? K2 - c0 : XCHUNK;
+        for (int r = 0; r < R; r++)
+            for (long kp = 0; kp < cn; kp++) {
+                const uint32_t u = x[r * ldx2 + c0 + kp];
+                xw[r][2 * kp] = u & 0xffff0000u;
+                xw[r][2 * kp + 1] = u << 16;
+            }
+        const bf16 *wc = wb + c0 * 2 * NB;
+        for (long kp = 0; kp < cn; kp++) {
+            for (int q = 0; q < 4; q++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wc + kp * 2 * NB + 16 * q));
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                for (int r = 0; r < R; r++) {
+                    a[r][q] = _mm256_fmadd_ps(_mm256_broadcast_ss((const float *)&xw[r][2 * kp]), wo, a[r][q]);
+                    a[r][q] = _mm256_fmadd_ps(_mm256_broadcast_ss((const float *)&xw[r][2 * kp + 1]), we, a[r][q]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + r * ldy + 8 * q, a[r][q]);
+}
+
 static inline __attribute__((always_inline)) void block_rows(
         const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
-    for (int r0 = 0; r0 < R; r0 += 2) {
-        if (R - r0 >= 2) block_rows2(2, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
+    if (R == 1) {                       /* decode: memory-bound, no widening pass */
+        block_rows2(1, x, ldx2, wb, K2, y, ldy);
+        return;
+    }
+    for (int r0 = 0; r0 < R; r0 += 3) {
+        if (R - r0 >= 3) block_rows3(3, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
+        else if (R - r0 == 2) block_rows3(2, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
         else block_rows2(1, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
     }
 }

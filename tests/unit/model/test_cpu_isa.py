@@ -63,11 +63,12 @@ def _order_sensitive(g: torch.Generator, rows: int, kk: int, n: int) -> tuple[to
 @needs_cc
 @pytest.mark.parametrize("isa", isa_params())
 def test_linear_is_bitwise_the_reference(isa):
-    """Row tiles (1, 2, 3 rows; 8 + 1; 17), column tails, K of one pair, bias or none, 1-2 threads;
+    """Row tiles (1, 2, 3 rows; 8 + 1; 17), column tails, K of one pair and of several of the AVX2
+    kernel's input chunks (128 pairs), bias or none, 1-2 threads;
     data whose bf16 results depend on the accumulation order."""
     k = K.load(isa)
     g = torch.Generator().manual_seed(1)
-    for rows, kk, n in ((1, 64, 96), (2, 100, 33), (3, 2, 40), (9, 256, 70), (17, 38, 32)):
+    for rows, kk, n in ((1, 64, 96), (2, 100, 33), (3, 2, 40), (9, 256, 70), (17, 38, 32), (5, 600, 40)):
         x, w = _order_sensitive(g, rows, kk, n)
         other_order = _reference_linear(x.view(rows, -1, 2).flip(-1).reshape(rows, kk),
                                         w.view(n, -1, 2).flip(-1).reshape(n, kk), None)
