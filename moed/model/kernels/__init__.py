@@ -430,6 +430,6 @@ def cpu_kernels() -> CpuKernels | None:
     except (KernelUnavailable, OSError) as e:
         log.warning("cpu_kernels_off", reason=str(e), fallback="torch")
         return None
-    log.info("cpu_kernels_on", path=str(k.path), isa=isa, forced=bool(os.environ.get(ISA_ENV, "").strip()
-                                                                      not in ("", "auto")))
+    forced = os.environ.get(ISA_ENV, "").strip().lower() not in ("", "auto")
+    log.info("cpu_kernels_on", path=str(k.path), isa=isa, forced=forced)
     return k
