@@ -6,8 +6,9 @@
  *
  * Prints, over 512k output lanes (half random, half with cancelling 2^16-sized products), how
  * many differ from each candidate order. 2026-12-03, Sapphire Rapids-class Xeon: every candidate
- * differs on 54-70% of lanes (the layout is right: the rest agree to the bit), so an AMX matmul cannot be bitwise equal to the native variants:
- * it would join the start-up race as oneDNN does (within an ulp, not bitwise). */
+ * differs on 54-70% of lanes (the layout is right: the rest agree to the bit), so an AMX matmul
+ * cannot be bitwise equal to the native variants: it would join the start-up race as oneDNN
+ * does (within an ulp, not bitwise). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
