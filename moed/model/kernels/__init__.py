@@ -152,6 +152,8 @@ class CpuKernels:
         if not lib.moed_cpu_supported():
             raise KernelUnavailable(f"this CPU cannot run the {got} kernels ({isa_missing(got)})")
         self.isa = got
+        # whether this CPU's dot product sums in the order all variants share (cpu_bf16.c)
+        self.dot_order_ok = bool(lib.moed_dot_order_matches())
         lib.moed_moe_bf16.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _p, _p, _l, _l, _p, _i]
         lib.moed_moe_bf16.restype = _i
         lib.moed_route_bf16.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _l, _p, _p, _i]
@@ -431,5 +433,5 @@ def cpu_kernels() -> CpuKernels | None:
         log.warning("cpu_kernels_off", reason=str(e), fallback="torch")
         return None
     forced = os.environ.get(ISA_ENV, "").strip().lower() not in ("", "auto")
-    log.info("cpu_kernels_on", path=str(k.path), isa=isa, forced=forced)
+    log.info("cpu_kernels_on", path=str(k.path), isa=isa, forced=forced, same_bits_all_variants=k.dot_order_ok)
     return k

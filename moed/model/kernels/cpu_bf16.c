@@ -99,6 +99,34 @@ static inline bf16 f32_to_bf16(float f) {   /* round to nearest even; NaN stays 
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* 1 if this CPU's dot product sums as cpu_avx2.h does (per lane: acc + odd product, then + even
+ * product, each rounded once), so the variants give the same bits here. The AVX2 variant is
+ * that order by construction; vdpbf16ps was measured so on Sapphire Rapids, and this checks the
+ * CPU at hand on lanes whose result shows the order: acc = 1 + an odd multiple of 2^-8, products
+ * +-2^16 cancelling within the pair. acc + 2^16 rounds to a multiple of 2^-7, acc - 2^16 is exact
+ * (below 2^16 the spacing is 2^-8): lanes 0-7 (odd product positive) keep acc exactly only if the
+ * even product came first, lanes 8-15 (odd product negative) only if the odd one did. */
+int moed_dot_order_matches(void) {
+#ifdef __AVX512BF16__
+    bf16 a[32], b[32];
+    float acc[16], got[16];
+    for (int i = 0; i < 16; i++) {
+        acc[i] = 1.0f + (float)(2 * i + 1) / 256.0f;
+        a[2 * i] = a[2 * i + 1] = f32_to_bf16(16.0f);
+        b[2 * i + 1] = f32_to_bf16(i < 8 ? 4096.0f : -4096.0f);
+        b[2 * i] = b[2 * i + 1] ^ 0x8000;          /* the negative */
+    }
+    _mm512_storeu_ps(got, _mm512_dpbf16_ps(_mm512_loadu_ps(acc), (__m512bh)_mm512_loadu_si512(a),
+                                           (__m512bh)_mm512_loadu_si512(b)));
+    for (int i = 0; i < 16; i++) {
+        const float want = fmaf(bf16_to_f32(a[2 * i]), bf16_to_f32(b[2 * i]),
+                                fmaf(bf16_to_f32(a[2 * i + 1]), bf16_to_f32(b[2 * i + 1]), acc[i]));
+        if (memcmp(&want, &got[i], 4)) return 0;
+    }
+#endif
+    return 1;
+}
+
 static inline __m512 round_bf16_x16(__m512 v) {   /* RNE to bf16 and back, 16 lanes */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(CVTNE_BH(v)), 16));
 }

@@ -31,6 +31,8 @@ needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler to build the ke
 both = pytest.mark.skipif(len(K.runnable_isas()) < 2,
                           reason=f"needs every variant; this CPU runs only {K.runnable_isas() or 'none'}")
 AVX2_ONLY = K.ISA_NEEDS["avx2"] | {"sse4_2", "popcnt"}     # a Zen3's flags, as far as the loader looks
+NOT_FMA_ORDER = ("this CPU's vdpbf16ps does not sum as two FMAs, odd element first (moed_dot_order_matches "
+                 "in cpu_bf16.c; measured so on Sapphire Rapids): the variants cannot be bitwise equal here")
 
 
 def _reference_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,6 +69,7 @@ def test_linear_is_bitwise_the_reference(isa):
     kernel's input chunks (128 pairs), bias or none, 1-2 threads;
     data whose bf16 results depend on the accumulation order."""
     k = K.load(isa)
+    assert k.dot_order_ok, NOT_FMA_ORDER
     g = torch.Generator().manual_seed(1)
     for rows, kk, n in ((1, 64, 96), (2, 100, 33), (3, 2, 40), (9, 256, 70), (17, 38, 32), (5, 600, 40)):
         x, w = _order_sensitive(g, rows, kk, n)
@@ -88,6 +91,7 @@ def test_variants_are_bitwise_equal_kernel_by_kernel():
     """Every entry point, AVX2 against AVX512-BF16, on shapes that take the vector tails, the
     chunked MoE path (many rows, 2 threads) and every attention head size."""
     a, b = K.load("avx512bf16"), K.load("avx2")
+    assert a.dot_order_ok, NOT_FMA_ORDER
     g = torch.Generator().manual_seed(2)
     H, I, E, P, topk = 80, 40, 7, 9, 3
     router = a.pack(torch.randn(E, H, generator=g).bfloat16())
@@ -147,6 +151,7 @@ def test_variants_are_bitwise_equal_through_a_model(make_checkpoint):
     loads on either variant (softmax, exp, silu, rounding: all of it, end to end)."""
     from moed.model.runner import ModelRunner
 
+    assert K.load("avx512bf16").dot_order_ok, NOT_FMA_ORDER
     ckpt = make_checkpoint("qwen3_moe", seed=5)
     runs = []
     for isa in ("avx512bf16", "avx2"):
