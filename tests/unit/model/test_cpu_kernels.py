@@ -2,8 +2,10 @@
 
 Each kernel mirrors the torch path's bf16 roundings, so outputs agree to a bf16 ulp or two
 (fp32 summation order differs). Thread counts 1-3 run every split and barrier path (tests
-otherwise run with OMP_NUM_THREADS=1). These run wherever the CPU has AVX512-BF16 and there is a
-C compiler (CI has both): there a build failure is a test failure, not a skip.
+otherwise run with OMP_NUM_THREADS=1). These run on every kernel variant the CPU runs (the `kern`
+fixture is parametrized by variant: an AVX512-BF16 machine runs the AVX2 variant's too; one the
+CPU cannot run skips with why) wherever there is a C compiler (CI has one): there a build failure
+is a test failure, not a skip. Bitwise checks between variants: test_cpu_isa.py.
 """
 from __future__ import annotations
 
