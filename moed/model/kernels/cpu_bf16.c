@@ -805,6 +805,33 @@ static void softmax_bf16(float *p, long n) {
  * rounded to bf16 (a bf16 matmul), then scale*s in fp32, softmax in fp32, probabilities rounded
  * to bf16, p.v accumulated in fp32 and rounded once. D is 32, 64, 128 or 256. Returns 0;
  * -1 out of memory; -2 bad shapes or block ids. */
+#ifdef __AVX512BF16__
+/* 16 lanes of q . k (lane i: the products of pair i of each 32-element chunk, chunks in order):
+ * hsum16 of 16 keys' vectors gives their scores. */
+static inline __attribute__((always_inline)) __m512 key_dot(const int nc, const __m512bh *qv, const bf16 *k) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < nc; c++) a = _mm512_dpbf16_ps(a, qv[c], AS_BH(_mm512_loadu_si512(k + 32 * c)));
+    return a;
+}
+#else
+/* key_dot on AVX2: the same lanes, the same FMAs in the same order as cpu_avx2.h's vdpbf16ps
+ * (odd product, then even), q pre-widened (qo/qe [D/2]). */
+static inline __attribute__((always_inline)) __m512 key_dot(const int nc, const float *qo, const float *qe,
+                                                            const bf16 *k) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 lo = _mm256_setzero_ps(), up = _mm256_setzero_ps();
+    for (int c = 0; c < nc; c++) {
+        const __m256i k0 = _mm256_loadu_si256((const __m256i *)(k + 32 * c));
+        const __m256i k1 = _mm256_loadu_si256((const __m256i *)(k + 32 * c + 16));
+        lo = _mm256_fmadd_ps(_mm256_load_ps(qo + 16 * c), _mm256_castsi256_ps(_mm256_and_si256(k0, hi)), lo);
+        lo = _mm256_fmadd_ps(_mm256_load_ps(qe + 16 * c), _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16)), lo);
+        up = _mm256_fmadd_ps(_mm256_load_ps(qo + 16 * c + 8), _mm256_castsi256_ps(_mm256_and_si256(k1, hi)), up);
+        up = _mm256_fmadd_ps(_mm256_load_ps(qe + 16 * c + 8), _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16)), up);
+    }
+    return v16f_of(lo, up);
+}
+#endif
+
 /* One (sequence, kv head) of decode attention; D a compile-time constant after inlining, so
  * the per-key loops unroll and independent keys' dot products overlap in the pipeline.
  * kp[l]: K row of position l (V row at kp[l] + v_off); s: G * max_len scores scratch. */
@@ -814,25 +841,30 @@ static inline __attribute__((always_inline)) void attn_task(
     enum { NC = 8 };                      /* D/32 <= NC */
     const int nc = D / 32, nd = D / 16;
     for (long g = 0; g < G; g++) {        /* scores, 16 keys at a time */
+#ifdef __AVX512BF16__
         __m512bh qv[NC];
         for (int c = 0; c < nc; c++) qv[c] = AS_BH(_mm512_loadu_si512(qh + g * D + 32 * c));
+#define KEY_DOT(k) key_dot(nc, qv, k)
+#else
+        /* q's odd and even elements widened once (16 lanes of chunk c at 16c): the key loop
+         * then reads them from L1 instead of holding 2 x nc widened vectors in 16 registers */
+        float qo[128] __attribute__((aligned(32))), qe[128] __attribute__((aligned(32)));
+        for (int p = 0; p < D / 2; p++) {
+            const uint32_t u = ((const uint32_t *)(qh + g * D))[p], uo = u & 0xffff0000u, ue = u << 16;
+            memcpy(qo + p, &uo, 4);
+            memcpy(qe + p, &ue, 4);
+        }
+#define KEY_DOT(k) key_dot(nc, qo, qe, k)
+#endif
         for (long l0 = 0; l0 < len; l0 += 16) {
             __m512 a[16];
             const long nk = len - l0 < 16 ? len - l0 : 16;
             if (nk == 16) {
-                for (int j = 0; j < 16; j++) {
-                    a[j] = _mm512_setzero_ps();
-                    for (int c = 0; c < nc; c++)
-                        a[j] = _mm512_dpbf16_ps(a[j], qv[c], AS_BH(_mm512_loadu_si512(kp[l0 + j] + 32 * c)));
-                }
+                for (int j = 0; j < 16; j++) a[j] = KEY_DOT(kp[l0 + j]);
             } else {
-                for (int j = 0; j < 16; j++) {
-                    a[j] = _mm512_setzero_ps();
-                    if (j < nk)
-                        for (int c = 0; c < nc; c++)
-                            a[j] = _mm512_dpbf16_ps(a[j], qv[c], AS_BH(_mm512_loadu_si512(kp[l0 + j] + 32 * c)));
-                }
+                for (int j = 0; j < 16; j++) a[j] = j < nk ? KEY_DOT(kp[l0 + j]) : _mm512_setzero_ps();
             }
+#undef KEY_DOT
             const __mmask16 m = nk == 16 ? 0xffff : (__mmask16)((1u << nk) - 1);
             _mm512_mask_storeu_ps(s + g * max_len + l0, m,
                                   _mm512_mul_ps(_mm512_set1_ps(scale), round_bf16_x16(hsum16(a))));
