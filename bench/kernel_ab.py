@@ -1,9 +1,12 @@
 """Two builds of the CPU kernels on the native decode step, interleaved call by call.
 
     .venv/bin/python bench/kernel_ab.py A.c B.c [--batches 1,8] [--calls 600] [--threads 2]
+                                        [--isa avx512bf16,avx2]
 
 Each file is a variant of moed/model/kernels/cpu_bf16.c with the same ABI (the decode step's
-structs and signatures). Both are compiled with the project's flags (kernels.CFLAGS) and loaded
+structs and signatures). Both are compiled with the project's flags for their ISA variant (--isa,
+one per build, default avx512bf16 for both; `cpu_bf16.c cpu_bf16.c --isa avx512bf16,avx2` races the
+two variants of one source; cpu_avx2.h is found beside the source or in moed/model/kernels) and loaded
 into one process, and the bench model's decode step is called alternately on each (A B B A ...),
 so a change of the host's memory bandwidth, which on a shared VM moves a decode step by tens of
 percent within minutes, falls on both alike. Two separate runs of one build differ by up to ±6%
@@ -36,10 +39,11 @@ from moed.model.runner import ModelRunner  # noqa: E402
 from moed.model.sampler import argmax_rows  # noqa: E402
 
 
-def compile_variant(src: Path, out: Path) -> Path:
+def compile_variant(src: Path, out: Path, isa: str = "avx512bf16") -> Path:
     cc = K._compiler()
-    p = subprocess.run([cc, *K.CFLAGS, "-o", str(out), str(src), "-lm"], capture_output=True, text=True,
-                       timeout=300)
+    flags = K.COMMON_CFLAGS + K.ISA_CFLAGS[isa]
+    p = subprocess.run([cc, *flags, "-I", str(K.SOURCE.parent), "-o", str(out), str(src), "-lm"],
+                       capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         raise SystemExit(f"compiling {src} failed:\n{p.stderr[-2000:]}")
     return out
@@ -52,9 +56,13 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--calls", type=int, default=600, help="decode steps per batch size, both builds")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--isa", default="avx512bf16,avx512bf16", help="the variant of A and of B (kernels.ISAS)")
     ap.add_argument("--cache", default=str(ROOT / ".cache" / "bench"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernel_ab.json"))
     a = ap.parse_args()
+    isas = a.isa.split(",")
+    if len(isas) != 2 or any(i not in K.ISAS for i in isas):
+        raise SystemExit(f"--isa: two of {', '.join(K.ISAS)}, comma-separated")
     torch.set_num_threads(a.threads)
     runner = ModelRunner(_checkpoint("qwen3_moe", Path(a.cache)), dtype="bfloat16", device="cpu",
                          attention_backend="torch", num_blocks=400, block_size=16)
@@ -62,8 +70,10 @@ def main() -> int:
     if step is None:
         raise SystemExit("the native decode step does not serve here (see model_runner_ready's native_decode)")
     with tempfile.TemporaryDirectory() as tmp:
-        builds = [K.CpuKernels(compile_variant(src, Path(tmp) / f"{tag}.so")) for tag, src in (("a", a.a), ("b", a.b))]
-    print(f"A {a.a}  B {a.b}; {a.threads} threads; CPU: {cpu_model()}; load {load_average()[0]:.2f}", flush=True)
+        builds = [K.CpuKernels(compile_variant(src, Path(tmp) / f"{tag}.so", isa), isa)
+                  for tag, src, isa in (("a", a.a, isas[0]), ("b", a.b, isas[1]))]
+    print(f"A {a.a} ({isas[0]})  B {a.b} ({isas[1]}); {a.threads} threads; CPU: {cpu_model()}; "
+          f"load {load_average()[0]:.2f}", flush=True)
     rows = []
     for batch in (int(x) for x in a.batches.split(",")):
         fb = ForwardBatch([[5]] * batch, [130] * batch, [list(range(i * 10, i * 10 + 10)) for i in range(batch)])
@@ -84,7 +94,7 @@ def main() -> int:
     step.kernels = runner.model.kernels
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "kernel_ab", "a": str(a.a), "b": str(a.b), "cpu": cpu_model(),
+    out.write_text(json.dumps({"bench": "kernel_ab", "a": str(a.a), "b": str(a.b), "isa": isas, "cpu": cpu_model(),
                                "threads": a.threads, "calls": a.calls, "runs": rows}, indent=2))
     print(f"saved {out}")
     return 0

@@ -432,20 +432,29 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 
 def cmd_model_kernels(args: argparse.Namespace) -> int:
-    """Build (or find) the native CPU kernels and print the .so path; 1 with the reason if not."""
+    """Build (or find) every variant of the native CPU kernels and print each .so path (one a
+    line, fastest variant first); load those this CPU runs. 1 with the reason if one fails."""
     from moed.model import kernels
     from moed.obs import log as obslog
 
-    obslog.configure("console")      # log lines on stderr: stdout is just the path
-    try:
-        path = kernels.build(Path(args.cache) if args.cache else None)
-    except kernels.KernelUnavailable as e:
-        print(f"moed: CPU kernels cannot be built here: {e}", file=sys.stderr)
-        return 1
-    print(path)                          # stdout: just the path, whatever follows
-    if not kernels.cpu_flags_ok():       # built for another machine (e.g. an image build)
-        print("moed: built, not loaded: this CPU lacks AVX512-BF16", file=sys.stderr)
-        return 0
+    obslog.configure("console")      # log lines on stderr: stdout is just the paths
+    cache = Path(args.cache) if args.cache else None
+    for isa in kernels.ISAS:         # a cache made on one machine serves every CPU that shares it
+        try:
+            path = kernels.build(cache, isa)
+        except kernels.KernelUnavailable as e:
+            print(f"moed: CPU kernels cannot be built here: {e}", file=sys.stderr)
+            return 1
+        print(path)                      # stdout: just the paths, whatever follows
+        if why := kernels.isa_missing(isa):      # built for another machine (e.g. an image build)
+            print(f"moed: {isa} built, not loaded: {why}", file=sys.stderr)
+            continue
+        try:
+            kernels.CpuKernels(path, isa)
+        except (kernels.KernelUnavailable, OSError) as e:
+            print(f"moed: {path} does not load: {e}", file=sys.stderr)
+            return 1
+    return 0
     try:
         kernels.CpuKernels(path)
     except (kernels.KernelUnavailable, OSError) as e:
@@ -639,7 +648,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
         model_init.add_arguments(init)
     init.set_defaults(func=cmd_model_init)
-    kern = msub.add_parser("kernels", help="build the native CPU kernels ahead of time and print the .so path")
+    kern = msub.add_parser("kernels", help="build every variant of the native CPU kernels ahead of time and print the .so paths")
     kern.add_argument("--cache", metavar="DIR",
                       help="where to put them (default: $MOED_KERNEL_CACHE, $CACHE_DIRECTORY or ~/.cache/moed)")
     kern.set_defaults(func=cmd_model_kernels)

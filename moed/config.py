@@ -966,9 +966,16 @@ def _merge(base: dict[str, dict[str, Any]], overlay: Mapping[str, Any], source: 
 OTHER_ENV: Mapping[str, str] = {
     "MOED_CPU_KERNELS": "0 turns the native CPU kernels off (moed/model/kernels)",
     "MOED_KERNEL_CACHE": "where the native CPU kernels are built (moed/model/kernels)",
+    "MOED_CPU_ISA": "auto (default), avx512bf16 or avx2: the native CPU kernels' variant (moed/model/kernels)",
     "MOED_CACHE_DIR": "`moed model init`'s tokenizer cache (moed/model/bpe_train.py)",
     "MOED_BENCH_CACHE": "bench/engine.py's checkpoint cache",
 }
+
+
+# MOED_CPU_ISA's values (moed/model/kernels ISAS, plus auto): checked with the config, so a
+# misspelt variant stops the node before the model loads (whether this CPU runs it is checked
+# where the kernels load: kernels.IsaRefused).
+CPU_ISA_VALUES = ("auto", "avx512bf16", "avx2")
 
 
 def env_name(section: str, key: str) -> str:
@@ -1015,6 +1022,9 @@ def _check_env(environ: Mapping[str, str], merged: Mapping[str, Mapping[str, Any
     if unknown:
         raise ConfigError(f"environment: unknown variable{'s' if len(unknown) > 1 else ''} "
                           f"{', '.join(unknown)}")
+    isa = environ.get("MOED_CPU_ISA", "auto").strip().lower() or "auto"
+    if isa not in CPU_ISA_VALUES:
+        raise ConfigError(f"environment: MOED_CPU_ISA={isa!r}: not one of {', '.join(CPU_ISA_VALUES)}")
 
 
 def load(path: str | Path | None = None, *, environ: Mapping[str, str] | None = None,

@@ -11,6 +11,7 @@ Each check reads what the node itself reads at start, with the node's own functi
   available, one KV block within engine.kv_cache_memory_mb (this imports torch, as
   moed/model/spec.py does; the weights are never read); with parallel.rank_memory_mb, dense
   weights + this rank's expert slots + the KV blocks within it (moed/parallel/budget.py);
+  on a CPU, a kernel variant forced by MOED_CPU_ISA that this CPU runs (moed/model/kernels);
 - for prefill/decode: the KV transfer backend importable;
 - with trace.endpoint set: the OpenTelemetry extra importable (moed/obs/trace.py);
 - with tiers.disk_bytes: tiers.disk_dir given and writable (moed/kvcache/tiers).
@@ -131,6 +132,12 @@ def model(cfg: Config) -> None:
     with _refused("model.device", ValueError, RuntimeError):
         device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, spec, device)
+    if device.type == "cpu":        # a forced kernel variant this CPU cannot run: refused here
+        from moed.model import kernels
+        try:
+            kernels.isa_from_env()
+        except kernels.IsaRefused as err:
+            raise ConfigError(f"environment: {err}") from None
     num_blocks = e.num_kv_blocks
     if not num_blocks:
         from moed.engine.memory import kv_memory_mb

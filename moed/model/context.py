@@ -2,7 +2,7 @@
 
 The runner builds one per model and hands it to every layer and to the attention backend, so
 the whole model takes the same path: either the native CPU kernels (moed/model/kernels, bf16 on
-AVX512-BF16 x86) everywhere they apply, or the torch path everywhere. `cpu_kernels()` logs
+x86-64 with AVX512-BF16 or AVX2 + FMA) everywhere they apply, or the torch path everywhere. `cpu_kernels()` logs
 `cpu_kernels_on` / `cpu_kernels_off` (with the reason) once per process; the runner's
 describe() reports the answer as moed_model_info{cpu_kernels=...}.
 """

@@ -20,6 +20,7 @@ from moed.model.attention.registry import get_backend
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.decode_step import NativeDecodeStep
+from moed.model.kernels.choice import by_class
 from moed.model.decoder import MoEDecoder
 from moed.model.kv_layout import KVLayout, kv_cache_dtype
 from moed.model.loader import Weights, load_weights
@@ -116,11 +117,19 @@ class ModelRunner:
             log.info("attention_kernels_off", reason=self.backend.kernels_off,
                      effect="attention runs on the torch path")
         log.info("model_runner_ready", **self.describe(), native_decode=why_not or "on",
+                 cpu_isa=getattr(self.ctx.kernels, "isa", "none"), kernel_classes=self._kernel_classes(),
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
                  kv_bytes_per_token=self.kv_layout.bytes_per_token,
                  kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
                  weights_mb={k: round(v / 2**20, 2) for k, v in held.items()},
                  rss_mb=rss_mb(), seconds=round(time.monotonic() - t0, 2))
+
+    def _kernel_classes(self) -> str:
+        """Per row class, what serves this model's matmuls (choice.by_class); 'none' without kernels."""
+        k = self.ctx.kernels
+        if k is None:
+            return "none"
+        return by_class(k.choose.chosen(), k.isa)
 
     def describe(self) -> dict[str, str]:
         """What runs: for the model_runner_ready log line and the moed_model_info metric."""

@@ -146,10 +146,11 @@ def _check_env(pkgs: dict[str, str], extras: set[str]) -> None:
 def _check_installed_moed(python: Path, cwd: Path, src: Path) -> None:
     """moed is imported from site-packages (not the checkout), with its kernels' C source."""
     p = _run([str(python), "-c", "import moed, moed.model.kernels as k; "
-              "print(moed.__file__); print(k.SOURCE.exists())"], cwd=cwd, timeout=120)
+              "print(moed.__file__); print(k.SOURCE.exists() and all(h.exists() for h in k.HEADERS))"],
+             cwd=cwd, timeout=120)
     path, has_c = p.stdout.split()
     assert "site-packages" in path and not Path(path).is_relative_to(src), path
-    assert has_c == "True", "the wheel lacks moed/model/kernels/*.c"
+    assert has_c == "True", "the wheel lacks moed/model/kernels/*.c or *.h"
 
 
 # ---------------------------------------------------------------- tests

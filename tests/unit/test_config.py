@@ -85,6 +85,7 @@ def test_every_unknown_variable_is_named_in_one_line() -> None:
 
 def test_variables_moed_reads_itself_are_allowed() -> None:
     env = {"MOED_MODEL_PATH": "m", **{name: "x" for name in config.OTHER_ENV},
+           "MOED_CPU_ISA": "auto",                              # its value is checked too
            "OTHER_TOOL_PORT": "1", "moed_lowercase": "1"}       # not MOED_*: not ours
     assert config.load(environ=env).model.path == "m"
 

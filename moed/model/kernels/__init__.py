@@ -7,12 +7,14 @@ weighted sum; each touched expert read once), `linear_bf16` (skinny matmuls on a
 `decode_attn_bf16` (paged attention straight from the KV blocks; `prefill_attn_bf16` for
 prompts, blocked over queries), `rms_norm_bf16` (with the
 residual add) and `qk_norm_rope_bf16`; `moed_decode_step_bf16` strings them together over a
-whole decode step (moed/model/decode_step.py). Only for bf16 on x86-64 CPUs with AVX512-BF16; the
+whole decode step (moed/model/decode_step.py). Only for bf16 on x86-64 CPUs; one source, built
+per ISA variant (ISAS: AVX512-BF16, and AVX2 + FMA through cpu_avx2.h, bitwise the same results),
+the fastest this CPU runs picked at load from /proc/cpuinfo, or the one MOED_CPU_ISA names. The
 layout and numerics are described in cpu_bf16.c.
 
 Why build at run time rather than ship a wheel: the project installs as pure Python (no build
 step that could break a GPU install); the C file compiles in about a second with the C
-compiler any Debian/Ubuntu host has. The .so is cached by a hash of the source and flags in
+compiler any Debian/Ubuntu host has. The .so is cached by variant and a hash of the source and flags in
 $MOED_KERNEL_CACHE, else systemd's $CACHE_DIRECTORY (the unit has CacheDirectory=),
 else $XDG_CACHE_HOME/moed or ~/.cache/moed. If anything is missing (no compiler, other CPU,
 read-only cache, MOED_CPU_KERNELS=0) callers get None and keep the torch path, which computes
@@ -39,11 +41,27 @@ from moed.model.kernels.choice import KernelChooser
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_bf16.c")
-# No -march=native: the cached .so must run on any AVX512-BF16 CPU that shares the cache.
+HEADERS = (Path(__file__).with_name("cpu_avx2.h"),)
+# No -march=native: a cached .so must run on any CPU of its variant that shares the cache.
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
-CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-fPIC", "-shared", "-fopenmp",
-          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-ABI_VERSION = 7
+# -ffp-contract=off: no multiply-add fused unless the source spells it (the variants would part).
+COMMON_CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off", "-fPIC", "-shared",
+                 "-fopenmp")
+# The variants, fastest first: the flags each is compiled with and the /proc/cpuinfo flags a CPU
+# needs to run it. avx2 is x86-64-v3 (Haswell, Zen1 and later); it computes the same bits as
+# avx512bf16 (cpu_avx2.h says how).
+ISA_CFLAGS: dict[str, tuple[str, ...]] = {
+    "avx512bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+    "avx2": ("-march=x86-64-v3",),
+}
+ISA_NEEDS: dict[str, frozenset[str]] = {
+    "avx512bf16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}),
+    "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}),
+}
+ISAS = tuple(ISA_CFLAGS)
+ISA_ENV = "MOED_CPU_ISA"
+CFLAGS = COMMON_CFLAGS + ISA_CFLAGS["avx512bf16"]     # the default variant's (kept for callers)
+ABI_VERSION = 8
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -51,6 +69,11 @@ _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 class KernelUnavailable(RuntimeError):
     pass
+
+
+class IsaRefused(ValueError):
+    """MOED_CPU_ISA names no variant, or one this CPU cannot run: an operator's error, raised
+    (not logged and served on the torch path, which would hide that the setting did nothing)."""
 
 
 def _cache_dir() -> Path:
@@ -68,14 +91,21 @@ def _compiler() -> str:
     return cc
 
 
-def build(cache: Path | None = None) -> Path:
-    """Return the .so for this source and these flags, compiling it into the cache if absent.
+def build(cache: Path | None = None, isa: str | None = None) -> Path:
+    """Return the .so of variant `isa` (default: the one this CPU picks, else the first) for
+    this source and these flags, compiling it into the cache if absent.
 
-    The name hashes the source, flags and ABI version only, not the compiler: a cache filled
-    ahead of time (`moed model kernels`, e.g. in an image build) serves hosts with no compiler."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), str(ABI_VERSION)]).encode())
+    The name carries the variant and hashes the source, flags and ABI version only, not the
+    compiler: a cache filled ahead of time (`moed model kernels`, e.g. in an image build) serves
+    hosts with no compiler, and holds every variant side by side."""
+    isa = isa or best_isa() or ISAS[0]
+    if isa not in ISA_CFLAGS:
+        raise KernelUnavailable(f"no kernel variant {isa!r} (variants: {', '.join(ISAS)})")
+    flags = COMMON_CFLAGS + ISA_CFLAGS[isa]
+    text = [SOURCE.read_text(), *(h.read_text() for h in HEADERS)]
+    key = hashlib.sha256("\0".join([*text, " ".join(flags), str(ABI_VERSION)]).encode())
     cache = cache or _cache_dir()
-    out = cache / f"moed_cpu_bf16-{key.hexdigest()[:16]}.so"
+    out = cache / f"moed_cpu_bf16-{isa}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     cc = _compiler()
@@ -90,10 +120,10 @@ def build(cache: Path | None = None) -> Path:
     except OSError as e:
         raise KernelUnavailable(f"kernel cache {cache} is not writable: {e}") from e
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}")
+            raise KernelUnavailable(f"compiling {SOURCE.name} ({isa}) failed: {proc.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)     # mkstemp made it 0600: other users sharing the cache load it too
         os.replace(tmp, out)     # atomic: processes building at once each install a whole file
     except (OSError, subprocess.SubprocessError) as e:
@@ -101,21 +131,29 @@ def build(cache: Path | None = None) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("cpu_kernels_built", path=str(out))
+    log.info("cpu_kernels_built", path=str(out), isa=isa)
     return out
 
 
 class CpuKernels:
     """The loaded library. Thread count per call follows torch.get_num_threads()."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, isa: str | None = None) -> None:
+        """isa: the variant `path` must be (refused otherwise); None: whichever it is."""
         # torch is imported (above), so its libgomp is already loaded: the .so's libgomp.so.1
         # resolves to that one, and these kernels share torch's OpenMP thread pool.
         lib = ctypes.CDLL(str(path))
         if lib.moed_abi_version() != ABI_VERSION:
             raise KernelUnavailable(f"{path} has ABI {lib.moed_abi_version()}, expected {ABI_VERSION}")
+        lib.moed_isa.restype = ctypes.c_char_p
+        got = lib.moed_isa().decode()
+        if isa is not None and got != isa:
+            raise KernelUnavailable(f"{path} is the {got} variant, not {isa}")
         if not lib.moed_cpu_supported():
-            raise KernelUnavailable("this CPU lacks AVX512-BF16")
+            raise KernelUnavailable(f"this CPU cannot run the {got} kernels ({isa_missing(got)})")
+        self.isa = got
+        # whether this CPU's dot product sums in the order all variants share (cpu_bf16.c)
+        self.dot_order_ok = bool(lib.moed_dot_order_matches())
         lib.moed_moe_bf16.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _p, _p, _l, _l, _p, _i]
         lib.moed_moe_bf16.restype = _i
         lib.moed_route_bf16.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _l, _p, _p, _i]
@@ -330,32 +368,83 @@ def enabled_by_env() -> bool:
     return os.environ.get("MOED_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
+    except OSError:
+        return frozenset()
+
+
+def isa_missing(isa: str) -> str:
+    """Why this CPU cannot run variant `isa` ('' if it can)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernels are x86-64 Linux only, this is {platform.system()}/{platform.machine()}"
+    lacks = sorted(ISA_NEEDS[isa] - cpu_flags())
+    return f"CPU lacks {', '.join(lacks)}" if lacks else ""
+
+
+def runnable_isas() -> list[str]:
+    """The variants this CPU runs, fastest first."""
+    return [isa for isa in ISAS if not isa_missing(isa)]
+
+
+def best_isa() -> str | None:
+    runnable = runnable_isas()
+    return runnable[0] if runnable else None
+
+
+def cpu_flags_ok() -> bool:
+    """Whether some variant runs here. Checked before loading a .so: its code may use its
+    instructions anywhere, even in the probe."""
+    return best_isa() is not None
+
+
+def isa_from_env() -> str | None:
+    """The variant MOED_CPU_ISA asks for (auto or unset: the fastest this CPU runs; None: none
+    runs). Raises IsaRefused for a name that is no variant or one this CPU cannot run."""
+    want = os.environ.get(ISA_ENV, "").strip().lower()
+    if want in ("", "auto"):
+        return best_isa()
+    if want not in ISA_CFLAGS:
+        extra = " (no AMX variant is built yet)" if want == "amx" else ""
+        raise IsaRefused(f"{ISA_ENV}={want!r} names no kernel variant{extra}; "
+                         f"use auto, {', '.join(ISAS)}")
+    if why := isa_missing(want):
+        raise IsaRefused(f"{ISA_ENV}={want}: this CPU cannot run it ({why}); "
+                         f"it runs: {', '.join(runnable_isas()) or 'none'}")
+    return want
+
+
+@functools.cache
+def load(isa: str) -> CpuKernels:
+    """Variant `isa`, built if needed and loaded (once per process). Raises KernelUnavailable
+    (or OSError) with why; never loads a variant this CPU cannot run."""
+    if why := isa_missing(isa):
+        raise KernelUnavailable(f"this CPU cannot run the {isa} kernels ({why})")
+    return CpuKernels(build(isa=isa), isa)
+
+
 @functools.cache
 def cpu_kernels() -> CpuKernels | None:
-    """The kernels, or None (logged once, with why) when they cannot run here."""
+    """The kernels of the variant MOED_CPU_ISA picks, or None (logged once, with why) when
+    they cannot run here. IsaRefused (a bad MOED_CPU_ISA) propagates."""
     if not enabled_by_env():
         log.info("cpu_kernels_off", reason="MOED_CPU_KERNELS=0")
         return None
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         log.info("cpu_kernels_off", reason=f"not built for {platform.system()}/{platform.machine()}")
         return None
-    if not cpu_flags_ok():
-        log.info("cpu_kernels_off", reason="CPU lacks AVX512-BF16", fallback="torch")
+    isa = isa_from_env()
+    if isa is None:
+        log.info("cpu_kernels_off", reason="CPU lacks AVX2+FMA and AVX512-BF16", fallback="torch")
         return None
     try:
-        k = CpuKernels(build())
+        k = load(isa)
     except (KernelUnavailable, OSError) as e:
         log.warning("cpu_kernels_off", reason=str(e), fallback="torch")
         return None
-    log.info("cpu_kernels_on", path=str(k.path))
+    forced = os.environ.get(ISA_ENV, "").strip().lower() not in ("", "auto")
+    log.info("cpu_kernels_on", path=str(k.path), isa=isa, forced=forced, same_bits_all_variants=k.dot_order_ok)
     return k
-
-
-def cpu_flags_ok() -> bool:
-    """Checked before loading the .so: its code may use AVX-512 anywhere, even in the probe."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)

@@ -57,6 +57,21 @@ ONEDNN_ROWS_HINT = 8     # oneDNN packs for this many rows (as the torch path do
 BUSY_SHARE = 0.1
 
 
+CLASS_NAMES = ("1", "2-8", "9-64", "65-512", ">512")       # ROW_CLASSES, as logged
+
+
+def by_class(choices: Sequence["LinearChoice"], isa: str) -> str:
+    """What serves each row class over a model's weight shapes, for model_runner_ready: the
+    kernel variant (e.g. 'avx2'), 'onednn', or both with oneDNN's share of the shapes."""
+    if not choices:
+        return "none"
+    out = []
+    for i, name in enumerate(CLASS_NAMES):
+        o = sum(c.onednn[i] for c in choices)
+        out.append(f"{name}:{isa if o == 0 else 'onednn' if o == len(choices) else f'{isa}+onednn({o}/{len(choices)})'}")
+    return " ".join(out)
+
+
 def row_class(rows: int) -> int:
     """Index into ROW_CLASSES of the class holding `rows` (>= 1)."""
     for i, top in enumerate(ROW_CLASSES):
@@ -79,8 +94,7 @@ class LinearChoice:
 
     def describe(self) -> str:
         """e.g. 'native<=64 onednn>64'."""
-        names = ["1", "2-8", "9-64", "65-512", ">512"]
-        return " ".join(f"{'onednn' if o else 'native'}:{n}" for n, o in zip(names, self.onednn))
+        return " ".join(f"{'onednn' if o else 'native'}:{n}" for n, o in zip(CLASS_NAMES, self.onednn))
 
 
 NATIVE_ONLY = LinearChoice((False,) * len(ROW_CLASSES))
@@ -245,6 +259,12 @@ class KernelChooser:
         log.info("kernel_choice", shape=[n, k], choice=choice.describe(), source=source, threads=threads)
         return choice
 
+    def chosen(self) -> list[LinearChoice]:
+        """The choices made so far in this process, at the current thread count."""
+        threads = torch.get_num_threads()
+        with self._lock:
+            return [c for (t, _), c in self._mem.items() if t == threads]
+
     def _read(self) -> dict:
         if self.cache_file is None:
             return {}
@@ -322,3 +342,6 @@ class FixedChooser:
 
     def __call__(self, n: int, k: int) -> LinearChoice:
         return self.choice
+
+    def chosen(self) -> list[LinearChoice]:
+        return [self.choice]

@@ -30,8 +30,13 @@
  * soname), so these are torch's own pool threads, never a second pool competing for cores.
  * Every output element is computed by one thread in a fixed order, so results are bitwise the
  * same for any thread count (a prefill node and a decode node agree exactly).
- * Built at run time by moed/model/kernels/__init__.py with -O3 -mavx512bf16 (no -march=native:
- * one cached .so serves any AVX512-BF16 CPU).
+ * Built at run time by moed/model/kernels/__init__.py once per ISA variant (no -march=native:
+ * one cached .so serves any CPU of its variant): -mavx512bf16 (AVX512-BF16: Zen4, Sapphire
+ * Rapids and later) and -march=x86-64-v3 (AVX2 + FMA: Haswell, Zen1-3 and later), the latter
+ * through cpu_avx2.h, which does each 512-bit step on two 256-bit halves in the same order:
+ * the two variants give the same bits (see cpu_avx2.h for the one exception, denormals).
+ * Both build with -ffp-contract=off, so the compiler fuses no multiply-add the source does
+ * not spell out (it could fuse differently per variant, and the bits would part).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -45,12 +50,36 @@ typedef uint16_t bf16;
 #define NB 32        /* output columns per packed block */
 #define ROW_TILE 8   /* input rows per pass over a block: 2 x 8 accumulators + loads fit 32 zmm */
 
-int moed_abi_version(void) { return 7; }
+#ifdef __AVX512BF16__
+#define MOED_ISA "avx512bf16"
+#define AS_BH(v) ((__m512bh)(v))
+#define CVTNE_BH(v) ((__m256i)_mm512_cvtneps_pbh(v))
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define MOED_ISA "avx2"
+#include "cpu_avx2.h"
+#define AS_BH(v) (v)
+#define CVTNE_BH(v) cvtne_bh16(v)
+#else
+#error "build with -mavx512bf16 (and -mavx512f -mavx512bw -mavx512vl -mfma) or -march=x86-64-v3"
+#endif
 
+int moed_abi_version(void) { return 8; }
+
+/* Which variant this .so is: the loader refuses one that is not the variant it asked for (a
+ * cache shared by machines of different CPUs keeps each variant under its own name). */
+const char *moed_isa(void) { return MOED_ISA; }
+
+/* Whether this CPU runs this variant. Checked before any other call: code of either variant
+ * may use its instructions anywhere. */
 int moed_cpu_supported(void) {
     __builtin_cpu_init();
+#ifdef __AVX512BF16__
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+#endif
 }
 
 static inline float bf16_to_f32(bf16 v) {
@@ -70,8 +99,36 @@ static inline bf16 f32_to_bf16(float f) {   /* round to nearest even; NaN stays 
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* 1 if this CPU's dot product sums as cpu_avx2.h does (per lane: acc + odd product, then + even
+ * product, each rounded once), so the variants give the same bits here. The AVX2 variant is
+ * that order by construction; vdpbf16ps was measured so on Sapphire Rapids, and this checks the
+ * CPU at hand on lanes whose result shows the order: acc = 1 + an odd multiple of 2^-8, products
+ * +-2^16 cancelling within the pair. acc + 2^16 rounds to a multiple of 2^-7, acc - 2^16 is exact
+ * (below 2^16 the spacing is 2^-8): lanes 0-7 (odd product positive) keep acc exactly only if the
+ * even product came first, lanes 8-15 (odd product negative) only if the odd one did. */
+int moed_dot_order_matches(void) {
+#ifdef __AVX512BF16__
+    bf16 a[32], b[32];
+    float acc[16], got[16];
+    for (int i = 0; i < 16; i++) {
+        acc[i] = 1.0f + (float)(2 * i + 1) / 256.0f;
+        a[2 * i] = a[2 * i + 1] = f32_to_bf16(16.0f);
+        b[2 * i + 1] = f32_to_bf16(i < 8 ? 4096.0f : -4096.0f);
+        b[2 * i] = b[2 * i + 1] ^ 0x8000;          /* the negative */
+    }
+    _mm512_storeu_ps(got, _mm512_dpbf16_ps(_mm512_loadu_ps(acc), (__m512bh)_mm512_loadu_si512(a),
+                                           (__m512bh)_mm512_loadu_si512(b)));
+    for (int i = 0; i < 16; i++) {
+        const float want = fmaf(bf16_to_f32(a[2 * i]), bf16_to_f32(b[2 * i]),
+                                fmaf(bf16_to_f32(a[2 * i + 1]), bf16_to_f32(b[2 * i + 1]), acc[i]));
+        if (memcmp(&want, &got[i], 4)) return 0;
+    }
+#endif
+    return 1;
+}
+
 static inline __m512 round_bf16_x16(__m512 v) {   /* RNE to bf16 and back, 16 lanes */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(CVTNE_BH(v)), 16));
 }
 
 static inline __m512 load_bf16_x16(const bf16 *p) {
@@ -97,6 +154,7 @@ static inline __m512 exp_x16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+#ifdef __AVX512BF16__
 /* y[r][0..32) = x[r] . (the 32 columns of packed block wb), r < R (R <= ROW_TILE, a constant
  * after inlining so the accumulators stay in registers); x rows as bf16 pairs (uint32). */
 static inline __attribute__((always_inline)) void block_rows(
@@ -104,10 +162,10 @@ static inline __attribute__((always_inline)) void block_rows(
     __m512 a[ROW_TILE][2];
     for (int r = 0; r < R; r++) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); }
     for (long kp = 0; kp < K2; kp++) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + kp * 2 * NB);
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + kp * 2 * NB + NB);
+        const __m512bh w0 = AS_BH(_mm512_loadu_si512(wb + kp * 2 * NB));
+        const __m512bh w1 = AS_BH(_mm512_loadu_si512(wb + kp * 2 * NB + NB));
         for (int r = 0; r < R; r++) {
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * ldx2 + kp]);
+            const __m512bh xb = AS_BH(_mm512_set1_epi32((int)x[r * ldx2 + kp]));
             a[r][0] = _mm512_dpbf16_ps(a[r][0], xb, w0);
             a[r][1] = _mm512_dpbf16_ps(a[r][1], xb, w1);
         }
@@ -117,6 +175,86 @@ static inline __attribute__((always_inline)) void block_rows(
         _mm512_storeu_ps(y + r * ldy + 16, a[r][1]);
     }
 }
+#else
+/* block_rows on AVX2: the same sums in the same order (per k pair: + x_odd * w_odd, then
+ * + x_even * w_even, each an FMA, as vdpbf16ps), for 1 or 2 rows (decode: 1), the inputs
+ * widened as they are read. Row grouping changes no bits (rows are independent). */
+static inline __attribute__((always_inline)) void block_rows2(
+        const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 a[2][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) a[r][q] = _mm256_setzero_ps();
+    for (long kp = 0; kp < K2; kp++) {
+        __m256 xo[2], xe[2];
+        for (int r = 0; r < R; r++) {
+            const __m256i xv = _mm256_set1_epi32((int)x[r * ldx2 + kp]);
+            xo[r] = _mm256_castsi256_ps(_mm256_and_si256(xv, hi));
+            xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));
+        }
+        for (int q = 0; q < 4; q++) {    /* columns 8q..8q+7: 8 bf16 pairs */
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + kp * 2 * NB + 16 * q));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            for (int r = 0; r < R; r++) a[r][q] = _mm256_fmadd_ps(xe[r], we, _mm256_fmadd_ps(xo[r], wo, a[r][q]));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + r * ldy + 8 * q, a[r][q]);
+}
+
+/* K pairs of the inputs widened at a time by block_rows3 (3 rows x 2 x 128 floats: 3 KB). */
+#define XCHUNK 128
+
+/* block_rows2 for up to 3 rows, for many-row work (compute-bound): the inputs are widened to
+ * fp32 odd/even a chunk of k pairs at a time, then broadcast straight from memory, so the 12
+ * accumulators, the widened weights and one broadcast fit the 16 ymm registers and the vector
+ * ALUs do FMAs rather than re-widening inputs every k pair. Same sums, same order. */
+static inline __attribute__((always_inline)) void block_rows3(
+        const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    uint32_t xw[3][2 * XCHUNK] __attribute__((aligned(32)));      /* per k pair: odd, even (fp32 bits) */
+    __m256 a[3][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) a[r][q] = _mm256_setzero_ps();
+    for (long c0 = 0; c0 < K2; c0 += XCHUNK) {
+        const long cn = K2 - c0 < XCHUNK ? K2 - c0 : XCHUNK;
+        for (int r = 0; r < R; r++)
+            for (long kp = 0; kp < cn; kp++) {
+                const uint32_t u = x[r * ldx2 + c0 + kp];
+                xw[r][2 * kp] = u & 0xffff0000u;
+                xw[r][2 * kp + 1] = u << 16;
+            }
+        const bf16 *wc = wb + c0 * 2 * NB;
+        for (long kp = 0; kp < cn; kp++) {
+            for (int q = 0; q < 4; q++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wc + kp * 2 * NB + 16 * q));
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                for (int r = 0; r < R; r++) {
+                    a[r][q] = _mm256_fmadd_ps(_mm256_broadcast_ss((const float *)&xw[r][2 * kp]), wo, a[r][q]);
+                    a[r][q] = _mm256_fmadd_ps(_mm256_broadcast_ss((const float *)&xw[r][2 * kp + 1]), we, a[r][q]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + r * ldy + 8 * q, a[r][q]);
+}
+
+static inline __attribute__((always_inline)) void block_rows(
+        const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+    if (R == 1) {                       /* decode: memory-bound, no widening pass */
+        block_rows2(1, x, ldx2, wb, K2, y, ldy);
+        return;
+    }
+    for (int r0 = 0; r0 < R; r0 += 3) {
+        if (R - r0 >= 3) block_rows3(3, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
+        else if (R - r0 == 2) block_rows3(2, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
+        else block_rows2(1, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
+    }
+}
+#endif
 
 static inline long nblocks(long n) { return (n + NB - 1) / NB; }
 
@@ -144,7 +282,7 @@ static inline __m512 bf16x16_or_zero(const bf16 *p, __mmask16 m) {   /* masked l
 }
 
 static inline void store_bf16x16(bf16 *p, __mmask16 m, __m512 v) {
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_mask_storeu_epi16(p, m, CVTNE_BH(v));
 }
 
 /* f32 -> bf16 for 16 lanes exactly as f32_to_bf16 (round to nearest even, denormals kept, NaN
@@ -248,7 +386,7 @@ static void silu_mul_row(const float *gu, long I, bf16 *act) {
     for (; i + 16 <= I; i += 16) {
         const __m512 g = round_bf16_x16(_mm512_loadu_ps(gu + i)), u = round_bf16_x16(_mm512_loadu_ps(gu + I + i));
         const __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_x16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm256_storeu_si256((__m256i *)(act + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16_x16(sg), u)));
+        _mm256_storeu_si256((__m256i *)(act + i), CVTNE_BH(_mm512_mul_ps(round_bf16_x16(sg), u)));
     }
     for (; i < I; i++) {
         const float g = round_bf16(gu[i]), u = round_bf16(gu[I + i]);
@@ -667,6 +805,33 @@ static void softmax_bf16(float *p, long n) {
  * rounded to bf16 (a bf16 matmul), then scale*s in fp32, softmax in fp32, probabilities rounded
  * to bf16, p.v accumulated in fp32 and rounded once. D is 32, 64, 128 or 256. Returns 0;
  * -1 out of memory; -2 bad shapes or block ids. */
+#ifdef __AVX512BF16__
+/* 16 lanes of q . k (lane i: the products of pair i of each 32-element chunk, chunks in order):
+ * hsum16 of 16 keys' vectors gives their scores. */
+static inline __attribute__((always_inline)) __m512 key_dot(const int nc, const __m512bh *qv, const bf16 *k) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < nc; c++) a = _mm512_dpbf16_ps(a, qv[c], AS_BH(_mm512_loadu_si512(k + 32 * c)));
+    return a;
+}
+#else
+/* key_dot on AVX2: the same lanes, the same FMAs in the same order as cpu_avx2.h's vdpbf16ps
+ * (odd product, then even), q pre-widened (qo/qe [D/2]). */
+static inline __attribute__((always_inline)) __m512 key_dot(const int nc, const float *qo, const float *qe,
+                                                            const bf16 *k) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 lo = _mm256_setzero_ps(), up = _mm256_setzero_ps();
+    for (int c = 0; c < nc; c++) {
+        const __m256i k0 = _mm256_loadu_si256((const __m256i *)(k + 32 * c));
+        const __m256i k1 = _mm256_loadu_si256((const __m256i *)(k + 32 * c + 16));
+        lo = _mm256_fmadd_ps(_mm256_load_ps(qo + 16 * c), _mm256_castsi256_ps(_mm256_and_si256(k0, hi)), lo);
+        lo = _mm256_fmadd_ps(_mm256_load_ps(qe + 16 * c), _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16)), lo);
+        up = _mm256_fmadd_ps(_mm256_load_ps(qo + 16 * c + 8), _mm256_castsi256_ps(_mm256_and_si256(k1, hi)), up);
+        up = _mm256_fmadd_ps(_mm256_load_ps(qe + 16 * c + 8), _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16)), up);
+    }
+    return v16f_of(lo, up);
+}
+#endif
+
 /* One (sequence, kv head) of decode attention; D a compile-time constant after inlining, so
  * the per-key loops unroll and independent keys' dot products overlap in the pipeline.
  * kp[l]: K row of position l (V row at kp[l] + v_off); s: G * max_len scores scratch. */
@@ -676,25 +841,30 @@ static inline __attribute__((always_inline)) void attn_task(
     enum { NC = 8 };                      /* D/32 <= NC */
     const int nc = D / 32, nd = D / 16;
     for (long g = 0; g < G; g++) {        /* scores, 16 keys at a time */
+#ifdef __AVX512BF16__
         __m512bh qv[NC];
-        for (int c = 0; c < nc; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
+        for (int c = 0; c < nc; c++) qv[c] = AS_BH(_mm512_loadu_si512(qh + g * D + 32 * c));
+#define KEY_DOT(k) key_dot(nc, qv, k)
+#else
+        /* q's odd and even elements widened once (16 lanes of chunk c at 16c): the key loop
+         * then reads them from L1 instead of holding 2 x nc widened vectors in 16 registers */
+        float qo[128] __attribute__((aligned(32))), qe[128] __attribute__((aligned(32)));
+        for (int p = 0; p < D / 2; p++) {
+            const uint32_t u = ((const uint32_t *)(qh + g * D))[p], uo = u & 0xffff0000u, ue = u << 16;
+            memcpy(qo + p, &uo, 4);
+            memcpy(qe + p, &ue, 4);
+        }
+#define KEY_DOT(k) key_dot(nc, qo, qe, k)
+#endif
         for (long l0 = 0; l0 < len; l0 += 16) {
             __m512 a[16];
             const long nk = len - l0 < 16 ? len - l0 : 16;
             if (nk == 16) {
-                for (int j = 0; j < 16; j++) {
-                    a[j] = _mm512_setzero_ps();
-                    for (int c = 0; c < nc; c++)
-                        a[j] = _mm512_dpbf16_ps(a[j], qv[c], (__m512bh)_mm512_loadu_si512(kp[l0 + j] + 32 * c));
-                }
+                for (int j = 0; j < 16; j++) a[j] = KEY_DOT(kp[l0 + j]);
             } else {
-                for (int j = 0; j < 16; j++) {
-                    a[j] = _mm512_setzero_ps();
-                    if (j < nk)
-                        for (int c = 0; c < nc; c++)
-                            a[j] = _mm512_dpbf16_ps(a[j], qv[c], (__m512bh)_mm512_loadu_si512(kp[l0 + j] + 32 * c));
-                }
+                for (int j = 0; j < 16; j++) a[j] = j < nk ? KEY_DOT(kp[l0 + j]) : _mm512_setzero_ps();
             }
+#undef KEY_DOT
             const __mmask16 m = nk == 16 ? 0xffff : (__mmask16)((1u << nk) - 1);
             _mm512_mask_storeu_ps(s + g * max_len + l0, m,
                                   _mm512_mul_ps(_mm512_set1_ps(scale), round_bf16_x16(hsum16(a))));
@@ -721,7 +891,7 @@ static inline __attribute__((always_inline)) void attn_task(
         }
         for (int c = 0; c < nd; c++)
             _mm256_storeu_si256((__m256i *)(oh + g * D + 16 * c),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0[c], a1[c])));
+                                CVTNE_BH(_mm512_add_ps(a0[c], a1[c])));
     }
 }
 
@@ -837,6 +1007,7 @@ void moed_qk_norm_rope_bf16(const bf16 *qkv, long T, long row_stride, long H, lo
     }
 }
 
+#ifdef __AVX512BF16__
 /* Word indices that interleave two vectors of 32 bf16, a and b (b's indices from 32):
  * lo = a0 b0 a1 b1 ... a15 b15, hi = a16 b16 ... a31 b31. */
 static inline __m512i interleave_lo(void) {
@@ -848,6 +1019,19 @@ static inline __m512i interleave_hi(void) {
     return _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
                             55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
 }
+
+/* 32 dims of keys l and l + 1 (b, or zeros past the last key) interleaved into dst [64]. */
+static inline void interleave_keys(const bf16 *v0, const bf16 *v1, bf16 *dst) {
+    const __m512i a = _mm512_loadu_si512(v0);
+    const __m512i b = v1 ? _mm512_loadu_si512(v1) : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, interleave_lo(), b));
+    _mm512_storeu_si512(dst + NB, _mm512_permutex2var_epi16(a, interleave_hi(), b));
+}
+#else
+static inline void interleave_keys(const bf16 *v0, const bf16 *v1, bf16 *dst) {
+    for (int i = 0; i < NB; i++) { dst[2 * i] = v0[i]; dst[2 * i + 1] = v1 ? v1[i] : 0; }
+}
+#endif
 
 /* Causal prefill attention of one sequence, blocked over queries: no [n, L] score matrix, only
  * ROW_TILE query rows' scores at a time (one q head, consecutive tokens), so the whole step is
@@ -890,11 +1074,8 @@ int moed_prefill_attn_bf16(const bf16 *q, long q_stride, long n, long start, lon
             for (long l = l0; l < l1; l += 2) {
                 const bf16 *v0 = v + l * kv_stride + h * D, *v1 = v0 + kv_stride;
                 for (long j = 0; j < D / NB; j++) {
-                    const __m512i a = _mm512_loadu_si512(v0 + j * NB);
-                    const __m512i b = l + 1 < L ? _mm512_loadu_si512(v1 + j * NB) : _mm512_setzero_si512();
-                    bf16 *dst = vh + (j * (Lp / 2) + l / 2) * 2 * NB;
-                    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, interleave_lo(), b));
-                    _mm512_storeu_si512(dst + NB, _mm512_permutex2var_epi16(a, interleave_hi(), b));
+                    interleave_keys(v0 + j * NB, l + 1 < L ? v1 + j * NB : NULL,
+                                    vh + (j * (Lp / 2) + l / 2) * 2 * NB);
                 }
             }
         }
@@ -934,7 +1115,7 @@ int moed_prefill_attn_bf16(const bf16 *q, long q_stride, long n, long start, lon
                 const __m512 vi = _mm512_set1_ps(inv[r]);
                 for (long d = 0; d < D; d += 16)
                     _mm256_storeu_si256((__m256i *)(orow + d),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), vi)));
+                                        CVTNE_BH(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), vi)));
             }
         }
     }

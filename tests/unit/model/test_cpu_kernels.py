@@ -2,11 +2,14 @@
 
 Each kernel mirrors the torch path's bf16 roundings, so outputs agree to a bf16 ulp or two
 (fp32 summation order differs). Thread counts 1-3 run every split and barrier path (tests
-otherwise run with OMP_NUM_THREADS=1). These run wherever the CPU has AVX512-BF16 and there is a
-C compiler (CI has both): there a build failure is a test failure, not a skip.
+otherwise run with OMP_NUM_THREADS=1). These run on every kernel variant the CPU runs (the `kern`
+fixture is parametrized by variant: an AVX512-BF16 machine runs the AVX2 variant's too; one the
+CPU cannot run skips with why) wherever there is a C compiler (CI has one): there a build failure
+is a test failure, not a skip. Bitwise checks between variants: test_cpu_isa.py.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +28,7 @@ from moed.model.layers import Rotary, apply_rotary, rms_norm
 from moed.model.moe import MoELayer
 from moed.model.spec import load_spec
 
+from conftest import forced_isa, isa_params     # tests/unit/model/conftest.py
 from torch_threads import threads     # tests/unit/model/torch_threads.py
 
 CPU = torch.device("cpu")
@@ -41,19 +45,20 @@ def _backend(spec, ctx: ComputeContext) -> TorchBackend:
 
 
 pytestmark = [
-    pytest.mark.skipif(not K.cpu_flags_ok(), reason="CPU lacks AVX512-BF16 (kernels are x86 AVX512-BF16 only)"),
+    pytest.mark.skipif(not K.cpu_flags_ok(), reason="CPU runs no kernel variant (x86-64 AVX2+FMA or AVX512-BF16)"),
     pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
                        reason="no C compiler to build the kernels (moed then runs the torch path)"),
 ]
 
 
-@pytest.fixture(scope="module")
-def kern() -> K.CpuKernels:
-    k = K.cpu_kernels()
-    assert k is not None, "this CPU has AVX512-BF16: the kernels must build and load (see the log)"
-    saved, k.choose = k.choose, FixedChooser(NATIVE_ONLY)    # these tests check the native kernels
-    yield k
-    k.choose = saved
+@pytest.fixture(scope="module", params=isa_params())
+def kern(request) -> K.CpuKernels:
+    """Each kernel variant this CPU runs, in turn, forced (MOED_CPU_ISA) so the contexts and
+    runners the tests build take it too; the others skip with why."""
+    with forced_isa(request.param) as k:
+        saved, k.choose = k.choose, FixedChooser(NATIVE_ONLY)    # these tests check the native kernels
+        yield k
+        k.choose = saved
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, ulps: float = 2) -> None:
@@ -248,22 +253,24 @@ def test_cli_builds_kernels_ahead_of_time(tmp_path, capsys):
     from moed.cli import main
 
     assert main(["model", "kernels", "--cache", str(tmp_path / "k")]) == 0
-    path = Path(capsys.readouterr().out.strip())
-    assert path.parent == tmp_path / "k" and path.is_file() and path == K.build(tmp_path / "k")
+    paths = [Path(p) for p in capsys.readouterr().out.split()]      # every variant, one a line
+    assert paths == [K.build(tmp_path / "k", isa) for isa in K.ISAS]
+    assert all(p.parent == tmp_path / "k" and p.is_file() for p in paths)
     (tmp_path / "f").write_text("")
     assert main(["model", "kernels", "--cache", str(tmp_path / "f" / "k")]) == 1
     assert "cannot be built here" in capsys.readouterr().err
 
 
 def test_cli_builds_for_another_cpu_without_loading(tmp_path, capsys, monkeypatch):
-    """An image built on a machine without AVX512-BF16: the .so is built and its path printed
-    (stdout stays just the path), the load is skipped and says why."""
+    """An image built on a machine without AVX512-BF16: every variant is built and its path
+    printed (stdout stays just the paths), the AVX512 load is skipped and says why."""
     from moed.cli import main
 
-    monkeypatch.setattr(K, "cpu_flags_ok", lambda: False)
+    monkeypatch.setattr(K, "cpu_flags", lambda: K.ISA_NEEDS["avx2"])        # an AVX2-only CPU
     assert main(["model", "kernels", "--cache", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
-    assert Path(out.strip()).is_file() and "lacks AVX512-BF16" in err
+    assert all(Path(p).is_file() for p in out.split()) and len(out.split()) == len(K.ISAS)
+    assert "avx512bf16 built, not loaded: CPU lacks avx512_bf16" in err
 
 
 def test_no_compiler_and_no_cache_serves_on_the_torch_path(tmp_path, monkeypatch, make_checkpoint):
@@ -275,6 +282,7 @@ def test_no_compiler_and_no_cache_serves_on_the_torch_path(tmp_path, monkeypatch
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("MOED_KERNEL_CACHE", str(tmp_path / "empty"))
     K.cpu_kernels.cache_clear()
+    monkeypatch.setattr(K, "load", functools.cache(K.load.__wrapped__))     # a fresh process: nothing loaded
     try:
         assert K.cpu_kernels() is None
         r = ModelRunner(make_checkpoint("qwen3_moe"), dtype="bfloat16", device="cpu",

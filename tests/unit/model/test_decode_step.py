@@ -21,7 +21,7 @@ from moed.model.runner import ModelRunner
 from torch_threads import threads     # tests/unit/model/torch_threads.py
 
 pytestmark = [
-    pytest.mark.skipif(not K.cpu_flags_ok(), reason="CPU lacks AVX512-BF16 (the native step runs on the kernels)"),
+    pytest.mark.skipif(not K.cpu_flags_ok(), reason="CPU runs no kernel variant (AVX2+FMA or AVX512-BF16; the native step runs on the kernels)"),
     pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
                        reason="no C compiler to build the kernels (moed then runs the torch path)"),
 ]
@@ -76,8 +76,9 @@ def _decode_rounds(native: ModelRunner, layered: ModelRunner, lengths: list[int]
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_native_step_is_bitwise_the_layered_path(kern, make_checkpoint, arch, n_threads):
-    """Batches of 1, 3 and 9 (three row classes), prompts ending on and next to block edges."""
+def test_native_step_is_bitwise_the_layered_path(isa_kern, make_checkpoint, arch, n_threads):
+    """Batches of 1, 3 and 9 (three row classes), prompts ending on and next to block edges;
+    on each kernel variant this CPU runs (AVX2 included on an AVX512 machine)."""
     native, layered = _pair(make_checkpoint(arch))
     with threads(n_threads):
         for lengths in ([BS - 1], [5, BS, 2 * BS + 1], [1, 2, 3, 15, 16, 17, 31, 32, 40]):
