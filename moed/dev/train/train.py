@@ -72,7 +72,7 @@ PRESETS: dict[str, TrainConfig] = {
         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, n_group=4, topk_group=2,
         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, init_std=0.02,
         rope_theta=10000.0),
-        vocab_size=4096, seq_len=256, batch_size=16, steps=1000, lr=2.5e-3, warmup=50),
+        vocab_size=4096, seq_len=256, batch_size=16, steps=750, lr=2.5e-3, warmup=50),
     # The reproducibility test's: seconds, a few KB of text.
     "tiny": TrainConfig(model=dict(
         hidden_size=32, num_layers=2, num_heads=2, num_experts=4, top_k=2, moe_intermediate_size=16,
