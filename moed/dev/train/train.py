@@ -289,9 +289,20 @@ def _log(path: Path | None, rec: dict[str, Any]) -> None:
 def train(cfg: TrainConfig, out: Path, work: Path | None = None, root: Path | None = None,
           final_eval: bool = True, resume: bool = False) -> dict[str, Any]:
     """Train and export to out; work (default out/../.train-<name>) holds the log and the
-    periodic training state (resume from it with resume=True)."""
+    periodic training state (resume from it with resume=True). Runs with cfg.threads threads
+    and deterministic algorithms, and restores both settings after."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
+    try:
+        return _train(cfg, out, work, root, final_eval, resume)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(cfg: TrainConfig, out: Path, work: Path | None, root: Path | None, final_eval: bool,
+           resume: bool) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     t_start = time.monotonic()
     data = load_data(cfg, root)
