@@ -63,4 +63,4 @@ def test_heldout_perplexity_through_the_api_equals_transformers(srv):
     assert abs(ppl_moed - ppl_hf) / ppl_hf < 0.005, (ppl_moed, ppl_hf)
     for a, b, (_, ids) in zip(got, want, windows):      # and window by window (mean NLL)
         assert abs(a - b) / (len(ids) - 1) < 0.005, (a, b)
-    assert ppl_hf < 40, ppl_hf          # trained: a random model of this shape scores ~4000
+    assert ppl_hf < 100, ppl_hf         # trained (56 on these windows); at random init ~4000

@@ -118,8 +118,9 @@ and a cosine decay to {m['min_lr_ratio']}×, gradient clip {m['grad_clip']}; bat
 windows of {m['seq_len']} + 2 tokens of the train stream.
 
 - steps **{meta['steps_done']}**, tokens seen **{meta['tokens_seen']:,}** ({epochs:.2f} epochs)
-- wall time **{meta['train_seconds'] / 60:.1f} min** on 2 cores of a machine shared with other jobs
-  (load average 4-6 on 2 cores; a quiet machine is ~1.5-2× faster), plus tokenizer training and evaluation
+- training **{meta['train_seconds'] / 60:.1f} min** on 2 cores of a machine shared with other jobs
+  (load average 4-6 on its 2 cores; a quiet machine should be ~1.5-2× faster, not measured);
+  {meta.get('wall_seconds_total', meta['train_seconds']) / 60:.1f} min in all with the tokenizer, the periodic and the final evaluations
 - final train loss (mean of the last 20 steps): next token **{train_loss:.3f}**, MTP **{mtp_loss:.3f}** nats
 
 ![loss curve]({png_rel})
@@ -138,8 +139,10 @@ Every held-out file cut into windows of {m['seq_len']} tokens, each scored on it
 | this model | **{ev.get('ppl', float('nan')):.2f}** | {ev.get('next_token_acc', float('nan')):.1%} | **{ev.get('mtp_next_next_acc', float('nan')):.1%}** |
 | the same architecture at its random init (seed {m['seed']}) | {rnd.get('ppl', float('nan')):.0f} | {rnd.get('next_token_acc', float('nan')):.1%} | {rnd.get('mtp_next_next_acc', float('nan')):.1%} |
 
-The MTP figure is the MTP module's own accuracy on token i+2 given the main model's hidden state
-at i and the true token i+1: an upper bound for the acceptance rate of a one-token MTP draft.
+The MTP figure is the MTP module's own top-1 accuracy on the true token i+2, given the main
+model's hidden state at i and the true token i+1. A one-token MTP draft is accepted when it
+agrees with the main model's own choice instead (greedy), so its acceptance rate follows this
+figure but is not bound by it; the speculation work measures that.
 {q}
 ## Use
 
