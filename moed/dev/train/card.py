@@ -143,6 +143,8 @@ The MTP figure is the MTP module's own top-1 accuracy on the true token i+2, giv
 model's hidden state at i and the true token i+1. A one-token MTP draft is accepted when it
 agrees with the main model's own choice instead (greedy), so its acceptance rate follows this
 figure but is not bound by it; the speculation work measures that.
+`python -m moed.dev.train.evaluate --model DIR` recomputes this table's first row from the files
+(`moed.dev.train.train.from_checkpoint` loads the main model and the MTP layer).
 {q}
 ## Use
 

@@ -56,3 +56,30 @@ class MTPModule(nn.Module):
             else:
                 out[p + name] = t
         return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor], embed: torch.Tensor,
+                                head: torch.Tensor) -> None:
+        """The inverse of checkpoint_tensors: this module's weights from a checkpoint's tensors.
+        The stored embedding and head must equal the main model's (they are shared here)."""
+        p = f"model.layers.{self.layer_idx}."
+        mine = {k.removeprefix(p): v for k, v in tensors.items() if k.startswith(p)}
+        for name, shared in (("embed_tokens.weight", embed), ("shared_head.head.weight", head)):
+            if not torch.equal(mine.pop(name).to(shared.dtype), shared.detach()):
+                raise ValueError(f"{p}{name} differs from the main model's: not a shared-head MTP layer")
+        own = {"enorm.weight": self.enorm.weight, "hnorm.weight": self.hnorm.weight,
+               "eh_proj.weight": self.eh_proj.weight, "shared_head.norm.weight": self.head_norm.weight}
+        block = dict(self.block.state_dict())
+        n = block["mlp.experts.gate_up_proj"].shape[0]
+        experts = {k: mine.pop(k) for k in list(mine) if k.startswith("mlp.experts.")}
+        fused = {"mlp.experts.gate_up_proj": torch.stack([torch.cat((experts[f"mlp.experts.{e}.gate_proj.weight"],
+                                                                     experts[f"mlp.experts.{e}.up_proj.weight"]))
+                                                          for e in range(n)]),
+                 "mlp.experts.down_proj": torch.stack([experts[f"mlp.experts.{e}.down_proj.weight"] for e in range(n)])}
+        with torch.no_grad():
+            for name, param in own.items():
+                param.copy_(mine.pop(name))
+        rest = {**{k: v for k, v in mine.items()}, **fused}
+        if set(rest) != set(block):
+            raise ValueError(f"MTP layer tensors do not match the decoder block: "
+                             f"{sorted(set(rest) ^ set(block))[:6]}")
+        self.block.load_state_dict(rest)

@@ -192,6 +192,32 @@ class Model(torch.nn.Module):
         self.routed.clear()
 
 
+def from_checkpoint(model_dir: str | Path) -> Model:
+    """A checkpoint this module exported (or any with the same MTP layout), MTP layer included,
+    in fp32 for evaluation: the speculation work's draft model."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, DeepseekV3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    d = Path(model_dir)
+    config = AutoConfig.from_pretrained(d)
+    if int(getattr(config, "num_nextn_predict_layers", 0) or 0) != 1:
+        raise ValueError(f"{d}: num_nextn_predict_layers is not 1")
+    config._attn_implementation = "sdpa"
+    model = Model(config)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()          # the MTP tensors are "unexpected" to transformers
+    hf_logging.disable_progress_bar()
+    try:
+        lm = DeepseekV3ForCausalLM.from_pretrained(d, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.lm.load_state_dict(lm.state_dict())
+    model.mtp.load_checkpoint_tensors({k: v.float() for k, v in load_file(str(d / "model.safetensors")).items()},
+                                      model.lm.model.embed_tokens.weight, model.lm.lm_head.weight)
+    return model.eval()
+
+
 def losses(model: Model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits, mlogits = model(x)
     t = logits.shape[1]

@@ -35,3 +35,33 @@ def test_size_config_and_card():
     assert f"{meta['evals']['heldout']['ppl']:.2f}" in card and WEIGHTS_SHA256 in card
     split = json.loads((MODEL / "split.json").read_text())
     assert split["heldout"] and not set(split["heldout"]) & set(split["train"])
+
+
+def test_the_stored_mtp_layer_is_the_trained_one():
+    """Reloaded from the files (main model and MTP layer), the first held-out windows score as
+    the training run scored them at its last step (within thread-count float noise)."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer
+
+    from moed.dev.train.train import evaluate, from_checkpoint, heldout_chunks
+
+    meta = json.loads((MODEL / "training.json").read_text())
+    cfg, want = meta["config"], meta["history"][-1]["eval"]
+    split = json.loads((MODEL / "split.json").read_text())
+    tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    chunks, missing = heldout_chunks(tok, split["heldout"], cfg["seq_len"], limit=cfg["eval_chunks"])
+    if missing:
+        pytest.skip(f"this Python's stdlib lacks held-out files the training run scored: {missing[:3]}")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cfg["threads"])
+        got = evaluate(from_checkpoint(MODEL), chunks)
+    finally:
+        torch.set_num_threads(threads)
+    assert got["tokens"] == want["tokens"]
+    assert abs(got["nll"] - want["nll"]) < 1e-4, (got, want)
+    assert abs(got["mtp_next_next_acc"] - want["mtp_next_next_acc"]) < 0.005, (got, want)
+    assert got["mtp_next_next_acc"] > 0.2
