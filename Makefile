@@ -5,7 +5,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
-DEMO_MODEL ?= demo-model
+# The trained demo model committed in the repository (models/stdlib-ds3-tiny/README.md);
+# DEMO_MODEL=demo-model serves a random-weight one that `moed model init` builds (below).
+DEMO_MODEL ?= models/stdlib-ds3-tiny
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -70,7 +72,7 @@ bench: setup
 	$(PY) bench/engine.py
 
 clean:
-	rm -rf $(VENV) $(DEMO_MODEL) .pytest_cache
+	rm -rf $(VENV) demo-model .pytest_cache
 
 # One router + 2 prefill + 2 decode on 127.0.0.1 with conf/{router,prefill,decode}.toml
 # (docs/cluster.md); Ctrl-C stops all five. CLUSTER_ARGS: e.g. --port-offset 1000.

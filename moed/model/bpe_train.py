@@ -11,7 +11,7 @@ import os
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import structlog
@@ -51,6 +51,12 @@ def _corpus(max_bytes: int) -> Iterator[str]:
 
 
 def _train(style: str, vocab_size: int) -> Tokenizer:
+    max_bytes = min(20_000_000, max(3_000_000, vocab_size * 400))
+    return train_bpe(style, vocab_size, _corpus(max_bytes))
+
+
+def train_bpe(style: str, vocab_size: int, texts: Iterable[str]) -> Tokenizer:
+    """A byte-level BPE of `style` trained on texts (deterministic for the same texts)."""
     specials = SPECIAL_TOKENS[style]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -58,8 +64,7 @@ def _train(style: str, vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    max_bytes = min(20_000_000, max(3_000_000, vocab_size * 400))
-    tok.train_from_iterator(_corpus(max_bytes), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     if style == "mistral":
         # Mistral tokenizers prepend <s> when asked for special tokens.
         tok.post_processor = processors.TemplateProcessing(

@@ -159,9 +159,11 @@ _MISTRAL_TEMPLATE = (
     "{%- endfor %}")
 
 
-def _write_tokenizer(arch: str, out: Path, vocab_size: int, max_len: int) -> dict[str, int]:
+def _write_tokenizer(arch: str, out: Path, vocab_size: int, max_len: int,
+                     tok: Any = None) -> dict[str, int]:
+    """tok: a tokenizers.Tokenizer of the arch's chat style (default: the cached stdlib one)."""
     style = _recipe(arch).chat_style
-    tok = bpe_train.trained_tokenizer(style, vocab_size)
+    tok = tok or bpe_train.trained_tokenizer(style, vocab_size)
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in bpe_train.SPECIAL_TOKENS[style]}
     if style == "chatml":

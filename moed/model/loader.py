@@ -141,6 +141,7 @@ class _Assembler:
         self.rules = compile_rules(archs.get(spec.arch).weight_names)
         # DeepSeek-V3's MTP head: layers past num_hidden_layers in real checkpoints, not served
         self.skip_past_end = archs.get(spec.arch).skip_layers_past_end
+        self.past_end: dict[int, int] = {}     # layer -> tensors skipped (logged once, at the end)
         self.slots = tuple(range(spec.num_experts)) if slots is None else tuple(slots)
         self.slots_of: dict[int, list[int]] = {}
         for j, x in enumerate(self.slots):
@@ -199,6 +200,7 @@ class _Assembler:
         if self.skip_past_end:
             m = _LAYER.match(key)
             if m is not None and int(m.group(1)) >= self.spec.num_layers:
+                self.past_end[int(m.group(1))] = self.past_end.get(int(m.group(1)), 0) + 1
                 return True
         for pat, kind in self.rules:
             m = pat.match(key)
@@ -321,6 +323,9 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtyp
     if unexpected:
         raise WeightError(f"{d}: unexpected tensors: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
     weights = asm.finish()
+    if asm.past_end:
+        log.info("mtp_layers_skipped", layers=sorted(asm.past_end), tensors=sum(asm.past_end.values()),
+                 reason="layers past num_hidden_layers are the multi-token-prediction module; not served")
     held = bytes_by_format(weights)
     # before/after: what these weights hold plain in the compute dtype, and what they hold
     plain = sum(math.prod(shape) for shape in asm.shapes.values()) * tdtype.itemsize

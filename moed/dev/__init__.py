@@ -1,0 +1,1 @@
+"""Development tools: never imported on the serving path."""

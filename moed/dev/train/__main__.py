@@ -1,0 +1,5 @@
+import sys
+
+from moed.dev.train.train import main
+
+sys.exit(main())
