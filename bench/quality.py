@@ -119,7 +119,7 @@ def main() -> int:
     ap.add_argument("--url", help="a running moed serving --model (default: start one, fp32)")
     ap.add_argument("--served-name", help="the model name the server answers to (default: the folder's name)")
     ap.add_argument("--files", type=int, help="only the first N held-out files")
-    ap.add_argument("--api-key", default=os.environ.get("MOED_API_KEY"))
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     a = ap.parse_args()
