@@ -33,13 +33,15 @@ def bytes_by_format(weights: dict[str, torch.Tensor | QuantWeight]) -> dict[str,
     return out
 
 
-def held_bytes(shape: tuple[int, ...], fmt: str, group: int) -> int:
-    """Bytes a [..., out, in] matrix holds in a format (symmetric: no zero points)."""
+def held_bytes(shape: tuple[int, ...], fmt: str, group: int, asymmetric: bool = False) -> int:
+    """Bytes a [..., out, in] matrix holds in a format: data, a float32 scale per row and
+    group, and (asymmetric formats) a one-byte zero point per row and group."""
     *lead, out, n = shape
     rows = out
     for d in lead:
         rows *= d
-    per_row = {"fp8": n, "int8": n, "int4": -(-n // 2)}[fmt] + 4 * -(-n // group)
+    groups = -(-n // group)
+    per_row = {"fp8": n, "int8": n, "int4": -(-n // 2)}[fmt] + (5 if asymmetric else 4) * groups
     return rows * per_row
 
 
@@ -53,6 +55,6 @@ def plan_bytes(name: str, shape: tuple[int, ...], itemsize: int, plan: object | 
     ck = getattr(plan, "checkpoint", None)
     if ck is not None:
         group = ck.block[1] if fmt == "fp8" else (ck.group or shape[-1])
-    else:
-        group = 128 if fmt == "fp8" else shape[-1] if fmt == "int8" else getattr(plan, "group_size")
+        return held_bytes(shape, fmt, group, asymmetric=not ck.symmetric)
+    group = 128 if fmt == "fp8" else shape[-1] if fmt == "int8" else getattr(plan, "group_size")
     return held_bytes(shape, fmt, group)

@@ -275,3 +275,15 @@ def test_memory_budget_counts_what_the_loader_holds(src, fmt):
     held = sum(bytes_by_format(load_weights(src, spec, "bfloat16", plan=p)).values())
     b = rank_budget(spec, _t.bfloat16, 1, 0, 0, 16, 0, quant=p)
     assert b.weights_bytes == held
+
+
+@pytest.mark.parametrize("fmt,group,asym", [("int4", 32, True), ("int4", 48, False), ("int8", 96, True),
+                                             ("int8", 96, False), ("fp8", 128, False)])
+def test_held_bytes_equal_what_the_record_allocates(fmt, group, asym):
+    """The memory budget's sizing (held_bytes) counts exactly what the loader allocates,
+    zero points of asymmetric formats (AWQ, GPTQ sym=false) included."""
+    from moed.model.quant import held_bytes
+    from moed.model.quant.weight import empty
+    for shape in ((3, 130, 200), (96, 96), (7, 33)):
+        got = empty(fmt, shape, group, asym).nbytes
+        assert held_bytes(shape, fmt, group, asymmetric=asym) == got, (shape, fmt, group, asym)
