@@ -520,8 +520,8 @@ class Engine:
             self._collect_tier_loads()
             t0 = time.perf_counter()
             plan = self._schedule()
-            self._flush_kv_events()
             if plan is None:
+                self._flush_kv_events()                 # one batch a step: here before idling
                 self._read_expert_load(force=True)      # flush the window before idling
                 self._wake.clear()
                 if not self._inbox and not self._stopping and not self._tier_results():
@@ -556,7 +556,8 @@ class Engine:
                 t0 = time.perf_counter()
                 leaving = self._stopping
                 plan = None if leaving else self._schedule()
-                self._flush_kv_events()
+                if plan is None:                # one batch a step: a working one flushes last
+                    self._flush_kv_events()
                 if leaving:
                     await self._ep_call(agreement.wake_peers)
                 verdict = await self._ep_call(agreement.agree, plan is not None, leaving,

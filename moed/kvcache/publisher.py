@@ -30,6 +30,7 @@ log = structlog.get_logger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_S = 0.05           # the thread's longest wait for a batch (replay requests between)
 CLOSE_S = 5.0           # shutdown: queued batches get this long to go out
+DROP_LOG_S = 10.0       # a full queue is logged at most this often (the engine publishes per step)
 
 
 def offset_port(endpoint: str, rank: int) -> str:
@@ -79,6 +80,7 @@ class ZmqPublisher:
             self._close_sockets()
             raise ValueError(f"kv_events: cannot open {self.endpoint} / "
                              f"{self.replay_endpoint or '(no replay)'}: {e}") from None
+        self._dropped, self._dropped_logged = 0, -DROP_LOG_S
         self._thread = threading.Thread(target=self._run, name="moed-kv-events", daemon=True)
         self._thread.start()
         log.info("kv_events_publishing", endpoint=self.endpoint,
@@ -88,10 +90,14 @@ class ZmqPublisher:
     def publish(self, events: Sequence[Event]) -> None:
         try:
             self._queue.put_nowait((time.time(), list(events)))
-        except queue.Full:
+        except queue.Full:     # counted always, logged at most every DROP_LOG_S (per step)
             metrics.KV_EVENT_BATCHES.labels("dropped").inc()
-            log.warning("kv_events_dropped", events=len(events),
-                        effect="subscribers see a sequence gap and may replay")
+            self._dropped += 1
+            now = time.monotonic()
+            if now - self._dropped_logged >= DROP_LOG_S:
+                log.warning("kv_events_dropped", batches=self._dropped, events=len(events),
+                            effect="subscribers see a sequence gap and may replay")
+                self._dropped, self._dropped_logged = 0, now
 
     def close(self, timeout: float = CLOSE_S) -> None:
         """Send what is queued (up to `timeout`), then close the sockets."""
@@ -116,8 +122,11 @@ class ZmqPublisher:
         zmq = self._zmq
         while True:
             if self._replay is not None:
-                while self._replay.poll(0, zmq.POLLIN):
-                    self._serve_replay()
+                try:
+                    while self._replay.poll(0, zmq.POLLIN):
+                        self._serve_replay()
+                except Exception as e:      # one bad replay must not end the thread either
+                    log.warning("kv_events_replay_failed", error=f"{type(e).__name__}: {e}")
             try:
                 item = self._queue.get(timeout=POLL_S)
             except queue.Empty:
