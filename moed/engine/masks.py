@@ -13,7 +13,7 @@ collective timeout, and the whole group exited.
 
 A late mask's thread cannot be interrupted (llguidance's step fuel bounds it); its request is
 finished, so nothing else touches that matcher, and a row queued behind it that never started is
-computed on the step thread instead.
+computed on the step thread instead (and fails, once, if it alone outlasts the deadline there).
 """
 from __future__ import annotations
 
@@ -64,7 +64,12 @@ class PendingMasks:
         for i, (fut, m) in enumerate(zip(self._futures, self._matchers)):
             mask: torch.Tensor | None = None
             if not fut.done() and fut.cancel():     # never started (workers busy): here
+                t0 = time.monotonic()
                 mask = _one(m)
+                if time.monotonic() - t0 > self._timeout_s:
+                    # it held the step past the budget once: its request ends, so it cannot
+                    # again while the workers are tied up by late masks
+                    failed[i] = "mask_timeout"
             else:
                 now = time.monotonic()
                 t0 = self._started[i] or now        # None: it is starting right now

@@ -70,3 +70,24 @@ def test_a_matcher_past_a_limit_fails_its_row() -> None:
         assert failed == {0: "limit"} and int(masks[1][0]) == 2
     finally:
         pool.shutdown()
+
+
+class SlowFill(FakeMatcher):
+    def fill(self, bm: torch.Tensor, row: int) -> None:
+        time.sleep(0.3)
+        super().fill(bm, row)
+
+
+def test_a_row_computed_on_the_step_thread_past_the_deadline_fails_once() -> None:
+    """Workers tied up by a late mask: a queued row runs here; one that alone outlasts the
+    deadline there ends its request, so later steps cannot keep paying for it."""
+    gate = threading.Event()
+    pool = MaskPool(workers=1, timeout_s=0.1)
+    try:
+        slow, queued, fine = FakeMatcher(7, gate), SlowFill(9), FakeMatcher(4)
+        masks, failed = pool.start([slow, queued, fine]).collect()
+        assert failed == {0: "mask_timeout", 1: "mask_timeout"} and queued.filled == 1
+        assert int(masks[2][0]) == 4
+    finally:
+        gate.set()
+        pool.shutdown()
