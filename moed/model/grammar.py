@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from moed.types import GrammarSpec
 
 if TYPE_CHECKING:       # torch only where the mask is built: the API's parser imports this file
@@ -302,7 +304,8 @@ def _probe(m: Any, lim: GrammarLimits, deadline: float) -> None:
             if isinstance(err, GrammarTooComplex):
                 raise err
             return None
-        return [8 * i + j for i, b in enumerate(bm) if b for j in range(8) if b >> j & 1]
+        bits = np.unpackbits(np.frombuffer(bytes(bm), dtype=np.uint8), bitorder="little")
+        return np.flatnonzero(bits).tolist()
 
     def late() -> None:
         if time.monotonic() > deadline:

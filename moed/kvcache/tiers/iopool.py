@@ -94,35 +94,23 @@ class IOPool:
 
 
 class Watchdog:
-    """One daemon thread that calls `fire(item)` once for every armed item whose deadline
-    passed before it was disarmed."""
+    """One daemon thread that calls `fire(item)` once for every armed item whose deadline has
+    passed (an item that finished in time says so itself: `fire` checks it)."""
 
     def __init__(self, name: str, fire: Callable[[Any], None]) -> None:
         self._fire = fire
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int, Any]] = []
-        self._armed: set[int] = set()
         self._seq = itertools.count()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def arm(self, item: Any, deadline: float) -> int:
-        """Watch `item` until `deadline` (time.monotonic()); -> a token for disarm."""
+    def arm(self, item: Any, deadline: float) -> None:
+        """Call `fire(item)` at `deadline` (time.monotonic())."""
         with self._cv:
-            token = next(self._seq)
-            heapq.heappush(self._heap, (deadline, token, item))
-            self._armed.add(token)
+            heapq.heappush(self._heap, (deadline, next(self._seq), item))
             self._cv.notify()
-        return token
-
-    def disarm(self, token: int) -> bool:
-        """True when the item was still armed (it will not fire)."""
-        with self._cv:
-            if token in self._armed:
-                self._armed.discard(token)
-                return True
-            return False
 
     def _run(self) -> None:
         while True:
@@ -131,12 +119,8 @@ class Watchdog:
                 if self._closed:
                     return
                 now = time.monotonic()
-                while self._heap and (self._heap[0][1] not in self._armed
-                                      or self._heap[0][0] <= now):
-                    _, token, item = heapq.heappop(self._heap)
-                    if token in self._armed:
-                        self._armed.discard(token)
-                        due.append(item)
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[2])
                 if not due:
                     self._cv.wait(None if not self._heap else self._heap[0][0] - now)
                     continue

@@ -60,7 +60,6 @@ ISA_NEEDS: dict[str, frozenset[str]] = {
 }
 ISAS = tuple(ISA_CFLAGS)
 ISA_ENV = "MOED_CPU_ISA"
-CFLAGS = COMMON_CFLAGS + ISA_CFLAGS["avx512bf16"]     # the default variant's (kept for callers)
 ABI_VERSION = 8
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 

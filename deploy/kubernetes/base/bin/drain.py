@@ -29,7 +29,13 @@ def main() -> int:
     path = os.environ.get("MOED_SERVER_ADMIN_TOKEN_FILE", "")
     try:
         with open(path, encoding="utf-8") as f:
-            token = f.read().strip().splitlines()[0].split(",")[0].strip()
+            # the first token as moed reads the file (moed.api.auth.load_keys): blank and
+            # '#' lines are not tokens
+            token = next(ln.strip() for ln in f.read().splitlines()
+                         if ln.strip() and not ln.strip().startswith("#"))
+    except StopIteration:
+        print(f"drain: no admin token in {path!r}", file=sys.stderr)
+        return 1
     except (OSError, IndexError) as e:
         print(f"drain: no admin token in {path!r}: {e}", file=sys.stderr)
         return 1
