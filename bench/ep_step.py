@@ -39,7 +39,7 @@ def _port() -> int:
 
 
 def _checkpoint(arch: str, preset: str, cache: Path) -> Path:
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     out = cache / f"{arch}-{preset}-0"
     if not (out / "config.json").exists():

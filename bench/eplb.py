@@ -171,7 +171,7 @@ def model_trace(cache: Path, batches: int, batch: int, prompt: int,
     """Routing windows [L, E] of the bench checkpoint, one per batch of random prompts."""
     from moed.config import EngineConfig
     from moed.engine.engine import Engine
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
     from moed.model.runner import ModelRunner
     from moed.model.tokenizer import Tokenizer
     from moed.types import SamplingParams

@@ -48,7 +48,7 @@ from moed.config import EngineConfig, TiersConfig  # noqa: E402
 from moed.engine.engine import Engine  # noqa: E402
 from moed.kvcache.pool import hash_block  # noqa: E402
 from moed.model.identity import model_id  # noqa: E402
-from moed.model.init import init_checkpoint  # noqa: E402
+from moed.dev.checkpoint import init_checkpoint  # noqa: E402
 from moed.model.runner import ModelRunner  # noqa: E402
 from moed.types import SamplingParams  # noqa: E402
 

@@ -12,7 +12,6 @@ asyncio), so each is tested without a server.
                   saturation)
     experts.py    the expert load balancer (EPLB): per-(layer, expert) load → physical→logical
                   expert map; migration-aware by default, DeepSeek's from-scratch one as a peer
-    experts_route.py  which replica of a replicated expert serves each routed token
     capacity.py   the capacity signals (measured prefill rate, decode step time, queue vs
                   compute time, predicted TTFT, capacity left under the SLO) and their meter
     scale.py      the scaling planner: desired prefill/decode node counts, which node drains

@@ -4,7 +4,7 @@ Router: softmax top-k over the router logits (renormalised where the spec says),
 expert -> physical slot through `logical_to_physical` ([E, R] table, `num_replicas` [E]): one
 replica each in one process (identity); expert parallelism and EPLB replicas change only the
 table. A replicated expert's tokens are numbered per expert and split modulo its replicas,
-offset by the call count (balance/experts_route.py; the CPU kernel does the same). It also
+offset by the call count (model/experts_route.py; the CPU kernel does the same). It also
 counts tokens per logical expert (the runner's expert-load counter). The expert balancer
 swaps a slot's weights in place (`LocalExperts.load_slot`) before the layer's map switches.
 
@@ -36,7 +36,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from moed.balance.experts_route import split_over_replicas
+from moed.model.experts_route import split_over_replicas
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice

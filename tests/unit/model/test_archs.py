@@ -12,7 +12,7 @@ import torch
 
 from moed.model import archs
 from moed.model.batch import ForwardBatch
-from moed.model.init import init_archs
+from moed.dev.checkpoint import init_archs
 from moed.model.kv_layout import KVLayout
 from moed.model.loader import compile_rules
 from moed.model.runner import ModelRunner

@@ -115,7 +115,7 @@ def test_gqa_backends_refuse_mla_and_mla_refuses_mismatch():
 
 
 def test_init_lists_deepseek():
-    from moed.model.init import init_archs
+    from moed.dev.checkpoint import init_archs
 
     assert "deepseek_v3" in init_archs()
 
@@ -124,7 +124,7 @@ def test_checkpoint_with_an_mtp_layer_loads(tmp_path):
     """Real DeepSeek-V3 checkpoints carry the MTP head as a layer past num_hidden_layers: not read."""
     from safetensors.torch import load_file, save_file
 
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
     from moed.model.loader import load_weights
     from moed.model.spec import load_spec
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moed.balance.experts_route import split_over_replicas
+from moed.model.experts_route import split_over_replicas
 from moed.model.context import ComputeContext, can_pack
 from moed.model.layers import Linear
 from moed.model.moe import ExpertExecutor, LocalExperts, MoELayer, Routing
@@ -55,7 +55,7 @@ class PreSplitMoE:
             phys = self.logical_to_physical[flat, 0]
         else:
             # the one change since: each expert's own tokens numbered, modulo its replicas,
-            # offset by the call count (balance/experts_route.py; was flat index % replicas)
+            # offset by the call count (model/experts_route.py; was flat index % replicas)
             phys = split_over_replicas(logical, self.logical_to_physical, self.num_replicas,
                                        self.calls).reshape(-1)
             self.calls += 1

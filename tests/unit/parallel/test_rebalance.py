@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moed.balance.experts_route import split_over_replicas
+from moed.model.experts_route import split_over_replicas
 from moed.model import kernels as K
 from moed.model.context import ComputeContext
 from moed.model.moe import MoELayer
