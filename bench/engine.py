@@ -50,7 +50,7 @@ from moed.engine.stream import StepStats  # noqa: E402
 from moed.dev.checkpoint import init_checkpoint  # noqa: E402
 from moed.model.kernels import cpu_kernels  # noqa: E402
 from moed.model.runner import ModelRunner  # noqa: E402
-from moed.model.spec import load_spec  # noqa: E402
+from moed.model.hf_config import load_spec  # noqa: E402
 from moed.model.tokenizer import Tokenizer  # noqa: E402
 from moed.types import SamplingParams  # noqa: E402
 

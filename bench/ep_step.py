@@ -91,7 +91,7 @@ def _worker(model: str, n: int, port: int, batch: int, context: int, steps: int,
     from moed.config import ParallelConfig
     from moed.model.batch import ForwardBatch
     from moed.model.runner import ModelRunner
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
     from moed.parallel.budget import rank_budget
 
     torch.set_num_threads(threads)

@@ -118,7 +118,7 @@ def cluster_key(cfg: Config) -> None:
 def model(cfg: Config) -> None:
     from moed.model.loader import checkpoint_files
     from moed.model.runner import auto_num_blocks, resolve_device, resolve_dtype
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
 
     m, e = cfg.model, cfg.engine
     # a malformed config.json surfaces as any of these (a list where a table belongs, ...)

@@ -22,12 +22,13 @@ from moed.model.context import ComputeContext
 from moed.model.decode_step import NativeDecodeStep
 from moed.model.kernels.choice import by_class
 from moed.model.decoder import MoEDecoder
+from moed.model.hf_config import load_spec
 from moed.model.kv_layout import KVLayout, kv_cache_dtype
 from moed.model.loader import Weights, load_weights
 from moed.model.moe import ExpertPlacement
 from moed.model.quant import bytes_by_format
 from moed.model.quant import formats as quant_formats
-from moed.model.spec import ModelSpec, load_spec, parse_dtype
+from moed.model.spec import ModelSpec, parse_dtype
 from moed.transfer.base import KVRegion, RegionLayout
 
 log = structlog.get_logger(__name__)

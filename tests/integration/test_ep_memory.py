@@ -11,7 +11,7 @@ import torch
 from ep_group import complete, start_group
 from moed_server import ROOT, start_server
 
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 from moed.parallel.budget import rank_budget
 
 ARGS = ["--kv-cache-memory", "2", "--served-model-name", "m", "--dtype", "bfloat16"]

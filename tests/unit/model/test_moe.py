@@ -11,7 +11,7 @@ from moed.model.experts_route import split_over_replicas
 from moed.model.context import ComputeContext, can_pack
 from moed.model.layers import Linear
 from moed.model.moe import ExpertExecutor, LocalExperts, MoELayer, Routing
-from moed.model.spec import spec_from_config
+from moed.model.hf_config import spec_from_config
 
 CPU = torch.device("cpu")
 E, H, I = 6, 64, 32

@@ -16,7 +16,7 @@ from moed.model.quant.linear import qlinear
 from moed.model.quant.quantize import block_fp8, quantize
 from moed.model.quant.weight import QuantWeight, cat_rows
 from moed.model.safetensors_file import WeightError
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 SHAPE = dict(hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4,
              moe_intermediate_size=48, vocab_size=512)

@@ -7,7 +7,7 @@ import torch
 
 from moed.model.loader import load_weights
 from moed.model.runner import ModelRunner
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 from moed.parallel.budget import rank_budget
 from moed.parallel.dispatch import Placement
 from moed.parallel.layout import EPLayout
