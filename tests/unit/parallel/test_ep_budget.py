@@ -9,7 +9,7 @@ from moed.model.loader import load_weights
 from moed.model.runner import ModelRunner
 from moed.model.hf_config import load_spec
 from moed.parallel.budget import rank_budget
-from moed.parallel.dispatch import Placement
+from moed.parallel.dispatch import RankPlacement
 from moed.parallel.layout import EPLayout
 
 
@@ -20,7 +20,7 @@ def test_a_rank_loads_only_its_experts(tiny_qwen3, n: int) -> None:
     one = ModelRunner(tiny_qwen3, dtype="float32", device="cpu", num_blocks=4, block_size=16)
     total = one.resident_expert_bytes()
     for rank in range(n):
-        place = Placement(EPLayout.contiguous(spec.num_experts, n), rank, torch.device("cpu"))
+        place = RankPlacement(EPLayout.contiguous(spec.num_experts, n), rank, torch.device("cpu"))
         part = load_weights(tiny_qwen3, spec, "float32", slots=place.local_slots)
         mine = list(place.local_slots)
         for name, t in full.items():
