@@ -92,7 +92,7 @@ def _worker(model: str, n: int, port: int, batch: int, context: int, steps: int,
     from moed.model.batch import ForwardBatch
     from moed.model.runner import ModelRunner
     from moed.model.hf_config import load_spec
-    from moed.parallel.budget import rank_budget
+    from moed.parallel.memory import rank_memory
 
     torch.set_num_threads(threads)
     spec = load_spec(model)
@@ -123,7 +123,7 @@ def _worker(model: str, n: int, port: int, batch: int, context: int, steps: int,
         step_s.append(time.perf_counter() - t0)
         coll_s.append(ep.stats.take().collective_s if ep is not None else 0.0)
     held = runner.resident_expert_bytes()
-    b = rank_budget(spec, runner.dtype, n, rank, 0, block, rank_memory_mb)
+    b = rank_memory(spec, runner.dtype, n, rank, 0, block, rank_memory_mb)
     print(json.dumps({"step_s": step_s, "collective_s": coll_s, "resident_expert_bytes": held,
                       "kv_blocks_fit": b.kv_blocks_fit}))
     if ep is not None:
