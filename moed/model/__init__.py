@@ -11,5 +11,5 @@ Public entry points (import the submodules; nothing heavy is imported here):
   runner.auto_num_blocks             KV blocks that fit a memory budget
   attention.registry.get_backend     "torch" | "flashinfer" | "auto"
   tokenizer.Tokenizer / IncrementalDetokenizer
-  init.init_checkpoint               random-weight HF checkpoints for tests and benchmarks
+  (random-weight checkpoints for tests and benchmarks: moed.dev.checkpoint, a development tool)
 """
