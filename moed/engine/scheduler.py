@@ -241,7 +241,7 @@ class Scheduler:
 
         return self._plan(chunks, preempted), events
 
-    # ---- the cost policy (balance.policy = "cost", moed.balance.step_time) -----------------------
+    # ---- the cost policy (balance.policy = "cost", moed.balance.step_time) --------------------
     def set_time_budget(self, tb: TimeBudget | None) -> None:
         self.time_budget = tb
 
