@@ -78,4 +78,4 @@ clean:
 # (docs/cluster.md); Ctrl-C stops all five. CLUSTER_ARGS: e.g. --port-offset 1000.
 .PHONY: cluster
 cluster: setup
-	exec $(PY) -m moed.devcluster --model $(DEMO_MODEL) $(CLUSTER_ARGS)
+	exec $(PY) -m moed.dev.cluster --model $(DEMO_MODEL) $(CLUSTER_ARGS)

@@ -251,7 +251,7 @@ def main() -> int:
     if a.preset == "bench":
         model_dir = _checkpoint(a.arch, Path(a.cache))
     else:
-        from moed.model.init import init_checkpoint
+        from moed.dev.checkpoint import init_checkpoint
         model_dir = Path(a.cache) / f"{a.arch}-tiny-0"
         if not (model_dir / "config.json").exists():
             init_checkpoint(arch=a.arch, out=model_dir, preset="tiny", seed=0)

@@ -2,7 +2,7 @@
 least-queued vs round-robin, 8 to 64 prefill nodes, bursty arrivals, one run.
 
 Discrete-event (virtual clock, a heap of events), in the style of bench/membership.py: the
-node-local scheduler is moed's own (moed.balance.budget.choose under the prefill node's
+node-local scheduler is moed's own (moed.balance.step_time.choose under the prefill node's
 time budget), every step takes what the cost model of this machine predicts (coefficients
 from bench/results/balance.json's cost run when present, else the bench preset's measured
 defaults below) times a little noise; the three policies differ only in which prefill node
@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moed.balance.budget import Buckets, Item, choose  # noqa: E402
+from moed.balance.step_time import Buckets, Item, choose  # noqa: E402
 from moed.balance.candidate import Candidate  # noqa: E402
 from moed.balance.cost import AdvertisedCost, Coefficients, add_chunk, shape_of  # noqa: E402
 from moed.balance.prefill import CostCandidate, pick_prefill_cost  # noqa: E402

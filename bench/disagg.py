@@ -145,7 +145,7 @@ def main() -> None:
         model = str(out_dir / "bench-qwen3_moe")
         if not (Path(model) / "config.json").exists():
             sys.path.insert(0, str(ROOT))
-            from moed.model.init import init_checkpoint
+            from moed.dev.checkpoint import init_checkpoint
             init_checkpoint(arch="qwen3_moe", out=model, preset="bench", seed=0)
     env = {"MOED_ENGINE_MAX_NUM_BATCHED_TOKENS": str(a.budget),
            "MOED_ENGINE_KV_CACHE_MEMORY_MB": "256"}

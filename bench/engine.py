@@ -47,10 +47,10 @@ from common import cpu_model, load_average, rss_bytes, spread  # noqa: E402
 from moed.config import EngineConfig  # noqa: E402
 from moed.engine.engine import Engine  # noqa: E402
 from moed.engine.stream import StepStats  # noqa: E402
-from moed.model.init import init_checkpoint  # noqa: E402
+from moed.dev.checkpoint import init_checkpoint  # noqa: E402
 from moed.model.kernels import cpu_kernels  # noqa: E402
 from moed.model.runner import ModelRunner  # noqa: E402
-from moed.model.spec import load_spec  # noqa: E402
+from moed.model.hf_config import load_spec  # noqa: E402
 from moed.model.tokenizer import Tokenizer  # noqa: E402
 from moed.types import SamplingParams  # noqa: E402
 
@@ -190,7 +190,7 @@ def kv_bytes_per_token(model_dir: Path) -> dict:
     """The checkpoint's KV bytes per token (all layers, bf16) beside a GQA and an MHA cache of
     the same width (hidden, heads, layers; GQA with the bench preset's KV heads)."""
     from moed.model import archs
-    from moed.model.init import PRESETS
+    from moed.dev.checkpoint import PRESETS
     from moed.model.kv_layout import KVLayout
 
     spec = load_spec(model_dir)

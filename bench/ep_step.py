@@ -39,7 +39,7 @@ def _port() -> int:
 
 
 def _checkpoint(arch: str, preset: str, cache: Path) -> Path:
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     out = cache / f"{arch}-{preset}-0"
     if not (out / "config.json").exists():
@@ -91,8 +91,8 @@ def _worker(model: str, n: int, port: int, batch: int, context: int, steps: int,
     from moed.config import ParallelConfig
     from moed.model.batch import ForwardBatch
     from moed.model.runner import ModelRunner
-    from moed.model.spec import load_spec
-    from moed.parallel.budget import rank_budget
+    from moed.model.hf_config import load_spec
+    from moed.parallel.memory import rank_memory
 
     torch.set_num_threads(threads)
     spec = load_spec(model)
@@ -123,7 +123,7 @@ def _worker(model: str, n: int, port: int, batch: int, context: int, steps: int,
         step_s.append(time.perf_counter() - t0)
         coll_s.append(ep.stats.take().collective_s if ep is not None else 0.0)
     held = runner.resident_expert_bytes()
-    b = rank_budget(spec, runner.dtype, n, rank, 0, block, rank_memory_mb)
+    b = rank_memory(spec, runner.dtype, n, rank, 0, block, rank_memory_mb)
     print(json.dumps({"step_s": step_s, "collective_s": coll_s, "resident_expert_bytes": held,
                       "kv_blocks_fit": b.kv_blocks_fit}))
     if ep is not None:

@@ -171,7 +171,7 @@ def model_trace(cache: Path, batches: int, batch: int, prompt: int,
     """Routing windows [L, E] of the bench checkpoint, one per batch of random prompts."""
     from moed.config import EngineConfig
     from moed.engine.engine import Engine
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
     from moed.model.runner import ModelRunner
     from moed.model.tokenizer import Tokenizer
     from moed.types import SamplingParams
@@ -261,7 +261,7 @@ def _rebalance_worker(model: str, port: int, batch: int, steps: int, redundant: 
     from moed.config import ParallelConfig
     from moed.model.batch import ForwardBatch
     from moed.model.runner import ModelRunner
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
     from moed.parallel.runtime import EPRuntime
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

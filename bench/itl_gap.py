@@ -248,7 +248,7 @@ def main() -> int:
         model_dir = str(Path(tempfile.gettempdir()) / f"moed-bench-{a.preset}-qwen3")
         if not (Path(model_dir) / "config.json").exists():
             sys.path.insert(0, str(ROOT))
-            from moed.model.init import init_checkpoint
+            from moed.dev.checkpoint import init_checkpoint
             init_checkpoint("qwen3_moe", model_dir, preset=a.preset, seed=0)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(a.prompt_len)] for _ in range(a.requests)]

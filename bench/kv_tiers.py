@@ -48,7 +48,7 @@ from moed.config import EngineConfig, TiersConfig  # noqa: E402
 from moed.engine.engine import Engine  # noqa: E402
 from moed.kvcache.pool import hash_block  # noqa: E402
 from moed.model.identity import model_id  # noqa: E402
-from moed.model.init import init_checkpoint  # noqa: E402
+from moed.dev.checkpoint import init_checkpoint  # noqa: E402
 from moed.model.runner import ModelRunner  # noqa: E402
 from moed.types import SamplingParams  # noqa: E402
 
@@ -197,7 +197,7 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     model = checkpoint(Path(a.cache))
     from moed.model.archs import kv_layout
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
     bpb = kv_layout(load_spec(str(model)), BS, torch.bfloat16).bytes_per_block
     load_at_start = os.getloadavg()
     d = tempfile.mkdtemp(prefix="moed-kv-tiers-")

@@ -47,7 +47,7 @@ from moed.model.attention.torch_backend import TorchBackend  # noqa: E402
 from moed.model.kernels import CpuKernels, cpu_kernels  # noqa: E402
 from moed.model.kernels.choice import race  # noqa: E402
 from moed.model.moe import MoELayer  # noqa: E402
-from moed.model.spec import load_spec  # noqa: E402
+from moed.model.hf_config import load_spec  # noqa: E402
 
 
 def linear_table(spec, kern: CpuKernels | None, rows: list[int], repeats: int) -> list[dict]:

@@ -56,7 +56,7 @@ def main() -> None:
     if a.child:
         child(a.child[0], a.child[1], a.steps)
         return
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     out = Path(a.cache) / "qwen3_moe-bench-0"
     if not (out / "config.json").exists():

@@ -181,7 +181,7 @@ def main() -> int:
             if model_dir is None:
                 model_dir = str(Path(tempfile.gettempdir()) / f"moed-bench-{args.preset}-qwen3")
                 if not (Path(model_dir) / "config.json").exists():
-                    from moed.model.init import init_checkpoint
+                    from moed.dev.checkpoint import init_checkpoint
                     init_checkpoint("qwen3_moe", model_dir, preset=args.preset, seed=0)
             proc, url = start_server(model_dir, env, Path(tempfile.gettempdir()) / "moed-bench.log")
         req = urllib.request.Request(url + "/v1/models", headers=(

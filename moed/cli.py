@@ -426,7 +426,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
-    from moed.model import init as model_init
+    from moed.dev import checkpoint as model_init
 
     return int(model_init.main(args) or 0)
 
@@ -638,7 +638,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     init = msub.add_parser("init", help="write a random-weight Hugging Face checkpoint")
     argv = sys.argv[1:] if argv is None else argv
     if list(argv[:2]) == ["model", "init"]:   # lazy: the init module imports torch and transformers
-        from moed.model import init as model_init
+        from moed.dev import checkpoint as model_init
 
         model_init.add_arguments(init)
     init.set_defaults(func=cmd_model_init)

@@ -10,7 +10,7 @@ Each check reads what the node itself reads at start, with the node's own functi
   shaped as declared (headers only; moed/model/quant), model.max_model_len within the checkpoint's context, the device
   available, one KV block within engine.kv_cache_memory_mb (this imports torch, as
   moed/model/spec.py does; the weights are never read); with parallel.rank_memory_mb, dense
-  weights + this rank's expert slots + the KV blocks within it (moed/parallel/budget.py);
+  weights + this rank's expert slots + the KV blocks within it (moed/parallel/memory.py);
   on a CPU, a kernel variant forced by MOED_CPU_ISA that this CPU runs (moed/model/kernels);
 - for prefill/decode: the KV transfer backend importable;
 - with trace.endpoint set: the OpenTelemetry extra importable (moed/obs/trace.py);
@@ -118,7 +118,7 @@ def cluster_key(cfg: Config) -> None:
 def model(cfg: Config) -> None:
     from moed.model.loader import checkpoint_files
     from moed.model.runner import auto_num_blocks, resolve_device, resolve_dtype
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
 
     m, e = cfg.model, cfg.engine
     # a malformed config.json surfaces as any of these (a list where a table belongs, ...)
@@ -168,9 +168,9 @@ def quantization(cfg: Config) -> None:
 
 def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> None:
     """Expert parallelism needs experts; parallel.rank_memory_mb must hold dense weights +
-    this rank's expert slots + the KV blocks (moed/parallel/budget.py), numbers in the error."""
+    this rank's expert slots + the KV blocks (moed/parallel/memory.py), numbers in the error."""
     from moed.model.kv_layout import kv_cache_dtype
-    from moed.parallel.budget import rank_budget
+    from moed.parallel.memory import rank_memory
 
     p = cfg.parallel
     if p.ep_size > 1 and spec.num_experts < 1:              # type: ignore[attr-defined]
@@ -185,7 +185,7 @@ def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> 
     if p.rank_memory_mb:
         from moed.model.quant import formats
         m = cfg.model
-        b = rank_budget(spec, dtype, p.ep_size, p.ep_rank, num_blocks,  # type: ignore[arg-type]
+        b = rank_memory(spec, dtype, p.ep_size, p.ep_rank, num_blocks,  # type: ignore[arg-type]
                         cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts,
                         quant=formats.plan(m.path, m.quantization, m.quantization_group_size),
                         kv_dtype=kv_cache_dtype(cfg.engine.kv_cache_dtype, dtype))  # type: ignore[arg-type]

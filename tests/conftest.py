@@ -1,7 +1,7 @@
 """Fixtures shared by every test folder: small checkpoints built once per session.
 Server processes and free ports: tests/integration/moed_server.py.
 
-Checkpoints are random-weight Hugging Face directories made by `moed.model.init` (no model hub).
+Checkpoints are random-weight Hugging Face directories made by `moed.dev.checkpoint` (no model hub).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _make(model_cache: Path, arch: str, preset: str = "tiny", seed: int = 0, **kw) -> Path:
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     name = f"{arch}-{preset}-{seed}" + "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
     out = model_cache / name

@@ -22,7 +22,7 @@ from moed.api.errors import APIError, bad_request
 from moed.api.protocol import GenerationRequest, resolve_max_tokens
 from moed.api.tools import template_args
 from moed.balance import capacity
-from moed.balance.budget import retry_after_s
+from moed.balance.step_time import retry_after_s
 from moed.engine.client import EngineClient
 from moed.obs import metrics, trace
 from moed.types import ErrorKind, FinishReason, PromptLogprob, RequestTimings, TokenEvent

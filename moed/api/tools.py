@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from moed.api.errors import APIError, bad_request
-from moed.model import tool_parsers
-from moed.model.tool_parsers import Family, ToolStream
+from moed.api import tool_parsers
+from moed.api.tool_parsers import Family, ToolStream
 from moed.types import GrammarSpec
 
 MAX_TOOLS = 128                          # OpenAI's limit

@@ -7,12 +7,11 @@ asyncio), so each is tested without a server.
     prefill.py    which prefill node takes a decode node's job (by jobs in flight; by predicted
                   finish time from the node's advertised cost state)
     cost.py       the attention cost model: a step's time from its chunks, fitted online
-    budget.py     the time-budget step policy: which prompt chunks run this step
+    step_time.py  the time-budget step policy: which prompt chunks run this step
     router.py     which serving node a router sends a request to (load, prefix affinity,
                   saturation)
     experts.py    the expert load balancer (EPLB): per-(layer, expert) load → physical→logical
                   expert map; migration-aware by default, DeepSeek's from-scratch one as a peer
-    experts_route.py  which replica of a replicated expert serves each routed token
     capacity.py   the capacity signals (measured prefill rate, decode step time, queue vs
                   compute time, predicted TTFT, capacity left under the SLO) and their meter
     scale.py      the scaling planner: desired prefill/decode node counts, which node drains

@@ -8,7 +8,7 @@ Glossary
 - *slot*: a physical expert, one copy of one logical expert's weights on one rank. P slots per
   layer (E + redundant slots); slot s lives on rank s // (P // G).
 - *replicas* of an expert: the slots holding it. Its tokens are split evenly over them
-  (`balance.experts_route.split_over_replicas`), so each carries load / replicas.
+  (`model.experts_route.split_over_replicas`), so each carries load / replicas.
 - *rank*: one process of the EP group (G), P // G slots each. *node*: one machine, ranks
   [n·G/N, (n+1)·G/N) (N nodes). *group*: experts [k·E/K, (k+1)·E/K) (K groups, default E).
 - *load* [L, E]: tokens routed to each logical expert over a window (the engine's expert-load

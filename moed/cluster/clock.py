@@ -19,7 +19,9 @@ class Timer(ABC):
     def cancel(self) -> None: ...
 
 
-class Scheduler(ABC):
+class TimerScheduler(ABC):
+    """Clocks and timers for the membership protocol (not the engine's request scheduler)."""
+
     @abstractmethod
     def now(self) -> float:
         """Monotonic seconds, for timeouts."""
@@ -42,7 +44,7 @@ class _AsyncioTimer(Timer):
         self._h.cancel()
 
 
-class AsyncioScheduler(Scheduler):
+class AsyncioScheduler(TimerScheduler):
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
 
@@ -66,7 +68,7 @@ class _SimTimer(Timer):
         self.cancelled = True
 
 
-class SimScheduler(Scheduler):
+class SimScheduler(TimerScheduler):
     """Events run in (time, insertion) order; `run_until` advances the virtual clock."""
 
     def __init__(self, start_wall_ms: int = 1_700_000_000_000) -> None:

@@ -1,6 +1,6 @@
 """SWIM membership with Lifeguard refinements: the protocol core.
 
-Driven entirely by a Scheduler and a Transport, so the daemon (asyncio + UDP) and the
+Driven entirely by a TimerScheduler and a Transport, so the daemon (asyncio + UDP) and the
 simulator (virtual clock + in-memory network) run this same code. Single-threaded: every
 entry point runs in the scheduler's thread of control; no locks.
 
@@ -33,7 +33,7 @@ import structlog
 
 from . import policy, wire
 from .broadcast import BroadcastQueue
-from .clock import Scheduler, Timer
+from .clock import Timer, TimerScheduler
 from .members import IndexedSet, Member, Suspicion, SwimConfig
 from .probe import Prober
 from .state import (ClusterView, Event, LoadVector, MemberEvent, MemberState, NodeMeta,
@@ -56,7 +56,7 @@ class NameTaken(Exception):
 
 
 class Membership:
-    def __init__(self, name: str, transport: Transport, scheduler: Scheduler,
+    def __init__(self, name: str, transport: Transport, scheduler: TimerScheduler,
                  config: SwimConfig, codec: wire.Codec, *, meta: NodeMeta = NodeMeta(),
                  incarnation: int = 1, seeds: tuple[str, ...] = (),
                  rng: random.Random | None = None) -> None:

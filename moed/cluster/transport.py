@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Callable
 
-from .clock import Scheduler
+from .clock import TimerScheduler
 
 Handler = Callable[[bytes, str], None]      # (data, from_addr)
 
@@ -38,11 +38,11 @@ class Transport(ABC):
 
 
 class InMemoryNetwork:
-    """A simulated network on a Scheduler: every packet may be lost (loss), arrives after a
+    """A simulated network on a TimerScheduler: every packet may be lost (loss), arrives after a
     random delay in [delay_min, delay_max], and never crosses a partition. Deterministic for
     a given seed."""
 
-    def __init__(self, scheduler: Scheduler, *, loss: float = 0.0,
+    def __init__(self, scheduler: TimerScheduler, *, loss: float = 0.0,
                  delay: tuple[float, float] = (0.0005, 0.002), seed: int = 0) -> None:
         self.scheduler = scheduler
         self.loss = loss

@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from moed.balance.budget import ttft_deadline
+from moed.balance.step_time import ttft_deadline
 from moed.balance.cost import FEATURES, CostModel, ExpertShape, predict_ttft, shape_of
 from moed.config import BalanceConfig
 from moed.engine.scheduler import Scheduler, TimeBudget

@@ -140,7 +140,7 @@ class Engine:
         import torch
 
         from moed.model.runner import ModelRunner, auto_num_blocks, resolve_device, resolve_dtype
-        from moed.model.spec import load_spec
+        from moed.model.hf_config import load_spec
         from moed.model.tokenizer import Tokenizer
 
         e, m = cfg.engine, cfg.model

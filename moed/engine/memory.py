@@ -73,14 +73,14 @@ def kv_memory_mb(cfg, spec, dtype, device) -> tuple[int, str, dict[str, float]]:
     e = cfg.engine
     if e.kv_cache_memory_fraction <= 0:
         return e.kv_cache_memory_mb, "engine.kv_cache_memory_mb", {}
-    from moed.parallel.budget import rank_budget
+    from moed.parallel.memory import rank_memory
 
     p = cfg.parallel
     from moed.model.quant import formats
 
     m = cfg.model
     quant = formats.plan(m.path, m.quantization, m.quantization_group_size) if m.path else None
-    weights = rank_budget(spec, dtype, p.ep_size, p.ep_rank, 0, e.block_size, 0,
+    weights = rank_memory(spec, dtype, p.ep_size, p.ep_rank, 0, e.block_size, 0,
                           p.redundant_experts, quant).weights_bytes
     if getattr(device, "type", "cpu") == "cuda":
         import torch

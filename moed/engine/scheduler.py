@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from moed.balance.budget import Buckets, Item, choose, chunk_budget, step_budget, \
+from moed.balance.step_time import Buckets, Item, choose, chunk_budget, step_budget, \
     whole_budget
 from moed.balance.cost import (AdvertisedCost, CostModel, ExpertShape, bucket_of, max_chunk,
                                shape_of)
@@ -241,7 +241,7 @@ class Scheduler:
 
         return self._plan(chunks, preempted), events
 
-    # ---- the cost policy (balance.policy = "cost", moed.balance.budget) -----------------------
+    # ---- the cost policy (balance.policy = "cost", moed.balance.step_time) --------------------
     def set_time_budget(self, tb: TimeBudget | None) -> None:
         self.time_budget = tb
 
@@ -251,7 +251,7 @@ class Scheduler:
     def _schedule_cost(self) -> tuple[StepPlan, list[TokenEvent]]:
         """Decodes first (preempting as the token policy does when KV runs out); remote-KV
         requests park in arrival order; then prompts, under way or waiting, get the chunks
-        `moed.balance.budget.choose` picks for the step's time. An empty plan sends the step
+        `moed.balance.step_time.choose` picks for the step's time. An empty plan sends the step
         to the token policy (e.g. partial prompts fill the KV pool: that path preempts)."""
         tb, cost = self.time_budget, self.cost
         assert tb is not None and cost is not None

@@ -1,7 +1,8 @@
 """The model side of moed: checkpoint -> spec + weights -> forward steps over a paged KV cache.
 
 Public entry points (import the submodules; nothing heavy is imported here):
-  spec.load_spec / ModelSpec         architecture facts from config.json
+  spec.ModelSpec                     architecture facts (types only; imports nothing of moed)
+  hf_config.load_spec                config.json -> ModelSpec (model_type picks the architecture)
   archs.get / supported / kv_layout  architectures by model_type (one module each in archs/)
   kv_layout.KVLayout                 the paged KV cache's entry, shape, bytes and layout id
   context.ComputeContext             device, dtype and whether the CPU kernels serve (once)
@@ -10,5 +11,5 @@ Public entry points (import the submodules; nothing heavy is imported here):
   runner.auto_num_blocks             KV blocks that fit a memory budget
   attention.registry.get_backend     "torch" | "flashinfer" | "auto"
   tokenizer.Tokenizer / IncrementalDetokenizer
-  init.init_checkpoint               random-weight HF checkpoints for tests and benchmarks
+  (random-weight checkpoints for tests and benchmarks: moed.dev.checkpoint, a development tool)
 """

@@ -1,4 +1,5 @@
-"""ComputeContext: where the model computes and which CPU fast paths serve, decided once.
+"""ComputeContext: where the model computes and which CPU fast paths serve, decided once; and
+ExpertPlacement, the expert-parallel placement the context carries to every MoE layer.
 
 The runner builds one per model and hands it to every layer and to the attention backend, so
 the whole model takes the same path: either the native CPU kernels (moed/model/kernels, bf16 on
@@ -10,14 +11,25 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from moed.model.executor import ExpertExecutor, SlotExperts
 from moed.model.kernels import CpuKernels, cpu_kernels
 
-if TYPE_CHECKING:
-    from moed.model.moe import ExpertPlacement
+
+class ExpertPlacement(Protocol):
+    """Expert parallelism as the model sees it (moed.parallel.dispatch.RankPlacement): this rank
+    holds `local_slots` (the logical expert of each local slot, what the loader loads) of
+    `num_physical` slots in the group; `executor` wraps the local experts into the one that
+    dispatches tokens to the ranks of their slots and combines the results."""
+    num_physical: int
+
+    @property
+    def local_slots(self) -> tuple[int, ...]: ...
+    def expert_map(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def executor(self, local: SlotExperts) -> ExpertExecutor: ...
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Router: softmax top-k over the router logits (renormalised where the spec says),
 expert -> physical slot through `logical_to_physical` ([E, R] table, `num_replicas` [E]): one
 replica each in one process (identity); expert parallelism and EPLB replicas change only the
 table. A replicated expert's tokens are numbered per expert and split modulo its replicas,
-offset by the call count (balance/experts_route.py; the CPU kernel does the same). It also
+offset by the call count (model/experts_route.py; the CPU kernel does the same). It also
 counts tokens per logical expert (the runner's expert-load counter). The expert balancer
 swaps a slot's weights in place (`LocalExperts.load_slot`) before the layer's map switches.
 
@@ -28,16 +28,13 @@ tokens (fused_serves).
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Protocol
-
 import structlog
 import torch
 import torch.nn.functional as F
 
-from moed.balance.experts_route import split_over_replicas
-from moed.model.context import ComputeContext
+from moed.model.context import ComputeContext, ExpertPlacement
+from moed.model.executor import ExpertExecutor, MoEMode, Routing
+from moed.model.experts_route import split_over_replicas
 from moed.model.kernels import CpuKernels
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
 from moed.model.layers import Linear
@@ -53,15 +50,6 @@ def fused_serves(tokens: int, top_k: int, num_physical: int, expert_choice: Line
     expert's rows as one oneDNN matmul."""
     rows = max(1, -(-tokens * top_k // max(num_physical, 1)))
     return expert_choice is None or not expert_choice.use_onednn(rows)
-
-
-@dataclass(frozen=True)
-class Routing:
-    """The router's decision for T tokens: choice j of token t goes to physical expert
-    physical[t, j] with weight weights[t, j] (x's dtype); j runs in top-k order."""
-    weights: torch.Tensor     # [T, k]
-    physical: torch.Tensor    # [T, k] int64
-    replicated: bool          # some expert has several replicas (tokens were spread over them)
 
 
 class Router:
@@ -116,14 +104,6 @@ class Router:
         return Routing(weights, phys.view(logical.shape), replicated)
 
 
-class ExpertExecutor(ABC):
-    """Runs routed tokens through their physical experts and combines the results."""
-
-    @abstractmethod
-    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x [T, H] -> [T, H]: row t = sum_j routing.weights[t, j] * expert_{physical[t, j]}(x[t])."""
-
-
 class LocalExperts(ExpertExecutor):
     """Every physical expert in this process, as slices of the fused weights."""
 
@@ -134,6 +114,9 @@ class LocalExperts(ExpertExecutor):
         Quantized (QuantWeight): each expert's Linear is a view of its slot, reference path."""
         self.num_physical, self.intermediate = gate_up.shape[0], down.shape[2]
         self.quant = (gate_up, down) if isinstance(gate_up, QuantWeight) else None
+        self.kernels = kernels if packed is not None else None   # FUSED mode needs their copies
+        self.gate_up_p: torch.Tensor | None = None
+        self.down_p: torch.Tensor | None = None
         if packed is not None:
             self.gate_up_p, self.down_p = packed
             self.experts = [(Linear(gate_up[e], pack=pack, kernels=kernels, kpacked=self.gate_up_p[e]),
@@ -143,7 +126,8 @@ class LocalExperts(ExpertExecutor):
             self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
                             for e in range(self.num_physical)]
 
-    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
+        """The torch path (mode is for EP executors; the fused path is MoELayer's one call)."""
         t, k = routing.physical.shape
         if t == 1 and not routing.replicated:
             return self._single_token(x, routing)
@@ -151,7 +135,22 @@ class LocalExperts(ExpertExecutor):
         order = torch.argsort(phys, stable=True)
         counts = torch.bincount(phys, minlength=self.num_physical).tolist()   # one host sync
         token = order // k
-        xs = x.index_select(0, token)
+        ys = self._grouped(x.index_select(0, token), counts)
+        ws = routing.weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
+        return out.index_add_(0, token, ys * ws)
+
+    def run_grouped(self, xs: torch.Tensor, per_slot: torch.Tensor, mode: MoEMode) -> torch.Tensor:
+        """executor.SlotExperts: rows grouped by slot -> their expert outputs, as EP=1's path
+        for `mode` computes them (what an expert-parallel rank runs for its sources)."""
+        if mode == MoEMode.FUSED:
+            if self.kernels is None:
+                raise RuntimeError("a peer ran the fused CPU kernel path and this rank cannot")
+            return self.kernels.experts_bf16(xs, per_slot, self.gate_up_p, self.down_p, self.intermediate)
+        return self._grouped(xs, per_slot.tolist())
+
+    def _grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by expert (counts[e] rows each) -> unweighted outputs, same order."""
         ys, start = [], 0
         for e, n in enumerate(counts):           # one pass per touched expert, never per token
             if n == 0:
@@ -160,14 +159,12 @@ class LocalExperts(ExpertExecutor):
             g, u = gate_up(xs[start:start + n]).chunk(2, dim=-1)
             ys.append(down(F.silu(g) * u))
             start += n
-        ws = routing.weights.reshape(-1).index_select(0, order).unsqueeze(1)
-        out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
-        return out.index_add_(0, token, torch.cat(ys) * ws)
+        return torch.cat(ys)
 
     def slot_weights(self, slot: int) -> list[torch.Tensor]:
         """The tensors that hold physical slot `slot` (what the expert balancer moves between
         ranks): the kernels' packed gate_up and down when kept, else the plain weights."""
-        if getattr(self, "gate_up_p", None) is not None:
+        if self.gate_up_p is not None and self.down_p is not None:
             return [self.gate_up_p[slot], self.down_p[slot]]
         if self.quant is not None:      # data, scales (and zeros) of both: moved whole
             return [t for w in self.quant for t in w[slot].tensors()]
@@ -208,19 +205,6 @@ def _log_quantized_experts(fmt: str) -> None:
         _logged_quantized = True
 
 
-class ExpertPlacement(Protocol):
-    """Expert parallelism as the model sees it (moed.parallel.dispatch.Placement): this rank
-    holds `local_slots` (the logical expert of each local slot, what the loader loads) of
-    `num_physical` slots in the group; `executor` wraps the local experts into the one that
-    dispatches tokens to the ranks of their slots and combines the results."""
-    num_physical: int
-
-    @property
-    def local_slots(self) -> tuple[int, ...]: ...
-    def expert_map(self) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def executor(self, local: LocalExperts, kernels: CpuKernels | None) -> ExpertExecutor: ...
-
-
 class MoELayer:
     def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
                  down: torch.Tensor, load: torch.Tensor, ctx: ComputeContext,
@@ -251,12 +235,12 @@ class MoELayer:
         else:
             self.router = Router(router, spec, placement.num_physical, load, linear)
             self.router.set_expert_map(*placement.expert_map())
-            self.dist = placement.executor(self.experts, k)
+            self.dist = placement.executor(self.experts)
 
     def resident_bytes(self) -> int:
         """Bytes of the expert weights this process holds for this layer (tensors, not config)."""
         e = self.experts
-        if getattr(e, "gate_up_p", None) is not None:
+        if e.gate_up_p is not None and e.down_p is not None:
             return e.gate_up_p.nbytes + e.down_p.nbytes
         if e.quant is not None:
             return sum(w.nbytes for w in e.quant)
@@ -293,7 +277,7 @@ class MoELayer:
             routing = Routing(w, phys, r.logical_to_physical.shape[1] > 1)
         else:
             routing = r(x)
-        return self.dist(x, routing, mode=int(from_kernel))    # 1: FUSED, 0: TORCH (dispatch.py)
+        return self.dist(x, routing, MoEMode.FUSED if from_kernel else MoEMode.TORCH)
 
     def empty_step(self, dtype: torch.dtype) -> None:
         """Take part in this layer's exchange with no tokens (a rank with no work this step)."""
@@ -302,4 +286,5 @@ class MoELayer:
         dev = self.router.logical_to_physical.device
         x = torch.empty((0, self.hidden), dtype=dtype, device=dev)
         empty = torch.empty((0, self.router.top_k), dtype=torch.long, device=dev)
-        self.dist(x, Routing(empty.to(dtype), empty, False), mode=int(self.kernels is not None))
+        self.dist(x, Routing(empty.to(dtype), empty, False),
+                  MoEMode.FUSED if self.kernels is not None else MoEMode.TORCH)

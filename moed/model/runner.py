@@ -18,16 +18,16 @@ import torch
 from moed.model import archs
 from moed.model.attention.registry import get_backend
 from moed.model.batch import ForwardBatch
-from moed.model.context import ComputeContext
+from moed.model.context import ComputeContext, ExpertPlacement
 from moed.model.decode_step import NativeDecodeStep
 from moed.model.kernels.choice import by_class
 from moed.model.decoder import MoEDecoder
+from moed.model.hf_config import load_spec
 from moed.model.kv_layout import KVLayout, kv_cache_dtype
 from moed.model.loader import Weights, load_weights
-from moed.model.moe import ExpertPlacement
 from moed.model.quant import bytes_by_format
 from moed.model.quant import formats as quant_formats
-from moed.model.spec import ModelSpec, load_spec, parse_dtype
+from moed.model.spec import ModelSpec, parse_dtype
 from moed.transfer.base import KVRegion, RegionLayout
 
 log = structlog.get_logger(__name__)
@@ -82,7 +82,7 @@ class ModelRunner:
                  weights: Weights | None = None, placement: ExpertPlacement | None = None,
                  quantization: str = "", quantization_group_size: int = 128,
                  kv_dtype: str = "auto") -> None:
-        """placement: expert parallelism (moed.parallel.dispatch.Placement): only this rank's
+        """placement: expert parallelism (moed.parallel.dispatch.RankPlacement): only this rank's
         expert slots are loaded, and every MoE layer dispatches over the group.
         quantization: model.quantization ("" = the checkpoint's own format, or none; fp8, int8,
         int4 quantize a plain checkpoint at load, moed/model/quant); a QuantConfigError for a

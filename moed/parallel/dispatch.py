@@ -11,9 +11,11 @@ One MoE layer on rank r of N, for its T tokens' k choices each ("rows"):
               EP=1 sums them, so outputs match one process bit for bit (see `combine`)
 Every rank calls each layer once per step, in layer order, tokens or not (moed.parallel.agree).
 
-Modes (what EP=1 would have run for this batch; travel in the header, since the receiving rank
-computes for several sources): FUSED = the CPU bf16 kernel path (moed.model.moe.fused_serves),
-TORCH = the router + LocalExperts torch path.
+Modes (moed.model.executor.MoEMode: what EP=1 would have run for this batch; travel in the
+header, since the receiving rank computes for several sources): FUSED = the CPU bf16 kernel path
+(moed.model.moe.fused_serves), TORCH = the router + LocalExperts torch path. The local experts
+compute through their one method for this (SlotExperts.run_grouped); nothing here reaches into
+their weights.
 """
 from __future__ import annotations
 
@@ -22,14 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from moed.model.kernels import CpuKernels
-from moed.model.moe import ExpertExecutor, LocalExperts, Routing
+from moed.model.executor import ExpertExecutor, MoEMode, Routing, SlotExperts
 from moed.parallel.group import GroupFailed
 from moed.parallel.layout import EPLayout
-
-TORCH, FUSED = 0, 1
 
 
 @dataclass
@@ -48,8 +46,8 @@ class EPStats:
 
 
 @dataclass
-class Placement:
-    """moed.model.moe.ExpertPlacement for one rank: the layout, this rank, the shared stats.
+class RankPlacement:
+    """moed.model.context.ExpertPlacement for one rank: the layout, this rank, the shared stats.
     The model builds each MoE layer's executor through it (model/ never imports parallel/)."""
     layout: EPLayout
     rank: int
@@ -72,18 +70,18 @@ class Placement:
         return (torch.tensor(table, dtype=torch.long, device=self.device),
                 torch.tensor([len(r) for r in reps], dtype=torch.long, device=self.device))
 
-    def executor(self, local: LocalExperts, kernels: CpuKernels | None) -> DistributedExperts:
-        return DistributedExperts(local, self.layout, self.rank, kernels, self.stats)
+    def executor(self, local: SlotExperts) -> DistributedExperts:
+        return DistributedExperts(local, self.layout, self.rank, self.stats)
 
 
 class DistributedExperts(ExpertExecutor):
-    def __init__(self, local: LocalExperts, layout: EPLayout, rank: int,
-                 kernels: CpuKernels | None, stats: EPStats | None = None) -> None:
-        """local: this rank's S slots (LocalExperts over [S, ...] weights); kernels: the CPU
-        kernels when `local` holds their packed copies (FUSED mode), else None."""
+    def __init__(self, local: SlotExperts, layout: EPLayout, rank: int,
+                 stats: EPStats | None = None) -> None:
+        """local: this rank's S slots (moe.LocalExperts over [S, ...] weights); it computes both
+        modes' expert halves (FUSED only where it holds the CPU kernels' packed copies)."""
         if local.num_physical != layout.slots_per_rank:
             raise ValueError(f"rank holds {local.num_physical} slots, layout says {layout.slots_per_rank}")
-        self.local, self.layout, self.rank, self.kernels = local, layout, rank, kernels
+        self.local, self.layout, self.rank = local, layout, rank
         self.n, self.s = layout.ep_size, layout.slots_per_rank
         self.stats = stats if stats is not None else EPStats()
         self.slot_expert = torch.tensor(layout.slot_expert, dtype=torch.long)
@@ -91,21 +89,21 @@ class DistributedExperts(ExpertExecutor):
     def set_layout(self, layout: EPLayout) -> None:
         """Adopt a new slot map (EPLB) at a step boundary, on every rank at the same step; this
         rank's slot weights must already hold the new map's experts, and the router gets the
-        matching Placement.expert_map. The slot count per rank cannot change (tensor shapes)."""
+        matching RankPlacement.expert_map. The slot count per rank cannot change (tensor shapes)."""
         if (layout.ep_size, layout.slots_per_rank) != (self.n, self.s):
             raise ValueError(f"a layout of {layout.ep_size} x {layout.slots_per_rank} slots cannot "
                              f"replace {self.n} x {self.s}")
         self.layout = layout
         self.slot_expert = torch.tensor(layout.slot_expert, dtype=torch.long)
 
-    def __call__(self, x: torch.Tensor, routing: Routing, mode: int = TORCH) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
         n, s, st = self.n, self.s, self.stats
         t, k = routing.physical.shape
         h = x.shape[1]
         phys = routing.physical.reshape(-1)
         order = torch.argsort(phys, stable=True)          # rows grouped by slot, so by rank
         slot_counts = torch.bincount(phys, minlength=n * s).view(n, s)
-        header = torch.cat([slot_counts, torch.full((n, 1), mode, dtype=torch.long, device=phys.device)], 1)
+        header = torch.cat([slot_counts, torch.full((n, 1), int(mode), dtype=torch.long, device=phys.device)], 1)
         recv_header = torch.empty_like(header)
         self._exchange(recv_header.view(-1), header.reshape(-1))
         send_rows = slot_counts.sum(1).tolist()
@@ -153,35 +151,18 @@ class DistributedExperts(ExpertExecutor):
             rows = torch.nonzero(source_mode == mode).squeeze(1)
             order = rows[torch.argsort(slot[rows], stable=True)]   # grouped by slot
             per_slot = torch.bincount(slot[order], minlength=s)
-            out[order] = self._run(xr.index_select(0, order), per_slot, mode)
+            out[order] = self.local.run_grouped(xr.index_select(0, order), per_slot, MoEMode(mode))
         return out
 
-    def _run(self, xs: torch.Tensor, per_slot: torch.Tensor, mode: int) -> torch.Tensor:
-        """Rows grouped by local slot -> their expert outputs, as EP=1's path for `mode`."""
-        loc = self.local
-        if mode == FUSED:
-            if self.kernels is None:
-                raise RuntimeError("a peer ran the fused CPU kernel path and this rank cannot")
-            return self.kernels.experts_bf16(xs, per_slot, loc.gate_up_p, loc.down_p, loc.intermediate)
-        ys, start = [], 0
-        for e, m in enumerate(per_slot.tolist()):
-            if m == 0:
-                continue
-            gate_up, down = loc.experts[e]
-            g, u = gate_up(xs[start:start + m]).chunk(2, dim=-1)
-            ys.append(down(F.silu(g) * u))
-            start += m
-        return torch.cat(ys)
 
-
-def combine(y: torch.Tensor, weights: torch.Tensor, logical: torch.Tensor, mode: int) -> torch.Tensor:
+def combine(y: torch.Tensor, weights: torch.Tensor, logical: torch.Tensor, mode: MoEMode) -> torch.Tensor:
     """Each token's k expert outputs y [T, k, H] weighted (in y's dtype) and summed as EP=1
     sums them: TORCH with one token in top-k order in y's dtype (LocalExperts._single_token);
     else by ascending expert in fp32, rounded once (moed_moe_bf16's scatter; torch's CPU
     index_add_ also accumulates bf16 in fp32, measured bitwise equal)."""
     t, k, h = y.shape
     c = y * weights.unsqueeze(-1)
-    if mode == TORCH and t == 1:
+    if mode == MoEMode.TORCH and t == 1:
         out = c[:, 0]
         for j in range(1, k):
             out = out + c[:, j]

@@ -16,7 +16,7 @@ import torch
 from moed.config import ParallelConfig
 from moed.obs import metrics
 from moed.parallel.agree import StepAgreement
-from moed.parallel.dispatch import EPStats, Placement
+from moed.parallel.dispatch import EPStats, RankPlacement
 from moed.parallel.group import EPGroup, GroupFailed, GroupSpec
 from moed.parallel.layout import EPLayout
 
@@ -27,7 +27,7 @@ log = structlog.get_logger(__name__)
 
 
 class EPRuntime:
-    def __init__(self, cfg: ParallelConfig, placement: Placement) -> None:
+    def __init__(self, cfg: ParallelConfig, placement: RankPlacement) -> None:
         self.cfg, self.placement = cfg, placement
         self.spec = GroupSpec(cfg.ep_size, cfg.ep_rank, cfg.ep_init, cfg.collective_timeout_s,
                               cfg.rendezvous_timeout_s)
@@ -40,7 +40,7 @@ class EPRuntime:
     @classmethod
     def plan(cls, cfg: ParallelConfig, num_experts: int, device: torch.device) -> EPRuntime:
         layout = EPLayout.contiguous(num_experts, cfg.ep_size, cfg.redundant_experts)
-        return cls(cfg, Placement(layout, cfg.ep_rank, device))
+        return cls(cfg, RankPlacement(layout, cfg.ep_rank, device))
 
     def attach(self, model: Any) -> None:
         """After the load: the expert balancer over the model's MoE layers (when

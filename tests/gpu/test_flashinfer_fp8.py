@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 def _checkpoint(kind: str, make_checkpoint, tmp_path):
     if kind == "gqa":
         return make_checkpoint("qwen3_moe", "tiny", 4, num_heads=4, num_kv_heads=2, num_layers=2)
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     return init_checkpoint("deepseek_v3", tmp_path / "m", preset="tiny", seed=2, hidden_size=256, num_layers=2,
                            num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 
 
 def test_flashinfer_mla_matches_torch(tmp_path):
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     d = init_checkpoint("deepseek_v3", tmp_path / "m", preset="tiny", seed=2, hidden_size=256, num_layers=2,
                         num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,

@@ -46,7 +46,7 @@ def _complete(url: str, key: str | None) -> tuple[int, dict]:
 
 def test_serve_flags_take_effect_through_the_api(moed_server, tiny_qwen3: Path) -> None:
     from moed.model.runner import auto_num_blocks
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
 
     args = [str(tiny_qwen3), "--api-key", KEY]          # MODEL positional, as `vllm serve`
     for flag, value in FLAGS.items():
@@ -100,7 +100,7 @@ def test_serve_flags_take_effect_through_the_api(moed_server, tiny_qwen3: Path) 
 # ---- the progress bar: console logs on a terminal only ------------------------------------
 
 LOAD = ("import sys; from moed.obs import log; log.configure(sys.argv[2]); "
-        "from moed.model.loader import load_weights; from moed.model.spec import load_spec; "
+        "from moed.model.loader import load_weights; from moed.model.hf_config import load_spec; "
         "load_weights(sys.argv[1], load_spec(sys.argv[1]))")
 
 

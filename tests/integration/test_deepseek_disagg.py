@@ -29,7 +29,7 @@ SHAPE = dict(hidden_size=128, num_layers=3, num_heads=4, num_experts=12, top_k=3
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     return init_checkpoint("deepseek_v3", tmp_path_factory.mktemp("dsv3") / "m", preset="tiny", seed=4, **SHAPE)
 

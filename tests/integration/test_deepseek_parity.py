@@ -45,7 +45,7 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """name -> checkpoint dir, built once per shape (the shared cache's names would be too long)."""
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     root, built = tmp_path_factory.mktemp("deepseek"), {}
 

@@ -11,17 +11,17 @@ import torch
 from ep_group import complete, start_group
 from moed_server import ROOT, start_server
 
-from moed.model.spec import load_spec
-from moed.parallel.budget import rank_budget
+from moed.model.hf_config import load_spec
+from moed.parallel.memory import rank_memory
 
 ARGS = ["--kv-cache-memory", "2", "--served-model-name", "m", "--dtype", "bfloat16"]
 
 
 def test_refused_at_ep1_served_at_ep4(moed_server, tiny_qwen3, tmp_path) -> None:
     spec = load_spec(tiny_qwen3)
-    blocks = (2 << 20) // rank_budget(spec, torch.bfloat16, 1, 0, 1, 16, 0).kv_block_bytes
-    need1 = rank_budget(spec, torch.bfloat16, 1, 0, blocks, 16, 0).total_bytes
-    need4 = rank_budget(spec, torch.bfloat16, 4, 0, blocks, 16, 0).total_bytes
+    blocks = (2 << 20) // rank_memory(spec, torch.bfloat16, 1, 0, 1, 16, 0).kv_block_bytes
+    need1 = rank_memory(spec, torch.bfloat16, 1, 0, blocks, 16, 0).total_bytes
+    need4 = rank_memory(spec, torch.bfloat16, 4, 0, blocks, 16, 0).total_bytes
     limit_mb = -(-need4 // 2**20)
     assert need4 <= limit_mb << 20 < need1           # the experts are what does not fit
     env = {"MOED_PARALLEL_RANK_MEMORY_MB": str(limit_mb)}
@@ -46,7 +46,7 @@ def test_refused_at_ep1_served_at_ep4(moed_server, tiny_qwen3, tmp_path) -> None
     time.sleep(3.0)
     used = [b - a for a, b in zip(before, cpu())]
     assert max(used) < 0.3, used
-    total = rank_budget(spec, torch.bfloat16, 1, 0, 0, 16, 0).all_expert_bytes
+    total = rank_memory(spec, torch.bfloat16, 1, 0, 0, 16, 0).all_expert_bytes
     for srv in ranks:
         budget = [r for r in srv.log_records() if r.get("event") == "memory_budget"]
         assert budget and budget[0]["kv_blocks_fit"] >= blocks, budget   # room beside the weights

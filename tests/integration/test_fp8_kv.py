@@ -26,7 +26,7 @@ from moed_server import free_port, started_together
 
 from moed.model import archs
 from moed.model.kv_layout import FP8
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,7 +28,7 @@ QWEN = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, num_expe
 
 @pytest.fixture(scope="module", params=["deepseek-fp8", "qwen-online-int4"])
 def cluster(request, tmp_path_factory):
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
 
     d = tmp_path_factory.mktemp("quant-pd")
     env = dict(COMMON)

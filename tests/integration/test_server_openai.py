@@ -156,7 +156,7 @@ def _expert_tokens_per_layer(srv) -> dict[int, float]:
 def test_expert_load_metrics(client, srv, tiny_qwen3):
     """Every token forwarded reaches each MoE layer's top-k experts: the per-layer sum of
     moed_expert_tokens_total grows by exactly top_k x forwarded tokens; dense layers stay out."""
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
 
     spec = load_spec(tiny_qwen3)
     moe = [i for i in range(spec.num_layers) if i not in spec.dense_layers]

@@ -1,6 +1,6 @@
 """Tool calling on a Mistral checkpoint whose [TOOL_CALLS] is a special token (as in real
 Mistral tokenizers), through the official openai client against a real colocated `moed serve`,
-and skip_special_tokens shown and hidden. moed.model.init writes [TOOL_CALLS] as plain text, so
+and skip_special_tokens shown and hidden. moed.dev.checkpoint writes [TOOL_CALLS] as plain text, so
 the fixture makes it special: the tiny tokenizer's last merge gives up its id to it (the model's
 vocabulary size stays the same)."""
 from __future__ import annotations

@@ -29,7 +29,7 @@ EOT = "<|endoftext|>"       # separates documents in the training stream
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: dict[str, Any]           # moed's checkpoint names (moed/model/init.py), vocab_size aside
+    model: dict[str, Any]           # moed's checkpoint names (moed/dev/checkpoint.py), vocab_size aside
     vocab_size: int = 4096
     seq_len: int = 512
     batch_size: int = 8
@@ -98,7 +98,7 @@ class Data:
 
 
 def load_data(cfg: TrainConfig, root: Path | None = None) -> Data:
-    from moed.model import bpe_train
+    from moed.dev import bpe_train
 
     files = corpus.list_files(root)
     train, heldout = corpus.split(files)
@@ -140,7 +140,7 @@ def heldout_chunks(tok: Any, files: list[str] | tuple[str, ...], size: int, root
 # --------------------------------------------------------------------------------------- model
 
 def build_config(cfg: TrainConfig, tok: Any):
-    from moed.model import bpe_train, init
+    from moed.dev import bpe_train, checkpoint as init
 
     ids = {t: tok.token_to_id(t) for t in bpe_train.SPECIAL_TOKENS["chatml"]}
     params = {**cfg.model, "vocab_size": tok.get_vocab_size(), "dtype": "float32"}
@@ -263,7 +263,7 @@ def export(model: Model, data: Data, cfg: TrainConfig, out: Path, meta: dict[str
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    from moed.model import init
+    from moed.dev import checkpoint as init
 
     hf_logging.disable_progress_bar()
     out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ import structlog
 
 from moed.kvcache.tiers import fileio
 from moed.kvcache.tiers.iopool import IOPool, Watchdog
-from moed.kvcache.tiers.policy import (Bandwidth, Candidate, Latency, LoadPlan, benefit, plan_load,
+from moed.kvcache.tiers.policy import (Bandwidth, EvictionCandidate, Latency, LoadPlan, benefit, plan_load,
                                        victims)
 from moed.kvcache.tiers.store import BlockStore, CorruptBlock, DiskStore, HostStore, NotRegular
 
@@ -470,9 +470,9 @@ class TieredCache:
         return None if e is None else e.tier
 
     # ---- placement --------------------------------------------------------------------------
-    def _candidates(self, tier: str) -> list[Candidate]:
+    def _candidates(self, tier: str) -> list[EvictionCandidate]:
         now = time.monotonic()
-        return [Candidate(k, e.nbytes, benefit(e.hits, now - e.last_use, self.recompute_s_per_byte,
+        return [EvictionCandidate(k, e.nbytes, benefit(e.hits, now - e.last_use, self.recompute_s_per_byte,
                                                self.s.half_life_s), e.pins > 0)
                 for k, e in self._index.items() if e.tier == tier]
 

@@ -24,14 +24,15 @@ def benefit(hits: int, age_s: float, recompute_s_per_byte: float,
 
 
 @dataclass(frozen=True)
-class Candidate:
+class EvictionCandidate:
+    """A stored entry as eviction sees it (not a node: that is balance.candidate.Candidate)."""
     key: int
     nbytes: int
     benefit: float
     pinned: bool = False
 
 
-def victims(entries: Iterable[Candidate], need_bytes: int) -> list[int] | None:
+def victims(entries: Iterable[EvictionCandidate], need_bytes: int) -> list[int] | None:
     """Keys to evict, lowest benefit first, until `need_bytes` are freed; None when even every
     unpinned entry would not free enough (the caller then does not store)."""
     if need_bytes <= 0:

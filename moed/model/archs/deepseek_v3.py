@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from moed.model.archs import Arch, InitRecipe, register
 from moed.model.archs._hf import INIT_NAMES
 from moed.model.attention.mla import MLAAttention
-from moed.model.context import ComputeContext
+from moed.model.context import ComputeContext, ExpertPlacement
 from moed.model.decoder import DecoderLayer, Weights, dense_block
 from moed.model.kv_layout import KVLayout
 from moed.model.layers import DenseMLP, Linear
-from moed.model.moe import ExpertPlacement, MoELayer, Router
+from moed.model.moe import MoELayer, Router
 from moed.model.quant.weight import cat_rows
 from moed.model.spec import ModelSpec, SpecError, required
 

@@ -429,7 +429,7 @@ static void route(const float *logits, long ldl, long T, long E, long k, int nor
  * (n + offset) % nrep[e], so every replica gets floor or ceil of e's rows / replicas (the flat
  * index modulo replicas put all of an expert's rows on one replica when it was mostly some
  * token's j-th choice); offset (the router's call count) rotates which replica takes the extra
- * row. The same split as moed/balance/experts_route.py. load [E] (may be NULL) counts rows per
+ * row. The same split as moed/model/experts_route.py. load [E] (may be NULL) counts rows per
  * logical expert. Returns 0; -1 out of memory; -2 a bad expert map. */
 static int map_slots(const long *ids, long rows, long E, const int64_t *l2p, long max_rep,
                      const int64_t *nrep, long offset, long P, int64_t *phys, int64_t *load) {

@@ -11,7 +11,7 @@ import pytest
 from moed.api.errors import APIError
 from moed.api.protocol import parse_request
 from moed.api.tools import ChatOutput, bind, tool_grammar, template_args
-from moed.model import tool_parsers as tp
+from moed.api import tool_parsers as tp
 from moed.model.tokenizer import Tokenizer
 from moed.types import GrammarSpec
 

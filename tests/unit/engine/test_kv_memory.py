@@ -47,7 +47,7 @@ def test_fraction_config_sizes_the_cache_and_is_exclusive_with_blocks(make_check
     from moed import preflight
     from moed.config import Config, ConfigError, EngineConfig, ModelConfig
     from moed.engine import memory
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
 
     path = str(make_checkpoint("qwen3_moe"))
     with pytest.raises(ConfigError, match="kv_cache_memory_fraction: set it or engine.num_kv_blocks"):

@@ -3,7 +3,7 @@ runner: the model's tokens, steps in budget, short prompts first, remote-KV park
 preemption when KV runs out, seats, the advertised queue."""
 from __future__ import annotations
 
-from moed.balance.budget import Buckets, whole_budget
+from moed.balance.step_time import Buckets, whole_budget
 from moed.balance.cost import Coefficients, CostModel
 from moed.engine.request import Request
 from moed.engine.scheduler import Scheduler, TimeBudget

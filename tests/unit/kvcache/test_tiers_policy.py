@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moed.kvcache.tiers.policy import Bandwidth, Candidate, Latency, benefit, plan_load, victims
+from moed.kvcache.tiers.policy import Bandwidth, EvictionCandidate, Latency, benefit, plan_load, victims
 
 
 def test_benefit_grows_with_reuse_and_recompute_cost_and_decays_with_age() -> None:
@@ -15,8 +15,8 @@ def test_benefit_grows_with_reuse_and_recompute_cost_and_decays_with_age() -> No
 
 
 def test_victims_lowest_benefit_first_never_pinned() -> None:
-    c = [Candidate(1, 10, 0.5), Candidate(2, 10, 0.1, pinned=True), Candidate(3, 10, 0.2),
-         Candidate(4, 10, 0.9)]
+    c = [EvictionCandidate(1, 10, 0.5), EvictionCandidate(2, 10, 0.1, pinned=True),
+         EvictionCandidate(3, 10, 0.2), EvictionCandidate(4, 10, 0.9)]
     assert victims(c, 15) == [3, 1]
     assert victims(c, 0) == []
     assert victims(c, 31) is None           # only 30 unpinned bytes exist

@@ -12,11 +12,12 @@ import torch
 
 from moed.model import archs
 from moed.model.batch import ForwardBatch
-from moed.model.init import init_archs
+from moed.dev.checkpoint import init_archs
 from moed.model.kv_layout import KVLayout
 from moed.model.loader import compile_rules
 from moed.model.runner import ModelRunner
-from moed.model.spec import ModelSpec, SpecError, load_spec, spec_from_config
+from moed.model.spec import ModelSpec, SpecError
+from moed.model.hf_config import load_spec, spec_from_config
 
 
 def test_lookup():

@@ -26,7 +26,7 @@ from moed.model.kernels.choice import NATIVE_ONLY, FixedChooser
 from moed.model.kv_layout import KVLayout
 from moed.model.layers import Rotary, apply_rotary, rms_norm
 from moed.model.moe import MoELayer
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 from conftest import forced_isa, isa_params     # tests/unit/model/conftest.py
 from torch_threads import threads     # tests/unit/model/torch_threads.py

@@ -16,7 +16,7 @@ from moed.model.context import ComputeContext
 from moed.model.kernels import choice as C
 from moed.model.layers import Linear
 from moed.model.moe import MoELayer, fused_serves
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 CPU = torch.device("cpu")
 

@@ -14,7 +14,7 @@ from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kv_layout import FP8, FP8_MAX, KVLayout, dequantize_kv, kv_cache_dtype, quantize_kv
 from moed.model.runner import ModelRunner, auto_num_blocks
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 PLAIN = ComputeContext(torch.device("cpu"), torch.float32)
 ARCHS = ("qwen3_moe", "deepseek_v3")

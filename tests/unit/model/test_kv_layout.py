@@ -12,7 +12,7 @@ import torch
 from moed.model import archs
 from moed.model.kv_layout import KVLayout
 from moed.model.runner import ModelRunner
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 from moed.transfer.base import RegionLayout
 
 BF16 = torch.bfloat16

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from moed.model.batch import ForwardBatch
 from moed.model.loader import WeightError, load_weights
 from moed.model.runner import ModelRunner
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 KW = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=5, moe_intermediate_size=32)
 

@@ -19,7 +19,7 @@ from moed.model import safetensors_file as ST
 from moed.model import runner as R
 from moed.model.kernels import choice as C
 from moed.model.layers import Linear
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 needs_kernels = pytest.mark.skipif(
     not K.cpu_flags_ok() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),

@@ -11,7 +11,8 @@ from moed.model.attention.registry import get_backend
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kv_layout import KVLayout
-from moed.model.spec import SpecError, spec_from_config
+from moed.model.spec import SpecError
+from moed.model.hf_config import spec_from_config
 
 CFG = dict(model_type="deepseek_v3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=4, n_routed_experts=6, n_group=2, topk_group=1, num_experts_per_tok=2,
@@ -115,7 +116,7 @@ def test_gqa_backends_refuse_mla_and_mla_refuses_mismatch():
 
 
 def test_init_lists_deepseek():
-    from moed.model.init import init_archs
+    from moed.dev.checkpoint import init_archs
 
     assert "deepseek_v3" in init_archs()
 
@@ -124,9 +125,9 @@ def test_checkpoint_with_an_mtp_layer_loads(tmp_path):
     """Real DeepSeek-V3 checkpoints carry the MTP head as a layer past num_hidden_layers: not read."""
     from safetensors.torch import load_file, save_file
 
-    from moed.model.init import init_checkpoint
+    from moed.dev.checkpoint import init_checkpoint
     from moed.model.loader import load_weights
-    from moed.model.spec import load_spec
+    from moed.model.hf_config import load_spec
 
     d = init_checkpoint("deepseek_v3", tmp_path / "m", preset="tiny", hidden_size=64, num_layers=2,
                         num_heads=4, num_experts=8, moe_intermediate_size=32, vocab_size=512)

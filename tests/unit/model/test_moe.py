@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moed.balance.experts_route import split_over_replicas
 from moed.model.context import ComputeContext, can_pack
+from moed.model.executor import ExpertExecutor, MoEMode, Routing
+from moed.model.experts_route import split_over_replicas
+from moed.model.hf_config import spec_from_config
 from moed.model.layers import Linear
-from moed.model.moe import ExpertExecutor, LocalExperts, MoELayer, Routing
-from moed.model.spec import spec_from_config
+from moed.model.moe import LocalExperts, MoELayer
 
 CPU = torch.device("cpu")
 E, H, I = 6, 64, 32
@@ -55,7 +56,7 @@ class PreSplitMoE:
             phys = self.logical_to_physical[flat, 0]
         else:
             # the one change since: each expert's own tokens numbered, modulo its replicas,
-            # offset by the call count (balance/experts_route.py; was flat index % replicas)
+            # offset by the call count (model/experts_route.py; was flat index % replicas)
             phys = split_over_replicas(logical, self.logical_to_physical, self.num_replicas,
                                        self.calls).reshape(-1)
             self.calls += 1
@@ -151,6 +152,24 @@ def test_local_experts_compute_the_weighted_sum_of_their_assignment():
             g_, u = (gate_up[e] @ x[t]).chunk(2)
             ref += weights[t, j] * (down[e] @ (F.silu(g_) * u))
         torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_run_grouped_is_what_an_ep_rank_computes():
+    """SlotExperts.run_grouped: rows grouped by slot -> each row's own expert output (TORCH);
+    FUSED on experts without the CPU kernels' copies is refused, never silently the other path."""
+    _, gate_up, down = _weights(torch.float32, seed=5, replicated=False)
+    ex = LocalExperts(gate_up, down, pack=False, kernels=None, packed=None)
+    per_slot = torch.tensor([2, 0, 1, 0, 3, 1])                      # empty slots too
+    xs = torch.randn(int(per_slot.sum()), H, generator=torch.Generator().manual_seed(8))
+    out = ex.run_grouped(xs, per_slot, MoEMode.TORCH)
+    slots = torch.repeat_interleave(torch.arange(len(per_slot)), per_slot).tolist()
+    assert out.shape == xs.shape
+    for row, e in enumerate(slots):
+        g_, u = (gate_up[e] @ xs[row]).chunk(2)
+        torch.testing.assert_close(out[row], down[e] @ (F.silu(g_) * u), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="fused CPU kernel path"):
+        ex.run_grouped(xs, per_slot, MoEMode.FUSED)
+    assert int(MoEMode.TORCH) == 0 and int(MoEMode.FUSED) == 1       # the values on the wire
 
 
 def test_the_executor_is_a_seam():

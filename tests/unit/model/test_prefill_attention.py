@@ -16,7 +16,7 @@ from moed.model.attention.torch_backend import TorchBackend
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kv_layout import KVLayout
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 

@@ -16,7 +16,7 @@ from moed.model.quant.linear import qlinear
 from moed.model.quant.quantize import block_fp8, quantize
 from moed.model.quant.weight import QuantWeight, cat_rows
 from moed.model.safetensors_file import WeightError
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 SHAPE = dict(hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4,
              moe_intermediate_size=48, vocab_size=512)
@@ -264,16 +264,16 @@ def test_compressed_tensors_packing_is_the_packages_own():
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_memory_budget_counts_what_the_loader_holds(src, fmt):
-    """parallel.rank_memory_mb and kv_cache_memory_fraction size from rank_budget: with a
+    """parallel.rank_memory_mb and kv_cache_memory_fraction size from rank_memory: with a
     quantization it predicts the loader's held bytes exactly."""
     import torch as _t
 
-    from moed.parallel.budget import rank_budget
+    from moed.parallel.memory import rank_memory
 
     spec = load_spec(src)
     p = plan(src, fmt, 32)
     held = sum(bytes_by_format(load_weights(src, spec, "bfloat16", plan=p)).values())
-    b = rank_budget(spec, _t.bfloat16, 1, 0, 0, 16, 0, quant=p)
+    b = rank_memory(spec, _t.bfloat16, 1, 0, 0, 16, 0, quant=p)
     assert b.weights_bytes == held
 
 

@@ -10,7 +10,7 @@ from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.moe import MoELayer
 from moed.model.runner import ModelRunner, auto_num_blocks
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 
 CPU = torch.device("cpu")
 PLAIN = ComputeContext(CPU, torch.float32)

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from moed.model.spec import SpecError, load_spec, spec_from_config
+from moed.model.spec import SpecError
+from moed.model.hf_config import load_spec, spec_from_config
 
 QWEN_REAL = {  # the shape of a real Qwen3-MoE config.json (top-level rope_theta, num_experts)
     "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,

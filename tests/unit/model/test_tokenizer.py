@@ -83,7 +83,7 @@ def test_chat_template_errors(tiny_mixtral, tmp_path):
 
 
 def test_trained_tokenizer_cache_is_rebuilt_when_corrupt(tmp_path, monkeypatch):
-    from moed.model import bpe_train
+    from moed.dev import bpe_train
 
     monkeypatch.setenv("MOED_CACHE_DIR", str(tmp_path))
     (tmp_path / "tokenizers").mkdir()

@@ -70,7 +70,7 @@ def _rank_main(rank: int, world: int, port: int, case: str) -> None:
     from moed.model.kernels import cpu_kernels
     from moed.model.moe import MoELayer
     from moed.model.spec import ModelSpec
-    from moed.parallel.dispatch import Placement
+    from moed.parallel.dispatch import RankPlacement
     from moed.parallel.layout import EPLayout
 
     torch.set_num_threads(1)
@@ -97,7 +97,7 @@ def _rank_main(rank: int, world: int, port: int, case: str) -> None:
                           timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    place = Placement(layout, rank, torch.device("cpu"))
+    place = RankPlacement(layout, rank, torch.device("cpu"))
     mine = list(place.local_slots)
     ref = MoELayer(spec, router, gate_up, down, torch.zeros(E, dtype=torch.long), ctx)
     ep = MoELayer(spec, router, gate_up[mine].contiguous(), down[mine].contiguous(),

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moed.balance.experts_route import split_over_replicas
+from moed.model.experts_route import split_over_replicas
 from moed.model import kernels as K
 from moed.model.context import ComputeContext
 from moed.model.moe import MoELayer
-from moed.model.spec import load_spec
+from moed.model.hf_config import load_spec
 from moed.parallel.layout import EPLayout
 from moed.parallel.rebalance import plan_moves, router_map
 

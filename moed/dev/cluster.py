@@ -1,4 +1,4 @@
-"""A local prefill/decode cluster in one command: `python -m moed.devcluster` (`make cluster`).
+"""A local prefill/decode cluster in one command: `python -m moed.dev.cluster` (`make cluster`).
 
 One router, two prefill and two decode nodes on 127.0.0.1, each a `moed serve` with the
 shipped conf/router.toml, conf/prefill.toml or conf/decode.toml, the way docs/cluster.md
@@ -10,7 +10,7 @@ all five alive, prints the curl lines, and on Ctrl-C or SIGTERM stops the five (
 SIGKILL after a grace). Every wait is bounded.
 
 The planning (ports, arguments, environment) is pure and unit-tested
-(tests/unit/test_devcluster.py); `main` does the I/O.
+(tests/unit/dev/test_cluster.py); `main` does the I/O.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from moed.config import Config, load
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 LAYOUT = (("router", 1), ("prefill", 2), ("decode", 2))    # role, nodes of it
 HOST = "127.0.0.1"
@@ -295,7 +295,7 @@ def _banner(nodes: Sequence[NodePlan], work: Path, model: Path, took: float) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moed.devcluster",
+    p = argparse.ArgumentParser(prog="python -m moed.dev.cluster",
                                 description=(__doc__ or "").split("\n")[0])
     p.add_argument("--work", type=Path, help="work directory: secrets and logs under run/ "
                    "(default: a new /tmp/moed-cluster-*)")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moed.model import init as model_init
-from moed.model.init import init_checkpoint
+from moed.dev import checkpoint as model_init
+from moed.dev.checkpoint import init_checkpoint
 
 KW = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, moe_intermediate_size=32)
 

@@ -24,7 +24,8 @@ from typing import Any
 import structlog
 import torch
 
-from moed.model import archs, bpe_train
+from moed.dev import bpe_train
+from moed.model import archs
 
 log = structlog.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Tool-call parsers (moed.model.tool_parsers): both families, whole responses and streams split
+"""Tool-call parsers (moed.api.tool_parsers): both families, whole responses and streams split
 at every position, malformed calls, the family choice."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moed.model import tool_parsers as tp
+from moed.api import tool_parsers as tp
 
 QWEN = tp.FAMILIES["qwen"]
 MISTRAL = tp.FAMILIES["mistral"]

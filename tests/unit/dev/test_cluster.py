@@ -1,4 +1,4 @@
-"""moed.devcluster's planning: ports, arguments and environment of the five nodes (no processes)."""
+"""moed.dev.cluster's planning: ports, arguments and environment of the five nodes (no processes)."""
 from __future__ import annotations
 
 import socket
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from moed import devcluster
-from moed.devcluster import RoleFile, alive_urls, child_env, plan, read_role_file
+from moed.dev import cluster as devcluster
+from moed.dev.cluster import RoleFile, alive_urls, child_env, plan, read_role_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = Path("/models/demo-model")
 
 

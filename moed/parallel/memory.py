@@ -1,4 +1,4 @@
-"""The memory budget of one rank: dense weights + its expert slots + KV blocks must fit
+"""One rank's memory (RankMemory): dense weights + its expert slots + KV blocks must fit
 parallel.rank_memory_mb, checked before any weight is read (moed/preflight.py).
 
 All sizes come from the checkpoint's config (moed.model.loader.expected_shapes, the shapes the
@@ -19,7 +19,7 @@ from moed.parallel.layout import EPLayout
 
 
 @dataclass(frozen=True)
-class RankBudget:
+class RankMemory:
     ep_size: int
     slots: int                  # expert slots this rank holds per MoE layer
     dense_bytes: int            # everything but the routed experts (every rank holds it)
@@ -57,9 +57,9 @@ class RankBudget:
                 f"allows {mb(self.limit_bytes)}: {room}")
 
 
-def rank_budget(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, num_blocks: int,
+def rank_memory(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, num_blocks: int,
                 block_size: int, limit_mb: int, redundant: int = 0, quant: object | None = None,
-                kv_dtype: torch.dtype | None = None) -> RankBudget:
+                kv_dtype: torch.dtype | None = None) -> RankMemory:
     """quant: the weights' quantization Plan (moed/model/quant/formats.py), None: plain.
     kv_dtype: the KV cache's (engine.kv_cache_dtype; default: the model's dtype)."""
     from moed.model.quant import plan_bytes
@@ -77,4 +77,4 @@ def rank_budget(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, nu
         slots = EPLayout.contiguous(spec.num_experts, ep_size, redundant).slots_per_rank
     mine = experts * slots // max(spec.num_experts, 1)
     kv = archs.kv_layout(spec, block_size, kv_dtype or dtype).bytes_per_block
-    return RankBudget(ep_size, slots, dense, mine, experts, kv, num_blocks, limit_mb << 20)
+    return RankMemory(ep_size, slots, dense, mine, experts, kv, num_blocks, limit_mb << 20)

@@ -2,7 +2,7 @@
 cost model, bounded partial prefills, no starvation either way."""
 import pytest
 
-from moed.balance.budget import URGENT_SHARE, Buckets, Item, Pick, choose, order, slack, \
+from moed.balance.step_time import URGENT_SHARE, Buckets, Item, Pick, choose, order, slack, \
     chunk_budget, step_budget, ttft_deadline, whole_budget
 from moed.balance.cost import Coefficients, StepShape, add_chunk, shape_of
 

@@ -7,9 +7,9 @@ import torch
 
 from moed.model.loader import load_weights
 from moed.model.runner import ModelRunner
-from moed.model.spec import load_spec
-from moed.parallel.budget import rank_budget
-from moed.parallel.dispatch import Placement
+from moed.model.hf_config import load_spec
+from moed.parallel.memory import rank_memory
+from moed.parallel.dispatch import RankPlacement
 from moed.parallel.layout import EPLayout
 
 
@@ -20,7 +20,7 @@ def test_a_rank_loads_only_its_experts(tiny_qwen3, n: int) -> None:
     one = ModelRunner(tiny_qwen3, dtype="float32", device="cpu", num_blocks=4, block_size=16)
     total = one.resident_expert_bytes()
     for rank in range(n):
-        place = Placement(EPLayout.contiguous(spec.num_experts, n), rank, torch.device("cpu"))
+        place = RankPlacement(EPLayout.contiguous(spec.num_experts, n), rank, torch.device("cpu"))
         part = load_weights(tiny_qwen3, spec, "float32", slots=place.local_slots)
         mine = list(place.local_slots)
         for name, t in full.items():
@@ -31,28 +31,28 @@ def test_a_rank_loads_only_its_experts(tiny_qwen3, n: int) -> None:
         runner = ModelRunner(tiny_qwen3, dtype="float32", device="cpu", num_blocks=4,
                              block_size=16, placement=place)
         assert runner.resident_expert_bytes() * n == total
-        b = rank_budget(spec, torch.float32, n, rank, 4, 16, 0)
+        b = rank_memory(spec, torch.float32, n, rank, 4, 16, 0)
         assert b.expert_bytes == runner.resident_expert_bytes()
         assert b.all_expert_bytes == total
 
 
 def test_budget_refuses_with_numbers_and_bigger_ep_leaves_room_for_kv(tiny_qwen3) -> None:
     spec = load_spec(tiny_qwen3)
-    need1 = rank_budget(spec, torch.bfloat16, 1, 0, 64, 16, 0)
-    need4 = rank_budget(spec, torch.bfloat16, 4, 0, 64, 16, 0)
+    need1 = rank_memory(spec, torch.bfloat16, 1, 0, 64, 16, 0)
+    need4 = rank_memory(spec, torch.bfloat16, 4, 0, 64, 16, 0)
     assert need4.total_bytes < need1.total_bytes
     limit_mb = -(-need4.total_bytes // 2**20)          # fits EP=4, not EP=1
     assert limit_mb << 20 < need1.total_bytes
-    at1 = rank_budget(spec, torch.bfloat16, 1, 0, 64, 16, limit_mb)
-    at4 = rank_budget(spec, torch.bfloat16, 4, 0, 64, 16, limit_mb)
+    at1 = rank_memory(spec, torch.bfloat16, 1, 0, 64, 16, limit_mb)
+    at4 = rank_memory(spec, torch.bfloat16, 4, 0, 64, 16, limit_mb)
     assert not at1.fits and at4.fits
     msg = at1.message()
     assert "dense weights" in msg and "8 expert slots" in msg and "64 KV blocks" in msg
     assert at1.kv_blocks_fit == 0 and at4.kv_blocks_fit > 0
     # with memory both fit in, EP=4's extra KV blocks are the expert bytes it does not hold
     roomy = -(-need1.total_bytes // 2**20) + 1
-    r1 = rank_budget(spec, torch.bfloat16, 1, 0, 64, 16, roomy)
-    r4 = rank_budget(spec, torch.bfloat16, 4, 0, 64, 16, roomy)
+    r1 = rank_memory(spec, torch.bfloat16, 1, 0, 64, 16, roomy)
+    r4 = rank_memory(spec, torch.bfloat16, 4, 0, 64, 16, roomy)
     freed = r1.expert_bytes - r4.expert_bytes
     assert r4.kv_blocks_fit - r1.kv_blocks_fit in (freed // r1.kv_block_bytes,
                                                    freed // r1.kv_block_bytes + 1)

@@ -1,0 +1,55 @@
+"""The MoE/EP seam: what an MoE layer and an expert-parallel executor say to each other.
+
+These types import nothing of moed, so the layer (moed/model/moe.py), the context that carries
+a rank's placement (moed/model/context.py) and the EP executor (moed/parallel/dispatch.py) all
+import them without importing one another.
+
+  MoEMode       which path EP=1 would run for a batch; it travels in the EP header, since the
+                rank that computes serves several sources
+  Routing       the router's decision for a batch: physical experts and weights
+  ExpertExecutor  runs routed tokens through their experts and combines the results
+  SlotExperts   what an EP executor needs of this rank's local experts: rows grouped by slot
+                in, their expert outputs out (moe.LocalExperts gives it)
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+import torch
+
+
+class MoEMode(IntEnum):
+    """An int (IntEnum) because it is sent as int64 in the expert exchange's header."""
+    TORCH = 0     # the router + LocalExperts torch path
+    FUSED = 1     # the native CPU bf16 kernel path (moed.model.moe.fused_serves)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The router's decision for T tokens: choice j of token t goes to physical expert
+    physical[t, j] with weight weights[t, j] (x's dtype); j runs in top-k order."""
+    weights: torch.Tensor     # [T, k]
+    physical: torch.Tensor    # [T, k] int64
+    replicated: bool          # some expert has several replicas (tokens were spread over them)
+
+
+class ExpertExecutor(ABC):
+    """Runs routed tokens through their physical experts and combines the results."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
+        """x [T, H] -> [T, H]: row t = sum_j routing.weights[t, j] * expert_{physical[t, j]}(x[t]).
+        mode: the path EP=1 runs for this batch (an executor with one path ignores it)."""
+
+
+class SlotExperts(Protocol):
+    """This rank's expert slots, as an expert-parallel executor uses them."""
+    num_physical: int         # slots held here
+
+    def run_grouped(self, xs: torch.Tensor, per_slot: torch.Tensor, mode: MoEMode) -> torch.Tensor:
+        """Rows grouped by local slot (per_slot [S] rows each, in slot order) -> their expert
+        outputs, unweighted, in the same order, computed as EP=1's path for `mode` does."""
+        ...
