@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Protocol, runtime_checkable
@@ -48,11 +47,10 @@ from moed.api.auth import load_keys
 from moed.api.middleware import auth, read_body, request_context
 from moed.api.state import STATE, ServerState
 from moed.balance import capacity
-from moed.config import Config
+from moed.config import Config, needs_cluster_key, node_name
 from moed.engine.client import EngineClient
 from moed.engine.stream import StepStats
 from moed.obs import metrics
-from moed.preflight import needs_cluster_key
 
 log = structlog.get_logger(__name__)
 
@@ -83,10 +81,6 @@ class BaseComponent:
 
     async def stop(self) -> None:
         pass
-
-
-def node_name(cfg: Config) -> str:
-    return cfg.server.node_name or f"{socket.gethostname()}-{cfg.server.port}"
 
 
 def served_model_name(cfg: Config) -> str:

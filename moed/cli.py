@@ -357,7 +357,7 @@ def _refuse_model_flags_on_a_router(args: argparse.Namespace, cfg: Config) -> No
 
 
 def _configure_logs(cfg: Config, args: argparse.Namespace | None = None) -> None:
-    from moed.app import node_name
+    from moed.config import node_name
     from moed.obs import log as obslog
 
     obslog.configure(cfg.server.log_format, cfg.server.log_level, role=cfg.server.role,
@@ -590,8 +590,9 @@ def cmd_config_rollback(args: argparse.Namespace) -> int:
 def cmd_config_show(args: argparse.Namespace) -> int:
     """A history entry as TOML, from the state directory (full values: the admin API
     redacts anything named like a key, which a restored file needs)."""
-    from moed.config import FileRefused, from_dict, read_regular_file
+    from moed.config import from_dict
     from moed.ops.history import FILE, MAX_FILE_BYTES, ConfigHistory, parse
+    from moed.safefile import FileRefused, read_regular_file
 
     directory = args.state_dir or os.environ.get("STATE_DIRECTORY", "").split(":")[0]
     if not directory:

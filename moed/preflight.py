@@ -15,6 +15,8 @@ Each check reads what the node itself reads at start, with the node's own functi
 - for prefill/decode: the KV transfer backend importable;
 - with trace.endpoint set: the OpenTelemetry extra importable (moed/obs/trace.py);
 - with tiers.disk_bytes: tiers.disk_dir given and writable (moed/kvcache/tiers).
+The rules across settings alone are moed/config/rules.py's (`parallel`, `tiers_disk`,
+`needs_cluster_key`); the checks here read what those settings name.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from moed.config import Config, ConfigError
+from moed.config import Config, ConfigError, node_name, rules
 
 # what each transfer.backend imports when its agent starts (moed/transfer/nixl_backend.py)
 TRANSFER_IMPORTS = {"nixl": "nixl._api"}
@@ -33,13 +35,13 @@ TRANSFER_IMPORTS = {"nixl": "nixl._api"}
 def check(cfg: Config) -> None:
     """Every check, in the order the node's start meets them (moed.app.build_components, then
     the engine); a ConfigError naming the first that fails."""
-    if needs_cluster_key(cfg):
+    if rules.needs_cluster_key(cfg):
         cluster_key(cfg)
     key_sources(cfg)
     if cfg.trace.endpoint:          # the trace extra installed, its headers file readable
         from moed.obs import trace
         trace.check(cfg.trace)
-    parallel(cfg)
+    rules.parallel(cfg)
     tiers(cfg)
     if cfg.server.role != "router":
         model(cfg)
@@ -59,27 +61,11 @@ def kv_events() -> None:
                               f"moed[kvevents]") from None
 
 
-def parallel(cfg: Config) -> None:
-    """[parallel] across its fields: a rank below the size, a rendezvous for a group."""
-    p = cfg.parallel
-    if p.ep_rank >= p.ep_size:
-        raise ConfigError(f"parallel.ep_rank: {p.ep_rank} is not below parallel.ep_size "
-                          f"{p.ep_size}")
-    if p.ep_size == 1 and (p.redundant_experts or p.eplb_interval_s):
-        key = "redundant_experts" if p.redundant_experts else "eplb_interval_s"
-        raise ConfigError(f"parallel.{key}: the expert balancer places experts over the ranks "
-                          f"of an expert-parallel group; it needs parallel.ep_size > 1")
-    if p.ep_size > 1 and not p.ep_init:
-        raise ConfigError(f"parallel.ep_init: ep_size {p.ep_size} needs rank 0's rendezvous, "
-                          f"tcp://host:port (--ep-init)")
-
-
 def tiers(cfg: Config) -> None:
-    """[tiers] across its fields: a disk tier needs a directory the node can write."""
+    """[tiers]: a disk tier needs a directory (moed/config/rules.py) the node can write."""
     t = cfg.tiers
+    rules.tiers_disk(cfg)
     if t.disk_bytes > 0:
-        if not t.disk_dir:
-            raise ConfigError("tiers.disk_bytes: a disk tier needs tiers.disk_dir")
         d = Path(t.disk_dir)
         while not d.exists() and d.parent != d:     # created at start: its parent must be
             d = d.parent
@@ -94,11 +80,6 @@ def tiers(cfg: Config) -> None:
                 raise ConfigError(f"tiers.disk_io: {e}") from None
 
 
-def needs_cluster_key(cfg: Config) -> bool:
-    """The condition under which moed.app.build_components signs node-to-node calls."""
-    return cfg.server.role in ("prefill", "decode") or cfg.cluster.enabled
-
-
 def key_sources(cfg: Config) -> None:
     from moed.ops.daemon import load_key_source
 
@@ -110,7 +91,6 @@ def key_sources(cfg: Config) -> None:
 
 def cluster_key(cfg: Config) -> None:
     from moed.api.internal import InternalAuth
-    from moed.app import node_name
 
     InternalAuth.from_config(cfg, node_name(cfg))
 

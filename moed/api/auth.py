@@ -15,7 +15,7 @@ import os
 from typing import Mapping
 
 from moed.api.errors import APIError
-from moed.config import FileRefused, read_regular_file
+from moed.safefile import FileRefused, read_regular_file
 
 MAX_KEYS_BYTES = 1 << 20     # a file of API keys or tokens; /dev/zero-like files are refused
 

@@ -256,7 +256,7 @@ def require_operator(request: web.Request) -> None:
         return
     state = request.app.get(STATE)
     if state is not None and getattr(state, "internal_auth", None) is None:
-        from moed.preflight import needs_cluster_key
+        from moed.config import needs_cluster_key
         if not needs_cluster_key(state.config):
             # no cluster key on this node, ever: the admin token is the one way in (not a
             # 503 "starting" that never ends)

@@ -19,7 +19,8 @@ import structlog
 from aiohttp import web
 
 from moed import __version__
-from moed.config import Config, ConfigError, FileRefused, read_regular_file
+from moed.config import Config, ConfigError
+from moed.safefile import FileRefused, read_regular_file
 
 from .clock import AsyncioScheduler
 from .members import SwimConfig

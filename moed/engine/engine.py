@@ -197,8 +197,8 @@ class Engine:
         self.scheduler.recompute_s_per_token = t.recompute_us_per_token * 1e-6
         if not t.enabled:
             return None
-        if not self.cfg.enable_prefix_caching:
-            raise ValueError("KV tiers need engine.enable_prefix_caching")
+        from moed.config.rules import tiers_need_prefix_caching
+        tiers_need_prefix_caching(self.cfg, t)
         from moed.kvcache.tiers import TieredCache, TierSettings
         from moed.kvcache.tiers.kvio import KVBlockIO
 

@@ -129,7 +129,7 @@ def read_headers(path: str) -> dict[str, str]:
     collector's API key lives here, never in the TOML."""
     if not path:
         return {}
-    from moed.config import FileRefused, read_regular_file
+    from moed.safefile import FileRefused, read_regular_file
 
     try:
         text = read_regular_file(path, MAX_HEADERS_BYTES).decode("utf-8")

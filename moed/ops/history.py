@@ -27,7 +27,8 @@ from typing import Any, Mapping
 
 import structlog
 
-from moed.config import Config, ConfigError, FileRefused, read_regular_file
+from moed.config import Config, ConfigError
+from moed.safefile import FileRefused, read_regular_file
 
 log = structlog.get_logger(__name__)
 

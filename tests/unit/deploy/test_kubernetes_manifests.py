@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from moed import cli, preflight
-from moed.config import OTHER_ENV, _env_fields, load
+from moed.config import OTHER_ENV, env_fields, load, rules
 
 REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy" / "kubernetes"
@@ -284,7 +284,7 @@ def file_in_volume(t: dict[str, Any], c: dict[str, Any], path: str, cms: dict[st
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pods_can_take_moed_settings_from_the_environment(rendered, overlay) -> None:
-    valid = set(_env_fields()) | set(OTHER_ENV)
+    valid = set(env_fields()) | set(OTHER_ENV)
     for w, t in pod_templates(rendered[overlay]):
         spec = t["spec"]
         # one MOED_<SERVICE>_* variable per Service would make moed refuse to start
@@ -402,10 +402,10 @@ def moed_config(argv: list[str], env: dict[str, str]):
     try:                      # the key readers take their *_env variables from os.environ
         os.environ.clear()
         os.environ.update(env)
-        if preflight.needs_cluster_key(cfg):
+        if rules.needs_cluster_key(cfg):
             preflight.cluster_key(cfg)
         preflight.key_sources(cfg)
-        preflight.parallel(cfg)
+        rules.parallel(cfg)
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -107,7 +107,7 @@ def test_redundant_slots_never_put_two_copies_on_one_rank(e, n, r) -> None:
 
 def test_balancer_settings_are_refused_where_they_cannot_apply(make_checkpoint) -> None:
     from moed import preflight
-    from moed.config import Config, ConfigError, ModelConfig, ParallelConfig
+    from moed.config import Config, ConfigError, ModelConfig, ParallelConfig, rules
 
     path = str(make_checkpoint("qwen3_moe"))              # 8 experts
     spec = load_spec(path)
@@ -115,10 +115,10 @@ def test_balancer_settings_are_refused_where_they_cannot_apply(make_checkpoint) 
                     ({"eplb_interval_s": 5.0}, "eplb_interval_s")):
         cfg = Config(model=ModelConfig(path=path), parallel=ParallelConfig(**kw))
         with pytest.raises(ConfigError, match=f"parallel.{key}: .*ep_size > 1"):
-            preflight.parallel(cfg)
+            rules.parallel(cfg)
     group = dict(ep_size=2, ep_init="tcp://127.0.0.1:29500")
     ok = Config(model=ModelConfig(path=path), parallel=ParallelConfig(redundant_experts=4, **group))
-    preflight.parallel(ok)
+    rules.parallel(ok)
     preflight.memory_budget(ok, spec, torch.bfloat16, 4)
     bad = Config(model=ModelConfig(path=path), parallel=ParallelConfig(redundant_experts=5, **group))
     with pytest.raises(ConfigError, match="parallel.redundant_experts: 9 slots per rank .* at most 4"):

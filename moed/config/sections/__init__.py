@@ -1,0 +1,24 @@
+"""The config's sections: one frozen dataclass per TOML table, each checking its own fields
+(bounds, choices, formats) when built. Rules across sections: moed/config/rules.py."""
+from moed.config.sections.cluster import (BALANCE_POLICIES, MS_DAY, MS_HOUR, BalanceConfig,
+                                          ClusterConfig, RouterConfig, TransferConfig)
+from moed.config.sections.kv import (KV_EVENT_FORMATS, KV_EVENT_PUBLISHERS, KVEventsConfig,
+                                     TiersConfig)
+from moed.config.sections.model import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES,
+                                        QUANTIZATIONS, TOOL_PARSERS, EngineConfig, ModelConfig,
+                                        ParallelConfig, StructuredConfig)
+from moed.config.sections.release import (CANARY_HEADER_CHARS, LABEL_CHARS, CanaryConfig,
+                                          ReleaseConfig)
+from moed.config.sections.server import (LOG_FORMATS, LOG_LEVELS, METRICS_ACCESS,
+                                         PREFIX_CACHE_ISOLATION, ROLES, AdmissionConfig,
+                                         ServerConfig, TraceConfig)
+
+__all__ = [
+    "ATTENTION_BACKENDS", "BALANCE_POLICIES", "CANARY_HEADER_CHARS", "KV_CACHE_DTYPES",
+    "KV_EVENT_FORMATS", "KV_EVENT_PUBLISHERS", "LABEL_CHARS", "LOG_FORMATS", "LOG_LEVELS",
+    "METRICS_ACCESS", "MODEL_DTYPES", "MS_DAY", "MS_HOUR", "PREFIX_CACHE_ISOLATION",
+    "QUANTIZATIONS", "ROLES", "TOOL_PARSERS",
+    "AdmissionConfig", "BalanceConfig", "CanaryConfig", "ClusterConfig", "EngineConfig",
+    "KVEventsConfig", "ModelConfig", "ParallelConfig", "ReleaseConfig", "RouterConfig",
+    "ServerConfig", "StructuredConfig", "TiersConfig", "TraceConfig", "TransferConfig",
+]
