@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moed.balance.cost import Coefficients, ExpertShape, add_chunk, shape_of  # noqa: E402
-from moed.balance.scale import NodeLoad, PlanConfig, Planner, Snapshot  # noqa: E402
+from moed.balance.scale import PlanConfig, Planner  # noqa: E402
+from moed.balance.scale_view import NodeLoad, Snapshot  # noqa: E402
 
 DEFAULT_COEF = Coefficients(overhead_s=0.004, per_token_s=4.5e-4, per_pair_s=2.9e-7,
                             per_decode_s=1.5e-3, per_expert_s=0.0)

@@ -5,36 +5,32 @@ the parser reads the body only through a view that refuses an undeclared name (a
 any test that sends the field), and tests/unit/api/test_request_fields.py proves every declared
 field applied or refused. A field not declared is unknown and ignored (load generators send
 extras a server may not know); a known field of the wrong type or out of range is an
-APIError(400) naming the field in `param`. A field moed knows but does not implement is refused
-with a 400 naming it, never silently dropped (`_refuse_unsupported`). Every integer
-has a range and every string taken must encode as UTF-8 (JSON can carry a lone surrogate,
-"\ud800", that the tokenizer and every encoder refuse: a 500 if it got that far).
+APIError(400) naming the field in `param` (the field readers: moed.api.readers). A field moed
+knows but does not implement is refused with a 400 naming it, never silently dropped
+(`_refuse_unsupported`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from moed.api.errors import APIError, bad_request
+# check_text, parse_messages, parse_token_ids: the same rules for the same fields on the
+# utility endpoints (moed.api.tokens)
+from moed.api.readers import (TOKEN_ID_LIMIT, Prompt, check_text, parse_messages,
+                              parse_token_ids, read_bool, read_float, read_int,
+                              read_logit_bias, read_prompts, read_stop)
 from moed.api.salt import MAX_CLIENT_SALT, effective_salt
 from moed.api.structured import parse_structured
-from moed.api.tools import (TemplateArgs, ToolRequest, history_fields, parse_template,
-                            parse_tools, spaces_refused)
+from moed.api.tools import TemplateArgs, ToolRequest, parse_template, parse_tools, spaces_refused
 from moed.types import ContextRule, GrammarSpec, SamplingParams
 
 MAX_N = 16               # choices per request: bounded so one request cannot flood the engine
 MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_LOGIT_BIAS = 300     # OpenAI's limit on logit_bias entries
 MAX_TOKENS = 1 << 24     # token counts: no context is longer (model.max_model_len's bound)
-TOKEN_ID_LIMIT = 1 << 31  # token ids without a vocabulary at hand: int32, as every vocabulary
 # vLLM's seed range (torch.long). torch.Generator.manual_seed maps it one-to-one onto its 64-bit
 # seed space (-1 is 2**64-1), so distinct seeds never share a stream.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-Prompt = str | tuple[int, ...]
 
 # ---- the accepted fields: every body key the parser reads, per endpoint -----------------------
 # One list (not one per reader): `parse_request` reads the body through `_Body`, which refuses
@@ -164,178 +160,6 @@ class GenerationRequest:
         return max(asks) if asks else None
 
 
-# ---- field readers --------------------------------------------------------------------------
-
-def _present(body: dict[str, Any], key: str) -> bool:
-    return body.get(key) is not None
-
-
-def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"'{key}' must be an integer, got {type(v).__name__}", key)
-    if not lo <= v <= hi:
-        raise bad_request(f"'{key}' must be in [{lo}, {hi}], got {_num(v)}", key)
-    return v
-
-
-def _num(v: int) -> str:
-    s = str(v)
-    return s if len(s) <= 24 else f"a {len(s)}-digit number"
-
-
-def _text(v: str, key: str, where: str | None = None) -> str:
-    """`v`, refused if it cannot be encoded as UTF-8 (a lone surrogate)."""
-    if not v.isascii():
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise bad_request(f"'{where or key}' is not valid Unicode text: lone surrogate "
-                              f"U+{ord(v[e.start]):04X} at index {e.start}", key) from None
-    return v
-
-
-def _float(body: dict[str, Any], key: str, lo: float, hi: float, *,
-           lo_open: bool = False) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad_request(f"'{key}' must be a number, got {v!r}", key)
-    if v < lo or (lo_open and v == lo) or v > hi:
-        bracket = "(" if lo_open else "["
-        raise bad_request(f"'{key}' must be in {bracket}{lo}, {hi}], got {v}", key)
-    return float(v)
-
-
-def _bool(body: dict[str, Any], key: str) -> bool | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise bad_request(f"'{key}' must be a boolean, got {type(v).__name__}", key)
-    return v
-
-
-def _token_ids(v: Any, key: str, vocab_size: int | None) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                          for t in v):
-        raise bad_request(f"'{key}' must be a list of integer token ids", key)
-    limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
-    if any(t < 0 or t >= limit for t in v):
-        bound = "the vocabulary size" if vocab_size is not None else "2**31"
-        raise bad_request(f"'{key}' token ids must be >= 0 and < {bound} ({limit})", key)
-    return tuple(v)
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise bad_request("'stop' must be a string or a list of strings", "stop")
-    if len(v) > MAX_STOP_STRINGS:
-        raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
-    return tuple(_text(s, "stop") for s in v if s)
-
-
-def _prompts(body: dict[str, Any], vocab_size: int | None) -> tuple[Prompt, ...]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad_request("'prompt' is required", "prompt")
-    p = body["prompt"]
-    if isinstance(p, str):
-        items: list[Any] = [p]
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                           for t in p):
-        items = [p]                       # one prompt of token ids
-    elif isinstance(p, list) and p:
-        items = p                         # a batch: strings or token-id lists
-    else:
-        raise bad_request("'prompt' must be a non-empty string, list of strings, list of token "
-                          "ids or list of token-id lists", "prompt")
-    out: list[Prompt] = []
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise bad_request("'prompt' must not be empty", "prompt")
-            out.append(_text(item, "prompt"))
-        elif isinstance(item, list):
-            if not item:
-                raise bad_request("'prompt' must not be empty", "prompt")
-            out.append(_token_ids(item, "prompt", vocab_size))
-        else:
-            raise bad_request("'prompt' items must be strings or lists of token ids", "prompt")
-    return tuple(out)
-
-
-def _content_text(content: Any, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return _text(content, "messages", f"messages[{i}].content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported",
-                                  "messages")
-            parts.append(_text(part["text"], "messages", f"messages[{i}].content"))
-        return "".join(parts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
-                      "messages")
-
-
-def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
-                              "messages")
-        out.append({"role": role, "content": _content_text(m.get("content"), i),
-                    **history_fields(m, i, role)})
-    if not any(m["content"] or m.get("tool_calls") for m in out):
-        raise bad_request("'messages' must contain some text", "messages")
-    return tuple(out)
-
-
-def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
-    v = body.get("logit_bias")
-    if v is None:
-        return ()
-    if not isinstance(v, dict):
-        raise bad_request("'logit_bias' must be an object mapping token ids to biases",
-                          "logit_bias")
-    if len(v) > MAX_LOGIT_BIAS:
-        raise bad_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries",
-                          "logit_bias")
-    limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
-    out: dict[int, float] = {}
-    for k, b in v.items():
-        ks = str(k)
-        if not (ks.isascii() and ks.isdigit()) or int(ks) >= limit:
-            raise bad_request(f"'logit_bias' keys must be token ids in [0, {limit}), got "
-                              f"{ks[:32]!r}", "logit_bias")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
-                or not -100 <= b <= 100:
-            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {b!r} "
-                              f"for token {ks}", "logit_bias")
-        out[int(ks)] = out.get(int(ks), 0.0) + float(b)   # "01" and "1" are one token
-    return tuple(sorted(out.items()))
-
-
 def _unsupported(name: str, why: str = "is not supported by this server") -> APIError:
     return bad_request(f"'{name}' {why}", name)
 
@@ -353,7 +177,7 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool, n: int) -> None:
     if not chat:
         if body.get("suffix") not in (None, ""):
             raise _unsupported("suffix")
-        best_of = _int(body, "best_of", lo=1, hi=MAX_N)
+        best_of = read_int(body, "best_of", lo=1, hi=MAX_N)
         if best_of is not None and best_of != n:
             raise _unsupported("best_of", f"other than n ({n}) is not supported by this server")
     if not chat:       # chat reads these in moed.api.tools
@@ -366,8 +190,8 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool, n: int) -> None:
 def _skip_special(body: dict[str, Any]) -> bool | None:
     """skip_special_tokens (None: not sent); spaces_between_special_tokens false only where
     special tokens are skipped (moed.api.tools.spaces_refused says why)."""
-    skip = _bool(body, "skip_special_tokens")
-    if _bool(body, "spaces_between_special_tokens") is False and skip is False:
+    skip = read_bool(body, "skip_special_tokens")
+    if read_bool(body, "spaces_between_special_tokens") is False and skip is False:
         raise spaces_refused()
     return skip
 
@@ -383,77 +207,77 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     if model is not None:
-        _text(model, "model")
+        check_text(model, "model")
 
-    n = _int(body, "n", lo=1, hi=MAX_N) or 1
+    n = read_int(body, "n", lo=1, hi=MAX_N) or 1
     _refuse_unsupported(body, chat, n)
-    max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_TOKENS)
-    mct = _int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS)
+    max_tokens = read_int(body, "max_tokens", lo=1, hi=MAX_TOKENS)
+    mct = read_int(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS)
     if mct is not None:
         max_tokens = mct                 # the newer name wins when both are sent
 
     if chat:
-        want_lp = _bool(body, "logprobs")
-        top = _int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+        want_lp = read_bool(body, "logprobs")
+        top = read_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
         if top is not None and not want_lp:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         logprobs = (top or 0) if want_lp else None
     else:
-        logprobs = _int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        logprobs = read_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
 
-    top_k = _int(body, "top_k", lo=-1, hi=TOKEN_ID_LIMIT)
-    stream = bool(_bool(body, "stream"))
+    top_k = read_int(body, "top_k", lo=-1, hi=TOKEN_ID_LIMIT)
+    stream = bool(read_bool(body, "stream"))
     so = body.sub("stream_options")
     if so is not None and not isinstance(so, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    include_usage = bool(_bool(so, "include_usage")) if so else False
-    continuous_usage = bool(_bool(so, "continuous_usage_stats")) if so else False
+    include_usage = bool(read_bool(so, "include_usage")) if so else False
+    continuous_usage = bool(read_bool(so, "continuous_usage_stats")) if so else False
     if (include_usage or continuous_usage) and not stream:
         raise bad_request("'stream_options' is only allowed with 'stream': true",
                           "stream_options")
-    prompt_logprobs = _int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    prompt_logprobs = read_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
     if prompt_logprobs is not None and (chat or stream):   # as vLLM: not with stream
         where = "chat completions" if chat else "'stream': true"
         raise bad_request(f"'prompt_logprobs' is not supported with {where}; use "
                           f"/v1/completions without stream", "prompt_logprobs")
     stop_ids = body.get("stop_token_ids")
-    temperature = _float(body, "temperature", 0.0, 2.0)
-    top_p = _float(body, "top_p", 0.0, 1.0, lo_open=True)
-    rep = _float(body, "repetition_penalty", 0.0, 2.0, lo_open=True)
+    temperature = read_float(body, "temperature", 0.0, 2.0)
+    top_p = read_float(body, "top_p", 0.0, 1.0, lo_open=True)
+    rep = read_float(body, "repetition_penalty", 0.0, 2.0, lo_open=True)
 
     return GenerationRequest(
         chat=chat,
         model=model,
-        prompts=() if chat else _prompts(body, vocab_size),
-        messages=_messages(body) if chat else (),
+        prompts=() if chat else read_prompts(body, vocab_size),
+        messages=parse_messages(body) if chat else (),
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k in (None, -1) else top_k,
-        min_tokens=_int(body, "min_tokens", lo=0, hi=MAX_TOKENS) or 0,
-        seed=_int(body, "seed", lo=SEED_MIN, hi=SEED_MAX),
-        stop=_stop(body),
-        stop_token_ids=() if stop_ids is None else _token_ids(stop_ids, "stop_token_ids",
+        min_tokens=read_int(body, "min_tokens", lo=0, hi=MAX_TOKENS) or 0,
+        seed=read_int(body, "seed", lo=SEED_MIN, hi=SEED_MAX),
+        stop=read_stop(body),
+        stop_token_ids=() if stop_ids is None else parse_token_ids(stop_ids, "stop_token_ids",
                                                              vocab_size),
         n=n,
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        ignore_eos=bool(_bool(body, "ignore_eos")),
-        return_token_ids=bool(_bool(body, "return_token_ids")),
-        echo=bool(_bool(body, "echo")),
+        ignore_eos=bool(read_bool(body, "ignore_eos")),
+        return_token_ids=bool(read_bool(body, "return_token_ids")),
+        echo=bool(read_bool(body, "echo")),
         prompt_logprobs=prompt_logprobs,
-        presence_penalty=_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
-        frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        presence_penalty=read_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=read_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,
         repetition_penalty=1.0 if rep is None else rep,
-        logit_bias=_logit_bias(body, vocab_size),
-        min_p=_float(body, "min_p", 0.0, 1.0) or 0.0,
+        logit_bias=read_logit_bias(body, vocab_size),
+        min_p=read_float(body, "min_p", 0.0, 1.0) or 0.0,
         grammar=parse_structured(body),     # structured outputs (moed.api.structured)
         tools=parse_tools(body) if chat else None,
         template=parse_template(body) if chat else TemplateArgs(),
         skip_special_tokens=_skip_special(body),
-        spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens") is not False,
+        spaces_between_special_tokens=read_bool(body, "spaces_between_special_tokens") is not False,
         cache_salt=_cache_salt(body),
     )
 
@@ -469,12 +293,6 @@ def _cache_salt(body: _Body) -> str:
         raise bad_request(f"'cache_salt' is longer than {MAX_CLIENT_SALT} characters",
                           "cache_salt")
     return v
-
-
-# The same rules for the same fields on the utility endpoints (moed.api.tokens).
-check_text = _text
-parse_messages = _messages
-parse_token_ids = _token_ids
 
 
 def resolve_max_tokens(req: GenerationRequest, prompt_len: int, context: ContextRule) -> int:

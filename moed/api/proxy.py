@@ -13,9 +13,8 @@ Retrying is safe because nothing has been shown to the client yet and generation
 effects. After the first byte is sent a failure can only end the stream: an SSE stream gets an
 OpenAI-shaped error event (and no [DONE]), so the client sees it did not finish.
 
-Backends come from the membership view (alive members whose role is in router.backend_roles
-and whose node-to-node protocol range overlaps ours, with their gossiped load) or, with
-membership off, from router.backends polled on /ready.
+Backends come from the membership view or, with membership off, from router.backends polled
+on /ready (moed.api.backends).
 
 Canary (moed.balance.canary): with canary.label set, each request first gets a side — the
 canary nodes (that version label) for a canary.share of requests or for those whose
@@ -30,7 +29,7 @@ import json
 import random
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping
 
 import aiohttp
 import structlog
@@ -38,15 +37,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from moed.api import affinity
+from moed.api.backends import BackendSource, StaticBackends
 from moed.api.errors import APIError
 from moed.api.middleware import request_id_of
 from moed.api.salt import effective_salt, tenant_tag
 from moed.balance import canary
-from moed.balance.candidate import Candidate, protocol_compatible
+from moed.balance.candidate import Candidate
 from moed.balance.canary import Side
 from moed.balance.router import Placement, PlacementLimits, PromptPrefix, place
-from moed.cluster.state import PROTOCOL, LoadVector
-from moed.config import Config, RouterConfig
+from moed.config import Config
 from moed.kvcache.pool import salt_root
 from moed.obs import metrics, trace
 
@@ -65,93 +64,6 @@ def _forwardable(headers: Mapping[str, str]) -> CIMultiDict[str]:
     named = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
     return CIMultiDict((k, v) for k, v in headers.items()
                        if k.lower() not in _HOP and k.lower() not in named)
-
-
-class BackendSource(Protocol):
-    def backends(self) -> list[Candidate]: ...
-    def mark_failed(self, name: str) -> None: ...
-
-
-class MembershipBackends:
-    """Alive members of the cluster view with a serving role and an HTTP address."""
-
-    def __init__(self, view: Callable[[], object | None], config: Callable[[], Config]) -> None:
-        self._view = view
-        self._config = config
-        self._failed: dict[str, float] = {}   # name → until (a refused connect, before gossip knows)
-
-    def backends(self) -> list[Candidate]:
-        view = self._view()
-        if view is None:
-            return []
-        roles = self._config().router.backend_roles
-        now = time.monotonic()
-        out = []
-        for m in view.alive():  # type: ignore[attr-defined]
-            if m.meta.role in roles and m.meta.http and self._failed.get(m.name, 0.0) < now \
-                    and protocol_compatible(PROTOCOL, m.meta.protocol):
-                out.append(Candidate.of_member(m.name, m.meta.http.rstrip("/"), m.meta, m.load))
-        return out
-
-    def mark_failed(self, name: str) -> None:
-        self._failed[name] = time.monotonic() + 2.0
-
-
-class StaticBackends:
-    """router.backends, each up or down by its last /ready answer (or a failed connect)."""
-
-    def __init__(self, config: Callable[[], Config]) -> None:
-        self._config = config
-        self._up: dict[str, Candidate] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def backends(self) -> list[Candidate]:
-        urls = {u.rstrip("/") for u in self._config().router.backends}
-        return [b for u, b in self._up.items() if u in urls]
-
-    def mark_failed(self, name: str) -> None:
-        self._up.pop(name, None)   # until the next successful /ready
-
-    def start(self, session: aiohttp.ClientSession) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._poll(session), name="router-health")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def poll_once(self, session: aiohttp.ClientSession) -> None:
-        rc = self._config().router
-        urls = [u.rstrip("/") for u in rc.backends]
-        results = await asyncio.gather(*(self._ready(session, u, rc) for u in urls))
-        for url, load in zip(urls, results):
-            if load is None:
-                self._up.pop(url, None)
-            else:
-                waiting, running = load
-                self._up[url] = Candidate(url, url, load=LoadVector(waiting=waiting,
-                                                                    running=running))
-
-    async def _ready(self, session: aiohttp.ClientSession, url: str, rc: RouterConfig
-                     ) -> tuple[int, int] | None:
-        """(waiting, running) from the node's /ready, or None when it cannot take work."""
-        try:
-            async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(
-                    total=max(rc.health_interval_s, rc.connect_timeout_s))) as r:
-                if r.status != 200:
-                    return None
-                body = await r.json(content_type=None)
-                if not isinstance(body, dict):
-                    return 0, 0
-                return int(body.get("waiting", 0)), int(body.get("running", 0))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError):
-            return None
-
-    async def _poll(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            await self.poll_once(session)
-            metrics.ROUTER_BACKENDS.set(len(self.backends()))
-            await asyncio.sleep(self._config().router.health_interval_s)
 
 
 class Proxy:

@@ -11,7 +11,7 @@ GET /cluster returns view().to_json().
 
 Modules: state (states, transitions, view), policy (pure timing functions), wire (HMAC'd
 codec), broadcast (piggyback queue), members (records, config), probe (failure detector),
-swim (the protocol core), clock (real and simulated time), transport + udp (in-memory and
+swim (the protocol core) with its parts ticks, suspicion and names, clock (real and simulated time), transport + udp (in-memory and
 real networks), sim (discrete-event simulation), service (the daemon component).
 """
 from .state import ClusterView, LoadVector, MemberEvent, MemberInfo, MemberState, NodeMeta

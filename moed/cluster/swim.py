@@ -4,23 +4,13 @@ Driven entirely by a TimerScheduler and a Transport, so the daemon (asyncio + UD
 simulator (virtual clock + in-memory network) run this same code. Single-threaded: every
 entry point runs in the scheduler's thread of control; no locks.
 
-Cycle of one node:
-  probe tick (every probe_interval * awareness): see probe.Prober; a failed probe makes us
-  suspect the member.
-  gossip tick: send queued updates to `gossip_nodes` random members. Updates also ride on
-  every ping and ack, each at most retransmit_mult * ceil(log10(n+1)) times.
-  push-pull tick: full state exchange with one random member over a stream (anti-entropy);
-  the same exchange is how a node joins through its seeds (retried while we know nobody).
-  suspicion (Lifeguard): dead after a timeout that shrinks from max to min as independent
-  suspecters confirm it (policy.suspicion_timeout); the suspect refutes by gossiping alive
-  with a higher incarnation. Two refinements of ours: a few members re-probe a fresh suspect
-  at once (confirmations within ~1 probe interval instead of a round-robin), and an
-  unconfirmed suspicion gets one last probe before it kills (a refutation can be missed
-  under loss; if the member answers we pull its state instead).
-Names are unique: a node whose join is answered with a live member holding its name at
-another address refuses to join (NameTaken through `on_join`; it stops), and no member
-merges the state of a process that claims a live member's name from elsewhere. A restart on
-the same address, or anywhere once the old entry is dead or left, is not a conflict.
+Its parts, each sharing the core's member tables on purpose:
+  ticks.Ticks        the probe, gossip, push-pull, load and join ticks;
+  probe.Prober       the failure detector (a failed probe makes us suspect the member);
+  suspicion.Suspicions  Lifeguard's suspicion timers (the suspect refutes by gossiping
+                     alive with a higher incarnation);
+  names.NameGuard    unique names (a duplicate is refused: NameTaken through `on_join`).
+This module keeps the member table, sending, receiving and the message handlers.
 Every handler opens with its incarnation guard; member states change only in _set_state.
 """
 from __future__ import annotations
@@ -33,9 +23,12 @@ import structlog
 
 from . import policy, wire
 from .broadcast import BroadcastQueue
-from .clock import Timer, TimerScheduler
-from .members import IndexedSet, Member, Suspicion, SwimConfig
+from .clock import TimerScheduler
+from .members import IndexedSet, Member, SwimConfig
+from .names import NameGuard, NameTaken
 from .probe import Prober
+from .suspicion import Suspicions
+from .ticks import Ticks
 from .state import (ClusterView, Event, LoadVector, MemberEvent, MemberState, NodeMeta,
                     next_state)
 from .transport import Transport
@@ -43,16 +36,6 @@ from .wire import Ack, Alive, Dead, IndirectPing, Load, Nack, Ping, PushPull, St
 
 Listener = Callable[[MemberEvent], None]
 log = structlog.get_logger(__name__)
-_LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
-
-
-class NameTaken(Exception):
-    """Our name is held by a live member at another address: we must not join."""
-
-    def __init__(self, name: str, holder: str) -> None:
-        super().__init__(f"cluster: node name {name!r} is taken by a live member at {holder}; "
-                         f"give this node a unique server.node_name")
-        self.name, self.holder = name, holder
 
 
 class Membership:
@@ -71,12 +54,13 @@ class Membership:
         self._members: dict[str, Member] = {}
         self._live = IndexedSet()            # alive + suspect, not self
         self._dead = IndexedSet()            # dead/left not yet reclaimed (gossiped to)
-        self._suspicions: dict[str, Suspicion] = {}
         self.prober = Prober(self)
+        self.suspicions = Suspicions(self)
+        self.names = NameGuard(self)
+        self.ticks = Ticks(self)
         self._updates = BroadcastQueue()     # alive/suspect/dead: first claim on space
         self._loads = BroadcastQueue()       # load vectors: what space is left
         self._listeners: list[Listener] = []
-        self._timers: dict[str, Timer] = {}
         self._view: ClusterView | None = None
         self._version = 0
         self._overhead = wire.packet_overhead(name)
@@ -88,8 +72,6 @@ class Membership:
         # (a refusal can still follow a first merge: another seed's answer)
         self.on_join: Callable[[NameTaken | None], None] = lambda err: None
         self._joined = False
-        self._asking: str | None = None      # the holder of our name we are pinging
-        self._past_lives: set[str] = set()   # addresses of our silent previous lives
         me = Member(name, self.addr, incarnation, meta, LoadVector(), scheduler.wall_ms(),
                     self._stamp())
         self._members[name] = me
@@ -114,14 +96,7 @@ class Membership:
 
     def start(self) -> None:
         self.transport.set_handlers(self._on_packet, self._on_stream)
-        c = self.cfg
-        # stagger first ticks so simulated nodes do not probe in lockstep
-        self._every("probe", self.rng.random() * c.probe_interval_s, self._probe_tick)
-        self._every("gossip", self.rng.random() * c.gossip_interval_s, self._gossip_tick)
-        self._every("push_pull", c.push_pull_interval_s * (1 + self.rng.random()),
-                    self._push_pull_tick)
-        self._every("load", c.load_interval_s, self._load_tick)
-        self._every("join", 0.0, self._join_tick)
+        self.ticks.start()
 
     def subscribe(self, fn: Listener) -> Callable[[], None]:
         self._listeners.append(fn)
@@ -165,12 +140,8 @@ class Membership:
 
     def stop(self) -> None:
         self._stopped = True
-        for t in self._timers.values():
-            t.cancel()
-        self._timers.clear()
-        for s in self._suspicions.values():
-            if s.timer:
-                s.timer.cancel()
+        self.ticks.cancel_all()
+        self.suspicions.cancel_all()
         self.transport.shutdown()
 
     def bootstrap(self, others: list[Alive]) -> None:
@@ -181,71 +152,6 @@ class Membership:
                            self._stamp())
                 self._members[a.name] = m
                 self._set_state(m, Event.ALIVE, notify=False)
-
-    # ---- timers -------------------------------------------------------------------------
-
-    def _every(self, key: str, delay: float, fn: Callable[[], None]) -> None:
-        def run() -> None:
-            if not self._stopped:
-                fn()
-        self._timers[key] = self.sched.call_later(delay, run)
-
-    def _probe_tick(self) -> None:
-        self._every("probe", self.prober.interval(), self._probe_tick)
-        if not self._leaving:
-            self.prober.tick()
-
-    def _gossip_tick(self) -> None:
-        self._every("gossip", self.cfg.gossip_interval_s, self._gossip_tick)
-        if not (len(self._updates) or len(self._loads)):
-            return
-        pool = len(self._live) + len(self._dead)
-        if pool == 0:
-            return
-        for i in self.rng.sample(range(pool), min(self.cfg.gossip_nodes, pool)):
-            m = self._members.get(self._live_or_dead(i))
-            if m is None or m.state is MemberState.LEFT:
-                continue
-            if not self._send(m.addr, [], need_updates=True):
-                break
-
-    def _push_pull_tick(self) -> None:
-        n = len(self._live) + 1
-        self._every("push_pull", policy.push_pull_interval(self.cfg.push_pull_interval_s, n),
-                    self._push_pull_tick)
-        if self._leaving:
-            return
-        # Now and then exchange with a member we believe dead (until it is reclaimed): if a
-        # partition has healed, it learns what we think, refutes, and the halves merge.
-        pool = len(self._live) + len(self._dead)
-        if pool == 0:
-            return
-        m = self._members[self._live_or_dead(self.rng.randrange(pool))]
-        if m.state is not MemberState.LEFT:
-            self._send_push_pull(m.addr, join=False, reply=False)
-
-    def _live_or_dead(self, i: int) -> str:
-        """The i-th of live members followed by not-yet-reclaimed dead ones."""
-        n = len(self._live)
-        return self._live.at(i) if i < n else self._dead.at(i - n)
-
-    def _load_tick(self) -> None:
-        self._every("load", self.cfg.load_interval_s, self._load_tick)
-        load = self._pending_load
-        me = self._members[self.name]
-        if load is None or load == me.load:
-            return
-        me.load, me.load_seq = load, me.load_seq + 1
-        self._changed()
-        self._loads.add(self.name, self.codec.fragment(Load(self.name, me.load_seq, load)))
-
-    def _join_tick(self) -> None:
-        """Knock on every seed while we know nobody (seeds may come up after us)."""
-        self._every("join", self.cfg.join_retry_s, self._join_tick)
-        if not self._live and self.seeds and not self._leaving:
-            self.stats["join_attempts"] += 1
-            for seed in self.seeds:
-                self._send_push_pull(seed, join=True, reply=False)
 
     # ---- sending ------------------------------------------------------------------------
 
@@ -313,9 +219,9 @@ class Membership:
         sender, msgs = got
         if sender == self.name:                # no process sends to itself
             if from_addr != self.addr:
-                self._conflict(self.name, self.addr, from_addr)
+                self.names.conflict(self.name, self.addr, from_addr)
                 # ...but a second process with our name may ask whether we live: answer
-                # its ping, and take the answer to ours (see _ask_holder); nothing else
+                # its ping, and take the answer to ours (see NameGuard.ask_holder); nothing else
                 for msg in msgs:
                     if isinstance(msg, Ping):
                         self.prober.on_ping(msg)
@@ -343,14 +249,14 @@ class Membership:
         pp = msgs[0]
         self.stats["recv_streams"] += 1
         if pp.join and pp.reply:                   # a seed's answer to our join
-            holder = self._holder_of_our_name(pp.states)
-            if holder is not None and holder.addr not in self._past_lives:
-                self._ask_holder(sender, pp.source_addr, holder)
+            holder = self.names.holder_of_our_name(pp.states)
+            if holder is not None and holder.addr not in self.names.past_lives:
+                self.names.ask_holder(sender, pp.source_addr, holder)
                 return
             if holder is not None:                 # our previous life, already outranked
                 pp = PushPull(pp.join, pp.reply, pp.source_addr,
                               tuple(e for e in pp.states if e.name != self.name))
-        taken = self._claims_taken_name(sender, pp.source_addr)
+        taken = self.names.claims_taken_name(sender, pp.source_addr)
         if not pp.reply and not self._leaving:     # (our state tells a duplicate it is one)
             self._send_push_pull(pp.source_addr, join=pp.join, reply=True)
         if taken:
@@ -392,7 +298,7 @@ class Membership:
         m.incarnation, m.addr, m.meta = msg.incarnation, msg.addr, msg.meta
         if msg.load_seq > m.load_seq:
             m.load, m.load_seq = msg.load, msg.load_seq
-        self._clear_suspicion(msg.name)
+        self.suspicions.clear(msg.name)
         self._set_state(m, Event.ALIVE)
         self._updates.add(msg.name, self.codec.fragment(msg))
 
@@ -401,12 +307,12 @@ class Membership:
         me = self._members[self.name]
         if self._leaving:
             return
-        if msg.addr in self._past_lives and msg.incarnation < me.incarnation:
+        if msg.addr in self.names.past_lives and msg.incarnation < me.incarnation:
             return                            # gossip about our outranked previous life
         if msg.addr != me.addr:
             # Another process with our name got into someone's view. Outrank it, at most once
             # per push-pull interval, so that the two of us cannot start an incarnation war.
-            self._conflict(self.name, me.addr, msg.addr)
+            self.names.conflict(self.name, me.addr, msg.addr)
             now = self.sched.now()
             if msg.incarnation >= me.incarnation and now >= self._conflict_until:
                 self._conflict_until = now + self.cfg.push_pull_interval_s
@@ -420,39 +326,19 @@ class Membership:
         m = self._accused(msg)
         if m is None:
             return
-        s = self._suspicions.get(msg.name)
+        s = self.suspicions.get(msg.name)
         if m.state is MemberState.SUSPECT and s is not None:
             if s.confirm(msg.source):
-                self._rearm(msg.name, s)
+                self.suspicions.rearm(msg.name, s)
                 self._updates.add(msg.name, self.codec.fragment(msg))
             return
         m.incarnation = msg.incarnation
         n = len(self._live) + 1
-        lo, hi = policy.suspicion_bounds(self.cfg.suspicion_mult, self.cfg.suspicion_max_mult,
-                                         n, self.cfg.probe_interval_s)
-        k = policy.expected_confirmations(self.cfg.suspicion_confirmations, n)
-        s = Suspicion(msg.incarnation, self.sched.now(), k, lo, hi, msg.source)
-        self._suspicions[msg.name] = s
+        s = self.suspicions.open(msg.name, msg.incarnation, msg.source, n)
         self._set_state(m, Event.SUSPECT)
-        self._rearm(msg.name, s)
+        self.suspicions.rearm(msg.name, s)
         self._updates.add(msg.name, self.codec.fragment(msg))
-        self._maybe_reprobe(m, s, n)
-
-    def _maybe_reprobe(self, m: Member, s: Suspicion, n: int) -> None:
-        """Our refinement: about `suspicion_reprobes` members (each with probability
-        reprobes / (n - 2)) probe a newly suspected member right away instead of waiting
-        for their round-robin, so a dead node collects its k confirmations within about a
-        probe interval. A live one just answers; load on it stays O(reprobes), not O(n)."""
-        if s.confirmers == {self.name} or self._leaving or self.cfg.suspicion_reprobes <= 0:
-            return
-        if self.rng.random() >= self.cfg.suspicion_reprobes / max(1, n - 2):
-            return
-
-        def reprobe() -> None:
-            if not self._stopped and self._suspicions.get(m.name) is s:
-                self.stats["reprobes"] += 1
-                self.prober.probe(m)
-        self.sched.call_later(self.rng.random() * self.cfg.probe_timeout_s, reprobe)
+        self.suspicions.reprobe_soon(m, s, n)
 
     def _accused(self, msg: Suspect | Dead) -> Member | None:
         """Incarnation guard shared by suspect and dead: the member to act on, or None when the
@@ -474,7 +360,7 @@ class Membership:
         if m is None:
             return
         m.incarnation = msg.incarnation
-        self._clear_suspicion(msg.name)
+        self.suspicions.clear(msg.name)
         self._set_state(m, Event.LEAVE if msg.is_leave else Event.DEAD)
         self._updates.add(msg.name, self.codec.fragment(msg))
 
@@ -486,112 +372,7 @@ class Membership:
         self._changed()
         self._loads.add(msg.name, self.codec.fragment(msg))
 
-    # ---- suspicion, refutation, state ---------------------------------------------------
-
-    def _rearm(self, name: str, s: Suspicion) -> None:
-        if s.timer:
-            s.timer.cancel()
-        left = policy.suspicion_remaining(s.confirmations, s.expected,
-                                          self.sched.now() - s.start, s.min_s, s.max_s)
-        s.timer = self.sched.call_later(left, lambda: self._suspicion_expired(name, s))
-
-    def _suspicion_expired(self, name: str, s: Suspicion) -> None:
-        m = self._members.get(name)
-        if self._stopped or self._suspicions.get(name) is not s or m is None:
-            return
-        if m.state is not MemberState.SUSPECT or m.incarnation != s.incarnation:
-            return
-        if s.confirmations < s.expected and not s.verified and not self._leaving:
-            # Unconfirmed: nobody else could reach it either? We probe it once ourselves.
-            # If it answers, its refutation must have passed us by (gossip is probabilistic
-            # under loss): pull its state instead of declaring a live node dead.
-            s.verified = True
-            self.stats["last_chance_probes"] += 1
-
-            def verdict(acked: bool) -> None:
-                if self._suspicions.get(name) is not s:
-                    return
-                if acked:
-                    self._send_push_pull(m.addr, join=False, reply=False)
-                    s.timer = self.sched.call_later(s.min_s,
-                                                    lambda: self._suspicion_expired(name, s))
-                else:
-                    self._suspicion_expired(name, s)
-            self.prober.probe(m, verdict)
-            return
-        self.stats["suspicion_timeouts"] += 1
-        self._on_dead(Dead(name, m.incarnation, self.name))
-
-    def _clear_suspicion(self, name: str) -> None:
-        s = self._suspicions.pop(name, None)
-        if s is not None and s.timer:
-            s.timer.cancel()
-
-    # ---- duplicate names ----------------------------------------------------------------
-
-    def _holder_of_our_name(self, states: tuple[StateEntry, ...]) -> StateEntry | None:
-        """A live member's entry that holds our name elsewhere (at our own address it is our
-        previous life: a restart)."""
-        for e in states:
-            if e.name == self.name and e.addr != self.addr and e.state in _LIVE:
-                return e
-        return None
-
-    def _ask_holder(self, seed: str, seed_addr: str, holder: StateEntry) -> None:
-        """A live entry holds our name at another address. Ping it (directly, and through the
-        members we know): an answer means a second process runs with our name, and we are
-        refused; silence means it is our previous life, killed before anyone declared it dead
-        and restarted on a new address (a new pod IP, a new port): we outrank it."""
-        if self._asking is not None or self._stopped:
-            return                                 # one question at a time
-        self._asking = holder.addr
-
-        def verdict(acked: bool) -> None:
-            self._asking = None
-            if self._stopped:
-                return
-            if acked:
-                self._refuse(seed, holder.addr)
-                return
-            self._past_lives.add(holder.addr)
-            me = self._members[self.name]
-            me.incarnation = max(me.incarnation, holder.incarnation) + 1
-            self.stats["past_lives_outranked"] += 1
-            log.warning("cluster_previous_life_outranked", node=self.name, addr=self.addr,
-                        previous=holder.addr, incarnation=me.incarnation)
-            self._changed()
-            self._broadcast_self()
-            self._send(seed_addr, [self._alive_msg(me)])   # the seed first: it still holds
-            self._send_push_pull(seed_addr, join=True, reply=False)   # ... the old entry
-        probe = Member(self.name, holder.addr, holder.incarnation, holder.meta, holder.load,
-                       holder.load_seq, self._stamp())
-        self.prober.probe(probe, verdict)
-
-    def _claims_taken_name(self, sender: str, addr: str) -> bool:
-        """A push-pull from `sender` at `addr` while a live member holds that name elsewhere:
-        a duplicate, whose state is not merged (its newer incarnation would move the entry)."""
-        m = self._members.get(sender)
-        if m is None or m.addr == addr or m.state not in _LIVE:
-            return False
-        self._conflict(sender, m.addr, addr)
-        return True
-
-    def _conflict(self, name: str, holder: str, intruder: str) -> None:
-        """A second process claims a live member's name: logged every time it shows up."""
-        self.stats["name_conflicts"] += 1
-        log.warning("cluster_name_conflict", node=self.name, member=name, addr=holder,
-                    intruder=intruder)
-
-    def _refuse(self, seed: str, holder: str) -> None:
-        """Our name is taken: stop before any of our state spreads, and say why."""
-        self.stats["name_taken"] += 1
-        log.error("cluster_name_taken", node=self.name, addr=self.addr, holder=holder,
-                  seed=seed)
-        if seed != self.name:      # the holder did not answer us itself: tell it (one packet)
-            self.transport.send_packet(holder, self.codec.encode(self.name,
-                                                                 self.sched.wall_ms(), []))
-        self.stop()
-        self.on_join(NameTaken(self.name, holder))
+    # ---- refutation, state ----------------------------------------------------------------
 
     def _refute(self, incarnation: int) -> None:
         me = self._members[self.name]

@@ -32,9 +32,6 @@ from moed.config.sections import (ATTENTION_BACKENDS, BALANCE_POLICIES, CANARY_H
                                   KVEventsConfig, ModelConfig, ParallelConfig, ReleaseConfig,
                                   RouterConfig, ServerConfig, StructuredConfig, TiersConfig,
                                   TraceConfig, TransferConfig)
-# moed.safefile's reader, still imported from here by moed/cli/admin.py (issue 28's cli split,
-# another branch): drop these once it imports moed.safefile
-from moed.safefile import FileRefused, check_regular_file, read_regular_file
 
 __all__ = [
     "ATTENTION_BACKENDS", "BALANCE_POLICIES", "CANARY_HEADER_CHARS", "CPU_ISA_VALUES", "INT64",
@@ -42,10 +39,10 @@ __all__ = [
     "LOG_LEVELS", "MAX_CONFIG_BYTES", "METRICS_ACCESS", "MODEL_DTYPES", "MS_DAY", "MS_HOUR",
     "OTHER_ENV", "PREFIX_CACHE_ISOLATION", "QUANTIZATIONS", "ROLES", "TOOL_PARSERS",
     "AdmissionConfig", "BalanceConfig", "CanaryConfig", "Change", "ClusterConfig", "Config",
-    "ConfigError", "EngineConfig", "FileRefused", "KVEventsConfig", "ModelConfig",
+    "ConfigError", "EngineConfig", "KVEventsConfig", "ModelConfig",
     "ParallelConfig", "ReleaseConfig", "RouterConfig", "ServerConfig", "StructuredConfig",
     "TiersConfig", "TraceConfig", "TransferConfig",
-    "apply_live", "check_env", "check_regular_file", "diff", "env_fields", "env_name",
+    "apply_live", "check_env", "diff", "env_fields", "env_name",
     "env_overlay", "from_dict", "load", "needs_cluster_key", "node_name", "numeric_fields",
-    "read_regular_file", "section_types", "unknown_env",
+    "section_types", "unknown_env",
 ]

@@ -28,7 +28,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
-from moed.balance.scale import PLANNED_ROLES, Decision, PlanConfig, Planner, snapshot_of
+from moed.balance.scale import Decision, PlanConfig, Planner
+from moed.balance.scale_view import PLANNED_ROLES, snapshot_of
 
 PLACEHOLDERS = frozenset({"role", "count", "current", "index", "node", "url"})
 OUT_PLACEHOLDERS = PLACEHOLDERS - {"node", "url"}

@@ -22,7 +22,8 @@ from aiohttp import web
 
 from moed.api import admin
 from moed.api.errors import APIError
-from moed.api.proxy import BackendSource, MembershipBackends, Proxy, StaticBackends
+from moed.api.backends import BackendSource, MembershipBackends, StaticBackends
+from moed.api.proxy import Proxy
 from moed.api.state import STATE
 from moed.config import Config, ConfigError
 from moed.obs import metrics

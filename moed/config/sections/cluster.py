@@ -29,7 +29,7 @@ class ClusterConfig:
     suspicion_mult: int = _f(1, live=True, bounds=(1, 100),
                              doc="min suspicion = mult * log10(n) * probe "
                              "interval (memberlist LAN: 4; Lifeguard confirmations and "
-                             "re-probes keep 1 safe, see moed/cluster/swim.py)")
+                             "re-probes keep 1 safe, see moed/cluster/suspicion.py)")
     suspicion_max_timeout_mult: int = _f(6, live=True, bounds=(1, 100),
                                          doc="max suspicion = this * min")
     suspicion_confirmations: int = _f(2, live=True, bounds=(0, 64),

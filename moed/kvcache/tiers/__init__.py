@@ -1,4 +1,5 @@
 """KV tiers below the engine's KV tensor: L2 host memory, L3 local disk (docs/kv-tiers.md)."""
-from moed.kvcache.tiers.cache import LoadResult, TieredCache, TierMatch, TierSettings
+from moed.kvcache.tiers.cache import TieredCache
+from moed.kvcache.tiers.records import LoadResult, TierMatch, TierSettings
 
 __all__ = ["LoadResult", "TierMatch", "TierSettings", "TieredCache"]

@@ -9,7 +9,7 @@ import dataclasses
 import aiohttp
 from api_harness import running_app
 
-from moed.api.proxy import StaticBackends
+from moed.api.backends import StaticBackends
 from moed.config import load
 
 

@@ -12,8 +12,9 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
+from moed.api.backends import StaticBackends
 from moed.api.middleware import request_context
-from moed.api.proxy import Proxy, StaticBackends
+from moed.api.proxy import Proxy
 from moed.balance.candidate import Candidate
 from moed.balance.router import pick_backend
 from moed.config import load
@@ -218,7 +219,7 @@ async def test_finished_streams_reuse_pooled_connections(cluster) -> None:
 
 
 def test_membership_backends_from_the_cluster_view() -> None:
-    from moed.api.proxy import MembershipBackends
+    from moed.api.backends import MembershipBackends
     from moed.cluster.state import ClusterView, LoadVector, MemberInfo, MemberState, NodeMeta
 
     def member(name, role, state=MemberState.ALIVE, waiting=0, http="http://h:1/"):

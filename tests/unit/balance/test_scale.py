@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from moed.balance.cost import Coefficients
-from moed.balance.scale import (Holt, NodeLoad, PlanConfig, Planner, Snapshot, decode_capacity,
-                                drains, pick_drain, prefill_capacity, snapshot_of)
+from moed.balance.scale import (Holt, PlanConfig, Planner, decode_capacity, drains, pick_drain,
+                                prefill_capacity)
+from moed.balance.scale_view import NodeLoad, Snapshot, snapshot_of
 from moed.cluster.state import ClusterView, LoadVector, MemberInfo, MemberState, NodeMeta
 
 COEF = Coefficients(overhead_s=0.004, per_token_s=4.5e-4, per_pair_s=2.9e-7,

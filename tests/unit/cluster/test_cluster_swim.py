@@ -200,7 +200,7 @@ def _duplicate(sim: Simulation, name: str, addr: str, seed: str, incarnation: in
 
 
 def test_a_duplicate_name_is_refused_at_join_and_the_holder_keeps_its_entry() -> None:
-    from moed.cluster.swim import NameTaken
+    from moed.cluster.names import NameTaken
     sim = Simulation(5, seed=13)
     sim.run(2)
     holder = sim.nodes["n0002"]

@@ -114,7 +114,7 @@ def test_placement_sees_only_compatible_members() -> None:
     """The router's backends and a decode node's prefill candidates both apply the rule."""
     from types import SimpleNamespace
 
-    from moed.api.proxy import MembershipBackends
+    from moed.api.backends import MembershipBackends
     from moed.config import load
     from moed.roles.decode import DecodeComponent
 

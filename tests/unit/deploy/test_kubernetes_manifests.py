@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from moed import cli, preflight
+from moed.cli import settings
 from moed.config import OTHER_ENV, env_fields, load, rules
 
 REPO = Path(__file__).resolve().parents[3]
@@ -396,8 +397,8 @@ def moed_config(argv: list[str], env: dict[str, str]):
     need no model (secret files, cluster key, the expert-parallel fields)."""
     assert argv[0] == "serve"
     args = cli.build_parser(argv).parse_args(argv)
-    cli._resolve(args)
-    cfg = load(args.config, environ=env, overrides=cli._overrides(args))
+    settings.resolve(args)
+    cfg = load(args.config, environ=env, overrides=settings.overrides(args))
     saved = dict(os.environ)
     try:                      # the key readers take their *_env variables from os.environ
         os.environ.clear()

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from moed import cli
-from moed.balance.scale import Decision, NodeLoad
+from moed.balance.scale import Decision
+from moed.balance.scale_view import NodeLoad
 from moed.ops import planner
 
 

@@ -14,10 +14,11 @@ import pytest
 import structlog
 
 from moed import __version__, cli
+from moed.cli import flags, serve, settings
 from moed.api.auth import load_keys
 from moed.config import ConfigError, load
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONF = ROOT / "conf" / "moed.toml"
 
 
@@ -29,7 +30,7 @@ def _own_process_state(monkeypatch):
     saved = structlog.get_config()
     for name in [n for n in os.environ if n.startswith("MOED_")]:
         monkeypatch.delenv(name)
-    monkeypatch.setenv(cli.API_KEYS_ENV, "")      # set, so that teardown removes it
+    monkeypatch.setenv(flags.API_KEYS_ENV, "")      # set, so that teardown removes it
     yield
     logging.getLogger().handlers[:] = handlers
     logging.getLogger().setLevel(level)
@@ -44,7 +45,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def _cfg(*argv: str):
     """The effective config of `moed serve ARGV`, without serving (and without preflight)."""
-    return cli._load(cli.build_parser(["serve", *argv]).parse_args(["serve", *argv]))
+    return settings.load_config(cli.build_parser(["serve", *argv]).parse_args(["serve", *argv]))
 
 
 def test_check_config_prints_effective_toml(capsys, tmp_path, tiny_qwen3):
@@ -91,7 +92,7 @@ def test_errors_exit_2_with_a_clear_message(capsys, monkeypatch, tmp_path, tiny_
 
 # ---- every flag sets its field ------------------------------------------------------------
 
-FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to cli.FLAGS needs a row
+FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to flags.FLAGS needs a row
     "--role": ("router", "router"), "--host": ("0.0.0.0", "0.0.0.0"),
     "--port": ("9123", 9123), "--node-name": ("n1", "n1"),
     "--served-model-name": ("my-model", "my-model"), "--max-model-len": ("1234", 1234),
@@ -111,17 +112,17 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to cli.F
 
 
 def test_every_flag_has_a_test_row():
-    assert {f.name for f in cli.FLAGS} == set(FLAG_VALUES)
+    assert {f.name for f in flags.FLAGS} == set(FLAG_VALUES)
 
 
-@pytest.mark.parametrize("flag", cli.FLAGS, ids=[f.name for f in cli.FLAGS])
+@pytest.mark.parametrize("flag", flags.FLAGS, ids=[f.name for f in flags.FLAGS])
 def test_each_flag_sets_its_config_field_over_env_and_toml(flag, monkeypatch, tmp_path):
     arg, expect = FLAG_VALUES[flag.name]
     section, key = flag.field.split(".")
     default = getattr(getattr(_cfg("/m"), section), key)
     assert default != expect                       # the flag, not the default, made it so
     p = tmp_path / "m.toml"
-    p.write_text(f"[{section}]\n{key} = {cli._toml_value(default)}\n")
+    p.write_text(f"[{section}]\n{key} = {settings.toml_value(default)}\n")
     monkeypatch.setenv(f"MOED_{section}_{key}".upper(), str(default))
     model = [] if flag.name == "--role" else ["/m"]         # a router takes no model
     cfg = _cfg(*model, "--config", str(p), flag.name, arg)
@@ -161,7 +162,7 @@ def test_flags_moed_cannot_honour_are_refused_not_ignored(capsys):
                         "--gpu-memory-utilization", "0.9")
     assert rc == 2 and out == ""
     assert err.strip() == ("moed: config error: command line: --gpu-memory-utilization is not "
-                           "supported: " + cli.REFUSED["--gpu-memory-utilization"])
+                           "supported: " + flags.REFUSED["--gpu-memory-utilization"])
     assert "--kv-cache-memory" in err
 
 
@@ -179,11 +180,11 @@ def test_model_and_engine_flags_are_refused_on_a_router(capsys):
 
 def test_api_key_reaches_the_key_loader_and_no_printed_config(capsys):
     cfg = _cfg("/m", "--api-key", "k1", "--api-key", " k2 ")
-    assert cfg.server.api_keys_env == cli.API_KEYS_ENV
+    assert cfg.server.api_keys_env == flags.API_KEYS_ENV
     assert load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env) == (b"k1", b"k2")
     rc, out, _ = _run(capsys, "check-config", "--role", "router", "--api-key", "sk-secret")
     assert rc == 0 and "sk-secret" not in out
-    assert tomllib.loads(out)["server"]["api_keys_env"] == cli.API_KEYS_ENV
+    assert tomllib.loads(out)["server"]["api_keys_env"] == flags.API_KEYS_ENV
     for bad in ("a,b", " "):      # the variable holds comma-separated keys
         with pytest.raises(ConfigError, match="--api-key"):
             _cfg("/m", "--api-key", bad)
@@ -214,10 +215,10 @@ def test_check_config_runs_the_model_checks(capsys, tmp_path, tiny_qwen3):
 def test_kv_transfer_nodes_get_huge_pages_unless_the_operator_chose():
     for role, expect in (("prefill", "1"), ("decode", "1"), ("colocated", None), ("router", None)):
         env: dict[str, str] = {}
-        assert cli.kv_transfer_env(role, env) is (expect == "1")
-        assert env.get(cli.THP_ENV) == expect
-    env = {cli.THP_ENV: "0"}                       # an explicit opt-out is kept
-    assert cli.kv_transfer_env("decode", env) is False and env[cli.THP_ENV] == "0"
+        assert serve.kv_transfer_env(role, env) is (expect == "1")
+        assert env.get(serve.THP_ENV) == expect
+    env = {serve.THP_ENV: "0"}                       # an explicit opt-out is kept
+    assert serve.kv_transfer_env("decode", env) is False and env[serve.THP_ENV] == "0"
 
 
 def test_kv_events_config_takes_vllm_json_and_refuses_unknown_keys(capsys, tmp_path):
@@ -311,8 +312,8 @@ def test_vllm_flags_for_what_moed_does_are_accepted_with_a_log_line(capsys, tiny
                         "--enable-prefix-caching", "--log-format", "console")
     assert rc == 0 and tomllib.loads(out)["engine"]["enable_prefix_caching"] is True
     accepted = [line for line in err.splitlines() if "vllm_flag_accepted" in line]
-    assert len(accepted) == len(cli.SAME)                  # one line each, naming the flag
-    for same in cli.SAME:
+    assert len(accepted) == len(flags.SAME)                  # one line each, naming the flag
+    for same in flags.SAME:
         assert sum(f"flag={same.name} " in line for line in accepted) == 1
     assert "moed does this anyway: one process holds each layer whole" in err
     applied = [line for line in err.splitlines() if "vllm_flag_applied" in line]
@@ -368,7 +369,7 @@ def test_serve_refuses_pasted_vllm_flags_before_loading_anything(tmp_path):
                        env=env)
     assert r.returncode == 2 and "unrecognized" not in r.stderr
     assert r.stderr.strip() == ("moed: config error: command line: --trust-remote-code is not "
-                                "supported: " + cli.REFUSED_SWITCHES["--trust-remote-code"])
+                                "supported: " + flags.REFUSED_SWITCHES["--trust-remote-code"])
 
 
 def test_check_config_of_a_directory_says_where_the_model_goes(capsys, tmp_path):
