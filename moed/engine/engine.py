@@ -69,6 +69,7 @@ from moed.kvcache.manager import KVCacheManager
 from moed.types import ContextRule, EngineStats, FinishReason, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
+    from moed.balance.cost import AdvertisedCost
     from moed.parallel.runtime import EPRuntime
     from moed.transfer import KVRegion
 
@@ -285,6 +286,15 @@ class Engine(Boundary):
                            ) -> tuple[float, float] | None:
         """Early rejection: (predicted TTFT, deadline) when a new prompt would miss it."""
         return self.balance.ttft_over_deadline(prompt_tokens, timeout_s)
+
+    def predict_prefill_s(self, tokens: int, start: int) -> float:
+        """The scheduler's prediction for `tokens` prompt tokens after `start` cached ones
+        (load-or-recompute: the tiers, peer reads)."""
+        return self.scheduler.predict_prefill_s(tokens, start)
+
+    def advertised(self) -> AdvertisedCost | None:
+        """The cost state this node gossips (None without a fitted cost model)."""
+        return self.scheduler.advertised()
 
     def calibrate(self, steps: int) -> int:
         """Fit the cost model on `steps` synthetic steps; before start() only (blocks)."""

@@ -23,7 +23,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import structlog
 
@@ -53,6 +53,14 @@ def load_key_source(file: str, env: str, what: str) -> tuple[bytes, ...]:
         raise ConfigError(str(e).replace("api_keys", what)) from None
     except UnicodeEncodeError:           # the variable's bytes were not UTF-8 (PEP 383)
         raise ConfigError(f"server.{what}_env: variable {env} is not UTF-8 text") from None
+
+
+@runtime_checkable
+class Reloadable(Protocol):
+    """A component that applies live config changes (moed.ops.reload: prepare, then commit)."""
+    name: str
+
+    def prepare_reload(self, old: Config, new: Config) -> Commit | None: ...
 
 
 class EngineProgress:
@@ -124,9 +132,8 @@ class OpsComponent:
         self.reloader.subscribe("engine", self._prepare_engine)
         appliers = set()
         for c in app.components:
-            hook = getattr(c, "prepare_reload", None)
-            if callable(hook) and c is not self:
-                self.reloader.subscribe(c.name, hook)
+            if isinstance(c, Reloadable) and c is not self:
+                self.reloader.subscribe(c.name, c.prepare_reload)
                 appliers.add(c.name)
         self.reloader.subscribe("coverage", lambda old, new: self._check_coverage(
             old, new, appliers))
@@ -259,9 +266,11 @@ class OpsComponent:
             self.history.resize(cfg.release.config_history)
             self.history.record(cfg, result.source)
             metrics.CONFIG_HISTORY.set(len(self.history.entries()))
-        cluster = next((c for c in getattr(self._app, "components", ())
-                        if getattr(c, "name", "") == "cluster"), None)
-        if cluster is not None and getattr(cluster, "core", None) is not None:
+        from moed.cluster.service import MembershipComponent
+
+        cluster = next((c for c in self._app.components if isinstance(c, MembershipComponent)),
+                       None)
+        if cluster is not None and cluster.core is not None:
             try:
                 cluster.update_meta(config=cfg.digest())
             except (RuntimeError, ValueError) as e:   # advisory: the reload itself stands

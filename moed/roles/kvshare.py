@@ -34,7 +34,8 @@ import base64
 import json
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import structlog
@@ -44,7 +45,8 @@ from moed.api.errors import APIError
 from moed.api.internal import require_signed
 from moed.cluster.state import layout_compatible, protocol_compatible
 from moed.config import Config
-from moed.engine.client import EngineClient, RequestStream
+from moed.engine.client import EngineClient
+from moed.engine.prompts import PendingPrompt
 from moed.kvcache.pool import salt_root
 from moed.kvcache.tiers.peer import (FAILURE_REASONS, LeaseGrant, LeaseRequest, LeaseTable,
                                      PeerOffer, best_peer, prompt_hashes)
@@ -52,9 +54,16 @@ from moed.kvcache.tiers.policy import Bandwidth, Latency, plan_load
 from moed.obs import metrics
 from moed.obs.coarse import CoarseTotals
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
-from moed.roles.decode import DisaggEngine
 from moed.transfer import TransferState
-from moed.types import SamplingParams
+from moed.transfer.worker import TransferWorker
+
+if TYPE_CHECKING:
+    from moed.api.internal import InternalAuth
+    from moed.app import App
+    from moed.cluster.service import MembershipComponent
+    from moed.roles.prefill import PrefillComponent
+
+T = TypeVar("T")
 
 log = structlog.get_logger(__name__)
 
@@ -76,8 +85,8 @@ class KVShareComponent:
         self.cfg = cfg
         self.node = node
         self.incarnation = new_incarnation()
-        self.engine: Any = None
-        self.worker: Any = None
+        self.engine: EngineClient | None = None
+        self.worker: TransferWorker | None = None
         self.session: aiohttp.ClientSession | None = None
         self.leases = LeaseTable()
         self.bandwidth = Bandwidth(cfg.tiers.peer_bandwidth_mbps * 1e6)
@@ -85,11 +94,11 @@ class KVShareComponent:
         # learnt from what measured reads took beyond their READ (policy.Latency: cautious)
         self.latency = Latency()
         self._owns_worker = True
-        self._prefill: Any = None       # a prefill node's PrefillComponent (its jobs ask us)
+        self._prefill: PrefillComponent | None = None   # a prefill node's (its jobs ask us)
         self.block_bytes = 0
         self.model_id = ""
-        self._membership: Any = None
-        self._auth: Any = None
+        self._membership: MembershipComponent | None = None
+        self._auth: InternalAuth | None = None
         self._expiry: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         # the peer counters as running totals, released to /metrics in batches of requests
@@ -110,14 +119,18 @@ class KVShareComponent:
         web_app.router.add_post("/internal/kv/lease", self.handle_lease)
         web_app.router.add_delete("/internal/kv/lease/{lease}", self.handle_release)
 
-    async def start(self, app: Any) -> None:
+    async def start(self, app: App) -> None:
+        from moed.cluster.service import MembershipComponent
+        from moed.roles.prefill import PrefillComponent
+
         self._membership = next((c for c in app.components
-                                 if getattr(c, "name", "") == "cluster"), None)
+
+                                 if isinstance(c, MembershipComponent)), None)
         self._auth = app.state.internal_auth
         self.model_id = getattr(app.state, "model_id", "")
         self.engine = app.state.engine
-        prefill = next((c for c in app.components if getattr(c, "name", "") == "prefill"), None)
-        if prefill is not None and getattr(prefill, "worker", None) is not None:
+        prefill = next((c for c in app.components if isinstance(c, PrefillComponent)), None)
+        if prefill is not None and prefill.worker is not None:
             # a prefill node: its worker (one per process) reads and lends, and its jobs ask
             # this reader first (moed.roles.prefill.PrefillComponent.reuse)
             self.worker, self.incarnation, self._owns_worker = prefill.worker, \
@@ -133,7 +146,7 @@ class KVShareComponent:
         for reason in FAILURE_REASONS:      # every reason exported from the start, at 0
             metrics.PEER_FAILURES.labels(reason)
         self._count()
-        app.state.engine = PeerReuseEngine(self.engine, self)
+        self.engine.use_prompt_source(PeerReuse(self))
 
     async def drain(self) -> None:
         pass
@@ -276,11 +289,10 @@ class KVShareComponent:
             after loading k more, k = 0 .. what the peer advertises beyond them)."""
             hit = eng.kv.prefix_hit(tokens, root)
             held = len(hit.block_ids)
-            tiers = eng.scheduler.tiers
+            tiers = eng.tiers
             if tiers is not None:
                 held += len(tiers.match(hashes[held:]).keys)
-            return held, [eng.scheduler.predict_prefill_s(len(tokens) - (held + k) * bs,
-                                                          (held + k) * bs)
+            return held, [eng.predict_prefill_s(len(tokens) - (held + k) * bs, (held + k) * bs)
                           for k in range(max(len(hashes) - held, 0) + 1)]
 
         try:
@@ -409,7 +421,7 @@ class KVShareComponent:
             await asyncio.sleep(delay)
         await self._unpin(ids)
 
-    async def _boundary(self, fn: Any) -> Any:
+    async def _boundary(self, fn: Callable[[], T]) -> T:
         """fn() between two steps; TimeoutError past BOUNDARY_S (fn still runs then: callers
         whose fn takes something pass its late result to `_unpin_late`)."""
         return await asyncio.wait_for(asyncio.shield(self.engine.at_step_boundary(fn)),
@@ -426,7 +438,7 @@ class KVShareComponent:
             log.info("kv_peer_release_failed", lease=lease, error=type(e).__name__,
                      effect="the lender unpins at the lease's expiry")
 
-    def _spawn(self, coro: Any) -> asyncio.Future:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         """Work that must finish even when the request that started it is cancelled."""
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
@@ -434,28 +446,38 @@ class KVShareComponent:
         return t
 
 
-class PeerReuseEngine(DisaggEngine):
-    """What the HTTP layer sees on a node with `tiers.peer_reuse`: the engine, with a peer's
-    cached prefix brought in before a request is submitted."""
+class PeerReuse:
+    """A node's PromptSource (moed.engine.prompts) with `tiers.peer_reuse`: a peer's cached
+    prefix is brought in before the request is scheduled. The request waits parked while its
+    prefetch runs (which never fails it: any failure recomputes), then goes to the scheduler;
+    an abort cancels the wait (a read in flight finishes on its own, moed.roles.kvshare)."""
 
-    def __init__(self, engine: EngineClient, share: KVShareComponent) -> None:
-        super().__init__(engine, share)     # type: ignore[arg-type]  # only delegation is used
+    def __init__(self, share: KVShareComponent) -> None:
         self._share = share
+        self._waiting: dict[str, asyncio.Task] = {}
 
-    # async: the HTTP layer awaits an awaitable stream (moed.api.generate)
-    async def add_request(self, request_id: str,  # type: ignore[override]
-                          prompt_token_ids: Sequence[int], params: SamplingParams,
-                          **kw: Any) -> RequestStream:
-        if not kw.get("prefill_only") and params.prompt_logprobs is None:
+    def admit(self, pending: PendingPrompt) -> None:
+        if pending.prefill_only or pending.params.prompt_logprobs is not None:
             # prompt logprobs need every prompt position's logits: nothing to reuse then
-            await self._share.prefetch(request_id, list(prompt_token_ids), params.cache_salt)
-        return self._engine.add_request(request_id, prompt_token_ids, params, **kw)
+            pending.submit()
+            return
+        rid = pending.request_id
+        task = asyncio.create_task(self._prefetched(pending), name=f"kv-peer-prefetch-{rid}")
+        self._waiting[rid] = task
+        task.add_done_callback(lambda t: self._waiting.pop(rid, None)
+                               if self._waiting.get(rid) is t else None)
 
-    def abort(self, request_id: str) -> None:
-        self._engine.abort(request_id)
+    async def _prefetched(self, pending: PendingPrompt) -> None:
+        try:
+            await self._share.prefetch(pending.request_id, pending.prompt_token_ids,
+                                       pending.params.cache_salt)
+        except asyncio.CancelledError:
+            raise           # aborted: the engine ends the parked request
+        except Exception:   # prefetch never raises; if it did, the prompt is computed here
+            log.exception("kv_peer_prefetch_crashed", request_id=pending.request_id)
+        pending.submit()
 
-    def ttft_over_deadline(self, prompt_tokens: int, timeout_s: float | None
-                           ) -> tuple[float, float] | None:
-        """The engine's early rejection (moed.api.generate.reject_early) stays on."""
-        check = getattr(self._engine, "ttft_over_deadline", None)
-        return check(prompt_tokens, timeout_s) if check is not None else None
+    def cancel(self, request_id: str) -> None:
+        task = self._waiting.pop(request_id, None)
+        if task is not None:
+            task.cancel()
