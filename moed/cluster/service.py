@@ -395,7 +395,7 @@ def node_meta(cfg: Config, app: Any) -> NodeMeta:
                     model=getattr(app.state, "model_name", "") or "",
                     # the transfer endpoint is added by the prefill/decode role once its
                     # transfer agent exists (moed.roles.common.advertise_transfer)
-                    layout=getattr(app.state.engine, "kv_layout_id", "") or "",
+                    layout="" if app.state.engine is None else app.state.engine.kv_layout_id,
                     transfer="", version=__version__, label=cfg.release.label(),
                     model_id=getattr(app.state, "model_id", "") or "",
                     config=cfg.digest(), protocol=PROTOCOL, **_ep_fields(cfg))

@@ -21,7 +21,7 @@ serving loop, an expert-parallel rank's lock-step loop, `generate`): drain comma
 scheduler.schedule() -> [executor] runner.forward + sample -> scheduler.update() -> publish
 TokenEvents to each request's stream -> step subscribers. Built from the config by
 moed.engine.build. Where a new prompt's KV comes from (here, a prefill node, a peer's cache)
-is the node's PromptSource (moed.engine.prompts), set once before start().
+is the node's PromptSource (moed.engine.prompts), set once as the node starts.
 
 Disaggregation hooks (used by the prefill/decode roles):
 - Decode side: `add_request(..., remote_kv=True)` allocates blocks for the WHOLE prompt (prefix
@@ -149,9 +149,10 @@ class Engine(Boundary):
         return build_engine(cfg, cls, **kw)
 
     def use_prompt_source(self, source: PromptSource) -> None:
-        """The node's PromptSource (a role's, when the node is built); once, before start()."""
-        if self._task is not None or not isinstance(self._prompts, LocalPrompts):
-            raise RuntimeError("the prompt source is chosen once, before the engine starts")
+        """The node's PromptSource: a role component's, set once as the node starts (before
+        /ready: no request has been admitted yet)."""
+        if not isinstance(self._prompts, LocalPrompts):
+            raise RuntimeError("the prompt source is chosen once, when the node is built")
         self._prompts = source
 
     # ---- properties ------------------------------------------------------------------------
