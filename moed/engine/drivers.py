@@ -7,17 +7,20 @@
                   rebalances experts between two steps; any failure ends the group
     SyncDriver    `Engine.generate` (tests, benchmarks): the forward pass on the caller's
                   thread; `run_sync` drives the step's coroutine without an event loop
+
+and the three loops around them (`serve`, `serve_group`, `generate`): each calls the one step.
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
 from moed.engine.scheduler import StepPlan
 from moed.engine.step import Go
+from moed.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from moed.engine.engine import Engine
@@ -158,3 +161,59 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return done.value
     coro.close()
     raise RuntimeError("a synchronous step tried to wait")
+
+
+# ---- the loops: each calls the one step -----------------------------------------------------
+async def serve(engine: Engine, driver: ServeDriver) -> None:
+    """The serving loop: steps until shutdown, idling on the wake event."""
+    while not engine._stopping:
+        if await engine.step(driver) is Go.IDLE:
+            await driver.idle()
+
+
+async def serve_group(engine: Engine, driver: GroupDriver) -> None:
+    """An expert-parallel rank's loop. A failed or left peer ends every request here with a
+    503 and the node exits non-zero."""
+    from moed.parallel.group import GroupFailed
+
+    ep = driver._ep
+    try:
+        while (go := await engine.step(driver)) is not Go.LEAVE:
+            if go is Go.IDLE:
+                await driver.idle()
+    except GroupFailed as e:
+        ep.fail(str(e))
+        engine._group_down(str(e))
+    except Exception as e:      # a local failure mid-step leaves the peers' collectives unmatched
+        plan = driver.plan
+        log.exception("engine_step_failed", batch=0 if plan is None else plan.batch.num_seqs)
+        ep.fail(f"this rank's step failed: {type(e).__name__}: {e}")
+        engine._group_down(f"this rank's step failed: {type(e).__name__}")
+
+
+def generate(engine: Engine, prompts: Sequence[Sequence[int]],
+             params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
+    """Engine.generate: the prompts to completion on this thread (the loop not running)."""
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(plist) != len(prompts):
+        raise ValueError("one SamplingParams per prompt (or a single one for all)")
+    base = f"gen-{engine.steps}-{id(prompts)}"
+    reqs = [engine._new_request(f"{base}-{i}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, plist))]
+    for r in reqs:
+        engine.scheduler.add(r)
+    driver = SyncDriver()
+    while any(not r.finished for r in reqs):
+        if run_sync(engine.step(driver)) is Go.STEP:
+            continue
+        if all(r.finished for r in reqs):    # e.g. a prompt that can never fit
+            break
+        if engine.scheduler.loading and engine.tiers is not None:
+            if not engine.tiers.wait(30.0):
+                raise RuntimeError("KV tier loads did not finish within 30 s")
+            continue
+        raise RuntimeError("scheduler made no progress with requests pending")
+    for r in reqs:
+        if r.finish_reason is FinishReason.ERROR:
+            raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+    return [r.output_token_ids for r in reqs]

@@ -57,13 +57,13 @@ from moed.engine.build import build_engine, make_kv_events, make_tiers
 from moed.engine.client import Listeners, Unsubscribe
 from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary, Command,
                                   CompleteRemotePrefill, ReleaseKV)
-from moed.engine.drivers import GroupDriver, ServeDriver, SyncDriver, run_sync
+from moed.engine.drivers import GroupDriver, ServeDriver, generate, serve, serve_group
 from moed.engine.masks import MaskPool
 from moed.engine.prompts import LocalPrompts, PendingPrompt, PromptSource
 from moed.engine.request import Request
 from moed.engine.runner import StepRunner
 from moed.engine.scheduler import Scheduler
-from moed.engine.step import Go, _error
+from moed.engine.step import _error
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
 from moed.types import ContextRule, EngineStats, FinishReason, SamplingParams, TokenEvent
@@ -387,32 +387,12 @@ class Engine(Boundary):
                 self._publish([TokenEvent.finish(rid, FinishReason.ERROR, error=msg)])
 
     async def _steps(self) -> None:
-        """The serving loop: steps until shutdown, idling on the wake event."""
         assert self._wake is not None
-        driver = ServeDriver(self, self._wake)
-        while not self._stopping:
-            if await self.step(driver) is Go.IDLE:
-                await driver.idle()
+        await serve(self, ServeDriver(self, self._wake))
 
     async def _steps_ep(self) -> None:
-        """The step loop of an expert-parallel rank (moed.engine.drivers.GroupDriver). A
-        failed or left peer ends every request here with a 503 and the node exits non-zero."""
-        from moed.parallel.group import GroupFailed
-
         assert self._wake is not None and self.ep is not None
-        driver, ep = GroupDriver(self, self.ep, self._wake), self.ep
-        try:
-            while (go := await self.step(driver)) is not Go.LEAVE:
-                if go is Go.IDLE:
-                    await driver.idle()
-        except GroupFailed as e:
-            ep.fail(str(e))
-            self._group_down(str(e))
-        except Exception as e:      # a local failure mid-step leaves the peers' collectives unmatched
-            plan = driver.plan
-            log.exception("engine_step_failed", batch=0 if plan is None else plan.batch.num_seqs)
-            ep.fail(f"this rank's step failed: {type(e).__name__}: {e}")
-            self._group_down(f"this rank's step failed: {type(e).__name__}")
+        await serve_group(self, GroupDriver(self, self.ep, self._wake))
 
     # ---- synchronous convenience (tests, bench) --------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -421,27 +401,4 @@ class Engine(Boundary):
         Must not be used while the async loop runs."""
         if self._task is not None:
             raise RuntimeError("generate() cannot run while the async engine loop is running")
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise ValueError("one SamplingParams per prompt (or a single one for all)")
-        base = f"gen-{self.steps}-{id(prompts)}"
-        reqs = [self._new_request(f"{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
-        for r in reqs:
-            self.scheduler.add(r)
-        driver = SyncDriver()
-        while any(not r.finished for r in reqs):
-            if run_sync(self.step(driver)) is Go.STEP:
-                continue
-            if all(r.finished for r in reqs):    # e.g. a prompt that can never fit
-                break
-            if self.scheduler.loading and self.tiers is not None:
-                if not self.tiers.wait(30.0):
-                    raise RuntimeError("KV tier loads did not finish within 30 s")
-                continue
-            raise RuntimeError("scheduler made no progress with requests pending")
-        for r in reqs:
-            if r.finish_reason is FinishReason.ERROR:
-                raise RuntimeError(f"request {r.request_id} failed: {r.error}")
-        return [r.output_token_ids for r in reqs]
-
-
+        return generate(self, prompts, params)
