@@ -23,7 +23,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 import structlog
 
@@ -38,6 +38,9 @@ from moed.ops.history import ConfigHistory, state_dir
 from moed.ops.reload import (Commit, Reloader, ReloadOutcome, ReloadResult, describe, redact)
 from moed.ops.sdnotify import Notifier, watchdog_interval, watchdog_loop
 from moed.ops.signals import ignore_sighup, take_held_sighup
+
+if TYPE_CHECKING:
+    from moed.app import App
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +102,7 @@ class OpsComponent:
             faulthandler.enable()
         self._admin_tokens = load_key_source(cfg.server.admin_token_file,
                                              cfg.server.admin_token_env, "admin_token")
-        self._app: Any = None
+        self._app: App | None = None
         self.reloader: Reloader | None = None
         self._last: ReloadResult | None = None
         self._serving = False
@@ -119,7 +122,7 @@ class OpsComponent:
             self._deferred_reload = True
         self.notifier.status("loading model" if self.cfg.server.role != "router" else "starting")
 
-    async def start(self, app: Any) -> None:
+    async def start(self, app: App) -> None:
         self._app = app
         if self._path is None:   # the CLI tells the app what it loaded; SIGHUP loads it again
             self._path = getattr(app, "config_path", None)
@@ -171,7 +174,7 @@ class OpsComponent:
 
     # ---- readiness and watchdog ------------------------------------------------------------
 
-    async def _announce_ready(self, app: Any) -> None:
+    async def _announce_ready(self, app: App) -> None:
         await app.ready_event.wait()
         if self._draining:
             return

@@ -1,10 +1,10 @@
 """Cluster prefix reuse (`tiers.peer_reuse`, colocated and prefill nodes): READ a peer's cached
 prompt blocks over NIXL instead of recomputing them, and lend ours to peers.
 
-A request's way through the reader (KVShareComponent.prefetch, before the engine sees it: a
-colocated node's client requests through PeerReuseEngine.add_request, a prefill node's jobs
-through moed.roles.prefill, which then pushes the whole prompt's KV to the decode node as
-always):
+A request's way through the reader (KVShareComponent.prefetch, before the scheduler sees it: a
+colocated node's client requests through the PeerReuse prompt source, parked meanwhile; a
+prefill node's jobs through moed.roles.prefill, which then pushes the whole prompt's KV to the
+decode node as always):
 
     prompt hashes ──best_peer (gossip digests of live, same-checkpoint, same-layout peers)──▶
     at a step boundary: what we hold (L1 + tiers) and the predicted recompute ──plan_load──▶
