@@ -240,7 +240,8 @@ class DecodeComponent:
 
     def cancel(self, rid: str) -> None:
         task = self.jobs.get(rid)
-        if task is not None and not task.done():
+        # not the job itself: its _fail aborts the request (and so reaches here) as it ends
+        if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
         cur = self.current.pop(rid, None)
         if cur is not None and self.session is not None:   # belt and braces next to the close
