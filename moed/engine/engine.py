@@ -7,13 +7,13 @@ ONE executor thread, so the event loop keeps serving HTTP while a step computes.
 nothing to do the loop sleeps on an asyncio.Event.
 
 The contract callers hold it by is `moed.engine.client.EngineClient`; commands are typed
-(`moed.engine.commands`), one handler each (`_HANDLERS`).
+(`moed.engine.commands`), one handler each (`moed.engine.boundary`, `_HANDLERS`).
 
 `at_step_boundary(fn)` runs a callable between two steps (e.g. expert-map swaps).
 Expert-load subscribers (`subscribe_expert_load`) get the runner's expert load ([layers,
-experts] tokens routed since the last read) about every EXPERT_LOAD_INTERVAL_S while steps run,
-and when the loop goes idle; the engine is the runner's only expert-load reader (its read
-resets the counts), and every subscriber gets the same window.
+experts] tokens routed since the last read) about every EXPERT_LOAD_INTERVAL_S
+(moed.engine.step) while steps run, and when the loop goes idle; the engine is the runner's
+only expert-load reader (its read resets the counts), and every subscriber gets the same window.
 `apply_config(cfg)` adopts the live limits (max_num_seqs, max_num_batched_tokens).
 
 Each step (moed.engine.step, one function for the three drivers of moed.engine.drivers: the
