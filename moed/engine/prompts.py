@@ -5,8 +5,8 @@ and hands a `PendingPrompt` to the node's `PromptSource`, which decides how the 
 comes before the scheduler sees the request:
 
     LocalPrompts    computed here (colocated and prefill nodes; the default)
-    RemotePrefill   a prefill node writes it (moed.roles.decode)
-    PeerReuse       a peer's cached prefix is read first (moed.roles.kvshare)
+    RemotePrefill   a prefill node writes it (moed.roles.sources, for moed.roles.decode)
+    PeerReuse       a peer's cached prefix is read first (moed.roles.sources, moed.roles.kvshare)
 
 A source may hold a request parked (not yet scheduled) while it works, e.g. a peer read; an
 abort then reaches `PromptSource.cancel` and the engine ends the parked request's stream.

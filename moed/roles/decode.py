@@ -40,7 +40,6 @@ from aiohttp import web
 
 from moed.config import Config
 from moed.engine.client import EngineClient
-from moed.engine.prompts import PendingPrompt
 from moed.engine.stream import RequestStream
 from moed.obs import metrics, trace
 from moed.balance import breaker
@@ -50,6 +49,7 @@ from moed.cluster.state import GRAMMAR_JOBS
 from moed.balance.prefill import CostCandidate, advertised_of, pick_prefill, pick_prefill_cost
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.protocol import FirstToken, PrefillJobSpec, ProtocolError, sampling_fields
+from moed.roles.sources import RemotePrefill
 from moed.transfer.worker import TransferWorker
 from moed.types import ErrorKind, FinishReason, SamplingParams, TokenEvent
 
@@ -75,30 +75,6 @@ class AttemptFailed(Exception):
     def __init__(self, kind: str, message: str, retry: bool = True) -> None:
         super().__init__(message)
         self.kind, self.retry = kind, retry
-
-
-class RemotePrefill:
-    """A decode node's PromptSource (moed.engine.prompts): prompts are prefilled remotely,
-    except short ones, prefill-only ones and those that want prompt logprobs."""
-
-    def __init__(self, role: DecodeComponent) -> None:
-        self._role = role
-
-    def admit(self, pending: PendingPrompt) -> None:
-        if pending.prefill_only or pending.params.prompt_logprobs is not None or \
-                len(pending.prompt_token_ids) <= self._role.cfg.transfer.local_prefill_max_tokens:
-            # short prompts: a remote round trip (and the prefill node's queue) costs more
-            # TTFT than the few tokens cost this node's decode steps. Prompt logprobs (echo
-            # with logprobs): the logits of every prompt position are needed, and a prefill
-            # node sends only KV, so this node computes the prompt itself
-            pending.submit()
-            return
-        pending.submit(remote_kv=True)
-        self._role.launch(pending.request_id, pending.prompt_token_ids, pending.params,
-                          pending.stream)
-
-    def cancel(self, request_id: str) -> None:
-        self._role.cancel(request_id)
 
 
 class DecodeComponent:

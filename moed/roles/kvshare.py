@@ -46,7 +46,6 @@ from moed.api.internal import require_signed
 from moed.cluster.state import layout_compatible, protocol_compatible
 from moed.config import Config
 from moed.engine.client import EngineClient
-from moed.engine.prompts import PendingPrompt
 from moed.kvcache.pool import salt_root
 from moed.kvcache.tiers.peer import (FAILURE_REASONS, LeaseGrant, LeaseRequest, LeaseTable,
                                      PeerOffer, best_peer, prompt_hashes)
@@ -54,6 +53,7 @@ from moed.kvcache.tiers.policy import Bandwidth, Latency, plan_load
 from moed.obs import metrics
 from moed.obs.coarse import CoarseTotals
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
+from moed.roles.sources import PeerReuse
 from moed.transfer import TransferState
 from moed.transfer.worker import TransferWorker
 
@@ -444,40 +444,3 @@ class KVShareComponent:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
-
-
-class PeerReuse:
-    """A node's PromptSource (moed.engine.prompts) with `tiers.peer_reuse`: a peer's cached
-    prefix is brought in before the request is scheduled. The request waits parked while its
-    prefetch runs (which never fails it: any failure recomputes), then goes to the scheduler;
-    an abort cancels the wait (a read in flight finishes on its own, moed.roles.kvshare)."""
-
-    def __init__(self, share: KVShareComponent) -> None:
-        self._share = share
-        self._waiting: dict[str, asyncio.Task] = {}
-
-    def admit(self, pending: PendingPrompt) -> None:
-        if pending.prefill_only or pending.params.prompt_logprobs is not None:
-            # prompt logprobs need every prompt position's logits: nothing to reuse then
-            pending.submit()
-            return
-        rid = pending.request_id
-        task = asyncio.create_task(self._prefetched(pending), name=f"kv-peer-prefetch-{rid}")
-        self._waiting[rid] = task
-        task.add_done_callback(lambda t: self._waiting.pop(rid, None)
-                               if self._waiting.get(rid) is t else None)
-
-    async def _prefetched(self, pending: PendingPrompt) -> None:
-        try:
-            await self._share.prefetch(pending.request_id, pending.prompt_token_ids,
-                                       pending.params.cache_salt)
-        except asyncio.CancelledError:
-            raise           # aborted: the engine ends the parked request
-        except Exception:   # prefetch never raises; if it did, the prompt is computed here
-            log.exception("kv_peer_prefetch_crashed", request_id=pending.request_id)
-        pending.submit()
-
-    def cancel(self, request_id: str) -> None:
-        task = self._waiting.pop(request_id, None)
-        if task is not None:
-            task.cancel()

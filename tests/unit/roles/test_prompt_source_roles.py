@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 from moed.engine.prompts import PendingPrompt
 from moed.engine.stream import RequestStream
-from moed.roles.decode import RemotePrefill
-from moed.roles.kvshare import PeerReuse
+from moed.roles.sources import PeerReuse, RemotePrefill
 from moed.types import SamplingParams
 
 
