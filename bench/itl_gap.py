@@ -199,7 +199,7 @@ class InProcess:
     def decode_steps_ms(self, threads: str, prompts: list[list[int]], max_tokens: int) -> dict:
         import torch
 
-        from moed.engine.engine import step_threads
+        from moed.engine.build import step_threads
         from moed.types import SamplingParams
 
         t = parse_setting(threads)[0]      # pinning cannot change in a running process

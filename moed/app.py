@@ -36,7 +36,7 @@ import asyncio
 import signal
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Coroutine, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine, Protocol, runtime_checkable
 
 import structlog
 from aiohttp import web
@@ -48,9 +48,11 @@ from moed.api.middleware import auth, read_body, request_context
 from moed.api.state import STATE, ServerState
 from moed.balance import capacity
 from moed.config import Config, needs_cluster_key, node_name
-from moed.engine.client import EngineClient
 from moed.engine.stream import StepStats
 from moed.obs import metrics
+
+if TYPE_CHECKING:
+    from moed.engine.engine import Engine
 
 log = structlog.get_logger(__name__)
 
@@ -94,7 +96,7 @@ class EngineComponent(BaseComponent):
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.engine: EngineClient | None = None
+        self.engine: Engine | None = None
 
     def add_routes(self, web_app: web.Application) -> None:
         openai.add_routes(web_app)
@@ -110,36 +112,34 @@ class EngineComponent(BaseComponent):
         _expert_parallel(self.engine, app)
         await self.engine.start()
         app.state.engine = self.engine
-        # capacity signals for /metrics and gossip, from the live engine (a decode node's
-        # DisaggEngine replaces it later) and the live [balance] targets
+        # capacity signals for /metrics and gossip, from the live engine and the live
+        # [balance] targets
         app.state.capacity = lambda: capacity.of_engine(app.state.engine, app.config.balance)
         app.state.model_name = served_model_name(self.cfg)
         from moed.model.identity import model_id   # membership compares it (P/D pairs)
         app.state.model_id = await asyncio.to_thread(model_id, self.cfg.model.path)
         metrics.set_model_name(app.state.model_name)
         metrics.MODEL_INFO.info(self.engine.model_info())
-        metrics.KV_BYTES_PER_TOKEN.set(getattr(self.engine, "kv_bytes_per_token", 0))
+        metrics.KV_BYTES_PER_TOKEN.set(self.engine.kv_bytes_per_token)
         log.info("model_loaded", model=app.state.model_name,
                  max_model_len=self.engine.max_model_len,
                  load_s=round(time.perf_counter() - t0, 2))
 
     async def drain(self) -> None:
-        end = getattr(self.engine, "expect_group_end", None)
-        if end is not None:     # expert parallelism: the ranks of a group stop together
-            end()
+        if self.engine is not None:     # expert parallelism: the ranks of a group stop together
+            self.engine.expect_group_end()
 
     async def stop(self) -> None:
         if self.engine is not None:
             await self.engine.shutdown()
 
 
-def _expert_parallel(engine: Any, app: App) -> None:
+def _expert_parallel(engine: Engine, app: App) -> None:
     """Resident expert bytes (from the tensors held) for any engine; an EP rank's group
     metrics, and its group failure → app.fail (leave membership, exit 1; moed/parallel)."""
-    runner = getattr(engine, "runner", None)
-    held = runner.resident_expert_bytes() if hasattr(runner, "resident_expert_bytes") else 0
+    held = engine.runner.resident_expert_bytes()
     metrics.EP_RESIDENT_EXPERT_BYTES.set(held)
-    ep = getattr(engine, "ep", None)
+    ep = engine.ep
     if ep is not None:
         app.state.ep = ep           # POST /admin/eplb/rebalance (moed.ops.daemon)
         ep.publish_metrics(held)
@@ -147,7 +147,7 @@ def _expert_parallel(engine: Any, app: App) -> None:
         log.info("ep_rank_ready", resident_expert_bytes=held, **ep.describe())
 
 
-def _build_engine(cfg: Config) -> EngineClient:
+def _build_engine(cfg: Config) -> Engine:
     from moed.engine.engine import Engine   # lazy: the router role never imports torch
 
     from moed.model.grammar import GrammarLimits, set_default_limits
@@ -162,7 +162,7 @@ def _build_engine(cfg: Config) -> EngineClient:
     # the cost model's calibration (a few synthetic steps) before /ready: the first requests
     # are budgeted from a fitted model (balance.calibration_steps; moed.engine.balancing).
     # Not on an expert-parallel rank: its forward passes need the whole group in step.
-    if cfg.balance.policy == "cost" and getattr(engine, "ep", None) is None:
+    if cfg.balance.policy == "cost" and engine.ep is None:
         engine.calibrate(cfg.balance.calibration_steps)
     return engine
 

@@ -10,7 +10,6 @@ outlives its HTTP request.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -104,8 +103,7 @@ def reject_early(engine: EngineClient, prompt_lens: list[int], timeout_s: float 
     first token before its deadline (balance.reject_over_target × its bucket's TTFT target,
     at most the request timeout): better than a timeout after a full queue wait. Engines
     without the cost policy (or not yet fitted) predict nothing and admit."""
-    check = getattr(engine, "ttft_over_deadline", None)
-    over = check(max(prompt_lens), timeout_s) if check is not None and prompt_lens else None
+    over = engine.ttft_over_deadline(max(prompt_lens), timeout_s) if prompt_lens else None
     if over is None:
         return
     predicted, limit = over
@@ -172,8 +170,6 @@ class Generation:
                                                   ch.index % self.req.n)
                 try:
                     stream = self.engine.add_request(ch.engine_id, ch.prompt_ids, params)
-                    if inspect.isawaitable(stream):
-                        stream = await stream
                 except ValueError as e:
                     raise bad_request(str(e), "messages" if self.req.chat else "prompt") from None
                 except RuntimeError as e:   # the engine is stopping (shutdown or a crashed loop)
@@ -297,9 +293,7 @@ class Generation:
                 ch.finish_reason = FinishReason.ABORT.value
                 metrics.request_series().finished(FinishReason.ABORT.value).inc()
                 try:
-                    res = self.engine.abort(ch.engine_id)
-                    if inspect.isawaitable(res):
-                        asyncio.ensure_future(res)
+                    self.engine.abort(ch.engine_id)
                 except Exception as e:  # never let cleanup hide the original error
                     log.warning("abort_failed", engine_request=ch.engine_id, error=repr(e))
             self.admission.release(ch.ticket)

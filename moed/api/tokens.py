@@ -12,7 +12,7 @@ refuse fields they do not apply.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -21,6 +21,7 @@ from moed.api.generate import encode_prompts
 from moed.api.protocol import GenerationRequest, check_text, parse_messages, parse_token_ids
 from moed.api.state import STATE, ServerState
 from moed.api.tools import check_template_kwargs, parse_template, parse_tools
+from moed.engine.client import EngineClient
 
 # what shapes a chat prompt (tool_choice and the like shape the output, not the prompt)
 _CHAT_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
@@ -28,7 +29,7 @@ _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
-def _engine(state: ServerState) -> Any:
+def _engine(state: ServerState) -> EngineClient:
     if state.engine is None or not state.ready:
         raise APIError(503, "Model is not loaded yet.", code="not_ready",
                        headers={"Retry-After": str(state.config.admission.retry_after_s)})
@@ -59,7 +60,7 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     return v
 
 
-def _tokenize(engine: Any, raw: bytes, model: str) -> dict[str, Any]:
+def _tokenize(engine: EngineClient, raw: bytes, model: str) -> dict[str, Any]:
     """In the offload pool: parse, render, encode."""
     body = _body(raw, _TOKENIZE_FIELDS, model)
     tok = engine.tokenizer
@@ -86,14 +87,15 @@ def _tokenize(engine: Any, raw: bytes, model: str) -> dict[str, Any]:
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
 
 
-def _detokenize(engine: Any, raw: bytes, model: str) -> dict[str, Any]:
+def _detokenize(engine: EngineClient, raw: bytes, model: str) -> dict[str, Any]:
     body = _body(raw, _DETOKENIZE_FIELDS, model)
     vocab = getattr(engine.tokenizer, "vocab_size", None)
     ids = parse_token_ids(body.get("tokens"), "tokens", vocab)
     return {"prompt": engine.tokenizer.decode(list(ids))}
 
 
-async def _offloaded(request: web.Request, fn: Any) -> web.Response:
+async def _offloaded(request: web.Request,
+                     fn: Callable[[EngineClient, bytes, str], dict[str, Any]]) -> web.Response:
     state = request.app[STATE]
     engine = _engine(state)
     raw = await request.read()

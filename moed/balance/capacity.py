@@ -28,9 +28,13 @@ never per token. The formulas are pure functions (below) so they are tested with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moed.balance.cost import AdvertisedCost, predict_ttft
+
+if TYPE_CHECKING:
+    from moed.config import BalanceConfig
+    from moed.engine.client import EngineClient
 
 UNKNOWN = -1.0
 STEP_DECAY = 0.98        # per step: ~50 steps of memory (a second or two of a busy node)
@@ -127,10 +131,6 @@ class CapacityMeter:
 METER = CapacityMeter()      # this process's engine (one per node), like the metric registries
 
 
-def of_engine(engine: Any, balance: Any) -> Capacity:
+def of_engine(engine: EngineClient, balance: BalanceConfig) -> Capacity:
     """The signals of a node's engine now (its scheduler's advertised cost state, if any)."""
-    local = getattr(engine, "local", engine)          # a decode node's DisaggEngine wraps it
-    sched = getattr(local, "scheduler", None)
-    adv = sched.advertised() if sched is not None and hasattr(sched, "advertised") else None
-    s = engine.stats()
-    return METER.report(adv, int(getattr(s, "queued_prompt_tokens", 0)), balance)
+    return METER.report(engine.advertised(), engine.stats().queued_prompt_tokens, balance)

@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import structlog
 from aiohttp import web
@@ -21,6 +21,12 @@ from aiohttp import web
 from moed import __version__
 from moed.config import Config, ConfigError
 from moed.safefile import FileRefused, read_regular_file
+
+if TYPE_CHECKING:
+    from moed.balance.capacity import Capacity
+    from moed.balance.cost import AdvertisedCost
+    from moed.engine.client import EngineClient
+    from moed.kvcache.manager import KVCacheManager
 
 from .clock import AsyncioScheduler
 from .members import SwimConfig
@@ -266,7 +272,8 @@ class MembershipComponent:
                     size = getattr(self._app, "config", self.cfg).balance.prefix_digest_size
                     signals = getattr(self._app.state, "capacity", None)   # moed.app wires it
                     self.core.set_load(load_of(engine, digest, size,
-                                               signals() if signals is not None else None))
+                                               signals() if signals is not None else None,
+                                               kv=engine.kv, adv=engine.advertised()))
                 except Exception as e:          # load is advisory; never kill the loop
                     log.warning("cluster_load_failed", error=repr(e))
             await asyncio.sleep(self.cfg.cluster.load_update_interval_ms / 1000.0)
@@ -340,17 +347,14 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def load_of(engine: Any, digest: PrefixDigest, digest_size: int,
-            capacity: Any = None) -> LoadVector:
+def load_of(engine: EngineClient, digest: PrefixDigest, digest_size: int,
+            capacity: Capacity | None = None, *, kv: KVCacheManager | None = None,
+            adv: AdvertisedCost | None = None) -> LoadVector:
     """What this node gossips: queue and KV from engine.stats(); the prefill cost state
     (queued tokens per length bucket, fitted coefficients) when the cost policy runs with a
     fitted model; the prefix digest from the KV manager; the capacity signals when given
     (a moed.balance.capacity.Capacity)."""
     s = engine.stats()
-    local = getattr(engine, "local", engine)          # a decode node's DisaggEngine wraps it
-    kv = getattr(local, "kv", None)
-    sched = getattr(local, "scheduler", None)
-    adv = sched.advertised() if sched is not None and hasattr(sched, "advertised") else None
     fields: dict[str, Any] = {}
     if adv is not None and len(adv.queued_tokens) <= MAX_BUCKETS:
         # clamped: the largest load must leave an Alive that fits a packet (cluster.state)
@@ -372,7 +376,7 @@ def load_of(engine: Any, digest: PrefixDigest, digest_size: int,
     return LoadVector(waiting=s.waiting + s.waiting_remote_kv, running=s.running,
                       free_kv_blocks=s.kv_blocks_free,
                       queued_prefill_tokens=s.queued_prompt_tokens,
-                      block_size=int(getattr(kv, "block_size", 0) or 0),
+                      block_size=0 if kv is None else kv.block_size,
                       prefix_digest=digest.update(kv, digest_size), **fields)
 
 
@@ -392,7 +396,7 @@ def node_meta(cfg: Config, app: Any) -> NodeMeta:
                     model=getattr(app.state, "model_name", "") or "",
                     # the transfer endpoint is added by the prefill/decode role once its
                     # transfer agent exists (moed.roles.common.advertise_transfer)
-                    layout=getattr(app.state.engine, "kv_layout_id", "") or "",
+                    layout="" if app.state.engine is None else app.state.engine.kv_layout_id,
                     transfer="", version=__version__, label=cfg.release.label(),
                     model_id=getattr(app.state, "model_id", "") or "",
                     config=cfg.digest(), protocol=PROTOCOL, **_ep_fields(cfg))

@@ -8,7 +8,7 @@ pass's measured time; `apply` swaps the scheduler's TimeBudget (call it at a ste
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -17,6 +17,9 @@ from moed.balance.cost import FEATURES, CostModel, ExpertShape, predict_ttft, sh
 from moed.config import BalanceConfig
 from moed.engine.scheduler import Scheduler, TimeBudget
 from moed.types import SamplingParams
+
+if TYPE_CHECKING:
+    from moed.engine.engine import Engine
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +77,7 @@ class EngineBalance:
         return out
 
 
-def calibrate(engine: Any, steps: int) -> int:
+def calibrate(engine: Engine, steps: int) -> int:
     """Run synthetic steps before the node is ready (the loop not started), so the first
     requests are budgeted from a fitted model: one short prompt, a batch of short ones (a
     prefill step, then decode steps of 8), and a long prompt in CALIBRATION_CHUNK chunks

@@ -1,8 +1,10 @@
 """EngineClient: the one contract the API, the roles and ops hold an engine by.
 
-`Engine` implements it; a decode node's `DisaggEngine` (moed.roles.decode) implements it too,
-explicitly, adding remote prefill to `add_request`/`abort`. Everything is called from the event
-loop's thread. Events go to subscribers (any number each; `subscribe_*` returns the function
+`Engine` implements it, on every node: where a prompt's KV comes from (computed here, a
+prefill node, a peer's cache) is the node's PromptSource (moed.engine.prompts), given to the
+engine once when the node is built, not a wrapper around it. Everything is called from the
+event loop's thread; `kv` and `tiers` are read there and changed only inside an
+`at_step_boundary` function. Events go to subscribers (any number each; `subscribe_*` returns the function
 that unsubscribes):
 
     step              StepStats after every step (metrics)
@@ -15,13 +17,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import structlog
 
-from moed.config import EngineConfig
+from moed.config import BalanceConfig, EngineConfig
 from moed.engine.stream import RequestStream, StepStats
 from moed.types import ContextRule, EngineStats, SamplingParams
+
+if TYPE_CHECKING:
+    from moed.balance.cost import AdvertisedCost
+    from moed.engine.prompts import PromptSource
+    from moed.kvcache.manager import KVCacheManager
+    from moed.kvcache.tiers import TieredCache
+    from moed.transfer import KVRegion
 
 log = structlog.get_logger(__name__)
 
@@ -84,10 +93,25 @@ class EngineClient(Protocol):
                                 ) -> None: ...
     def release_kv(self, request_id: str) -> None: ...
     def kv_block_table(self, request_id: str) -> list[int]: ...
-    def kv_region(self) -> Any: ...
+    def kv_region(self) -> KVRegion: ...
+    def use_prompt_source(self, source: PromptSource) -> None: ...
+
+    # ---- the KV cache and the cost model (peer reuse, gossip, capacity) ----
+    @property
+    def kv(self) -> KVCacheManager: ...
+    @property
+    def tiers(self) -> TieredCache | None: ...
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+    def predict_prefill_s(self, tokens: int, start: int) -> float: ...
+    def advertised(self) -> AdvertisedCost | None: ...
+    def ttft_over_deadline(self, prompt_tokens: int, timeout_s: float | None
+                           ) -> tuple[float, float] | None: ...
 
     # ---- ops ----
     def apply_config(self, cfg: EngineConfig) -> None: ...
+    def apply_balance(self, cfg: BalanceConfig) -> None: ...
+    def expect_group_end(self) -> None: ...
     def at_step_boundary(self, fn: Callable[[], Any]) -> asyncio.Future: ...
     def subscribe_step(self, fn: Callable[[StepStats], None]) -> Unsubscribe: ...
     def subscribe_prefill_progress(self, fn: Callable[[str, list[int], int], None]

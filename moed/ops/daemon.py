@@ -23,7 +23,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 import structlog
 
@@ -39,6 +39,9 @@ from moed.ops.reload import (Commit, Reloader, ReloadOutcome, ReloadResult, desc
 from moed.ops.sdnotify import Notifier, watchdog_interval, watchdog_loop
 from moed.ops.signals import ignore_sighup, take_held_sighup
 
+if TYPE_CHECKING:
+    from moed.app import App
+
 log = structlog.get_logger(__name__)
 
 
@@ -53,6 +56,14 @@ def load_key_source(file: str, env: str, what: str) -> tuple[bytes, ...]:
         raise ConfigError(str(e).replace("api_keys", what)) from None
     except UnicodeEncodeError:           # the variable's bytes were not UTF-8 (PEP 383)
         raise ConfigError(f"server.{what}_env: variable {env} is not UTF-8 text") from None
+
+
+@runtime_checkable
+class Reloadable(Protocol):
+    """A component that applies live config changes (moed.ops.reload: prepare, then commit)."""
+    name: str
+
+    def prepare_reload(self, old: Config, new: Config) -> Commit | None: ...
 
 
 class EngineProgress:
@@ -91,7 +102,7 @@ class OpsComponent:
             faulthandler.enable()
         self._admin_tokens = load_key_source(cfg.server.admin_token_file,
                                              cfg.server.admin_token_env, "admin_token")
-        self._app: Any = None
+        self._app: App | None = None
         self.reloader: Reloader | None = None
         self._last: ReloadResult | None = None
         self._serving = False
@@ -111,7 +122,7 @@ class OpsComponent:
             self._deferred_reload = True
         self.notifier.status("loading model" if self.cfg.server.role != "router" else "starting")
 
-    async def start(self, app: Any) -> None:
+    async def start(self, app: App) -> None:
         self._app = app
         if self._path is None:   # the CLI tells the app what it loaded; SIGHUP loads it again
             self._path = getattr(app, "config_path", None)
@@ -124,9 +135,8 @@ class OpsComponent:
         self.reloader.subscribe("engine", self._prepare_engine)
         appliers = set()
         for c in app.components:
-            hook = getattr(c, "prepare_reload", None)
-            if callable(hook) and c is not self:
-                self.reloader.subscribe(c.name, hook)
+            if isinstance(c, Reloadable) and c is not self:
+                self.reloader.subscribe(c.name, c.prepare_reload)
                 appliers.add(c.name)
         self.reloader.subscribe("coverage", lambda old, new: self._check_coverage(
             old, new, appliers))
@@ -164,7 +174,7 @@ class OpsComponent:
 
     # ---- readiness and watchdog ------------------------------------------------------------
 
-    async def _announce_ready(self, app: Any) -> None:
+    async def _announce_ready(self, app: App) -> None:
         await app.ready_event.wait()
         if self._draining:
             return
@@ -259,9 +269,11 @@ class OpsComponent:
             self.history.resize(cfg.release.config_history)
             self.history.record(cfg, result.source)
             metrics.CONFIG_HISTORY.set(len(self.history.entries()))
-        cluster = next((c for c in getattr(self._app, "components", ())
-                        if getattr(c, "name", "") == "cluster"), None)
-        if cluster is not None and getattr(cluster, "core", None) is not None:
+        from moed.cluster.service import MembershipComponent
+
+        cluster = next((c for c in self._app.components if isinstance(c, MembershipComponent)),
+                       None)
+        if cluster is not None and cluster.core is not None:
             try:
                 cluster.update_meta(config=cfg.digest())
             except (RuntimeError, ValueError) as e:   # advisory: the reload itself stands

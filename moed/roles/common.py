@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -10,6 +10,9 @@ from moed.engine.client import EngineClient
 from moed.obs import metrics
 from moed.transfer import TransferHandle, TransferState, TransferStatus, create_backend
 from moed.transfer.worker import TransferWorker
+
+if TYPE_CHECKING:
+    from moed.app import App
 
 log = structlog.get_logger(__name__)
 
@@ -41,10 +44,12 @@ async def start_worker(kind: str, node: str, engine: EngineClient) -> TransferWo
     return worker
 
 
-def advertise_transfer(app: Any, worker: TransferWorker) -> None:
+def advertise_transfer(app: App, worker: TransferWorker) -> None:
     """Put our transfer endpoint (the agent name) in the gossip metadata, next to the KV
     layout id the membership already carries, so peers can pair with us knowingly."""
-    membership = next((c for c in app.components if getattr(c, "name", "") == "cluster"), None)
+    from moed.cluster.service import MembershipComponent
+
+    membership = next((c for c in app.components if isinstance(c, MembershipComponent)), None)
     if membership is not None:
         membership.update_meta(transfer=worker.name)
 

@@ -31,16 +31,16 @@ import hmac
 import json
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 from urllib.parse import quote
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from moed.config import Config, EngineConfig
-from moed.engine.client import EngineClient, Unsubscribe
-from moed.engine.stream import RequestStream, StepStats
+from moed.config import Config
+from moed.engine.client import EngineClient
+from moed.engine.stream import RequestStream
 from moed.obs import metrics, trace
 from moed.balance import breaker
 from moed.balance.breaker import PeerHealth
@@ -49,8 +49,14 @@ from moed.cluster.state import GRAMMAR_JOBS
 from moed.balance.prefill import CostCandidate, advertised_of, pick_prefill, pick_prefill_cost
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.protocol import FirstToken, PrefillJobSpec, ProtocolError, sampling_fields
-from moed.types import (ContextRule, EngineStats, ErrorKind, FinishReason, SamplingParams,
-                        TokenEvent)
+from moed.roles.sources import RemotePrefill
+from moed.transfer.worker import TransferWorker
+from moed.types import ErrorKind, FinishReason, SamplingParams, TokenEvent
+
+if TYPE_CHECKING:
+    from moed.api.internal import InternalAuth
+    from moed.app import App
+    from moed.cluster.service import MembershipComponent
 
 log = structlog.get_logger(__name__)
 
@@ -71,114 +77,6 @@ class AttemptFailed(Exception):
         self.kind, self.retry = kind, retry
 
 
-class DisaggEngine:
-    """What the HTTP layer sees on a decode node (a moed.engine.client.EngineClient): the
-    node's engine, with prompts prefilled remotely. Only add_request and abort differ."""
-
-    def __init__(self, engine: EngineClient, role: "DecodeComponent") -> None:
-        self._engine = engine
-        self._role = role
-
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, *, remote_kv: bool = False,
-                    prefill_only: bool = False) -> RequestStream:
-        if prefill_only or params.prompt_logprobs is not None or len(prompt_token_ids) <= \
-                self._role.cfg.transfer.local_prefill_max_tokens:
-            # short prompts: a remote round trip (and the prefill node's queue) costs more
-            # TTFT than the few tokens cost this node's decode steps. Prompt logprobs (echo
-            # with logprobs): the logits of every prompt position are needed, and a prefill
-            # node sends only KV, so this node computes the prompt itself
-            return self._engine.add_request(request_id, prompt_token_ids, params,
-                                            prefill_only=prefill_only)
-        stream = self._engine.add_request(request_id, prompt_token_ids, params, remote_kv=True)
-        self._role.launch(request_id, list(prompt_token_ids), params, stream)
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        self._role.cancel(request_id)
-        self._engine.abort(request_id)
-
-    # ---- the rest is the engine's own ----
-    @property
-    def tokenizer(self) -> Any:
-        return self._engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self._engine.max_model_len
-
-    @property
-    def context(self) -> ContextRule:
-        return self._engine.context
-
-    @property
-    def block_size(self) -> int:
-        return self._engine.block_size
-
-    @property
-    def alive(self) -> bool:
-        return self._engine.alive
-
-    @property
-    def kv_layout_id(self) -> str:
-        return self._engine.kv_layout_id
-
-    def stats(self) -> EngineStats:
-        return self._engine.stats()
-
-    @property
-    def local(self) -> EngineClient:
-        """This node's own engine (the gossip reads its scheduler's cost state and KV
-        digest: moed.cluster.service.load_of)."""
-        return self._engine
-
-    def model_info(self) -> dict[str, str]:
-        return self._engine.model_info()
-
-    def limits(self) -> dict[str, int]:
-        return self._engine.limits()
-
-    def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                logprob: float | None = None,
-                                top_logprobs: Sequence[tuple[int, float]] | None = None) -> None:
-        self._engine.complete_remote_prefill(request_id, first_token_id, logprob, top_logprobs)
-
-    def release_kv(self, request_id: str) -> None:
-        self._engine.release_kv(request_id)
-
-    def kv_block_table(self, request_id: str) -> list[int]:
-        return self._engine.kv_block_table(request_id)
-
-    def kv_region(self) -> Any:
-        return self._engine.kv_region()
-
-    def apply_config(self, cfg: EngineConfig) -> None:
-        self._engine.apply_config(cfg)
-
-    def apply_balance(self, cfg: Any) -> None:
-        """[balance] reloaded: the local engine's step budget (moed.engine.balancing)."""
-        self._engine.apply_balance(cfg)
-
-    def at_step_boundary(self, fn: Callable[[], Any]) -> asyncio.Future:
-        return self._engine.at_step_boundary(fn)
-
-    def subscribe_step(self, fn: Callable[[StepStats], None]) -> Unsubscribe:
-        return self._engine.subscribe_step(fn)
-
-    def subscribe_prefill_progress(self, fn: Callable[[str, list[int], int], None]
-                                   ) -> Unsubscribe:
-        return self._engine.subscribe_prefill_progress(fn)
-
-    def subscribe_expert_load(self, fn: Callable[[Any], None]) -> Unsubscribe:
-        return self._engine.subscribe_expert_load(fn)
-
-    async def start(self) -> None:
-        await self._engine.start()
-
-    async def shutdown(self) -> None:
-        await self._engine.shutdown()
-
-
 class DecodeComponent:
     """Drives remote prefill for every request of a decode node (a moed.app Component)."""
 
@@ -189,7 +87,7 @@ class DecodeComponent:
         self.node = node
         self.incarnation = new_incarnation()
         self.engine: EngineClient | None = None
-        self.worker: Any = None
+        self.worker: TransferWorker | None = None
         self.session: aiohttp.ClientSession | None = None
         self.health: dict[str, PeerHealth] = {u: PeerHealth() for u in cfg.transfer.prefill_peers}
         self.layout = ""                           # our KV layout id: peers must match it
@@ -200,17 +98,20 @@ class DecodeComponent:
         self.jobs: dict[str, asyncio.Task] = {}    # request id → its remote-prefill task
         self.current: dict[str, tuple[str, str]] = {}   # request id → (peer, job id) in flight
         self.expect: dict[str, tuple[str, asyncio.Future[FirstToken]]] = {}   # job → (cap, fut)
-        self.auth: Any = None                      # moed.api.internal.InternalAuth
-        self._app: Any = None
-        self._membership: Any = None               # moed.cluster's component when enabled
+        self.auth: InternalAuth | None = None      # signs every job call
+        self._app: App | None = None
+        self._membership: MembershipComponent | None = None    # when membership is enabled
 
     # ---- Component ---------------------------------------------------------------------------
     def add_routes(self, web_app: web.Application) -> None:
         web_app.router.add_get("/internal/transfer", self.handle_info)
 
-    async def start(self, app: Any) -> None:
+    async def start(self, app: App) -> None:
+        from moed.cluster.service import MembershipComponent
+
         self._membership = next((c for c in app.components
-                                 if getattr(c, "name", "") == "cluster"), None)
+
+                                 if isinstance(c, MembershipComponent)), None)
         if not self.cfg.transfer.prefill_peers and self._membership is None:
             log.warning("decode_without_prefill_peers",
                         hint="set transfer.prefill_peers (or enable membership)")
@@ -222,7 +123,7 @@ class DecodeComponent:
         advertise_transfer(app, self.worker)
         self.auth = app.state.internal_auth      # signs every job call with the cluster secret
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        app.state.engine = DisaggEngine(self.engine, self)
+        self.engine.use_prompt_source(RemotePrefill(self))
 
     async def drain(self) -> None:
         pass                     # in-flight requests finish; the API refuses new ones
@@ -237,7 +138,7 @@ class DecodeComponent:
         if self.worker is not None:
             await self.worker.close()
 
-    def prepare_reload(self, old: Config, new: Config) -> Any:
+    def prepare_reload(self, old: Config, new: Config) -> Callable[[], None]:
         """Reload hook (moed.ops): transfer.* live fields apply to the next job."""
         def commit() -> None:
             self.cfg = new
@@ -315,7 +216,8 @@ class DecodeComponent:
 
     def cancel(self, rid: str) -> None:
         task = self.jobs.get(rid)
-        if task is not None and not task.done():
+        # not the job itself: its _fail aborts the request (and so reaches here) as it ends
+        if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
         cur = self.current.pop(rid, None)
         if cur is not None and self.session is not None:   # belt and braces next to the close

@@ -1,10 +1,10 @@
 """Cluster prefix reuse (`tiers.peer_reuse`, colocated and prefill nodes): READ a peer's cached
 prompt blocks over NIXL instead of recomputing them, and lend ours to peers.
 
-A request's way through the reader (KVShareComponent.prefetch, before the engine sees it: a
-colocated node's client requests through PeerReuseEngine.add_request, a prefill node's jobs
-through moed.roles.prefill, which then pushes the whole prompt's KV to the decode node as
-always):
+A request's way through the reader (KVShareComponent.prefetch, before the scheduler sees it: a
+colocated node's client requests through the PeerReuse prompt source, parked meanwhile; a
+prefill node's jobs through moed.roles.prefill, which then pushes the whole prompt's KV to the
+decode node as always):
 
     prompt hashes ──best_peer (gossip digests of live, same-checkpoint, same-layout peers)──▶
     at a step boundary: what we hold (L1 + tiers) and the predicted recompute ──plan_load──▶
@@ -34,7 +34,8 @@ import base64
 import json
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import structlog
@@ -44,7 +45,7 @@ from moed.api.errors import APIError
 from moed.api.internal import require_signed
 from moed.cluster.state import layout_compatible, protocol_compatible
 from moed.config import Config
-from moed.engine.client import EngineClient, RequestStream
+from moed.engine.client import EngineClient
 from moed.kvcache.pool import salt_root
 from moed.kvcache.tiers.peer import (FAILURE_REASONS, LeaseGrant, LeaseRequest, LeaseTable,
                                      PeerOffer, best_peer, prompt_hashes)
@@ -52,9 +53,17 @@ from moed.kvcache.tiers.policy import Bandwidth, Latency, plan_load
 from moed.obs import metrics
 from moed.obs.coarse import CoarseTotals
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
-from moed.roles.decode import DisaggEngine
+from moed.roles.sources import PeerReuse
 from moed.transfer import TransferState
-from moed.types import SamplingParams
+from moed.transfer.worker import TransferWorker
+
+if TYPE_CHECKING:
+    from moed.api.internal import InternalAuth
+    from moed.app import App
+    from moed.cluster.service import MembershipComponent
+    from moed.roles.prefill import PrefillComponent
+
+T = TypeVar("T")
 
 log = structlog.get_logger(__name__)
 
@@ -76,8 +85,8 @@ class KVShareComponent:
         self.cfg = cfg
         self.node = node
         self.incarnation = new_incarnation()
-        self.engine: Any = None
-        self.worker: Any = None
+        self.engine: EngineClient | None = None
+        self.worker: TransferWorker | None = None
         self.session: aiohttp.ClientSession | None = None
         self.leases = LeaseTable()
         self.bandwidth = Bandwidth(cfg.tiers.peer_bandwidth_mbps * 1e6)
@@ -85,11 +94,11 @@ class KVShareComponent:
         # learnt from what measured reads took beyond their READ (policy.Latency: cautious)
         self.latency = Latency()
         self._owns_worker = True
-        self._prefill: Any = None       # a prefill node's PrefillComponent (its jobs ask us)
+        self._prefill: PrefillComponent | None = None   # a prefill node's (its jobs ask us)
         self.block_bytes = 0
         self.model_id = ""
-        self._membership: Any = None
-        self._auth: Any = None
+        self._membership: MembershipComponent | None = None
+        self._auth: InternalAuth | None = None
         self._expiry: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         # the peer counters as running totals, released to /metrics in batches of requests
@@ -110,14 +119,18 @@ class KVShareComponent:
         web_app.router.add_post("/internal/kv/lease", self.handle_lease)
         web_app.router.add_delete("/internal/kv/lease/{lease}", self.handle_release)
 
-    async def start(self, app: Any) -> None:
+    async def start(self, app: App) -> None:
+        from moed.cluster.service import MembershipComponent
+        from moed.roles.prefill import PrefillComponent
+
         self._membership = next((c for c in app.components
-                                 if getattr(c, "name", "") == "cluster"), None)
+
+                                 if isinstance(c, MembershipComponent)), None)
         self._auth = app.state.internal_auth
         self.model_id = getattr(app.state, "model_id", "")
         self.engine = app.state.engine
-        prefill = next((c for c in app.components if getattr(c, "name", "") == "prefill"), None)
-        if prefill is not None and getattr(prefill, "worker", None) is not None:
+        prefill = next((c for c in app.components if isinstance(c, PrefillComponent)), None)
+        if prefill is not None and prefill.worker is not None:
             # a prefill node: its worker (one per process) reads and lends, and its jobs ask
             # this reader first (moed.roles.prefill.PrefillComponent.reuse)
             self.worker, self.incarnation, self._owns_worker = prefill.worker, \
@@ -133,7 +146,7 @@ class KVShareComponent:
         for reason in FAILURE_REASONS:      # every reason exported from the start, at 0
             metrics.PEER_FAILURES.labels(reason)
         self._count()
-        app.state.engine = PeerReuseEngine(self.engine, self)
+        self.engine.use_prompt_source(PeerReuse(self))
 
     async def drain(self) -> None:
         pass
@@ -276,11 +289,10 @@ class KVShareComponent:
             after loading k more, k = 0 .. what the peer advertises beyond them)."""
             hit = eng.kv.prefix_hit(tokens, root)
             held = len(hit.block_ids)
-            tiers = eng.scheduler.tiers
+            tiers = eng.tiers
             if tiers is not None:
                 held += len(tiers.match(hashes[held:]).keys)
-            return held, [eng.scheduler.predict_prefill_s(len(tokens) - (held + k) * bs,
-                                                          (held + k) * bs)
+            return held, [eng.predict_prefill_s(len(tokens) - (held + k) * bs, (held + k) * bs)
                           for k in range(max(len(hashes) - held, 0) + 1)]
 
         try:
@@ -409,7 +421,7 @@ class KVShareComponent:
             await asyncio.sleep(delay)
         await self._unpin(ids)
 
-    async def _boundary(self, fn: Any) -> Any:
+    async def _boundary(self, fn: Callable[[], T]) -> T:
         """fn() between two steps; TimeoutError past BOUNDARY_S (fn still runs then: callers
         whose fn takes something pass its late result to `_unpin_late`)."""
         return await asyncio.wait_for(asyncio.shield(self.engine.at_step_boundary(fn)),
@@ -426,36 +438,9 @@ class KVShareComponent:
             log.info("kv_peer_release_failed", lease=lease, error=type(e).__name__,
                      effect="the lender unpins at the lease's expiry")
 
-    def _spawn(self, coro: Any) -> asyncio.Future:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         """Work that must finish even when the request that started it is cancelled."""
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
-
-
-class PeerReuseEngine(DisaggEngine):
-    """What the HTTP layer sees on a node with `tiers.peer_reuse`: the engine, with a peer's
-    cached prefix brought in before a request is submitted."""
-
-    def __init__(self, engine: EngineClient, share: KVShareComponent) -> None:
-        super().__init__(engine, share)     # type: ignore[arg-type]  # only delegation is used
-        self._share = share
-
-    # async: the HTTP layer awaits an awaitable stream (moed.api.generate)
-    async def add_request(self, request_id: str,  # type: ignore[override]
-                          prompt_token_ids: Sequence[int], params: SamplingParams,
-                          **kw: Any) -> RequestStream:
-        if not kw.get("prefill_only") and params.prompt_logprobs is None:
-            # prompt logprobs need every prompt position's logits: nothing to reuse then
-            await self._share.prefetch(request_id, list(prompt_token_ids), params.cache_salt)
-        return self._engine.add_request(request_id, prompt_token_ids, params, **kw)
-
-    def abort(self, request_id: str) -> None:
-        self._engine.abort(request_id)
-
-    def ttft_over_deadline(self, prompt_tokens: int, timeout_s: float | None
-                           ) -> tuple[float, float] | None:
-        """The engine's early rejection (moed.api.generate.reject_early) stays on."""
-        check = getattr(self._engine, "ttft_over_deadline", None)
-        return check(prompt_tokens, timeout_s) if check is not None else None

@@ -34,7 +34,7 @@ import enum
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import structlog
 from aiohttp import web
@@ -45,13 +45,18 @@ from moed.api.state import STATE
 from moed.balance import capacity
 from moed.config import Config
 from moed.engine.client import EngineClient
+from moed.engine.stream import RequestStream
 from moed.obs import metrics, trace
 from moed.roles.common import advertise_transfer, new_incarnation, start_worker
 from moed.roles.protocol import (FirstToken, PrefillJobSpec, ProtocolError, first_token_params,
                                  line)
-from moed.transfer import (BadMetadata, IncompatibleLayout, StalePeer, TransferState,
-                           TransferError)
+from moed.transfer import (BadMetadata, IncompatibleLayout, StalePeer, TransferHandle,
+                           TransferState, TransferError)
+from moed.transfer.worker import TransferWorker
 from moed.types import FinishReason, TokenEvent
+
+if TYPE_CHECKING:
+    from moed.app import App
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +104,7 @@ class PrefillJob:
     table: list[int] = field(default_factory=list)
     sent: int = 0                               # prompt blocks [0, sent) are at the decode node
     task: asyncio.Task | None = None
-    handle: Any = None                          # the transfer in flight, if any
+    handle: TransferHandle | None = None        # the transfer in flight, if any
     traced: bool = False                        # spans wanted (moed.obs.trace)
     started_ns: int = 0                         # accepted (wall clock), when traced
     marks: list[tuple[int, int]] = field(default_factory=list)   # (ns, computed) per chunk
@@ -124,7 +129,7 @@ class PrefillComponent:
         self.node = node
         self.incarnation = new_incarnation()
         self.engine: EngineClient | None = None
-        self.worker: Any = None
+        self.worker: TransferWorker | None = None
         self._unsubscribe: Callable[[], None] = lambda: None
         self.jobs: dict[str, PrefillJob] = {}
         self._aborts: set[asyncio.Future] = set()
@@ -137,7 +142,7 @@ class PrefillComponent:
         web_app.router.add_delete("/internal/prefill/{job_id}", self.handle_cancel)
         web_app.router.add_get("/internal/transfer", self.handle_info)
 
-    async def start(self, app: Any) -> None:
+    async def start(self, app: App) -> None:
         self.engine = app.state.engine
         self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
         advertise_transfer(app, self.worker)
@@ -154,7 +159,7 @@ class PrefillComponent:
         if self.worker is not None:
             await self.worker.close()
 
-    def prepare_reload(self, old: Config, new: Config) -> Any:
+    def prepare_reload(self, old: Config, new: Config) -> Callable[[], None]:
         """Reload hook (moed.ops): transfer.* live fields apply to the next job."""
         def commit() -> None:
             self.cfg = new
@@ -377,7 +382,7 @@ def _trace_chunks(job: PrefillJob, ev: TokenEvent) -> None:
         at, done = ns, computed
 
 
-async def _pump(stream: Any, inbox: asyncio.Queue) -> None:
+async def _pump(stream: RequestStream, inbox: asyncio.Queue) -> None:
     async for ev in stream:
         if ev.finished:
             inbox.put_nowait(("event", ev))

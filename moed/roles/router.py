@@ -15,7 +15,7 @@ canary.window_s, per version label, with the verdict by the configured threshold
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -28,6 +28,9 @@ from moed.api.state import STATE
 from moed.config import Config, ConfigError
 from moed.obs import metrics
 
+if TYPE_CHECKING:
+    from moed.app import App
+
 log = structlog.get_logger(__name__)
 
 
@@ -36,7 +39,7 @@ class RouterComponent:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self._app: Any = None
+        self._app: App | None = None
         self.proxy: Proxy | None = None
 
     def _config(self) -> Config:
@@ -58,16 +61,17 @@ class RouterComponent:
         web_app.router.add_route("*", "/v1/{tail:.*}", proxied)
         web_app.router.add_get("/admin/canary", canary_report)
 
-    def _source(self, app: Any) -> BackendSource:
-        for c in app.components:
-            view = getattr(c, "view", None)
-            if callable(view) and self._config().cluster.enabled:
-                log.info("router_backends", source="membership", component=c.name)
-                return MembershipBackends(view, self._config)
+    def _source(self, app: App) -> BackendSource:
+        from moed.cluster.service import MembershipComponent
+
+        membership = next((c for c in app.components if isinstance(c, MembershipComponent)), None)
+        if membership is not None and self._config().cluster.enabled:
+            log.info("router_backends", source="membership", component=membership.name)
+            return MembershipBackends(membership.view, self._config)
         log.info("router_backends", source="static", backends=list(self._config().router.backends))
         return StaticBackends(self._config)
 
-    async def start(self, app: Any) -> None:
+    async def start(self, app: App) -> None:
         self._app = app
         source = self._source(app)
         proxy = Proxy(source, self._config, draining=lambda: app.state.draining,

@@ -18,6 +18,7 @@ from moed.engine.engine import Engine
 from moed.model.runner import ModelRunner
 from moed.model.tokenizer import Tokenizer
 from moed.types import FinishReason, SamplingParams
+from moed.engine.runner import RunnerDefaults
 
 torch.set_num_threads(1)
 
@@ -36,7 +37,7 @@ NEW = 32
 TOL = 1e-3
 
 
-class RecordingRunner:
+class RecordingRunner(RunnerDefaults):
     """Wraps the real runner; remembers, per full token sequence, the logits returned for its
     last token. The sequence is rebuilt by reading a token shadow of the paged cache through the
     block table, so a wrong table or a bad prefix hit shows up as a missing/odd key."""

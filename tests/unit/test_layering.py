@@ -137,7 +137,7 @@ def test_the_graph_sees_what_it_must() -> None:
     """Guards the reader: module-level, function-level, relative and TYPE_CHECKING imports."""
     g = import_graph()
     assert "moed.model.hf_config" in g["moed.model.runner"]                      # module level
-    assert "moed.model.hf_config" in g["moed.engine.engine"]                     # in a function
+    assert "moed.model.hf_config" in g["moed.engine.build"]                      # in a function
     assert "moed.cluster.clock" in g["moed.cluster.swim"]                        # relative
     assert "moed.model.archs" in g["moed.model.hf_config"]                       # from pkg import mod
     src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from moed.app import App\n"

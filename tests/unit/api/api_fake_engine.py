@@ -83,6 +83,9 @@ class FakeEngine:
             self.aborted.append(rid)
             self._finish(r, FinishReason.ABORT)
 
+    def ttft_over_deadline(self, prompt_tokens: int, timeout_s: float | None):
+        return None         # no cost model: nothing predicted, every request admitted
+
     def stats(self) -> EngineStats:
         used = sum(r.blocks for r in self.reqs.values())
         running = sum(1 for r in self.reqs.values() if r.blocks)

@@ -10,9 +10,10 @@ from api_harness import running_app
 from moed.config import EngineConfig
 from moed.engine.engine import Engine
 from moed.types import FinishReason, SamplingParams
+from moed.engine.runner import RunnerDefaults
 
 
-class _Runner:
+class _Runner(RunnerDefaults):
     """Minimal runner: always prefers token 1."""
     num_blocks, block_size = 16, 4
     spec = SimpleNamespace(vocab_size=8, max_position_embeddings=64, eos_token_ids=(7,))

@@ -109,7 +109,9 @@ async def test_engine_load_is_published_in_the_view() -> None:
         tasks.append(asyncio.ensure_future(coro))
         return tasks[-1]
     app = SimpleNamespace(port=1, node="svc", spawn=spawn,
-                          state=SimpleNamespace(engine=SimpleNamespace(stats=lambda: stats)))
+                          state=SimpleNamespace(engine=SimpleNamespace(
+                              stats=lambda: stats, kv=None, advertised=lambda: None,
+                              kv_layout_id="")))
     await comp.start(app)
     try:
         for _ in range(100):

@@ -5,6 +5,7 @@ changes the output, so tests compare against `next_token(true_sequence)`."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from moed.engine.runner import RunnerDefaults
 
 VOCAB = 64
 EOS = 63
@@ -18,7 +19,7 @@ def next_token(seq: list[int]) -> int:
     return h % (VOCAB - 1)
 
 
-class FakeRunner:
+class FakeRunner(RunnerDefaults):
     def __init__(self, num_blocks: int, block_size: int, max_len: int = 4096) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.spec = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=max_len,

@@ -1,7 +1,7 @@
-"""engine.num_threads: 0 is auto (moed.engine.engine.step_threads), a number is taken as is."""
+"""engine.num_threads: 0 is auto (moed.engine.build.step_threads), a number is taken as is."""
 from __future__ import annotations
 
-from moed.engine.engine import step_threads
+from moed.engine.build import step_threads
 
 
 def test_a_configured_count_wins_over_everything():

@@ -35,13 +35,13 @@ def test_engine_progress_vetoes_only_a_stalled_engine_with_work() -> None:
     assert check()                                   # only waiting (e.g. for remote KV): not stuck
 
 
-def test_engine_reload_reaches_a_decode_nodes_wrapped_engine() -> None:
-    """The decode role puts a DisaggEngine in front of the engine; apply_config gets through."""
+def test_engine_reload_reaches_a_decode_nodes_engine() -> None:
+    """A decode node's engine is the engine (remote prefill is its prompt source, not a
+    wrapper: moed.engine.prompts); apply_config gets through."""
     from types import SimpleNamespace
 
     from moed.config import load
     from moed.ops.daemon import OpsComponent
-    from moed.roles.decode import DisaggEngine
 
     applied = []
     inner = SimpleNamespace(apply_config=applied.append)
@@ -49,7 +49,7 @@ def test_engine_reload_reaches_a_decode_nodes_wrapped_engine() -> None:
     old = load(environ={}, overrides=role)
     new = load(environ={"MOED_ENGINE_MAX_NUM_SEQS": "3"}, overrides=role)
     ops = OpsComponent(old, environ={})
-    ops._app = SimpleNamespace(state=SimpleNamespace(engine=DisaggEngine(inner, None)))
+    ops._app = SimpleNamespace(state=SimpleNamespace(engine=inner))
     assert ops._prepare_engine(old, old) is None                   # nothing changed: no commit
     ops._prepare_engine(old, new)()
     assert applied == [new.engine]

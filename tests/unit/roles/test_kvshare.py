@@ -45,6 +45,14 @@ class FakeEngine:
                                         "predict_prefill_s": staticmethod(
                                             lambda tokens, start: tokens * 1e-3)})()
 
+    tiers = None
+
+    def predict_prefill_s(self, tokens: int, start: int) -> float:
+        return self.scheduler.predict_prefill_s(tokens, start)
+
+    def use_prompt_source(self, source: Any) -> None:
+        self.source = source
+
     def at_step_boundary(self, fn: Any) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(fn())
@@ -249,8 +257,10 @@ async def test_on_a_prefill_node_the_prefill_components_worker_reads_and_its_job
     closed: list[bool] = []
     worker = FakeWorker(TransferState.DONE)
     worker.close = lambda: closed.append(True)        # type: ignore[attr-defined]
-    prefill = type("P", (), {"name": "prefill", "worker": worker, "incarnation": 42,
-                             "reuse": None})()
+    from moed.roles.prefill import PrefillComponent
+
+    prefill = PrefillComponent(_cfg(), "P2")    # found by its type
+    prefill.worker, prefill.incarnation = worker, 42
     state = type("St", (), {"internal_auth": None, "model_id": "mod", "engine": engine})()
     app = type("App", (), {"components": [prefill], "state": state})()
     s = KVShareComponent(_cfg(), "P2")

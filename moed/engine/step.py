@@ -1,0 +1,369 @@
+"""The step: schedule -> execute -> postprocess, once, for the three drivers.
+
+`StepCore.step(driver)` is the engine's one step. What differs between the asynchronous
+serving loop, the expert-parallel group's lock-step loop and the synchronous `generate` is a
+`StepDriver` (moed.engine.drivers): where the forward pass runs (the step thread, under the
+group's watchdog, or the caller's thread), whether the group agrees first, what a failed
+forward does, and what runs between two steps (the group's observation and rebalance).
+
+    boundary: commands, finished tier loads -> schedule (unless leaving) -> [no plan: flush
+    the KV events] -> driver.agree -> IDLE / LEAVE: back to the driver | EMPTY: a forward
+    without rows (EP) | STEP: [step thread] forward + sample -> scheduler.update -> events,
+    subscribers -> flush the KV events -> driver.between_steps -> expert-load read
+
+Only the step loop (one of the drivers) calls it: it is the one writer of the scheduler and
+the KV manager.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import structlog
+
+from moed.engine.client import Listeners
+from moed.engine.masks import MaskPool
+from moed.engine.request import Request
+from moed.engine.runner import StepRunner
+from moed.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
+from moed.engine.stream import RequestStream, StepStats
+from moed.kvcache.manager import KVCacheManager
+from moed.model.logprobs import compute as compute_prompt_logprobs
+from moed.model.logprobs import prompt_positions
+from moed.model.sampler import SampleResult, SampleRow, sample
+from moed.obs import metrics
+from moed.types import ErrorKind, FinishReason, PromptLogprob, TokenEvent
+
+if TYPE_CHECKING:
+    from moed.engine.balancing import EngineBalance
+    from moed.kvcache.events import KVEventRecorder
+    from moed.kvcache.publisher import ZmqPublisher
+    from moed.kvcache.tiers import TieredCache
+
+log = structlog.get_logger(__name__)
+
+EXPERT_LOAD_INTERVAL_S = 1.0
+PromptLPs = dict[str, list[PromptLogprob]]     # one step's prompt logprobs, by request id
+Executed = tuple[SampleResult | None, float, PromptLPs]
+
+
+class Go(enum.Enum):
+    """The driver's word after scheduling: what this step does."""
+    STEP = "step"       # run the plan
+    EMPTY = "empty"     # no plan here, but the group steps: a forward without rows (EP)
+    IDLE = "idle"       # nothing to do: the driver waits for work
+    LEAVE = "leave"     # the loop ends
+
+
+class StepDriver(Protocol):
+    """What one driver of `StepCore.step` decides (moed.engine.drivers has the three)."""
+    reads_expert_load: bool     # the serving loops read the runner's expert load between steps
+
+    def leaving(self) -> bool:
+        """Schedule nothing this step (the loop is stopping)."""
+    async def agree(self, plan: StepPlan | None) -> Go:
+        """After scheduling: step, idle or leave (a group agrees here)."""
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) where the forward pass runs (the step thread or the caller's)."""
+    def contain(self, plan: StepPlan, err: Exception) -> bool:
+        """A forward pass raised: True = handled (its requests failed), False = re-raise."""
+    def after_forward(self) -> None:
+        """Right after a forward pass (the group counts its steps)."""
+    async def between_steps(self) -> None:
+        """After the step's tokens are out (the group's expert rebalance)."""
+
+
+class StepCore:
+    """The step and its parts; `moed.engine.engine.Engine` is the rest (commands, API,
+    lifecycle). The attributes below are the engine's, set in its __init__."""
+    runner: StepRunner
+    scheduler: Scheduler
+    kv: KVCacheManager
+    balance: EngineBalance
+    tiers: TieredCache | None
+    eos_token_ids: tuple[int, ...]
+    steps: int
+    _tokenizer: Any
+    _masks: MaskPool
+    _grammar_failed: dict[str, str]
+    _streams: dict[str, RequestStream]
+    _kv_events: KVEventRecorder | None
+    _kv_publisher: ZmqPublisher | None
+    _on_step: Listeners[Callable[[StepStats], None]]
+    _on_progress: Listeners[Callable[[str, list[int], int], None]]
+    _on_load: Listeners[Callable[[Any], None]]
+    _load_read_at: float
+    _load_pending: bool
+    _executor: ThreadPoolExecutor | None
+
+    def _apply_commands(self) -> None:
+        raise NotImplementedError
+
+    def kv_block_table(self, request_id: str) -> list[int]:
+        raise NotImplementedError
+
+    def _publish(self, events: Sequence[TokenEvent]) -> None:
+        """Deliver events; a finished request's stream is dropped (and an unresolved
+        `kv_blocks` future is cancelled: the request ended before its blocks were allocated)."""
+        for ev in events:
+            s = self._streams.get(ev.request_id)
+            if s is None:
+                continue
+            s.put(ev)
+            if ev.finished:
+                del self._streams[ev.request_id]
+                if s.kv_blocks is not None and not s.kv_blocks.done():
+                    s.kv_blocks.cancel()
+
+    async def step(self, driver: StepDriver) -> Go:
+        """One step (see the module docstring) -> what it did: STEP (also an EMPTY forward),
+        IDLE or LEAVE (the driver idles or ends its loop)."""
+        self._apply_commands()
+        self._collect_tier_loads()
+        t0 = time.perf_counter()
+        plan = None if driver.leaving() else self._schedule()
+        if plan is None:                # one batch a step: a working one flushes last
+            self._flush_kv_events()
+        go = await driver.agree(plan)
+        if go is Go.IDLE and driver.reads_expert_load:
+            self._read_expert_load(force=True)      # flush the window before idling
+        if go is Go.IDLE or go is Go.LEAVE:
+            return go
+        if driver.reads_expert_load:
+            self._load_pending = True
+        if plan is None:                # Go.EMPTY: the group steps, this rank has no rows
+            await driver.call(self.runner.forward_empty)
+            driver.after_forward()
+            await driver.between_steps()
+            return Go.STEP
+        try:
+            res, fwd_s, plps = await driver.call(self._execute, plan)
+        except Exception as e:
+            if not driver.contain(plan, e):
+                raise
+            return Go.STEP
+        driver.after_forward()
+        self._finish_step(plan, res, t0, fwd_s, plps)   # tokens out before any move
+        self._flush_kv_events()
+        await driver.between_steps()
+        if driver.reads_expert_load:
+            self._read_expert_load(force=False)
+        return Go.STEP
+
+    def _flush_kv_events(self) -> None:
+        """This step's KV events to the publisher's thread (a put on its queue, no I/O)."""
+        if self._kv_publisher is not None and self._kv_events.pending:
+            self._kv_publisher.publish(self._kv_events.drain())
+
+    def _tier_results(self) -> bool:
+        """An I/O result is waiting (it may have woken the loop before the loop cleared its
+        wake event: then the loop must not sleep)."""
+        return self.tiers is not None and self.tiers.has_results()
+
+    def _collect_tier_loads(self) -> None:
+        """At a step boundary: copy finished loads into their L1 blocks and resume their
+        requests (the scheduler learns of a load at the next step, whatever its queue holds)."""
+        if self.tiers is None:
+            return
+        s = self.scheduler
+        for r in self.tiers.collect():
+            n = 0
+            if s.tier_load_target(r.request_id, r.block_ids):
+                for bid, data in zip(r.block_ids, r.payloads):
+                    self.tiers.io.write(bid, data)
+                    n += 1
+                if r.failed is not None:
+                    log.warning("kv_tier_load_short", request_id=r.request_id, loaded=n,
+                                wanted=len(r.block_ids), reason=r.failed,
+                                effect="the rest is recomputed")
+            s.complete_tier_load(r.request_id, n)
+        cost = s.cost
+        if cost is not None and cost.ready:     # eviction weighs recompute time per byte
+            bpb = self.tiers.io.block_bytes
+            self.tiers.recompute_s_per_byte = \
+                s.predict_prefill_s(self.kv.block_size, 0) / max(bpb, 1)
+
+    def _read_expert_load(self, force: bool) -> None:
+        """Between steps: pass the runner's expert load to its subscribers (once per interval,
+        or now with force) if any step ran since the last read. One read per window (it
+        resets the counts): every subscriber gets the same tensor."""
+        if not self._on_load or not self._load_pending:
+            return
+        now = time.monotonic()
+        if not force and now - self._load_read_at < EXPERT_LOAD_INTERVAL_S:
+            return
+        self._load_read_at, self._load_pending = now, False
+        try:
+            load = self.runner.expert_load()
+        except Exception:
+            log.exception("expert_load_read_failed")
+            return
+        if load is None:        # a runner that counts no routing
+            return
+        self._on_load.emit(load)
+
+    def _schedule(self) -> StepPlan | None:
+        if not self.scheduler.has_work():
+            return None
+        plan, events = self.scheduler.schedule()
+        self._publish(events)
+        return None if plan.empty else plan
+
+    def _execute(self, plan: StepPlan) -> Executed:
+        """Runs in the executor thread: forward + sample (+ the prompt logprobs of the chunks
+        that ask). Reads the plan, mutates nothing else."""
+        t0 = time.perf_counter()
+        asks = [_prompt_positions(c) for c in plan.chunks]
+        batch = plan.batch
+        if any(asks):       # rows that do not ask pay nothing: the batch stays as planned
+            batch = replace(batch, all_logits=tuple(bool(a) for a in asks))
+        gram = [c.request for c in plan.chunks if c.sample and c.request.grammar is not None]
+        pending = self._masks.start([r.grammar for r in gram]) if gram else None
+        logits = out = self.runner.forward(batch)
+        plps: PromptLPs = {}
+        if batch.all_logits:
+            last = batch.sample_rows
+            for i, (c, pos) in enumerate(zip(plan.chunks, asks)):
+                if pos:     # position p of sequence i is row base + p (its rows end at last[i])
+                    r = c.request
+                    base = last[i] - c.num_new_tokens + 1 - r.num_computed_tokens
+                    plps[r.request_id] = compute_prompt_logprobs(
+                        logits[base + pos.start:base + pos.stop],
+                        r.prompt_token_ids[pos.start + 1:pos.stop + 1],
+                        r.params.prompt_logprobs or 0)
+            logits = logits[last]
+        idx = [i for i, c in enumerate(plan.chunks) if c.sample]
+        if not idx:
+            return None, time.perf_counter() - t0, plps
+        if len(idx) != len(plan.chunks):
+            logits = logits[idx]
+        masks: dict[str, Any] = {}
+        if pending is not None:
+            got, failed = pending.collect()
+            masks = {r.request_id: m for r, m in zip(gram, got)}
+            for j, why in failed.items():
+                self._grammar_failed[gram[j].request_id] = why
+        reqs = [plan.chunks[i].request for i in idx]
+        rows = [self._sample_row(r, masks.get(r.request_id)) for r in reqs]
+        # the step's own argmax, if it has one (None: the sampler computes it)
+        argmax = self.runner.argmax_of(out) if logits is out else None
+        return sample(logits, rows, argmax), time.perf_counter() - t0, plps
+
+    def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
+        p = req.params
+        banned: tuple[int, ...] = ()
+        if req.num_output_tokens < p.min_tokens:
+            banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
+        if not p.penalized:
+            return SampleRow(p, req.rng, banned, grammar=req.grammar, mask=mask)
+        # the penalties' history: read here, in the executor thread, while the loop waits (it
+        # appends this step's token only after)
+        return SampleRow(p, req.rng, banned, req.token_ids, req.num_prompt_tokens,
+                         grammar=req.grammar, mask=mask)
+
+    def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
+                     fwd_s: float, plps: PromptLPs | None = None) -> None:
+        toks = [] if res is None else res.token_ids
+        self._fail_grammars(plan)
+        for c in plan.chunks if plps else ():
+            if c.request.request_id in plps and not c.request.finished:
+                c.request.prompt_logprobs.extend(plps[c.request.request_id])
+        events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
+                                       None if res is None else res.top_logprobs)
+        if any(c.request.params.prompt_logprobs is not None for c in plan.chunks):
+            events = _with_prompt_logprobs(events, plan)
+        for c in plan.chunks:   # a token that took the grammar past a limit (Request.append_token)
+            if c.request.error_kind is ErrorKind.GRAMMAR and c.request.grammar is not None:
+                metrics.GRAMMAR_FAILED.labels("limit").inc()
+                self._forget_grammar(c.request)
+                c.request.grammar = None        # counted once
+        self._publish(events)
+        self.steps += 1
+        self.balance.observe(plan.batch, fwd_s)     # the cost model learns from every step
+        if self.tiers is not None:
+            self.tiers.observe_step(time.perf_counter() - t0)
+        if self._on_progress:
+            for c in plan.chunks:
+                r = c.request
+                if r.prefill_only and self.kv.has(r.request_id):
+                    self._on_progress.emit(r.request_id, self.kv_block_table(r.request_id),
+                                           r.num_computed_tokens)
+        if self._on_step:
+            st = self.kv.stats()
+            self._on_step.emit(StepStats(
+                step=self.steps, batch_size=len(plan.chunks),
+                num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
+                num_sampled=len(toks), num_finished=sum(e.finished for e in events),
+                num_preempted=len(plan.preempted), step_seconds=time.perf_counter() - t0,
+                forward_seconds=fwd_s, running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting), kv_blocks_used=st.used, kv_blocks_free=st.free))
+
+    def _fail_grammars(self, plan: StepPlan) -> None:
+        """End the requests whose grammar overran this step (late mask, limit hit), alone: a
+        400 grammar_too_complex; their sampled token is dropped (update skips them)."""
+        if not self._grammar_failed:
+            return
+        failed, self._grammar_failed = self._grammar_failed, {}
+        for c in plan.chunks:
+            r = c.request
+            why = failed.get(r.request_id)
+            if why is None or r.finished:
+                continue
+            metrics.GRAMMAR_FAILED.labels(why).inc()
+            msg = (f"its token mask took over structured.mask_timeout_ms "
+                   f"({self._masks.timeout_s * 1000:g} ms)" if why == "mask_timeout"
+                   else f"a grammar engine limit was hit: {r.grammar.error}")
+            log.warning("grammar_overran", request_id=r.request_id, reason=why)
+            if why == "limit":
+                self._forget_grammar(r)
+            self.scheduler.finish(r, FinishReason.ERROR, msg)
+            self._publish([_error(r, msg, ErrorKind.GRAMMAR)])
+
+    def _forget_grammar(self, req: Request) -> None:
+        from moed.model.grammar import compiler_for
+
+        spec = req.params.grammar
+        if spec is not None and self._tokenizer is not None:
+            compiler_for(self._tokenizer).forget(spec)
+
+    def _fail(self, plan: StepPlan, err: Exception) -> None:
+        self._grammar_failed.clear()
+        msg = f"engine step failed: {type(err).__name__}: {err}"
+        for c in plan.chunks:
+            r = c.request
+            if not r.finished:
+                self.scheduler.finish(r, FinishReason.ERROR, msg)
+                self._publish([_error(r, msg)])
+
+
+def _prompt_positions(c: ScheduledChunk) -> range:
+    """The chunk's positions whose prompt logprobs are still to compute (empty: none asked)."""
+    r = c.request
+    if r.params.prompt_logprobs is None:
+        return range(0)
+    return prompt_positions(r.num_computed_tokens, c.num_new_tokens, r.num_prompt_tokens,
+                            len(r.prompt_logprobs))
+
+
+def _with_prompt_logprobs(events: list[TokenEvent], plan: StepPlan) -> list[TokenEvent]:
+    """The first token's event of a request that asked carries its prompt logprobs."""
+    reqs = {c.request.request_id: c.request for c in plan.chunks}
+    out = []
+    for ev in events:
+        r = reqs.get(ev.request_id)
+        if r is not None and ev.token_ids and r.params.prompt_logprobs is not None \
+                and not r.prompt_logprobs_sent:
+            r.prompt_logprobs_sent = True
+            ev = replace(ev, prompt_logprobs=tuple(r.prompt_logprobs))
+        out.append(ev)
+    return out
+
+
+def _error(req: Request, msg: str, kind: ErrorKind | None = None) -> TokenEvent:
+    return TokenEvent.finish(req.request_id, FinishReason.ERROR, error_kind=kind,
+                             prompt_tokens=req.num_prompt_tokens,
+                             cached_tokens=req.num_cached_tokens, error=msg)
