@@ -194,7 +194,7 @@ class Engine:
             return None
         # load-or-recompute's prediction before the cost model is fitted: the tiers' and the
         # peer reads' (moed.roles.kvshare, tiers.peer_reuse without L2/L3) alike
-        self.scheduler.recompute_s_per_token = t.recompute_us_per_token * 1e-6
+        self.scheduler.set_recompute_s_per_token(t.recompute_us_per_token * 1e-6)
         if not t.enabled:
             return None
         if not self.cfg.enable_prefix_caching:
@@ -213,7 +213,7 @@ class Engine:
             KVBlockIO(self.runner.kv_cache, layout),
             f"{layout.layout_id}.m-{self._model_id}" if self._model_id else layout.layout_id)
         self.kv.set_tier_hooks(cache.offer, cache.on_cached)
-        self.scheduler.tiers = cache
+        self.scheduler.attach_tiers(cache)
         return cache
 
     def _make_kv_events(self) -> Any:
