@@ -54,8 +54,9 @@ from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary
                                   CompleteRemotePrefill, ReleaseKV)
 from moed.engine.balancing import EngineBalance, calibrate
 from moed.engine.masks import MaskPool
+from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.request import Request
-from moed.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
+from moed.engine.scheduler import Scheduler
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
 from moed.model.logprobs import compute as compute_prompt_logprobs

@@ -5,66 +5,35 @@ output) and tokens *computed* (K/V in the cache); each step gives each request u
 `known - computed` new tokens. A decode is a 1-token catch-up, a prefill a large one,
 chunked when it does not fit the step. Pure Python, no torch.
 
-The scheduler owns the state (the queues, the KV blocks of each request) and every change to
-it; a step policy (moed.engine.policies: the token budget or the cost model, `balance.policy`)
-decides how many tokens of which requests a step holds, reading the state through a read-only
-view and taking tokens through the step's draft (`_Draft`):
-1. Running requests get their catch-up. If the KV pool cannot hold the new tokens, the most
-   recently admitted running request is preempted (recompute: blocks freed, back to the front
-   of WAITING) until it can — possibly the request itself. A lone request always fits:
-   generation stops at `kv capacity` tokens (finish "length").
-2. If nothing was preempted, waiting requests are admitted under `max_num_seqs` and KV;
-   cached prefix blocks count as computed. A prompt that can never fit the whole pool
-   finishes with FinishReason.ERROR. Remote-KV requests (decode role) get their whole
-   prompt's blocks and park in WAITING_REMOTE_KV until `complete_remote_prefill`
-   (moed.engine.parking). With KV tiers, a prompt whose next blocks sit in host memory or on
-   disk either loads them (WAITING_TIER_KV until `complete_tier_load` at a step boundary) or
-   recomputes, whichever is predicted faster (moed.engine.tier_admission).
-3. The plan's ForwardBatch holds every scheduled chunk; the requests whose computed reaches
-   known after this step sample a token (`update`).
+The scheduler owns the queues and makes every change to them; a step policy
+(moed.engine.policies, `balance.policy`) decides what a step holds, reading a read-only view
+and acting through the step's draft (`_Draft`). Running requests catch up first: when the KV
+pool cannot hold their tokens, the most recently admitted is preempted (recompute: blocks
+freed, back to the front of WAITING) — possibly the request itself; a lone request always
+fits (generation stops at the pool's capacity, finish "length"). Waiting ones are admitted
+after, only if nothing was preempted: cached prefix blocks count as computed, a prompt the
+whole pool can never hold finishes with an error, a remote-KV one parks until its KV arrives
+(moed.engine.parking, `complete_remote_prefill`), one whose next blocks sit in the KV tiers
+may load them instead (moed.engine.tier_admission, `complete_tier_load`). Requests whose
+computed reaches known after the step sample a token (`update`).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 
 from moed.balance.cost import AdvertisedCost, CostModel, ExpertShape
 from moed.engine.parking import RemoteKVParking
+from moed.engine.plan import ScheduledChunk, StepPlan, build_plan, token_event, top_row
 from moed.engine.policies import CostPolicy, StepPolicy, StepTimeBudget, TokenPolicy
 from moed.engine.request import Request
 from moed.engine.seating import take_blocks
 from moed.engine.tier_admission import TierAdmission
 from moed.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 from moed.kvcache.tiers import TieredCache
-from moed.model.batch import ForwardBatch
 from moed.types import ContextRule, FinishReason, RequestState, TokenEvent
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    num_new_tokens: int
-    sample: bool                    # computed reaches known after this chunk: sample a token
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    chunks: tuple[ScheduledChunk, ...]
-    batch: ForwardBatch | None      # None when nothing runs this step
-    num_prefill_tokens: int         # tokens of chunks that do not end in a sample or are > 1
-    num_decode_tokens: int
-    preempted: tuple[str, ...] = ()
-
-    @property
-    def sampled(self) -> list[Request]:
-        return [c.request for c in self.chunks if c.sample]
-
-    @property
-    def empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:
@@ -82,7 +51,8 @@ class Scheduler:
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}     # prefill-only, finished, blocks kept for transfer
-        self._views = (MappingProxyType(self._requests), MappingProxyType(self._held))
+        self._requests_ro, self._held_ro = MappingProxyType(self._requests), \
+            MappingProxyType(self._held)
         self._parking = RemoteKVParking(kv, on_remote_allocated)    # WAITING_REMOTE_KV
         self._tiers = TierAdmission(kv)                             # WAITING_TIER_KV
         if tiers is not None:
@@ -129,11 +99,11 @@ class Scheduler:
 
     @property
     def requests(self) -> Mapping[str, Request]:
-        return self._views[0]
+        return self._requests_ro
 
     @property
     def held(self) -> Mapping[str, Request]:
-        return self._views[1]
+        return self._held_ro
 
     @property
     def remote(self) -> Mapping[str, Request]:
@@ -239,14 +209,14 @@ class Scheduler:
         if req is None:
             return None
         self.finish(req, FinishReason.ABORT)
-        return _event(req, (), "", (), FinishReason.ABORT)
+        return token_event(req, (), "", (), FinishReason.ABORT)
 
     # ---- planning --------------------------------------------------------------------------
     def schedule(self) -> tuple[StepPlan, list[TokenEvent]]:
         """-> (this step's plan, events for requests finished while planning, e.g. errors)."""
         draft = _Draft(self)
         self._policy.fill(self, draft)
-        return self._plan(draft.chunks, draft.preempted_ids), draft.events
+        return build_plan(self._kv, draft.chunks, draft.preempted_ids), draft.events
 
     def advertised(self) -> AdvertisedCost | None:
         """This node's prefill cost state (what it would advertise; what early rejection
@@ -274,23 +244,6 @@ class Scheduler:
         self._waiting.appendleft(req)
         self._num_preemptions += 1
 
-    def _plan(self, chunks: list[ScheduledChunk], preempted: list[str]) -> StepPlan:
-        if not chunks:
-            return StepPlan((), None, 0, 0, tuple(preempted))
-        toks, starts, tables = [], [], []
-        n_decode = 0
-        for c in chunks:
-            r = c.request
-            s = r.num_computed_tokens
-            toks.append(r.token_ids[s:s + c.num_new_tokens])
-            starts.append(s)
-            tables.append(list(self._kv.block_table(r.request_id)))
-            if c.num_new_tokens == 1 and c.sample and r.num_output_tokens > 0:
-                n_decode += 1
-        batch = ForwardBatch(toks, starts, tables)
-        return StepPlan(tuple(chunks), batch, batch.num_tokens - n_decode, n_decode,
-                        tuple(preempted))
-
     # ---- results ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int],
                logprobs: Sequence[float] | None = None,
@@ -310,7 +263,7 @@ class Scheduler:
                 continue
             tok = int(sampled[j])
             lp = () if logprobs is None or not req.params.logprobs else (float(logprobs[j]),)
-            top = _top(req, None if top_logprobs is None else top_logprobs[j])
+            top = top_row(req, None if top_logprobs is None else top_logprobs[j])
             j += 1
             events.append(self.accept_token(req, tok, lp, top))
         return events
@@ -323,7 +276,7 @@ class Scheduler:
             reason = FinishReason.STOP
         if reason is not None:      # req.error: why append_token failed it (else None)
             self.finish(req, reason, req.error)
-        return _event(req, (tok,), text, lp, reason, req.error, top=top)
+        return token_event(req, (tok,), text, lp, reason, req.error, top=top)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
                                 logprob: float | None = None,
@@ -334,7 +287,7 @@ class Scheduler:
         req.set_state(RequestState.RUNNING)
         self._running.append(req)
         lp = () if logprob is None or not req.params.logprobs else (float(logprob),)
-        return self.accept_token(req, first_token_id, lp, _top(req, top_logprobs))
+        return self.accept_token(req, first_token_id, lp, top_row(req, top_logprobs))
 
     def tier_load_target(self, request_id: str, block_ids: Sequence[int]) -> bool:
         """A finished load may be copied into L1 (its request still waits for these blocks)."""
@@ -423,7 +376,7 @@ class _Draft:
                  f"prompt of {req.num_tokens} tokens needs {kv.blocks_for(req.num_tokens)} KV "
                  f"blocks but the whole cache has {kv.num_blocks} blocks of {kv.block_size} "
                  f"tokens ({kv.capacity_tokens} tokens)")
-        self.events.append(_event(req, (), "", (), FinishReason.ERROR, req.error))
+        self.events.append(token_event(req, (), "", (), FinishReason.ERROR, req.error))
         return True
 
 
@@ -431,21 +384,3 @@ def _scheduled(req: Request) -> None:
     """A request leaves WAITING with KV blocks: its queue time ends the first time."""
     if req.first_scheduled_time is None:
         req.first_scheduled_time = time.monotonic()
-
-
-def _top(req: Request, row: Sequence[tuple[int, float]] | None
-         ) -> tuple[tuple[tuple[int, float], ...], ...]:
-    """One token's top logprobs as the TokenEvent carries them (empty when not asked)."""
-    n = req.params.top_logprobs
-    if not n or row is None:
-        return ()
-    return (tuple((int(t), float(v)) for t, v in list(row)[:n]),)
-
-
-def _event(req: Request, toks: tuple[int, ...], text: str, lps: tuple[float, ...],
-           reason: FinishReason | None, error: str | None = None,
-           top: tuple[tuple[tuple[int, float], ...], ...] = ()) -> TokenEvent:
-    return TokenEvent(req.request_id, toks, text, lps, reason, req.num_prompt_tokens,
-                      req.num_cached_tokens, error, top,
-                      timings=None if reason is None else req.timings(),
-                      error_kind=req.error_kind if error is not None else None)
