@@ -2,7 +2,7 @@
 budget, early-rejection predictions and the calibration run before /ready.
 
 The step loop (one writer) feeds `observe(batch, seconds)` after every step with the forward
-pass's measured time; `apply` swaps the scheduler's TimeBudget (call it at a step boundary);
+pass's measured time; `apply` swaps the scheduler's step policy (call it at a step boundary);
 `ttft_over_deadline` is read by the API handler on the same event-loop thread (reads only).
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import structlog
 from moed.balance.step_time import ttft_deadline
 from moed.balance.cost import FEATURES, CostModel, ExpertShape, predict_ttft, shape_of
 from moed.config import BalanceConfig
-from moed.engine.scheduler import Scheduler, TimeBudget
+from moed.engine.policies import TokenPolicy, from_config
+from moed.engine.scheduler import Scheduler
 from moed.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,10 +34,9 @@ class EngineBalance:
         self.cfg = cfg
         self.cost = CostModel(forgetting=cfg.forgetting if cfg is not None else 0.995)
         experts = int(getattr(spec, "num_experts", 0) or 0)
-        scheduler.cost = self.cost
-        scheduler.experts = ExpertShape(experts, int(getattr(spec, "top_k", 0) or 0)) \
-            if experts else None
-        scheduler.set_time_budget(TimeBudget.from_config(cfg) if cfg is not None else None)
+        shape = ExpertShape(experts, int(getattr(spec, "top_k", 0) or 0)) if experts else None
+        scheduler.use_cost_model(self.cost, shape)
+        scheduler.set_policy(from_config(cfg))
 
     def observe(self, batch: Any, seconds: float) -> None:
         """One executed step: its ForwardBatch (a 1-token chunk counts as a decode) and the
@@ -48,7 +48,7 @@ class EngineBalance:
 
     def apply(self, cfg: BalanceConfig) -> None:
         self.cfg = cfg
-        self.scheduler.set_time_budget(TimeBudget.from_config(cfg))
+        self.scheduler.set_policy(from_config(cfg))
 
     def ttft_over_deadline(self, prompt_tokens: int, timeout_s: float | None
                            ) -> tuple[float, float] | None:
@@ -86,14 +86,14 @@ def calibrate(engine: Engine, steps: int) -> int:
     if steps <= 0:
         return 0
     s = engine.scheduler
-    saved = (s.time_budget, s.max_num_seqs, s.max_num_batched_tokens)
+    saved = (s.policy, s.max_num_seqs, s.max_num_batched_tokens)
     rng = random.Random(0)
     vocab = engine.spec.vocab_size
     room = min(engine.max_model_len, engine.kv.capacity_tokens) - 8
     long_len = max(1, min(4 * CALIBRATION_CHUNK, room // 2))
     rounds = [(1, 32, 4), (8, 64, 4), (1, long_len, 2)]
     start = engine.steps
-    s.set_time_budget(None)
+    s.set_policy(TokenPolicy())
     s.set_limits(max(saved[1], 8), min(saved[2], CALIBRATION_CHUNK))
     try:
         while engine.steps - start < steps:
@@ -105,7 +105,7 @@ def calibrate(engine: Engine, steps: int) -> int:
                 engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True,
                                                         temperature=0.0))
     finally:
-        s.set_time_budget(saved[0])
+        s.set_policy(saved[0])
         s.set_limits(saved[1], saved[2])
     med, p90 = engine.balance.cost.error_quantiles()
     c = engine.balance.cost.coefficients

@@ -81,7 +81,7 @@ def make_tiers(engine: Engine, t: TiersConfig | None) -> TieredCache | None:
         return None
     # load-or-recompute's prediction before the cost model is fitted: the tiers' and the
     # peer reads' (moed.roles.kvshare, tiers.peer_reuse without L2/L3) alike
-    engine.scheduler.recompute_s_per_token = t.recompute_us_per_token * 1e-6
+    engine.scheduler.set_recompute_s_per_token(t.recompute_us_per_token * 1e-6)
     if not t.enabled:
         return None
     from moed.config.rules import tiers_need_prefix_caching
@@ -100,7 +100,7 @@ def make_tiers(engine: Engine, t: TiersConfig | None) -> TieredCache | None:
         KVBlockIO(engine.runner.kv_cache, layout),
         f"{layout.layout_id}.m-{engine._model_id}" if engine._model_id else layout.layout_id)
     engine.kv.set_tier_hooks(cache.offer, cache.on_cached)
-    engine.scheduler.tiers = cache
+    engine.scheduler.attach_tiers(cache)
     return cache
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
-from moed.engine.scheduler import StepPlan
+from moed.engine.plan import StepPlan
 from moed.engine.step import Go
 from moed.types import FinishReason, SamplingParams
 

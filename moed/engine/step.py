@@ -29,7 +29,8 @@ from moed.engine.client import Listeners
 from moed.engine.masks import MaskPool
 from moed.engine.request import Request
 from moed.engine.runner import StepRunner
-from moed.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
+from moed.engine.plan import ScheduledChunk, StepPlan
+from moed.engine.scheduler import Scheduler
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
 from moed.model.logprobs import compute as compute_prompt_logprobs

@@ -2,8 +2,8 @@
 
 A load is collected at the step boundary after the step being planned, so on a busy engine
 the loaded request runs one step later than a recomputed one would have (moed.kvcache.tiers
-.cache.TieredCache.plan adds that wait). The scheduler (moed.engine.scheduler,
-`_admit_from_tiers`) asks here for the wait, per request:
+.cache.TieredCache.plan adds that wait). The scheduler (moed.engine.tier_admission,
+`TierAdmission.try_load`) asks here for the wait, per request:
 
 - the fitted cost model's prediction of the step of the *others*: running decodes, running
   prompt chunks, then the waiting prompts' chunks up to the token budget, inflated by the
@@ -15,20 +15,63 @@ the loaded request runs one step later than a recomputed one would have (moed.kv
   pushes blocks down) cannot evict them in between;
 - None before the cost model is fitted: the cache's measured average step then.
 
-Reads the scheduler's state; changes nothing.
+Reads the scheduler's state through `AdmissionView` (the scheduler, read-only: this package
+sits below moed.engine, so the narrow interface is declared here); changes nothing but the
+tiers' holds.
 """
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
-from moed.balance.cost import shape_of
-from moed.kvcache.tiers.cache import TierMatch
+from moed.balance.cost import CostModel, ExpertShape, shape_of
+from moed.kvcache.manager import KVCacheManager, PrefixHit
+from moed.kvcache.tiers.cache import TieredCache, TierMatch
 from moed.kvcache.tiers.policy import LoadPlan
 from moed.types import RequestState
 
 
-def plan_for(sched: Any, req: Any, hit: Any, busy: bool
+class Prompt(Protocol):
+    """What admission reads of a request (moed.engine.request.Request)."""
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def cache_root(self) -> int | None: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def remote_kv(self) -> bool: ...
+    @property
+    def prompt_logprobs_pending(self) -> bool: ...
+    @property
+    def state(self) -> RequestState: ...
+
+
+class AdmissionView(Protocol):
+    """What admission reads of the scheduler (moed.engine.scheduler.Scheduler)."""
+    @property
+    def kv(self) -> KVCacheManager: ...
+    @property
+    def tiers(self) -> TieredCache | None: ...
+    @property
+    def cost(self) -> CostModel | None: ...
+    @property
+    def experts(self) -> ExpertShape | None: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def running(self) -> Sequence[Prompt]: ...
+    @property
+    def waiting(self) -> Sequence[Prompt]: ...
+    def predict_prefill_s(self, tokens: int, start: int) -> float: ...
+
+
+def plan_for(sched: AdmissionView, req: Prompt, hit: PrefixHit, busy: bool
              ) -> tuple[TierMatch, LoadPlan] | None:
     """The tiers' match for `req` after its L1 prefix `hit` and the load-or-recompute plan
     (busy: others run in the step being planned); None when nothing of its prompt sits below
@@ -36,6 +79,8 @@ def plan_for(sched: Any, req: Any, hit: Any, busy: bool
     until the next step boundary (TieredCache.hold): this load's own L1 allocation may push
     blocks down and evict them, and their recompute would then delay this load a step."""
     t, kv = sched.tiers, sched.kv
+    if t is None:
+        return None
     m = t.match(kv.hashes_after(req.token_ids, hit, req.cache_root))
     if not m.keys:
         return None
@@ -49,7 +94,7 @@ def plan_for(sched: Any, req: Any, hit: Any, busy: bool
     return m, plan
 
 
-def would_load(sched: Any, req: Any) -> tuple[int, ...]:
+def would_load(sched: AdmissionView, req: Prompt) -> tuple[int, ...]:
     """The tier entries a waiting prompt loads when it is decided on an idle engine (none:
     it recomputes)."""
     if req.remote_kv or req.prompt_logprobs_pending:
@@ -58,13 +103,15 @@ def would_load(sched: Any, req: Any) -> tuple[int, ...]:
     return got[0].keys[:got[1].num_load] if got is not None else ()
 
 
-def others_step(sched: Any, req: Any) -> tuple[float | None, list[int]]:
+def others_step(sched: AdmissionView, req: Prompt) -> tuple[float | None, list[int]]:
     """The predicted step in flight without `req` (see the module docstring), and the tier
     entries of the waiting prompts taken to load instead of running in it."""
     cost = sched.cost
     if cost is None or not cost.ready:
         return None, []
-    budget, chunks, coload = sched.max_num_batched_tokens, [], []
+    budget = sched.max_num_batched_tokens
+    chunks: list[tuple[int, int, bool]] = []
+    coload: list[int] = []
     # only the waiting prompts that could join this step (free seats): bounds the scan, which
     # runs for every admission, whatever the queue's length
     seats = max(0, sched.max_num_seqs - len(sched.running))

@@ -6,7 +6,8 @@ from __future__ import annotations
 from moed.balance.step_time import Buckets, whole_budget
 from moed.balance.cost import Coefficients, CostModel
 from moed.engine.request import Request
-from moed.engine.scheduler import Scheduler, TimeBudget
+from moed.engine.policies import CostPolicy, StepTimeBudget, TokenPolicy
+from moed.engine.scheduler import Scheduler
 from moed.kvcache.manager import KVCacheManager
 from moed.types import FinishReason, RequestState, SamplingParams
 
@@ -15,15 +16,14 @@ from engine_fakes import FakeRunner, next_token
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 # 1 ms per step + 1 ms per prompt token: a 10 ms budget holds ~9 prompt tokens
 COEF = Coefficients(overhead_s=0.001, per_token_s=0.001, per_decode_s=0.0001)
-TB = TimeBudget(Buckets((8, 64), (0.05, 1.0, 10.0)), itl_target_s=0.01, prefill_step_s=0.01,
-                max_partial=2)
+TB = StepTimeBudget(Buckets((8, 64), (0.05, 1.0, 10.0)), itl_target_s=0.01, prefill_step_s=0.01,
+                    max_partial=2)
 
 
 def _sched(num_blocks=64, bs=4, seqs=8, cap=4096, tb=TB):
     kv = KVCacheManager(num_blocks, bs, False)
-    s = Scheduler(kv, max_num_seqs=seqs, max_num_batched_tokens=cap)
-    s.cost = CostModel(min_samples=0, prior=COEF)
-    s.set_time_budget(tb)
+    s = Scheduler(kv, max_num_seqs=seqs, max_num_batched_tokens=cap, policy=CostPolicy(tb),
+                  cost=CostModel(min_samples=0, prior=COEF))
     return s, FakeRunner(num_blocks, bs)
 
 
@@ -97,7 +97,7 @@ def test_remote_kv_requests_park_without_budget_and_too_long_prompts_fail():
 def test_kv_running_out_preempts_and_everything_finishes():
     # 10 blocks of 4: "a" (24 tokens) and the start of "b" fill the pool; a's first decode
     # needs a block: b is preempted (recompute) and both still finish with the right tokens
-    big = TimeBudget(TB.buckets, itl_target_s=10.0, prefill_step_s=10.0, max_partial=4)
+    big = StepTimeBudget(TB.buckets, itl_target_s=10.0, prefill_step_s=10.0, max_partial=4)
     s, r = _sched(num_blocks=10, cap=40, tb=big)
     a, b = _req("a", range(1, 25)), _req("b", range(30, 54))
     s.add(a)
@@ -129,5 +129,5 @@ def test_advertised_queue_per_bucket():
     adv = s.advertised()
     assert adv is not None
     assert adv.queued_tokens == (3, 29, 0) and adv.queued_requests == (1, 1, 0)
-    s.set_time_budget(None)
+    s.set_policy(TokenPolicy())
     assert s.advertised() is None                # the token policy predicts nothing

@@ -41,7 +41,7 @@ def engine(model: Path, tiers: TiersConfig | None, num_blocks: int = 16,
     # the tiny model computes a token in microseconds, so the fitted cost model (rightly)
     # prefers recompute; these tests are about the load path: predict from the config's
     # per-token time (recompute_us_per_token, 0.1 s) instead
-    eng.scheduler.cost = None
+    eng.scheduler.use_cost_model(None, eng.scheduler.experts)
     return eng
 
 

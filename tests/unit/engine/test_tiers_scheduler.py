@@ -31,10 +31,10 @@ class DictIO:
 
 def setup(num_blocks: int, per_token_s: float) -> tuple[Scheduler, TieredCache]:
     kv = KVCacheManager(num_blocks, BS)
-    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
     t = TieredCache(TierSettings(host_bytes=1 << 16), DictIO(), "gqa-t")
     kv.set_tier_hooks(t.offer, t.on_cached)
-    s.tiers, s.recompute_s_per_token = t, per_token_s
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, tiers=t,
+                  recompute_s_per_token=per_token_s)
     return s, t
 
 
