@@ -15,7 +15,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.engine is not None and not getattr(state.engine, "alive", True):
+    if state.engine is not None and not state.engine.alive:
         # the step loop crashed (or stopped): nothing here can serve; let the balancer move on
         return web.json_response({"status": "engine_failed", "role": state.config.server.role},
                                  status=503)
@@ -40,7 +40,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
         metrics.observe_engine_stats(stats, state.config.server.cache_metrics_batch)
         if state.capacity is not None:
             metrics.observe_capacity(state.capacity(), stats.queued_prompt_tokens)
-    alive = state.engine is None or getattr(state.engine, "alive", True)
+    alive = state.engine is None or state.engine.alive
     why = state.unready_reason() if state.unready_reason is not None else ""
     metrics.READY.set(1 if state.ready and not state.draining and alive and not why else 0)
     metrics.HTTP_INFLIGHT.set(state.inflight)

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from aiohttp import web
 
@@ -18,6 +18,11 @@ from moed.api.grammar_pool import GrammarPool
 from moed.api.offload import Offload
 from moed.config import Config
 from moed.engine.client import EngineClient
+
+if TYPE_CHECKING:
+    from moed.api.internal import InternalAuth
+    from moed.balance.capacity import Capacity
+    from moed.parallel.runtime import EPRuntime
 
 
 @dataclass
@@ -32,15 +37,15 @@ class ServerState:
     model_id: str = ""                    # moed.model.identity: the checkpoint's hash
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: int = 0
-    internal_auth: Any | None = None      # moed.api.internal.InternalAuth (node-to-node calls)
+    internal_auth: InternalAuth | None = None     # node-to-node calls
     # why this node cannot take work although started ("" = it can): the router's, when no
     # serving node is alive (moed.roles.router); /ready answers 503 with it
     unready_reason: Callable[[], str] | None = None
     # this node's capacity signals now (moed.balance.capacity.Capacity; set by moed.app for a
     # node with an engine): /metrics and the gossip load vector read them
-    capacity: Callable[[], Any] | None = None
+    capacity: Callable[[], Capacity] | None = None
     # this rank's expert-parallel runtime (moed.parallel.runtime.EPRuntime; None when ep_size = 1)
-    ep: Any | None = None
+    ep: EPRuntime | None = None
     admission: Admission = field(init=False)
     offload: Offload = field(init=False, default_factory=Offload)   # O(prompt) work, off the loop
     grammar: GrammarPool = field(init=False)      # structured outputs' compilation, apart

@@ -28,15 +28,7 @@ HELD_NAMES = {"engine", "_engine", "runner", "_runner", "worker", "_worker"}
 ANY = {"Any", "Any | None", "Optional[Any]", "None | Any"}
 
 # Uses that stay, each with why: (path relative to moed/, the source line stripped)
-ALLOWED: dict[tuple[str, str], str] = {
-    # outside the step-core helper's area (moed/api/health.py), left for its owner: the API
-    # tests' fake engines (tests/unit/api/api_fake_engine.py) have no `alive`; the fix is
-    # `alive` on the fakes and `state.engine.alive` here
-    ("api/health.py", 'if state.engine is not None and not getattr(state.engine, "alive", True):'):
-        "outside this area (api/health.py)",
-    ("api/health.py", 'alive = state.engine is None or getattr(state.engine, "alive", True)'):
-        "outside this area (api/health.py)",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _last_name(node: ast.AST) -> str | None:

@@ -57,6 +57,11 @@ class FakeEngine:
     def context(self) -> ContextRule:
         return ContextRule(self.max_model_len, self.num_blocks * self.block_size)
 
+    @property
+    def alive(self) -> bool:
+        """As Engine.alive: the step loop runs (started, not shut down, not crashed)."""
+        return self._task is not None and not self._task.done()
+
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
