@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import MutableMapping
+from typing import MutableMapping, NoReturn
 
 from moed.cli.settings import configure_logs, load_config, overrides, to_toml
 
@@ -34,7 +34,7 @@ def kv_transfer_env(role: str, environ: MutableMapping[str, str]) -> bool:
     return environ.get(THP_ENV, "") not in ("", "0")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace) -> NoReturn:
     cfg = load_config(args)
     thp = kv_transfer_env(cfg.server.role, os.environ)   # before the engine allocates anything
     import structlog
@@ -53,4 +53,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async def main() -> int:
         return await App(cfg, config_path=args.config, overrides=overrides(args)).run()
 
-    return uvloop.run(main())
+    exit_after_stop(uvloop.run(main()))
+
+
+def exit_after_stop(code: int) -> NoReturn:
+    """End the process once the node has stopped in order (components stopped, history and
+    traces flushed, "stopped" logged). Skips what exit() would still run: C++ static
+    destructors and C atexit handlers of native libraries (UCX and NIXL, torch's thread pools),
+    which race their own still-running threads; CI saw a node that had logged "stopped" die
+    there with SIGSEGV (after faulthandler is gone, so without a trace). Nothing of ours is
+    left to run; only the buffered streams are flushed."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)
