@@ -7,13 +7,20 @@ kernels' load, so what is left is weights plus the small KV pool), and the media
 batch-1 decode step (the reference path dequantizes each touched matrix per call: slower than
 bf16 until native kernels replace it; the figure says by how much).
 
-    PYTHONPATH=. python bench/quant_memory.py [--cache DIR] [--steps N]
+    PYTHONPATH=. python bench/quant_memory.py [--cache DIR] [--steps N] [--experts E]
+
+--experts changes the bench preset's expert count (16): the bench preset's bf16 embeddings and
+lm_head are 23% of its weights, where the MoE models moed serves keep ~0.3% (DeepSeek-V3) to
+~2% (Qwen3-30B-A3B) there; at 64 experts it is 7%. Both ratios are printed: the RSS the load
+added and the weights held (model_runner_ready's weights_mb).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +58,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=16, help="the checkpoint's expert count")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "quant_memory.json")
     ap.add_argument("--child", nargs=2, metavar=("DIR", "FMT"))
     a = ap.parse_args()
     if a.child:
@@ -58,9 +67,9 @@ def main() -> None:
         return
     from moed.dev.checkpoint import init_checkpoint
 
-    out = Path(a.cache) / "qwen3_moe-bench-0"
+    out = Path(a.cache) / ("qwen3_moe-bench-0" if a.experts == 16 else f"qwen3_moe-bench-0-e{a.experts}")
     if not (out / "config.json").exists():
-        init_checkpoint(arch="qwen3_moe", out=out, preset="bench", seed=0)
+        init_checkpoint(arch="qwen3_moe", out=out, preset="bench", seed=0, num_experts=a.experts)
     rows = []
     for fmt in ("bf16", "int8", "int4", "fp8"):
         r = subprocess.run([sys.executable, __file__, "--child", str(out), fmt, "--steps", str(a.steps)],
@@ -71,13 +80,20 @@ def main() -> None:
             print(r.stdout[-2000:], r.stderr[-2000:])
             raise SystemExit(f"{fmt}: no result")
         row = json.loads(lines[0])
-        row["ready"] = ready[-1][:400] if ready else ""
+        row["ready"] = ready[-1] if ready else ""
+        held = re.search(r"weights_mb=(\{[^}]*\})", row["ready"])
+        row["weights_held_mb"] = round(sum(ast.literal_eval(held.group(1)).values()), 1) if held else None
         rows.append(row)
         print(json.dumps(row), flush=True)
-    bf16 = rows[0]["rss_added_mb"]
+    bf16, bf16_held = rows[0]["rss_added_mb"], rows[0]["weights_held_mb"]
+    print(f"checkpoint {out} ({a.experts} experts)")
     for row in rows:
+        held = row["weights_held_mb"]
         print(f"{row['fmt']:5s} RSS added by the load {row['rss_added_mb']:8.1f} MiB "
-              f"({row['rss_added_mb'] / bf16:.2f}x bf16), decode step (batch 1) {row['step_ms_median']} ms")
+              f"({row['rss_added_mb'] / bf16:.2f}x bf16), weights held {held} MiB "
+              f"({held / bf16_held:.2f}x bf16), decode step (batch 1) {row['step_ms_median']} ms")
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps({"checkpoint": str(out), "experts": a.experts, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -125,12 +125,11 @@ def test_load_of_advertises_the_cost_state_block_size_and_digest() -> None:
     engine = SimpleNamespace(stats=lambda: stats, kv=kv, advertised=lambda: adv)
     # every node's engine is the engine (a decode node's remote prefill is its prompt source,
     # moed.engine.prompts); the gossip loop passes its KV manager and cost state
-    for e in (engine,):
-        lv = load_of(e, PrefixDigest(), 8, kv=e.kv, adv=e.advertised())
-        assert (lv.waiting, lv.running, lv.free_kv_blocks, lv.block_size) == (3, 4, 50, 4)
-        assert lv.cost == (0.001235, 1e-5, 0.0, 0.0, 0.5)       # 4 digits, never negative
-        assert lv.queued_tokens == (10, 0) and lv.prefill_share == 0.5
-        assert len(lv.prefix_digest) == 3                          # depths 1, 2, 4 of 4 blocks
+    lv = load_of(engine, PrefixDigest(), 8, kv=engine.kv, adv=engine.advertised())
+    assert (lv.waiting, lv.running, lv.free_kv_blocks, lv.block_size) == (3, 4, 50, 4)
+    assert lv.cost == (0.001235, 1e-5, 0.0, 0.0, 0.5)       # 4 digits, never negative
+    assert lv.queued_tokens == (10, 0) and lv.prefill_share == 0.5
+    assert len(lv.prefix_digest) == 3                          # depths 1, 2, 4 of 4 blocks
     unfitted = SimpleNamespace(stats=lambda: stats, kv=kv, advertised=lambda: None)
     assert load_of(unfitted, PrefixDigest(), 8, kv=unfitted.kv,
                    adv=unfitted.advertised()).cost == ()
