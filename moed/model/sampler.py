@@ -21,6 +21,10 @@ bitmask is the row's `mask` when the engine computed it beside the forward pass
 (moed.engine.masks), else filled here. Rows without a grammar pay nothing.
 Banned ids (min_tokens) yield to the grammar: if they would leave a grammar row no token, the
 row keeps the grammar's mask alone.
+
+The processing is two functions, `process_logits` (grammar, logit_bias and penalties, banned
+ids) and `probabilities` (temperature, top-k/p, min-p, softmax); moed.model.spec_verify scores
+drafts through the same two, so a verified token comes from exactly what `sample` draws from.
 """
 from __future__ import annotations
 
@@ -95,8 +99,23 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
     that leave the logits as they are take it instead of reading the logits again."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
-    logits = logits.float()
-    raw = logits
+    raw = logits.float()
+    logits = process_logits(raw, rows)
+    greedy = [r.params.greedy for r in rows]
+    if all(greedy):
+        out = argmax if argmax is not None and logits is raw else argmax_rows(logits)
+    else:
+        out = _draw(logits, probabilities(logits, rows), rows, greedy)
+    lps, tops = raw_logprobs(raw, out, rows)
+    return SampleResult(out.tolist(), lps, tops)
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """fp32 [B, V] -> the logits each row's token is chosen from: the grammar mask, logit_bias
+    and penalties, banned ids, in that order. Greedy rows take their argmax; `probabilities`
+    gives what the others draw from. `logits` itself when no row changes anything (so a
+    caller's argmax of it still holds). Shared with moed.model.spec_verify, which must score
+    drafts against exactly this."""
     gram = [i for i, r in enumerate(rows) if r.grammar is not None]
     if gram:
         masks = [rows[i].mask for i in gram]
@@ -113,26 +132,15 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow],
                 logits[i, list(r.banned_ids)] = float("-inf")
                 if r.grammar is not None and bool(torch.isneginf(logits[i]).all()):
                     logits[i] = before[i]       # the grammar allows only banned ids: it wins
-    greedy = [r.params.greedy for r in rows]
-    if all(greedy):
-        out = argmax if argmax is not None and logits is raw else argmax_rows(logits)
-    else:
-        out = _sample_random(logits, rows, greedy)
-    lps = tops = None
-    n_top = max(r.params.top_logprobs for r in rows)
-    if n_top > 0 or any(r.params.logprobs for r in rows):
-        lsm = torch.log_softmax(raw, dim=-1)
-        lps = lsm.gather(1, out.unsqueeze(1)).squeeze(1).tolist()
-        if n_top > 0:       # one topk for the batch, cut per row (only when some row asks)
-            vals, idx = lsm.topk(min(n_top, lsm.shape[1]), dim=-1)
-            vals, idx = vals.tolist(), idx.tolist()
-            tops = [list(zip(idx[i][:r.params.top_logprobs], vals[i][:r.params.top_logprobs]))
-                    for i, r in enumerate(rows)]
-    return SampleResult(out.tolist(), lps, tops)
+    return logits
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list[bool]) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Processed logits [B, V] (`process_logits`) -> the distribution [B, V] each sampled row
+    draws from: temperature, top-k, top-p, min-p, softmax. Greedy rows come out at temperature
+    1 without min-p (they never draw; their argmax is taken from the processed logits)."""
     dev = logits.device
+    greedy = [r.params.greedy for r in rows]
     temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
                          device=dev, dtype=torch.float32)
     scaled = logits / temps.unsqueeze(1)
@@ -143,7 +151,33 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], greedy: list
     min_ps = [0.0 if g else r.params.min_p for r, g in zip(rows, greedy)]
     if any(m > 0.0 for m in min_ps):
         scaled = _filter_min_p(scaled, min_ps)
-    probs = torch.softmax(scaled, dim=-1)
+    return torch.softmax(scaled, dim=-1)
+
+
+def raw_logprobs(raw: torch.Tensor, chosen: torch.Tensor, rows: Sequence[SampleRow]
+                 ) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    """What a SampleResult reports for tokens `chosen` [B] of unprocessed logits `raw` [B, V]:
+    log_softmax(raw) at each chosen token (None when no row asks for logprobs or top
+    logprobs), and each row's params.top_logprobs best (None when no row asks for any)."""
+    n_top = max((r.params.top_logprobs for r in rows), default=0)
+    if n_top == 0 and not any(r.params.logprobs for r in rows):
+        return None, None
+    lsm = torch.log_softmax(raw, dim=-1)
+    lps = lsm.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    tops = None
+    if n_top > 0:       # one topk for the batch, cut per row (only when some row asks)
+        vals, idx = lsm.topk(min(n_top, lsm.shape[1]), dim=-1)
+        vals, idx = vals.tolist(), idx.tolist()
+        tops = [list(zip(idx[i][:r.params.top_logprobs], vals[i][:r.params.top_logprobs]))
+                for i, r in enumerate(rows)]
+    return lps, tops
+
+
+def _draw(logits: torch.Tensor, probs: torch.Tensor, rows: Sequence[SampleRow],
+          greedy: list[bool]) -> torch.Tensor:
+    """One token a row: sampled rows from `probs` by the exponential race, greedy rows the
+    argmax of the processed `logits`."""
+    dev = logits.device
     noise = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
