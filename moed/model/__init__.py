@@ -6,8 +6,10 @@ Public entry points (import the submodules; nothing heavy is imported here):
   archs.get / supported / kv_layout  architectures by model_type (one module each in archs/)
   kv_layout.KVLayout                 the paged KV cache's entry, shape, bytes and layout id
   context.ComputeContext             device, dtype and whether the CPU kernels serve (once)
-  runner.ModelRunner                 loads weights, owns the KV cache, forward(ForwardBatch) -> logits;
-                                     kv_layout, kv_region() (what transfer registers)
+  runner.ModelRunner                 loads weights, owns the KV cache, forward(ForwardBatch) -> logits
+                                     (and hidden states); kv_layout, kv_region() (what transfer
+                                     registers); with mtp=True DeepSeek-V3's MTP layer, forward_mtp
+  mtp.mtp_inputs                     the MTP step's batch after a main step (moed/model/mtp.py)
   runner.auto_num_blocks             KV blocks that fit a memory budget
   attention.registry.get_backend     "torch" | "flashinfer" | "auto"
   tokenizer.Tokenizer / IncrementalDetokenizer

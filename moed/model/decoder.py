@@ -98,15 +98,31 @@ class MoEDecoder:
     def resident_expert_bytes(self) -> int:
         return sum(layer.mlp.resident_bytes() for layer in self.layers if isinstance(layer.mlp, MoELayer))
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
-                 last_rows: torch.Tensor, backend: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T] -> fp32 logits [B, vocab] of the rows in last_rows."""
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
+                backend: AttentionBackend, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream after the last layer and that layer's not-yet-added output."""
         h = self.embed.index_select(0, input_ids)
         cos, sin = self.rotary.tables(positions, max_pos)
         delta = None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, cos, sin, backend, kv_cache[i])
+        return h, delta
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
+                 last_rows: torch.Tensor, backend: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] -> fp32 logits [B, vocab] of the rows in last_rows."""
+        h, delta = self._layers(input_ids, positions, max_pos, backend, kv_cache)
         x, _ = add_rms_norm(h.index_select(0, last_rows),
                             None if delta is None else delta.index_select(0, last_rows),
                             self.norm, self.spec.rms_norm_eps, self.kernels)
         return self.lm_head(x).float()
+
+    def with_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
+                    last_rows: torch.Tensor, backend: AttentionBackend,
+                    kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """__call__'s logits, and every row's hidden state after the final norm [T, H] (the
+        model dtype): what DeepSeek-V3's MTP layer takes (moed/model/mtp.py). The norm runs on
+        all T rows instead of B, row by row, so the logits are __call__'s."""
+        h, delta = self._layers(input_ids, positions, max_pos, backend, kv_cache)
+        x, _ = add_rms_norm(h, delta, self.norm, self.spec.rms_norm_eps, self.kernels)
+        return self.lm_head(x.index_select(0, last_rows)).float(), x

@@ -24,9 +24,14 @@ Everything that sizes, allocates, registers or compares the KV tensor reads it f
 architecture module says which layout its model has); nothing else assumes 2 x H_kv x D.
 `layout_id` hashes only arch-independent facts (kind, entry shape, dtype, block size, layers):
 two nodes with equal ids can read each other's KV blocks byte for byte.
+
+A runner that serves DeepSeek-V3's MTP layer (moed/model/mtp.py) has one more layer, last in the
+tensor, with the same entry and block tables (`with_mtp`); `mtp_layers` says so and is in the
+layout id, so a node without that layer never pairs with one that has it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -88,6 +93,7 @@ class KVLayout:
     block_size: int                 # tokens per block
     num_layers: int
     rope_dim: int = 0               # mla: the trailing k_rope part of the entry (0 for gqa)
+    mtp_layers: int = 0             # of num_layers, the trailing ones that are MTP layers'
 
     @property
     def latent_rank(self) -> int:
@@ -106,6 +112,8 @@ class KVLayout:
         if self.rope_dim < 0 or (self.kind == "gqa" and self.rope_dim) or \
                 (self.kind == "mla" and self.rope_dim >= self.entry_shape[0]):
             raise ValueError(f"rope_dim {self.rope_dim} does not fit a {self.kind} entry {self.entry_shape}")
+        if not 0 <= self.mtp_layers < self.num_layers:
+            raise ValueError(f"mtp_layers {self.mtp_layers} of {self.num_layers} layers")
 
     @classmethod
     def gqa(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -118,6 +126,14 @@ class KVLayout:
         """latent_dim: kv_lora_rank + the rope part of the key (DeepSeek-V3: 512 + 64);
         rope_dim: that rope part (0: unsaid, for sizing only)."""
         return cls("mla", (latent_dim,), dtype, block_size, num_layers, rope_dim)
+
+    def with_mtp(self, n: int) -> KVLayout:
+        """This layout plus n MTP layers after the model's (0: unchanged)."""
+        if n == 0:
+            return self
+        if self.mtp_layers:
+            raise ValueError("this KV layout has its MTP layers already")
+        return dataclasses.replace(self, num_layers=self.num_layers + n, mtp_layers=n)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -167,6 +183,8 @@ class KVLayout:
                  f"bs{self.block_size}|l{self.num_layers}")
         if self.rope_dim:       # where c_kv ends is part of the meaning (gqa ids unchanged)
             facts += f"|r{self.rope_dim}"
+        if self.mtp_layers:     # the last layers are the MTP's: never a plain model's
+            facts += f"|mtp{self.mtp_layers}"
         return f"{self.kind}-{hashlib.sha256(facts.encode()).hexdigest()[:12]}"
 
     def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:

@@ -28,6 +28,10 @@ copy of the weights, not two (safetensors' own reader kept the whole file reside
 Canonical names: embed, norm, lm_head, and per layer `layers.{i}.` + input_norm, post_norm,
 qkv[.bias], o_proj[.bias], q_norm, k_norm, router, experts.gate_up, experts.down,
 mlp.gate_up, mlp.down (dense layers).
+
+DeepSeek-V3's MTP layer (layer num_layers of the checkpoint) is read only with mtp=True: its
+decoder layer under the same names as any layer, its own tensors as `layers.{N}.mtp.*`
+(moed/model/mtp.py builds it). Without mtp, layers past the model's end are skipped unread.
 """
 from __future__ import annotations
 
@@ -91,8 +95,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def expected_shapes(spec: ModelSpec, num_slots: int | None = None) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape; num_slots: expert slots held (expert parallelism), default all."""
+def mtp_layers(spec: ModelSpec, mtp: bool) -> int:
+    """MTP layers served when asked for (mtp): the checkpoint's first (DeepSeek-V3 stores one;
+    chained drafts from more are not built); ValueError naming the config key when it has none."""
+    if not mtp:
+        return 0
+    if spec.num_mtp_layers < 1:
+        raise ValueError(f"MTP asked for, but this {spec.arch} checkpoint has no MTP layer "
+                         f"(config.json num_nextn_predict_layers is {spec.num_mtp_layers} or absent)")
+    return 1
+
+
+def expected_shapes(spec: ModelSpec, num_slots: int | None = None, mtp: int = 0) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape; num_slots: expert slots held (expert parallelism), default all;
+    mtp: MTP layers after the model's (layers num_layers ..)."""
     h, d, i = spec.hidden_size, spec.head_dim, spec.moe_intermediate_size
     e = spec.num_experts if num_slots is None else num_slots
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d
@@ -100,7 +116,7 @@ def expected_shapes(spec: ModelSpec, num_slots: int | None = None) -> dict[str, 
     if not spec.tie_word_embeddings:
         shapes["lm_head"] = (spec.vocab_size, h)
     own = archs.get(spec.arch).layer_shapes
-    for n in range(spec.num_layers):
+    for n in range(spec.num_layers + mtp):
         p = f"layers.{n}."
         shapes.update({p + "input_norm": (h,), p + "post_norm": (h,)})
         if own is not None:
@@ -132,21 +148,24 @@ class _Assembler:
     """Places each checkpoint tensor into its slice of a preallocated canonical tensor."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 slots: tuple[int, ...] | None = None, plan: Plan | None = None) -> None:
+                 slots: tuple[int, ...] | None = None, plan: Plan | None = None, mtp: int = 0) -> None:
         """slots: the logical expert of each expert slot to fill (expert parallelism: this
         rank's, replicas included); None: every expert, slot e = expert e. plan: quantized
-        weights (a quantized checkpoint's, or model.quantization of a plain one)."""
+        weights (a quantized checkpoint's, or model.quantization of a plain one). mtp: MTP
+        layers to read (mtp_layers())."""
         self.spec, self.dtype, self.device = spec, dtype, device
         self.plan = plan or Plan(None)
         self.rules = compile_rules(archs.get(spec.arch).weight_names)
-        # DeepSeek-V3's MTP head: layers past num_hidden_layers in real checkpoints, not served
+        # DeepSeek-V3's MTP head: layers past num_hidden_layers in real checkpoints, read only
+        # when served (mtp)
         self.skip_past_end = archs.get(spec.arch).skip_layers_past_end
+        self.end = spec.num_layers + mtp
         self.past_end: dict[int, int] = {}     # layer -> tensors skipped (logged once, at the end)
         self.slots = tuple(range(spec.num_experts)) if slots is None else tuple(slots)
         self.slots_of: dict[int, list[int]] = {}
         for j, x in enumerate(self.slots):
             self.slots_of.setdefault(x, []).append(j)
-        self.shapes = expected_shapes(spec, len(self.slots))
+        self.shapes = expected_shapes(spec, len(self.slots), mtp)
         self.out: Weights = {}
         self.filled: dict[str, set] = {}       # canonical name -> parts written
         self.parts: dict[str, int] = {}        # canonical name -> parts needed
@@ -199,7 +218,7 @@ class _Assembler:
         model's end of an architecture that says so (an MTP head): not even read."""
         if self.skip_past_end:
             m = _LAYER.match(key)
-            if m is not None and int(m.group(1)) >= self.spec.num_layers:
+            if m is not None and int(m.group(1)) >= self.end:
                 self.past_end[int(m.group(1))] = self.past_end.get(int(m.group(1)), 0) + 1
                 return True
         for pat, kind in self.rules:
@@ -266,6 +285,10 @@ class _Assembler:
         missing = [n for n in self.shapes if n not in self.out]
         partial = [n for n in self.out if len(self.filled[n]) != self.parts[n] and "all" not in self.filled[n]]
         mixed = [n for n in self.out if "all" in self.filled[n] and len(self.filled[n]) > 1]
+        mtp = [n for n in missing if n.startswith(f"layers.{self.spec.num_layers}.")]
+        if mtp:     # transformers writes num_nextn_predict_layers 1 by default, layer or not
+            raise WeightError(f"MTP asked for: config.json num_nextn_predict_layers is {self.spec.num_mtp_layers}, "
+                              f"but the checkpoint lacks its layer's tensors: {mtp[:4]} ...")
         if missing or partial or mixed:
             raise WeightError(
                 "checkpoint does not match its config: "
@@ -279,19 +302,20 @@ class _Assembler:
 
 def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", slots: tuple[int, ...] | None = None,
-                 plan: Plan | None = None) -> Weights:
+                 plan: Plan | None = None, mtp: bool = False) -> Weights:
     """All tensors of the checkpoint in canonical names, cast to dtype ("auto" = config's).
     slots: expert parallelism: fill only these experts' slots (logical expert per slot, this
     rank's share); the other experts' tensors are skipped unread (and their scales).
     plan (moed/model/quant/formats.py): a quantized checkpoint's tensors become QuantWeights
     (the projections; anything else dequantized into its plain tensor), or the projections of
     a plain one are quantized as they are placed (model.quantization).
+    mtp: DeepSeek-V3's MTP layer too (mtp_layers(): ValueError for a checkpoint without one).
     Logs a `shard_loaded` line per file (a big checkpoint loads for minutes); a progress bar
     too when the logs are console lines on a terminal."""
     d = Path(model_dir)
     tdtype = spec.dtype if dtype == "auto" else parse_dtype(dtype)
     plan = plan or Plan(None)
-    asm = _Assembler(spec, tdtype, torch.device(device), slots, plan)
+    asm = _Assembler(spec, tdtype, torch.device(device), slots, plan, mtp_layers(spec, mtp))
     grouper = None if plan.checkpoint is None else Grouper(plan.checkpoint)
     files = checkpoint_files(d)
     sizes = [p.stat().st_size for p in files]
@@ -325,7 +349,8 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: str | torch.dtyp
     weights = asm.finish()
     if asm.past_end:
         log.info("mtp_layers_skipped", layers=sorted(asm.past_end), tensors=sum(asm.past_end.values()),
-                 reason="layers past num_hidden_layers are the multi-token-prediction module; not served")
+                 reason="layers past num_hidden_layers are the multi-token-prediction module; "
+                        "read only when the runner serves it (mtp), and then only the first")
     held = bytes_by_format(weights)
     # before/after: what these weights hold plain in the compute dtype, and what they hold
     plain = sum(math.prod(shape) for shape in asm.shapes.values()) * tdtype.itemsize

@@ -4,13 +4,16 @@ Built once per model, in this order: the spec (config.json) picks the architectu
 (moed/model/archs), which gives the KVLayout; the ComputeContext says where the model computes
 and whether the CPU kernels serve; the attention backend, the decoder stack and the KV tensor
 all read those same two objects. A decode-only step goes through the whole model in one native
-call where the model allows (decode_step.py), else layer by layer. Called from the engine's
-single executor thread; not thread-safe by design (one writer).
+call where the model allows (decode_step.py), else layer by layer. With mtp=True it also serves
+DeepSeek-V3's MTP layer (moed/model/mtp.py): forward(hidden=True) hands out the hidden states
+forward_mtp takes, and the KV tensor has the MTP layer's one more layer. Called from the
+engine's single executor thread; not thread-safe by design (one writer).
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Literal, overload
 
 import structlog
 import torch
@@ -24,7 +27,8 @@ from moed.model.kernels.choice import by_class
 from moed.model.decoder import MoEDecoder
 from moed.model.hf_config import load_spec
 from moed.model.kv_layout import KVLayout, kv_cache_dtype
-from moed.model.loader import Weights, load_weights
+from moed.model.loader import Weights, load_weights, mtp_layers
+from moed.model.mtp import MTPLayer
 from moed.model.quant import bytes_by_format
 from moed.model.quant import formats as quant_formats
 from moed.model.spec import ModelSpec, parse_dtype
@@ -52,11 +56,11 @@ def resolve_dtype(dtype: str | torch.dtype, spec: ModelSpec, device: torch.devic
 
 
 def auto_num_blocks(spec: ModelSpec, block_size: int, dtype: str | torch.dtype, memory_mb: int,
-                    kv_dtype: str = "auto") -> int:
+                    kv_dtype: str = "auto", mtp: bool = False) -> int:
     """How many KV blocks fit in memory_mb (kv_dtype: engine.kv_cache_dtype; fp8 holds twice
-    bf16's blocks)."""
-    per_block = archs.kv_layout(spec, block_size,
-                                kv_cache_dtype(kv_dtype, parse_dtype(dtype))).bytes_per_block
+    bf16's blocks; mtp: a runner built with mtp=True, one more layer per block)."""
+    per_block = archs.kv_layout(spec, block_size, kv_cache_dtype(kv_dtype, parse_dtype(dtype)),
+                                mtp_layers(spec, mtp)).bytes_per_block
     n = (memory_mb << 20) // per_block
     if n < 1:
         raise ValueError(f"{memory_mb} MB of KV memory holds no block of {per_block} bytes")
@@ -81,13 +85,16 @@ class ModelRunner:
                  num_blocks: int, block_size: int, spec: ModelSpec | None = None,
                  weights: Weights | None = None, placement: ExpertPlacement | None = None,
                  quantization: str = "", quantization_group_size: int = 128,
-                 kv_dtype: str = "auto") -> None:
+                 kv_dtype: str = "auto", mtp: bool = False) -> None:
         """placement: expert parallelism (moed.parallel.dispatch.RankPlacement): only this rank's
         expert slots are loaded, and every MoE layer dispatches over the group.
         quantization: model.quantization ("" = the checkpoint's own format, or none; fp8, int8,
         int4 quantize a plain checkpoint at load, moed/model/quant); a QuantConfigError for a
         combination that is refused.
-        kv_dtype: engine.kv_cache_dtype ("auto": the model's dtype; "fp8": float8 e4m3)."""
+        kv_dtype: engine.kv_cache_dtype ("auto": the model's dtype; "fp8": float8 e4m3).
+        mtp: also serve DeepSeek-V3's MTP layer (moed/model/mtp.py, forward_mtp): its weights and
+        one more KV layer, which the layout id names; ValueError for a checkpoint without one
+        (or with expert parallelism, not built). Off: nothing of it is read or allocated."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         t0 = time.monotonic()
@@ -96,18 +103,23 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.spec, self.device)
         self.block_size, self.num_blocks = block_size, num_blocks
         arch = archs.get(self.spec.arch)
-        self.kv_layout: KVLayout = arch.kv_layout(self.spec, block_size,
-                                                  kv_cache_dtype(kv_dtype, self.dtype))
+        n_mtp = mtp_layers(self.spec, mtp)
+        if n_mtp and placement is not None:
+            raise ValueError("MTP with expert parallelism is not built (its MoE layer would join "
+                             "the group's exchanges)")
+        self.kv_layout: KVLayout = archs.kv_layout(self.spec, block_size, kv_cache_dtype(kv_dtype, self.dtype),
+                                                   n_mtp)
         self.ctx = ComputeContext.build(self.device, self.dtype, placement)
         own = weights is None
         self.quant_plan = quant_formats.plan(model_dir, quantization, quantization_group_size) if own \
             else quant_formats.Plan(None)
         if own:
             weights = load_weights(model_dir, self.spec, self.dtype, self.device,
-                                   None if placement is None else placement.local_slots, self.quant_plan)
+                                   None if placement is None else placement.local_slots, self.quant_plan, mtp)
         held = bytes_by_format(weights)
         self.backend = get_backend(attention_backend, self.spec, self.kv_layout, self.ctx)
         self.model = MoEDecoder(self.spec, weights, arch.build_layer, self.ctx, consume=own)
+        self.mtp = MTPLayer.build(weights, arch.build_layer, self.ctx, self.model, own) if n_mtp else None
         del weights
         self.kv_cache = self.kv_layout.allocate(num_blocks, self.device)
         # Decode-only steps in one native call where the model allows (decode_step.py).
@@ -119,6 +131,7 @@ class ModelRunner:
         log.info("model_runner_ready", **self.describe(), native_decode=why_not or "on",
                  cpu_isa=getattr(self.ctx.kernels, "isa", "none"), kernel_classes=self._kernel_classes(),
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
+                 mtp_layers=n_mtp,
                  kv_bytes_per_token=self.kv_layout.bytes_per_token,
                  kv_mb=round(num_blocks * self.kv_layout.bytes_per_block / 2**20, 1),
                  weights_mb={k: round(v / 2**20, 2) for k, v in held.items()},
@@ -158,13 +171,9 @@ class ModelRunner:
             if table and (min(table) < 0 or max(table) >= self.num_blocks):
                 raise ValueError(f"sequence {i}: block id out of range [0, {self.num_blocks})")
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits of `batch.logit_rows` (K/V of all new tokens cached): [B, vocab], one per
-        sequence's last new token, unless `batch.all_logits` asks for every row of some."""
-        self._check(batch)
-        if self.native_decode is not None and self.native_decode.serves(batch):
-            return self.native_decode(batch)
+    def _inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """(token ids [T], positions [T], the largest position, logit rows) on the device; the
+        backend planned for them."""
         dev = self.device
         ids = [t for toks in batch.token_ids for t in toks]
         pos = [p for toks, s in zip(batch.token_ids, batch.start_pos) for p in range(s, s + len(toks))]
@@ -175,7 +184,47 @@ class ModelRunner:
         else:
             last_rows = torch.tensor([len(t) for t in batch.token_ids], device=dev).cumsum(0) - 1
         self.backend.plan(batch, positions)
-        return self.model(input_ids, positions, max(pos), last_rows, self.backend, self.kv_cache)
+        return input_ids, positions, max(pos), last_rows
+
+    @overload
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+    @overload
+    def forward(self, batch: ForwardBatch, *, hidden: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, *, hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits of `batch.logit_rows` (K/V of all new tokens cached): [B, vocab], one per
+        sequence's last new token, unless `batch.all_logits` asks for every row of some.
+        hidden: (those logits, every new token's hidden state after the final norm [T, H], the
+        model dtype, rows in the batch's token order): what forward_mtp takes. The logits are the
+        same either way; the native decode step (GQA models) does not give it and steps aside."""
+        self._check(batch)
+        if not hidden and self.native_decode is not None and self.native_decode.serves(batch):
+            return self.native_decode(batch)
+        input_ids, positions, max_pos, rows = self._inputs(batch)
+        if hidden:
+            return self.model.with_hidden(input_ids, positions, max_pos, rows, self.backend, self.kv_cache)
+        return self.model(input_ids, positions, max_pos, rows, self.backend, self.kv_cache)
+
+    @torch.inference_mode()
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's MTP layer (moed/model/mtp.py; built with mtp=True): fp32 logits of
+        `batch.logit_rows`, each predicting the token two past its position.
+
+        batch: positions the main model has run, with its start_pos and block tables, and each
+        token shifted by one: token_ids[i][j] is the token at position start_pos[i] + j + 1
+        (mtp.mtp_inputs builds it from the main batch). hidden [batch.num_tokens, H]: the main
+        model's hidden states at those positions (forward(..., hidden=True)), in that order.
+        The MTP layer's KV entries of those positions are written (its KV layer, same blocks)."""
+        if self.mtp is None:
+            raise RuntimeError("forward_mtp: this runner was built without mtp=True")
+        self._check(batch)
+        if tuple(hidden.shape) != (batch.num_tokens, self.spec.hidden_size):
+            raise ValueError(f"forward_mtp: hidden {tuple(hidden.shape)}, expected "
+                             f"({batch.num_tokens}, {self.spec.hidden_size})")
+        input_ids, positions, max_pos, rows = self._inputs(batch)
+        return self.mtp(hidden.to(self.device, self.dtype), input_ids, positions, max_pos, rows, self.model.rotary,
+                        self.backend, self.kv_cache[self.spec.num_layers])
 
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
         """logits.argmax(-1) where the step that returned these logits computed it already (the

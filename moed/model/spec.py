@@ -63,6 +63,9 @@ class ModelSpec:
     n_group: int = 1                            # expert groups (grouped routing)
     topk_group: int = 1                         # groups kept per token
     routed_scaling_factor: float = 1.0          # routed experts' weights scaled by this
+    # DeepSeek-V3's num_nextn_predict_layers: multi-token-prediction layers the checkpoint stores
+    # past the last decoder layer (read only when a runner asks for them, moed/model/mtp.py)
+    num_mtp_layers: int = 0
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

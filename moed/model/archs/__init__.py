@@ -20,10 +20,11 @@ architecture is one new file here plus its test; nothing else is edited. A new m
                 architecture has (loader kind "whole.<name>", canonical `layers.{i}.<name>`);
                 with spec.attention_kind != "gqa" they replace the q/k/v ones
   skip_layers_past_end  optional: checkpoint layers past num_hidden_layers are not read (an
-                MTP head a real checkpoint carries), instead of refused as unexpected
+                MTP head a real checkpoint carries; the first is when a runner serves MTP,
+                moed/model/mtp.py), instead of refused as unexpected
 
 Lookups: get(model_type) (SpecError listing the supported types when unknown), supported(),
-kv_layout(spec, block_size, dtype).
+kv_layout(spec, block_size, dtype, mtp_layers=0).
 """
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ def get(model_type: Any) -> Arch:
     return arch
 
 
-def kv_layout(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> KVLayout:
-    """The paged KV layout of spec's architecture for this block size and cache dtype."""
-    return get(spec.arch).kv_layout(spec, block_size, dtype)
+def kv_layout(spec: ModelSpec, block_size: int, dtype: torch.dtype, mtp_layers: int = 0) -> KVLayout:
+    """The paged KV layout of spec's architecture for this block size and cache dtype; mtp_layers:
+    plus that many MTP layers (a runner built with mtp=True)."""
+    return get(spec.arch).kv_layout(spec, block_size, dtype).with_mtp(mtp_layers)

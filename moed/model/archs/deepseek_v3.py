@@ -19,8 +19,10 @@ Particular to it:
 The fused CPU MoE kernel routes softmax top-k only, so these MoE layers take the torch path
 (logged once, `moe_torch_path`); dense MLPs, attention projections and norms still use the kernels.
 Not served: scoring_func other than sigmoid, topk_method other than noaux_tc, moe_layer_freq != 1.
-The MTP head (`num_nextn_predict_layers`, layers past num_hidden_layers in real checkpoints) is
-not read (Arch.skip_layers_past_end).
+The MTP layer (`num_nextn_predict_layers`: layer num_hidden_layers in the checkpoint, a whole
+decoder layer plus enorm, hnorm, eh_proj and a copy of the embedding and head) is read only when
+the runner asks for it (ModelRunner(mtp=True), moed/model/mtp.py); otherwise, and past the first
+one, those layers are skipped unread (Arch.skip_layers_past_end).
 """
 from __future__ import annotations
 
@@ -162,11 +164,13 @@ def spec_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         qk_nope_head_dim=int(required(cfg, "qk_nope_head_dim")), qk_rope_head_dim=rope,
         v_head_dim=int(required(cfg, "v_head_dim")), rope_interleave=bool(cfg.get("rope_interleave", True)),
         rope_yarn=_yarn(cfg), router_scoring="sigmoid", n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
 
 
 def layer_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
-    """Layer i's MLA, router-bias and shared-expert tensors (loader kinds whole.*, o_proj)."""
+    """Layer i's MLA, router-bias and shared-expert tensors (loader kinds whole.*, o_proj); the
+    MTP layer's own tensors too for i >= num_layers."""
     h, heads, r = spec.hidden_size, spec.num_heads, spec.kv_lora_rank
     qd = spec.qk_nope_head_dim + spec.qk_rope_head_dim
     out: dict[str, tuple[int, ...]] = {
@@ -182,6 +186,9 @@ def layer_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
         out.update({"attn.kv_a.bias": (r + spec.qk_rope_head_dim,), "o_proj.bias": (h,)})
         if spec.q_lora_rank:
             out["attn.q_a.bias"] = (spec.q_lora_rank,)
+    if i >= spec.num_layers:        # the MTP layer's own tensors (moed/model/mtp.py)
+        out.update({"mtp.enorm": (h,), "mtp.hnorm": (h,), "mtp.eh_proj": (h, 2 * h), "mtp.head_norm": (h,),
+                    "mtp.embed": (spec.vocab_size, h), "mtp.head": (spec.vocab_size, h)})
     if i not in spec.dense_layers:
         out["router_bias"] = (spec.num_experts,)
         si = spec.shared_expert_intermediate_size
@@ -221,6 +228,13 @@ WEIGHTS: tuple[tuple[str, str], ...] = (
     (_MOE + r"gate_proj\.weight", "dense.gate"),
     (_MOE + r"up_proj\.weight", "dense.up"),
     (_MOE + r"down_proj\.weight", "dense.down"),
+    # the MTP layer's own (layer num_hidden_layers; loaded with mtp=True only)
+    (r"enorm\.weight", "whole.mtp.enorm"),
+    (r"hnorm\.weight", "whole.mtp.hnorm"),
+    (r"eh_proj\.weight", "whole.mtp.eh_proj"),
+    (r"embed_tokens\.weight", "whole.mtp.embed"),
+    (r"shared_head\.norm\.weight", "whole.mtp.head_norm"),
+    (r"shared_head\.head\.weight", "whole.mtp.head"),
 )
 
 
