@@ -11,10 +11,14 @@ logits, the K/V written and the expert-load counts are bitwise those of the laye
 
 It serves a batch when the model is a GQA MoE decoder on the native kernels with all experts in
 this process (no expert parallelism), every layer MoE, the torch attention backend on the
-kernels, and, for the batch's row count, every matmul the native kernel's (kernels/choice.py may
-give a row class to oneDNN) and every MoE layer the fused kernel's. Otherwise the runner takes
-the layer-by-layer path, which computes the same thing; `unsupported()` says why (logged once
-in model_runner_ready).
+kernels, and, for the batch's row count, every projection the native kernel's (kernels/choice.py
+may give a row class to oneDNN) and every MoE layer the fused kernel's. Otherwise the runner
+takes the layer-by-layer path, which computes the same thing; `unsupported()` says why (logged
+once in model_runner_ready). The lm_head is the exception: where its row class is oneDNN's, the
+step stops after the final norm and lm_head runs on oneDNN, as the layered path does it (so
+still bitwise). The lm_head's race is a near tie on a CPU with AMX (the bench preset's at one row:
+oneDNN 1.6-1.9 ms, native 2.0-2.2 ms on 2 threads), and losing the whole step to it cost ~10%
+of batch-1 decode.
 """
 from __future__ import annotations
 
@@ -93,7 +97,7 @@ class NativeDecodeStep:
 
     def __init__(self, model: MoEDecoder, backend: TorchBackend, kv_cache: torch.Tensor) -> None:
         spec, self.model, self.kernels = model.spec, model, model.kernels
-        self.vocab = spec.vocab_size
+        self.vocab, self.hidden = spec.vocab_size, spec.hidden_size
         self._routers = [layer.mlp.router for layer in model.layers]
         self._maps: list[torch.Tensor | None] = [None] * len(self._routers)
         self._layers = (_Layer * len(model.layers))()
@@ -151,7 +155,7 @@ class NativeDecodeStep:
         the fused kernel's (otherwise the layer-by-layer path would run oneDNN somewhere)."""
         got = self._serves_rows.get(rows)
         if got is None:
-            lins = [self.model.lm_head] + [x for layer in self.model.layers for x in (layer.attn.qkv, layer.attn.o)]
+            lins = [x for layer in self.model.layers for x in (layer.attn.qkv, layer.attn.o)]
             got = (all(lin.choice is None or not lin.choice.use_onednn(rows) for lin in lins)
                    and all(layer.mlp.fused(rows) for layer in self.model.layers))
             self._serves_rows[rows] = got
@@ -183,15 +187,24 @@ class NativeDecodeStep:
         if self._scratch.numel() < self._scratch_bytes(b):
             self._scratch = torch.empty(self._scratch_bytes(b), dtype=torch.uint8)
         scratch = self._scratch.data_ptr()
-        logits = torch.empty((b, self.vocab), dtype=torch.float32)
+        head = self.model.lm_head
+        native_head = head.choice is None or not head.choice.use_onednn(b)
+        logits = torch.empty((b, self.vocab), dtype=torch.float32) if native_head else None
         greedy = torch.empty(b, dtype=torch.long)     # each row's argmax, for the sampler
+        aligned = -scratch % 64
         rc = lib.moed_decode_step_bf16(
             model, b, ids.buffer_info()[0], pos.buffer_info()[0], flat.buffer_info()[0], width,
-            ctypes.addressof(self._offsets), cos.data_ptr(), sin.data_ptr(), scratch + (-scratch % 64),
-            logits.data_ptr(), greedy.data_ptr(), torch.get_num_threads())
+            ctypes.addressof(self._offsets), cos.data_ptr(), sin.data_ptr(), scratch + aligned,
+            None if logits is None else logits.data_ptr(), None if logits is None else greedy.data_ptr(),
+            torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("moed_decode_step_bf16: " + ("out of memory" if rc == -1 else
                                                             "bad token id, block id or expert map"))
+        if logits is None:      # the final norm's output, in the scratch: lm_head on oneDNN
+            at = aligned + lib.moed_decode_step_hidden_offset(model, b)
+            x = self._scratch[at:at + 2 * b * self.hidden].view(torch.bfloat16).view(b, self.hidden)
+            logits = head(x).float()
+            lib.moed_argmax_f32(logits.data_ptr(), b, self.vocab, greedy.data_ptr(), torch.get_num_threads())
         self._last = (weakref.ref(logits), greedy)
         return logits
 

@@ -60,7 +60,7 @@ ISA_NEEDS: dict[str, frozenset[str]] = {
 }
 ISAS = tuple(ISA_CFLAGS)
 ISA_ENV = "MOED_CPU_ISA"
-ABI_VERSION = 8
+ABI_VERSION = 9
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -176,6 +176,8 @@ class CpuKernels:
         lib.moed_decode_step_bf16.restype = _i
         lib.moed_decode_step_scratch.argtypes = [_p, _l]
         lib.moed_decode_step_scratch.restype = _l
+        lib.moed_decode_step_hidden_offset.argtypes = [_p, _l]
+        lib.moed_decode_step_hidden_offset.restype = _l
         lib.moed_argmax_f32.argtypes = [_p, _l, _l, _p, _i]
         lib.moed_argmax_f32.restype = None
         lib.moed_lut_u8_to_u16.argtypes = [_p, _l, _p, _p, _i]

@@ -63,7 +63,7 @@ typedef uint16_t bf16;
 #error "build with -mavx512bf16 (and -mavx512f -mavx512bw -mavx512vl -mfma) or -march=x86-64-v3"
 #endif
 
-int moed_abi_version(void) { return 8; }
+int moed_abi_version(void) { return 9; }
 
 /* Which variant this .so is: the loader refuses one that is not the variant it asked for (a
  * cache shared by machines of different CPUs keeps each variant under its own name). */
@@ -1161,25 +1161,35 @@ typedef struct {
 
 /* Bytes of scratch moed_decode_step_bf16 needs for B sequences (the caller keeps one buffer,
  * so a step allocates nothing: fresh pages for the [B][vocab] logits cost ~0.3 ms at batch 8). */
-static long step_scratch(const DecodeModel *m, long B, char *base, bf16 *parts[8]) {
+static long step_scratch(const DecodeModel *m, long B, long offs[8]) {
     const long nqk = (m->Hq + m->Hkv) * m->D, nqkv = (m->Hq + 2 * m->Hkv) * m->D;
     const long sizes[8] = {B * m->H, B * m->H, B * m->H, B * nqkv, B * nqk, B * m->Hq * m->D, 2 * B * m->D,
                            B * m->vocab};
     long off = 0;
     for (int i = 0; i < 8; i++) {
-        if (parts) parts[i] = (bf16 *)(base + off);
+        if (offs) offs[i] = off;
         off += (sizes[i] * (long)sizeof(bf16) + 63) / 64 * 64;      /* each part on its own lines */
     }
     return off;
 }
 
-long moed_decode_step_scratch(const DecodeModel *m, long B) { return step_scratch(m, B, NULL, NULL); }
+long moed_decode_step_scratch(const DecodeModel *m, long B) { return step_scratch(m, B, NULL); }
+
+/* Where in the scratch the final norm's output x [B][H] bf16 is: a step called with logits NULL
+ * stops there, for a caller whose lm_head runs elsewhere (oneDNN won its row class). */
+long moed_decode_step_hidden_offset(const DecodeModel *m, long B) {
+    long offs[8];
+    step_scratch(m, B, offs);
+    return offs[2];
+}
 
 /* ids, pos [B]; tables [B][max_blocks] (sequence b's blocks, covering positions 0..pos[b]);
  * offsets [L]: each layer's replica-split offset (moed_moe_bf16's); cos, sin: the rotary tables
  * [> max pos][D]; scratch: moed_decode_step_scratch(m, B) bytes, 64-byte aligned; logits
- * [B][vocab] fp32; argmax [B] (or NULL): each row's moed_argmax_f32, taken while the logits are
- * in cache (the sampler's greedy pick otherwise reads them back after the step). Returns 0; -1
+ * [B][vocab] fp32, or NULL: stop after the final norm, its output at
+ * moed_decode_step_hidden_offset in the scratch; argmax [B] (or NULL): each row's moed_argmax_f32,
+ * taken while the logits are in cache (the sampler's greedy pick otherwise reads them back
+ * after the step). Returns 0; -1
  * out of memory; -2 a bad token id, block id or table (checked before anything is written) or
  * a bad expert map (as moed_moe_bf16). */
 void moed_argmax_f32(const float *x, long B, long V, int64_t *out, int nthreads);
@@ -1196,7 +1206,9 @@ int moed_decode_step_bf16(const DecodeModel *m, long B, const int64_t *ids, cons
             if (tables[b * max_blocks + j] < 0 || tables[b * max_blocks + j] >= m->num_blocks) return -2;
     }
     bf16 *part[8];
-    step_scratch(m, B, scratch, part);
+    long offs[8];
+    step_scratch(m, B, offs);
+    for (int i = 0; i < 8; i++) part[i] = (bf16 *)((char *)scratch + offs[i]);
     bf16 *h = part[0], *delta = part[1], *x = part[2], *qkv = part[3], *qk = part[4], *att = part[5];
     bf16 *cs = part[6], *lg = part[7];
     int64_t lens[B];
@@ -1226,6 +1238,7 @@ int moed_decode_step_bf16(const DecodeModel *m, long B, const int64_t *ids, cons
                                 delta, nthreads))) goto done;
     }
     moed_rms_norm_bf16(h, m->L ? delta : NULL, h, B, H, m->norm, m->eps, x, nthreads);
+    if (!logits) goto done;     /* the caller runs lm_head on x (oneDNN's row class) */
     if ((rc = moed_linear_bf16(x, B, H, m->lm_head, m->vocab, NULL, lg, nthreads))) goto done;
     for (long i = 0; i < B * m->vocab; i++) logits[i] = bf16_to_f32(lg[i]);
     if (argmax) moed_argmax_f32(logits, B, m->vocab, argmax, nthreads);

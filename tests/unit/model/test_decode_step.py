@@ -135,6 +135,37 @@ def test_native_step_keeps_the_layered_path_where_onednn_serves(kern, make_check
     assert counting.rows == [1, 33]
 
 
+def test_native_step_serves_when_only_the_lm_head_is_onednn(kern, make_checkpoint):
+    """lm_head's row class on oneDNN (a near tie on AMX CPUs) keeps the native step: it stops
+    after the final norm and lm_head runs on oneDNN as the layered path runs it, bit for bit."""
+    ckpt = make_checkpoint("qwen3_moe")
+    vocab = _runner(ckpt).spec.vocab_size
+    kern.choose = _HeadChooser(vocab, LinearChoice((True, True, False, False, False)))
+    native, layered = _pair(ckpt)
+    assert native.model.lm_head.choice.use_onednn(1)
+    qkv = native.model.layers[0].attn.qkv.choice
+    assert qkv is None or not qkv.any_onednn
+    step = native.native_decode
+    assert [step.serves_rows(n) for n in (1, 4, 9)] == [True, True, True]
+    native.native_decode = counting = _Counting(step)
+    for lengths in ([5], [5, 6, 7, 8], [17] * 9):     # lm_head on oneDNN, oneDNN, native
+        _decode_rounds(native, layered, lengths, steps=2)
+    assert counting.rows == [1, 1, 4, 4, 9, 9]
+
+
+class _HeadChooser:
+    """`head` for the weight shaped like the lm_head ([vocab, H]), native everywhere else."""
+
+    def __init__(self, vocab: int, head: LinearChoice) -> None:
+        self.vocab, self.head = vocab, head
+
+    def __call__(self, n: int, k: int) -> LinearChoice:
+        return self.head if n == self.vocab else LinearChoice((False,) * len(self.head.onednn))
+
+    def chosen(self) -> list[LinearChoice]:
+        return [self.head]
+
+
 class _Counting:
     """The native step, noting the batch size of each step it serves."""
 
