@@ -62,7 +62,8 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
     from moed.model.identity import model_id
     engine = cls(runner, Tokenizer.from_dir(m.path), e, max_model_len=m.max_model_len or None,
                  balance=cfg.balance, ep=ep, tiers=cfg.tiers, model_id=model_id(m.path),
-                 kv_events=cfg.kv_events, structured=cfg.structured, **kw)
+                 kv_events=cfg.kv_events, structured=cfg.structured,
+                 speculative=cfg.speculative, **kw)
     # what the KV budget buys: requests of the model's full context that fit at once
     tokens = num_blocks * e.block_size
     log.info("kv_cache_sized", kv_blocks=num_blocks, block_size=e.block_size,

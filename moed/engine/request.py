@@ -85,6 +85,7 @@ class Request:
     error_kind: ErrorKind | None = None     # with error: GRAMMAR when the grammar overran
     rng: Any = None                  # sampler state (a torch.Generator for seeded requests)
     grammar: Any = None              # structured outputs: this request's GrammarMatcher
+    drafter: Any = None              # speculative decoding: its NgramIndex (engine.drafts)
     # params.prompt_logprobs: prompt tokens 1.. so far (moed.types.PromptLogprob), and whether
     # they went out (on the first token's event)
     prompt_logprobs: list[Any] = field(default_factory=list)

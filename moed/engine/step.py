@@ -31,11 +31,14 @@ from moed.engine.request import Request
 from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
+from moed.engine.speculate import record as record_spec
+from moed.engine.speculate import verify_rows
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
 from moed.model.logprobs import compute as compute_prompt_logprobs
 from moed.model.logprobs import prompt_positions
 from moed.model.sampler import SampleResult, SampleRow, sample
+from moed.model.spec_verify import Verified
 from moed.obs import metrics
 from moed.types import ErrorKind, FinishReason, PromptLogprob, TokenEvent
 
@@ -49,7 +52,8 @@ log = structlog.get_logger(__name__)
 
 EXPERT_LOAD_INTERVAL_S = 1.0
 PromptLPs = dict[str, list[PromptLogprob]]     # one step's prompt logprobs, by request id
-Executed = tuple[SampleResult | None, float, PromptLPs]
+# the sampled rows' result, forward + sample seconds, prompt logprobs, drafts' verifications
+Executed = tuple[SampleResult | None, float, PromptLPs, dict[str, Verified]]
 
 
 class Go(enum.Enum):
@@ -142,13 +146,13 @@ class StepCore:
             await driver.between_steps()
             return Go.STEP
         try:
-            res, fwd_s, plps = await driver.call(self._execute, plan)
+            res, fwd_s, plps, ver = await driver.call(self._execute, plan)
         except Exception as e:
             if not driver.contain(plan, e):
                 raise
             return Go.STEP
         driver.after_forward()
-        self._finish_step(plan, res, t0, fwd_s, plps)   # tokens out before any move
+        self._finish_step(plan, res, t0, fwd_s, plps, ver)  # tokens out before any move
         self._flush_kv_events()
         await driver.between_steps()
         if driver.reads_expert_load:
@@ -220,12 +224,15 @@ class StepCore:
         t0 = time.perf_counter()
         asks = [_prompt_positions(c) for c in plan.chunks]
         batch = plan.batch
-        if any(asks):       # rows that do not ask pay nothing: the batch stays as planned
-            batch = replace(batch, all_logits=tuple(bool(a) for a in asks))
+        if any(asks) or any(c.draft for c in plan.chunks):
+            # rows that do not ask (nor draft) pay nothing: the batch stays as planned
+            batch = replace(batch, all_logits=tuple(bool(a) or bool(c.draft)
+                                                    for a, c in zip(asks, plan.chunks)))
         gram = [c.request for c in plan.chunks if c.sample and c.request.grammar is not None]
         pending = self._masks.start([r.grammar for r in gram]) if gram else None
         logits = out = self.runner.forward(batch)
         plps: PromptLPs = {}
+        ver: dict[str, Verified] = {}
         if batch.all_logits:
             last = batch.sample_rows
             for i, (c, pos) in enumerate(zip(plan.chunks, asks)):
@@ -236,10 +243,11 @@ class StepCore:
                         logits[base + pos.start:base + pos.stop],
                         r.prompt_token_ids[pos.start + 1:pos.stop + 1],
                         r.params.prompt_logprobs or 0)
+            ver = verify_rows(logits, last, plan.chunks, self._sample_row)
             logits = logits[last]
-        idx = [i for i, c in enumerate(plan.chunks) if c.sample]
+        idx = [i for i, c in enumerate(plan.chunks) if c.sample and not c.draft]
         if not idx:
-            return None, time.perf_counter() - t0, plps
+            return None, time.perf_counter() - t0, plps, ver
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
         masks: dict[str, Any] = {}
@@ -252,7 +260,7 @@ class StepCore:
         rows = [self._sample_row(r, masks.get(r.request_id)) for r in reqs]
         # the step's own argmax, if it has one (None: the sampler computes it)
         argmax = self.runner.argmax_of(out) if logits is out else None
-        return sample(logits, rows, argmax), time.perf_counter() - t0, plps
+        return sample(logits, rows, argmax), time.perf_counter() - t0, plps, ver
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params
@@ -267,14 +275,17 @@ class StepCore:
                          grammar=req.grammar, mask=mask)
 
     def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
-                     fwd_s: float, plps: PromptLPs | None = None) -> None:
+                     fwd_s: float, plps: PromptLPs | None = None,
+                     ver: dict[str, Verified] | None = None) -> None:
         toks = [] if res is None else res.token_ids
         self._fail_grammars(plan)
         for c in plan.chunks if plps else ():
             if c.request.request_id in plps and not c.request.finished:
                 c.request.prompt_logprobs.extend(plps[c.request.request_id])
+        if ver:
+            record_spec(plan.chunks, ver)
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
-                                       None if res is None else res.top_logprobs)
+                                       None if res is None else res.top_logprobs, ver)
         if any(c.request.params.prompt_logprobs is not None for c in plan.chunks):
             events = _with_prompt_logprobs(events, plan)
         for c in plan.chunks:   # a token that took the grammar past a limit (Request.append_token)

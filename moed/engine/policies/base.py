@@ -43,6 +43,8 @@ class SchedulerView(Protocol):
     @property
     def max_num_batched_tokens(self) -> int: ...
     @property
+    def num_speculative_tokens(self) -> int: ...        # k; 0 = no speculation
+    @property
     def seated(self) -> int: ...        # requests holding a seat: running, parked, loading
     @property
     def cost(self) -> CostModel | None: ...             # fitted from measured steps
@@ -62,6 +64,13 @@ class StepDraft(Protocol):
         """A running request's next `n` tokens. When the KV pool cannot hold them: with
         `preempt`, the most recently admitted running requests go back to WAITING until it
         can (possibly `req` itself); without, nothing happens. -> whether `req` got them."""
+        ...
+
+    def speculate(self, req: Request, room: int) -> int:
+        """Right after `extend` took a decoding request's one token: add up to `room` draft
+        tokens to its chunk (moed.engine.drafts.propose: the request's own limits, and the KV
+        blocks free now, may cut them; nothing is preempted for them). -> drafts added, 0 when
+        speculation is off or the request does not draft."""
         ...
 
     def admit(self, req: Request, hit: PrefixHit, n: int) -> bool:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from moed.balance.step_time import Buckets, Item, choose, chunk_budget, step_budget, whole_budget
-from moed.balance.cost import AdvertisedCost, bucket_of, max_chunk, shape_of
+from moed.balance.cost import AdvertisedCost, CostModel, bucket_of, max_chunk, shape_of
 from moed.config import BalanceConfig
 from moed.engine.policies.base import SchedulerView, StepDraft, StepPolicy
 from moed.engine.policies.tokens import TokenPolicy
@@ -54,10 +54,14 @@ class CostPolicy:
             return
         tb, kv = self.budget, view.kv
         decodes: list[tuple[int, int, bool]] = []
+        left = view.max_num_batched_tokens
         for req in [r for r in view.running if r.num_tokens - r.num_computed_tokens <= 1]:
             n, start = req.num_tokens - req.num_computed_tokens, req.num_computed_tokens
             if n > 0 and step.extend(req, n, preempt=True):
-                decodes.append((start, 1, True))
+                room = _draft_room(cost, decodes, start, view, tb.itl_target_s, left - 1)
+                d = step.speculate(req, room) if room else 0
+                decodes.append((start, 1 + d, d == 0))    # k + 1 positions: a prefill chunk
+                left -= 1 + d
         seats = view.max_num_seqs - view.seated
         items = [Item(r.request_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens,
                       r.num_tokens, _age(r), True)
@@ -76,7 +80,7 @@ class CostPolicy:
         picks = choose(items, base, cost.coefficients,
                        chunk_budget(has_decodes, tb.itl_target_s, tb.prefill_step_s),
                        tb.buckets, max_partial=tb.max_partial,
-                       max_tokens=view.max_num_batched_tokens - len(decodes), max_new=seats,
+                       max_tokens=left, max_new=seats,
                        min_tokens=kv.block_size, experts=view.experts,
                        whole_s=whole_budget(has_decodes, step_s, min(tb.buckets.ttft_targets_s)))
         for p in picks:
@@ -116,6 +120,17 @@ class CostPolicy:
         chunk = max_chunk(coef, base, 0, view.max_num_batched_tokens, budget, view.experts)
         return AdvertisedCost(coef, edges, tuple(toks), tuple(reqs), share,
                               chunk or view.kv.block_size)
+
+
+def _draft_room(cost: CostModel, decodes: list[tuple[int, int, bool]], start: int,
+                view: SchedulerView, itl_s: float, tokens_left: int) -> int:
+    """The most drafts a decode starting at `start` may verify so that the decodes so far,
+    this one with them, still fit the ITL target by the cost model (0: none fit)."""
+    for d in range(min(view.num_speculative_tokens, tokens_left), 0, -1):
+        shape = shape_of([*decodes, (start, 1 + d, False)], view.experts)
+        if cost.coefficients.predict(shape) <= itl_s:
+            return d
+    return 0
 
 
 def _age(req: Request) -> float:

@@ -4,7 +4,9 @@ fallback while its model is unfitted).
 Running requests in admission order get their catch-up (a decode's one token, a prompt's next
 chunk), preempting the most recently admitted when the KV pool runs out; then, if nothing was
 preempted, waiting requests in arrival order while `max_num_batched_tokens`, `max_num_seqs`
-and the KV pool allow (cached prefix blocks count as computed).
+and the KV pool allow (cached prefix blocks count as computed). A decoding request's draft
+tokens (speculative decoding) count against the budget like any token: it verifies what is
+left of it, at most k.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class TokenPolicy:
             if not step.extend(req, n, preempt=True):
                 break
             budget -= n
+            budget -= step.speculate(req, budget)
             i += 1
 
         waiting = view.waiting

@@ -1,0 +1,67 @@
+"""When a request drafts, and how many tokens: the pure half the scheduler runs (no torch).
+
+A running request drafts in a step when it is decoding (one known token left to compute, its
+first output token out), the node speculates, and its grammar is None: a grammar row would need
+the grammar's mask after each draft token and a matcher advanced through drafts that may be
+rejected; moed does not speculate for those (they decode one token a step, as before).
+
+The draft never makes the request emit more than its limits allow: after a step with d drafts
+the request has at most d + 1 new tokens, so d <= max_tokens - output - 1 and
+d <= max_model_len - tokens - 1 (the positions verified stay inside the context). A policy's
+budget may shorten it further (`room`); the KV pool may too (moed.engine.scheduler).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moed.engine.drafts.ngram import NgramIndex
+from moed.engine.request import Request
+from moed.types import RequestState
+
+if TYPE_CHECKING:
+    from moed.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """[speculative] as the engine runs it (moed.config.SpeculativeConfig, method != "")."""
+    method: str
+    k: int                  # num_speculative_tokens
+    n_min: int              # prompt_lookup_min
+    n_max: int              # prompt_lookup_max
+
+    @classmethod
+    def from_config(cls, c: SpeculativeConfig) -> SpecSettings | None:
+        """None when speculation is off."""
+        if not c.enabled:
+            return None
+        if c.method != "ngram":     # the config's rules refuse the rest; a guard, not a path
+            raise ValueError(f"speculative.method {c.method!r} is not served by the engine")
+        return cls(c.method, c.num_speculative_tokens, c.prompt_lookup_min,
+                   c.prompt_lookup_max)
+
+
+def draft_room(req: Request, k: int) -> int:
+    """How many draft tokens `req` may verify this step (0: it decodes one token)."""
+    if req.state is not RequestState.RUNNING or req.prefill_only or req.grammar is not None:
+        return 0
+    if req.num_tokens - req.num_computed_tokens != 1 or req.num_output_tokens == 0:
+        return 0
+    left_out = req.params.max_tokens - req.num_output_tokens - 1
+    left_ctx = req.max_model_len - req.num_tokens - 1
+    return max(0, min(k, left_out, left_ctx))
+
+
+def propose(s: SpecSettings, req: Request, room: int) -> tuple[int, ...]:
+    """Up to `room` draft tokens for `req` from its n-gram index (built on its first draft,
+    then extended with whatever tokens it has gained since: the index sees exactly the
+    request's prompt + emitted tokens, never a rejected draft)."""
+    if room <= 0:
+        return ()
+    idx = req.drafter
+    if idx is None:
+        idx = req.drafter = NgramIndex(s.n_min, s.n_max)
+    if len(idx) < req.num_tokens:
+        idx.extend(req.token_ids[len(idx):])
+    return tuple(idx.propose(room))
