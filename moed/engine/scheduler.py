@@ -351,6 +351,7 @@ class _Draft:
         self.chunks: list[ScheduledChunk] = []
         self.preempted_ids: list[str] = []
         self.events: list[TokenEvent] = []
+        self._extended: dict[str, int] = {}     # running request id -> its chunk's index
 
     @property
     def num_chunks(self) -> int:
@@ -374,13 +375,15 @@ class _Draft:
             if victim is req:
                 return False
         s.kv.append_slots(req.request_id, end)
+        self._extended[req.request_id] = len(self.chunks)
         self.chunks.append(ScheduledChunk(req, n, end == req.num_tokens))
         return True
 
     def speculate(self, req: Request, room: int) -> int:
         s = self._s
-        last = self.chunks[-1] if self.chunks else None
-        if s._spec is None or last is None or last.request is not req or not last.sample:
+        at = self._extended.get(req.request_id)
+        last = None if at is None else self.chunks[at]
+        if s._spec is None or last is None or last.draft or not last.sample:
             return 0
         draft = propose(s._spec, req, min(room, draft_room(req, s._spec.k)))
         end = req.num_tokens + len(draft)
@@ -392,7 +395,7 @@ class _Draft:
         if not draft:
             return 0
         s.kv.append_slots(req.request_id, end)
-        self.chunks[-1] = ScheduledChunk(req, last.num_new_tokens, True, draft)
+        self.chunks[at] = ScheduledChunk(req, last.num_new_tokens, True, draft)
         return len(draft)
 
     def admit(self, req: Request, hit: PrefixHit, n: int) -> bool:

@@ -6,6 +6,7 @@ of rejected drafts is rolled back and never cached; no block leaks under aborts.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def _spec_counts() -> tuple[float, float]:
 def test_greedy_equals_plain_chunked_and_prefix_hits(ckpt):
     """~50 prompts (plus 10 repeats: prefix hits) under a 16-token budget (chunked prefill):
     every token equals plain greedy decoding; drafts were both accepted and rejected."""
-    plain, spec = _engine(ckpt), _engine(ckpt, NGRAM)
+    plain, spec = _engine(ckpt, batched=32), _engine(ckpt, NGRAM, batched=32)
     prompts = _prompts(plain.runner.spec.vocab_size, 50, 0)
     prompts = prompts[:10] + prompts[:10] + prompts[10:]     # the repeats hit the cache
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -76,10 +77,42 @@ def test_greedy_equals_plain_chunked_and_prefix_hits(ckpt):
     got = [spec.generate(prompts[i:i + 8], params) for i in range(0, len(prompts), 8)]
     drafted, accepted = _spec_counts()[0] - d0, _spec_counts()[1] - a0
     assert got == want
-    assert accepted > 0, "no draft accepted: the test does not exercise acceptance"
+    if "deepseek_v3" not in str(ckpt):     # a random DeepSeek-V3 rarely repeats: the demo model's test
+        assert accepted > 0, "no draft accepted: the test does not exercise acceptance"
     assert accepted < drafted, "no draft rejected: the test does not exercise rollback"
     assert spec.kv.stats().prefix_hit_tokens > hits0
     assert spec.kv.num_used_blocks == 0
+
+
+DEMO = Path(__file__).resolve().parents[3] / "models" / "stdlib-ds3-tiny"
+SNIPPETS = [
+    "def {a}(x, y):\n    return x + y\n\n\ndef {b}(x, y):\n    return x - y\n\n\ndef {c}(x, y):\n",
+    "import {a}\nimport {b}\nimport {c}\nimport {a}\nimport",
+    "for {a} in range(10):\n    print({a})\nfor {b} in range(10):\n    print(",
+    "class {a}:\n    def __init__(self, x):\n        self.x = x\n\n\nclass {b}:\n    def __init__(",
+    "{a} = [1, 2, 3]\n{b} = [1, 2, 3]\n{c} = [1, 2,",
+]
+NAMES = ["os", "sys", "re", "json", "path", "item", "value", "key"]
+
+
+def test_demo_model_greedy_equals_plain_with_acceptance():
+    """The trained DeepSeek-V3 demo model (MLA, shared experts) on edit-style code prompts
+    (chunked prefill, repeats hit the prefix cache): token for token plain greedy decoding,
+    drafts accepted and rejected."""
+    plain, spec = _engine(DEMO, batched=24), _engine(DEMO, NGRAM, batched=24)
+    tok = plain.tokenizer
+    prompts = [tok.encode(t.format(a=NAMES[i % 8], b=NAMES[(i + 3) % 8], c=NAMES[(i + 5) % 8]))
+               for i, t in enumerate(SNIPPETS * 4)]
+    prompts += prompts[:6]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = [plain.generate(prompts[i:i + 6], params) for i in range(0, len(prompts), 6)]
+    d0, a0 = _spec_counts()
+    hits0 = spec.kv.stats().prefix_hit_tokens
+    got = [spec.generate(prompts[i:i + 6], params) for i in range(0, len(prompts), 6)]
+    drafted, accepted = _spec_counts()[0] - d0, _spec_counts()[1] - a0
+    assert got == want
+    assert 0 < accepted < drafted
+    assert spec.kv.stats().prefix_hit_tokens > hits0 and spec.kv.num_used_blocks == 0
 
 
 def test_logprobs_and_stops_match_plain(ckpt):

@@ -152,3 +152,33 @@ def test_draft_room_follows_the_request_and_its_limits() -> None:
     r.max_model_len = 100
     r.grammar = object()
     assert draft_room(r, 4) == 0                    # grammar rows do not speculate
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_drafts_never_push_a_decode_out_of_the_step(name: str) -> None:
+    """Budget 6, four decoding requests, k = 3: every request decodes each step, the drafts
+    take only the 2 tokens left over."""
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=6, policy=POLICIES[name],
+                  cost=CostModel(min_samples=0, prior=COEF))
+    s.set_speculation(SpecSettings("ngram", K, 1, 3))
+    runner = FakeRunner(64, 4)
+    for i in range(4):
+        s.add(Request(str(i), [i + 1, 2, 3], SamplingParams(max_tokens=12, temperature=0.0)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler_mod, "propose", _oracle(random.Random(0)))
+        seen = 0
+        for _ in range(40):
+            plan, _ = s.schedule()
+            if plan.empty:
+                break
+            if all(r.num_output_tokens > 0 for r in s.running) and len(s.running) == 4:
+                assert len(plan.chunks) == 4
+                assert sum(len(c.draft) for c in plan.chunks) <= 2
+                seen += any(c.draft for c in plan.chunks)
+            nxt = runner.greedy(plan.batch)
+            ver = {c.request.request_id: _verify(runner, plan.batch, i, c.draft)
+                   for i, c in enumerate(plan.chunks) if c.draft}
+            s.update(plan, [nxt[i] for i, c in enumerate(plan.chunks)
+                            if c.sample and not c.draft], verified=ver)
+    assert seen > 0 and kv.num_used_blocks == 0
