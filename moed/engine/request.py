@@ -86,6 +86,7 @@ class Request:
     rng: Any = None                  # sampler state (a torch.Generator for seeded requests)
     grammar: Any = None              # structured outputs: this request's GrammarMatcher
     drafter: Any = None              # speculative decoding: its NgramIndex (engine.drafts)
+    acceptance: Any = None           # and its drafts' Acceptance (engine.drafts.propose)
     # params.prompt_logprobs: prompt tokens 1.. so far (moed.types.PromptLogprob), and whether
     # they went out (on the first token's event)
     prompt_logprobs: list[Any] = field(default_factory=list)

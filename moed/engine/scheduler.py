@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from moed.balance.cost import AdvertisedCost, CostModel, ExpertShape
-from moed.engine.drafts.propose import SpecSettings, draft_room, propose
+from moed.engine.drafts.propose import SpecSettings, draft_room, observe, propose
 from moed.engine.parking import RemoteKVParking
 from moed.engine.plan import ScheduledChunk, StepPlan, build_plan, token_event, top_row
 from moed.engine.policies import CostPolicy, StepPolicy, StepTimeBudget, TokenPolicy
@@ -302,6 +302,7 @@ class Scheduler:
                 req, None if v.top_logprobs is None else v.top_logprobs[i])))
             if req.finished:
                 return out
+        req.acceptance = observe(req.acceptance, len(c.draft), v.accepted)
         req.num_computed_tokens += c.num_new_tokens + v.accepted
         self._kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
         self._kv.truncate(req.request_id, req.num_tokens)
@@ -386,15 +387,13 @@ class _Draft:
         if s._spec is None or last is None or last.draft or not last.sample:
             return 0
         draft = propose(s._spec, req, min(room, draft_room(req, s._spec.k)))
-        end = req.num_tokens + len(draft)
-        if draft and not s.kv.can_append(req.request_id, end):
-            # never preempt for a guess: keep what the blocks held already have room for
-            draft = draft[:max(0, len(s.kv.block_table(req.request_id)) * s.kv.block_size
-                               - req.num_tokens)]
-            end = req.num_tokens + len(draft)
+        # never preempt for a guess: cut it to the room of the blocks held and free now
+        kv = s.kv
+        draft = draft[:(len(kv.block_table(req.request_id)) + kv.num_free_blocks)
+                      * kv.block_size - req.num_tokens]
         if not draft:
             return 0
-        s.kv.append_slots(req.request_id, end)
+        s.kv.append_slots(req.request_id, req.num_tokens + len(draft))
         self.chunks[at] = ScheduledChunk(req, last.num_new_tokens, True, draft)
         return len(draft)
 

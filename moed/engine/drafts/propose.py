@@ -5,6 +5,16 @@ first output token out), the node speculates, and its grammar is None: a grammar
 the grammar's mask after each draft token and a matcher advanced through drafts that may be
 rejected; moed does not speculate for those (they decode one token a step, as before).
 
+Adaptive: a request whose drafts keep being rejected stops drafting for a while (`observe`,
+below): each verification updates an exponential moving average of its acceptance rate
+(accepted / drafted, weight EMA_WEIGHT, starting at 1); when it falls below MIN_ACCEPTANCE the
+request skips its next `backoff` drafting chances (16 at first, doubling up to 256 while retries
+keep failing; a retry that is accepted resets it), then retries with the average at the
+threshold, so one more rejected draft pauses it again. The figures are stated, not fitted: a
+rejected draft costs one verified position (a prompt token's cost in the step), an accepted
+one saves a whole step for its request; below one acceptance in ten, drafting buys nothing but
+positions. Requests whose n-grams never match do not draft at all and are not counted.
+
 The draft never makes the request emit more than its limits allow: after a step with d drafts
 the request has at most d + 1 new tokens, so d <= max_tokens - output - 1 and
 d <= max_model_len - tokens - 1 (the positions verified stay inside the context). A policy's
@@ -12,7 +22,7 @@ budget may shorten it further (`room`); the KV pool may too (moed.engine.schedul
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from moed.engine.drafts.ngram import NgramIndex
@@ -42,6 +52,29 @@ class SpecSettings:
                    c.prompt_lookup_max)
 
 
+EMA_WEIGHT = 0.3
+MIN_ACCEPTANCE = 0.1
+BACKOFF_MIN, BACKOFF_MAX = 16, 256
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """A request's measured acceptance (see the module docstring)."""
+    ema: float = 1.0                # accepted / drafted, smoothed
+    skip: int = 0                   # drafting chances left to skip
+    backoff: int = BACKOFF_MIN      # the next pause, in drafting chances
+
+
+def observe(a: Acceptance | None, drafted: int, accepted: int) -> Acceptance:
+    """The acceptance after one verification of `drafted` tokens, `accepted` of them kept."""
+    a = a or Acceptance()
+    ema = (1 - EMA_WEIGHT) * a.ema + EMA_WEIGHT * accepted / max(drafted, 1)
+    if ema >= MIN_ACCEPTANCE:
+        return Acceptance(ema, 0, BACKOFF_MIN if accepted else a.backoff)
+    # pause, then retry at the threshold: one more rejection pauses twice as long
+    return Acceptance(MIN_ACCEPTANCE, a.backoff, min(2 * a.backoff, BACKOFF_MAX))
+
+
 def draft_room(req: Request, k: int) -> int:
     """How many draft tokens `req` may verify this step (0: it decodes one token)."""
     if req.state is not RequestState.RUNNING or req.prefill_only or req.grammar is not None:
@@ -58,6 +91,10 @@ def propose(s: SpecSettings, req: Request, room: int) -> tuple[int, ...]:
     then extended with whatever tokens it has gained since: the index sees exactly the
     request's prompt + emitted tokens, never a rejected draft)."""
     if room <= 0:
+        return ()
+    acc = req.acceptance
+    if acc is not None and acc.skip:    # paused: its drafts were a loss (`observe`)
+        req.acceptance = replace(acc, skip=acc.skip - 1)
         return ()
     idx = req.drafter
     if idx is None:

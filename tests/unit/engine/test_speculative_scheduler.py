@@ -182,3 +182,48 @@ def test_drafts_never_push_a_decode_out_of_the_step(name: str) -> None:
             s.update(plan, [nxt[i] for i, c in enumerate(plan.chunks)
                             if c.sample and not c.draft], verified=ver)
     assert seen > 0 and kv.num_used_blocks == 0
+
+
+def test_acceptance_pauses_a_losing_drafter_and_retries_rarely() -> None:
+    from moed.engine.drafts.propose import (BACKOFF_MAX, BACKOFF_MIN, MIN_ACCEPTANCE,
+                                            Acceptance, observe)
+    a = observe(None, 3, 3)
+    assert a.ema == 1.0 and a.skip == 0
+    n = 0
+    while a.skip == 0:                      # always rejected: pauses after a few drafts
+        a = observe(a, 3, 0)
+        n += 1
+    assert 3 <= n <= 8 and a.skip == BACKOFF_MIN and a.ema == MIN_ACCEPTANCE
+    b = observe(Acceptance(a.ema, 0, a.backoff), 3, 0)     # the retry fails: twice as long
+    assert b.skip == 2 * BACKOFF_MIN
+    for _ in range(10):
+        b = observe(Acceptance(b.ema, 0, b.backoff), 3, 0)
+    assert b.skip == BACKOFF_MAX
+    c = observe(Acceptance(b.ema, 0, b.backoff), 3, 1)     # a retry accepted: back to normal
+    assert c.skip == 0 and c.backoff == BACKOFF_MIN and c.ema > MIN_ACCEPTANCE
+
+
+def test_a_request_whose_drafts_are_rejected_stops_drafting() -> None:
+    """Real prompt lookup against the fake model, which never repeats its context: drafts are
+    rejected, so after the first few the request drafts only on its rare retries."""
+    kv = KVCacheManager(256, 4)
+    s = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
+    s.set_speculation(SpecSettings("ngram", K, 1, 1))
+    runner = FakeRunner(256, 4)
+    req = Request("a", [3, 4, 3, 4, 3, 4], SamplingParams(max_tokens=200, temperature=0.0))
+    s.add(req)
+    drafts = steps = 0
+    while not req.finished:
+        plan, _ = s.schedule()
+        nxt = runner.greedy(plan.batch)
+        ver = {c.request.request_id: _verify(runner, plan.batch, i, c.draft)
+               for i, c in enumerate(plan.chunks) if c.draft}
+        drafts += bool(ver)
+        steps += 1
+        s.update(plan, [nxt[i] for i, c in enumerate(plan.chunks)
+                        if c.sample and not c.draft], verified=ver)
+    seq = list(req.prompt_token_ids)
+    for _ in range(req.num_output_tokens):
+        seq.append(next_token(seq))
+    assert req.token_ids == seq
+    assert 0 < drafts <= 16, (drafts, steps)     # ~200 chances without the pause
