@@ -96,10 +96,14 @@ def speculative(cfg: NodeSettings) -> None:
     sp = cfg.speculative
     if not sp.enabled:
         return
-    if sp.method == "mtp":
-        raise ConfigError("speculative.method mtp is not supported yet: the MTP layer loads "
-                          "and runs (ModelRunner(mtp=True)) but the engine does not draft "
-                          "with it (issue 32); use ngram")
+    if sp.method == "mtp" and sp.num_speculative_tokens != 1:
+        raise ConfigError(f"speculative.num_speculative_tokens {sp.num_speculative_tokens} "
+                          f"with method mtp: one MTP layer is served, it drafts 1 token a step "
+                          f"(set it to 1)")
+    if sp.method == "mtp" and cfg.server.role == "decode":
+        raise ConfigError("speculative.method mtp on a decode node: the MTP layer needs the "
+                          "prompt's hidden states and its own KV, which a prefill node does not "
+                          "send; use ngram there")
     if sp.prompt_lookup_min > sp.prompt_lookup_max:
         raise ConfigError(f"speculative.prompt_lookup_min ({sp.prompt_lookup_min}) must not "
                           f"exceed speculative.prompt_lookup_max ({sp.prompt_lookup_max})")

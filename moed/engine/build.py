@@ -45,7 +45,8 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
     if not num_blocks:
         kv_mb, sized_by, sized = kv_memory_mb(cfg, spec, dtype, device)
         num_blocks = auto_num_blocks(spec, block_size=e.block_size, dtype=dtype,
-                                     memory_mb=kv_mb, kv_dtype=e.kv_cache_dtype)
+                                     memory_mb=kv_mb, kv_dtype=e.kv_cache_dtype,
+                                     mtp=cfg.speculative.method == "mtp")
     ep = None
     if cfg.parallel.ep_size > 1:    # plan (which experts to load), load, then rendezvous
         from moed.parallel.runtime import EPRuntime
@@ -55,7 +56,8 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
                          block_size=e.block_size, kv_dtype=e.kv_cache_dtype,
                          placement=None if ep is None else ep.placement,
                          quantization=m.quantization,
-                         quantization_group_size=m.quantization_group_size)
+                         quantization_group_size=m.quantization_group_size,
+                         mtp=cfg.speculative.method == "mtp")
     if ep is not None:
         ep.join()
         ep.attach(runner.model)     # the expert balancer, if parallel.eplb_interval_s

@@ -114,6 +114,7 @@ class Engine(Boundary):
                                    on_remote_allocated=self._remote_allocated)
         spec_s = None if speculative is None else SpecSettings.from_config(speculative)
         self.scheduler.set_speculation(spec_s)
+        self._mtp = spec_s is not None and spec_s.method == "mtp"
         log_spec_start(spec_s)
         # the prefill balancer: cost model fed below from each step, time budget (None: tokens)
         self.balance = EngineBalance(self.scheduler, spec, balance)

@@ -14,18 +14,55 @@ step (1-token rows only) steps aside for it and the layered path runs it; said o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import structlog
 import torch
 
 from moed.engine.drafts.propose import SpecSettings
-from moed.engine.plan import ScheduledChunk
+from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.request import Request
+from moed.engine.runner import StepRunner
+from moed.model.mtp import mtp_inputs
 from moed.model.sampler import SampleRow
 from moed.model.spec_verify import DraftRow, Verified, verify
 from moed.obs import metrics
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SpecOut:
+    """What a step's speculation produced, by request id: each drafting chunk's verification,
+    and the MTP layer's draft for each sampled request's next step."""
+    verified: dict[str, Verified] = field(default_factory=dict)
+    mtp: dict[str, int] = field(default_factory=dict)
+
+
+def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Sequence[int],
+               sampled: Sequence[int] | None, verified: dict[str, Verified]) -> dict[str, int]:
+    """The MTP step after a main step (docs/models.md, "The MTP layer"): every position the
+    main step kept, each with the token after it (the next prompt token, the sampled one, or
+    for a drafting chunk the accepted drafts then the emitted token: keep = accepted + 1), so
+    the MTP layer's KV covers every computed position; its last row per sequence is the greedy
+    draft for the position after the next known token. -> that draft per sampling request."""
+    batch = plan.batch
+    tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
+    next_ids, keep = [], []
+    for i, c in enumerate(plan.chunks):
+        r, n = c.request, len(batch.token_ids[i])
+        if c.draft:
+            v = verified[r.request_id]
+            next_ids.append(v.token_ids[-1])
+            keep.append(v.accepted + 1)
+        else:
+            next_ids.append(tok[i] if c.sample else r.token_ids[r.num_computed_tokens + n])
+            keep.append(n)
+    mb, rows = mtp_inputs(batch, next_ids, keep)
+    logits = runner.forward_mtp(mb, hidden.index_select(0, torch.tensor(rows,
+                                                                        device=hidden.device)))
+    best = logits.argmax(-1).tolist()
+    return {c.request.request_id: best[i] for i, c in enumerate(plan.chunks) if c.sample}
 
 
 def verify_rows(logits: torch.Tensor, last: Sequence[int], chunks: Sequence[ScheduledChunk],

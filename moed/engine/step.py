@@ -31,8 +31,8 @@ from moed.engine.request import Request
 from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
+from moed.engine.speculate import SpecOut, mtp_drafts, verify_rows
 from moed.engine.speculate import record as record_spec
-from moed.engine.speculate import verify_rows
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
 from moed.model.logprobs import compute as compute_prompt_logprobs
@@ -52,8 +52,8 @@ log = structlog.get_logger(__name__)
 
 EXPERT_LOAD_INTERVAL_S = 1.0
 PromptLPs = dict[str, list[PromptLogprob]]     # one step's prompt logprobs, by request id
-# the sampled rows' result, forward + sample seconds, prompt logprobs, drafts' verifications
-Executed = tuple[SampleResult | None, float, PromptLPs, dict[str, Verified]]
+# the sampled rows' result, forward + sample seconds, prompt logprobs, speculation's results
+Executed = tuple[SampleResult | None, float, PromptLPs, SpecOut]
 
 
 class Go(enum.Enum):
@@ -104,6 +104,7 @@ class StepCore:
     _load_read_at: float
     _load_pending: bool
     _executor: ThreadPoolExecutor | None
+    _mtp: bool          # speculative decoding with the MTP layer: forward with hidden states
 
     def _apply_commands(self) -> None:
         raise NotImplementedError
@@ -146,13 +147,13 @@ class StepCore:
             await driver.between_steps()
             return Go.STEP
         try:
-            res, fwd_s, plps, ver = await driver.call(self._execute, plan)
+            res, fwd_s, plps, spec = await driver.call(self._execute, plan)
         except Exception as e:
             if not driver.contain(plan, e):
                 raise
             return Go.STEP
         driver.after_forward()
-        self._finish_step(plan, res, t0, fwd_s, plps, ver)  # tokens out before any move
+        self._finish_step(plan, res, t0, fwd_s, plps, spec)  # tokens out before any move
         self._flush_kv_events()
         await driver.between_steps()
         if driver.reads_expert_load:
@@ -230,7 +231,12 @@ class StepCore:
                                                     for a, c in zip(asks, plan.chunks)))
         gram = [c.request for c in plan.chunks if c.sample and c.request.grammar is not None]
         pending = self._masks.start([r.grammar for r in gram]) if gram else None
-        logits = out = self.runner.forward(batch)
+        hid = None
+        if self._mtp:       # the MTP layer drafts from every row's hidden state (after sampling)
+            logits, hid = self.runner.forward(batch, hidden=True)
+            out = logits
+        else:
+            logits = out = self.runner.forward(batch)
         plps: PromptLPs = {}
         ver: dict[str, Verified] = {}
         if batch.all_logits:
@@ -247,7 +253,7 @@ class StepCore:
             logits = logits[last]
         idx = [i for i, c in enumerate(plan.chunks) if c.sample and not c.draft]
         if not idx:
-            return None, time.perf_counter() - t0, plps, ver
+            return None, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, None, ver)
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
         masks: dict[str, Any] = {}
@@ -260,7 +266,16 @@ class StepCore:
         rows = [self._sample_row(r, masks.get(r.request_id)) for r in reqs]
         # the step's own argmax, if it has one (None: the sampler computes it)
         argmax = self.runner.argmax_of(out) if logits is out else None
-        return sample(logits, rows, argmax), time.perf_counter() - t0, plps, ver
+        res = sample(logits, rows, argmax)
+        return res, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, res, ver)
+
+    def _spec_out(self, plan: StepPlan, hid: Any, idx: list[int], res: SampleResult | None,
+                  ver: dict[str, Verified]) -> SpecOut:
+        """The drafts' verifications and, with the MTP layer, its drafts for the next step."""
+        if hid is None:
+            return SpecOut(ver)
+        return SpecOut(ver, mtp_drafts(self.runner, plan, hid, idx,
+                                       None if res is None else res.token_ids, ver))
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params
@@ -276,16 +291,22 @@ class StepCore:
 
     def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
                      fwd_s: float, plps: PromptLPs | None = None,
-                     ver: dict[str, Verified] | None = None) -> None:
+                     spec: SpecOut | None = None) -> None:
         toks = [] if res is None else res.token_ids
         self._fail_grammars(plan)
         for c in plan.chunks if plps else ():
             if c.request.request_id in plps and not c.request.finished:
                 c.request.prompt_logprobs.extend(plps[c.request.request_id])
+        ver = None if spec is None else spec.verified
         if ver:
             record_spec(plan.chunks, ver)
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
                                        None if res is None else res.top_logprobs, ver)
+        if spec is not None and spec.mtp:   # for the position after the tokens known now
+            for c in plan.chunks:
+                r = c.request
+                if r.request_id in spec.mtp and not r.finished:
+                    r.drafter = (r.num_tokens, spec.mtp[r.request_id])
         if any(c.request.params.prompt_logprobs is not None for c in plan.chunks):
             events = _with_prompt_logprobs(events, plan)
         for c in plan.chunks:   # a token that took the grammar past a limit (Request.append_token)

@@ -67,3 +67,25 @@ def test_refused_speculative_config_is_a_config_error(tiny_qwen3, bad, says):
     r = subprocess.run([sys.executable, "-m", "moed", "check-config", "--model", str(tiny_qwen3),
                         "--speculative-config", bad], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and says in r.stderr
+
+
+def test_mtp_on_the_demo_model_equals_plain(tmp_path_factory):
+    """The trained demo model served with its MTP layer drafting (k = 1): greedy completions
+    equal a server without speculation; most drafts are accepted."""
+    from pathlib import Path
+    demo = Path(__file__).resolve().parents[2] / "models" / "stdlib-ds3-tiny"
+    env = {**ENV, "MOED_ENGINE_MAX_NUM_BATCHED_TOKENS": "32"}
+    code = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "import os\nimport sys\n",
+            "for i in range(10):\n    print(i)\n"]
+
+    def run(args):
+        with serve_process(model=demo, env=env, args=args,
+                           log_dir=tmp_path_factory.mktemp("demo")) as s:
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            outs = [list(_complete(c, p, n=2).choices[1].token_ids) for p in code]
+            return outs, s.metrics()
+    want, _ = run([])
+    got, m = run(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    assert got == want
+    drafts = m.get("moed_spec_decode_num_draft_tokens_total", 0)
+    assert drafts > 0 and m.get("moed_spec_decode_num_accepted_tokens_total", 0) > drafts / 2

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 
 from moed.config.schema import _check_bounds, _choice, _f
 
-# "" = off. "mtp" is a known name refused by the rules until the engine runs the MTP layer
-# (moed/config/rules.py says so in its error), so a vLLM config naming it fails loudly.
+# "" = off
 SPEC_METHODS = ("", "ngram", "mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = _f("", doc="'' = off | ngram (prompt lookup: drafts copied from the "
-                     "request's own prompt and output)")
+                     "request's own prompt and output) | mtp (DeepSeek-V3's MTP layer, k = 1)")
     # 8: verifying k + 1 positions costs a prefill-like step; past ~8 the rejected tail of a
     # guess costs more than the rare long accepted run earns (vLLM's ngram examples use 3-5)
     num_speculative_tokens: int = _f(3, bounds=(1, 8), doc="k: draft tokens verified per "

@@ -46,7 +46,7 @@ class SpecSettings:
         """None when speculation is off."""
         if not c.enabled:
             return None
-        if c.method != "ngram":     # the config's rules refuse the rest; a guard, not a path
+        if c.method not in ("ngram", "mtp"):
             raise ValueError(f"speculative.method {c.method!r} is not served by the engine")
         return cls(c.method, c.num_speculative_tokens, c.prompt_lookup_min,
                    c.prompt_lookup_max)
@@ -96,6 +96,9 @@ def propose(s: SpecSettings, req: Request, room: int) -> tuple[int, ...]:
     if acc is not None and acc.skip:    # paused: its drafts were a loss (`observe`)
         req.acceptance = replace(acc, skip=acc.skip - 1)
         return ()
+    if s.method == "mtp":   # the MTP layer's draft from the last step, for this very length
+        d = req.drafter
+        return (d[1],) if d is not None and d[0] == req.num_tokens else ()
     idx = req.drafter
     if idx is None:
         idx = req.drafter = NgramIndex(s.n_min, s.n_max)

@@ -111,7 +111,10 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SPECULATIVE_PROMPT_LOOKUP_MIN": "4",
               "MOED_SPECULATIVE_PROMPT_LOOKUP_MAX": "3"},
              r"speculative.prompt_lookup_min \(4\) must not exceed"),
-            ({"MOED_SPECULATIVE_METHOD": "mtp"}, "speculative.method mtp is not supported yet"),
+            ({"MOED_SPECULATIVE_METHOD": "mtp"},
+             "num_speculative_tokens 3 with method mtp: one MTP layer is served"),
+            ({"MOED_SPECULATIVE_METHOD": "mtp", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "1",
+              "MOED_SERVER_ROLE": "decode"}, "mtp on a decode node"),
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "prefill"},
              "speculation runs where tokens are decoded"),
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "router"},
@@ -124,3 +127,5 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
     assert _cfg(MOED_SPECULATIVE_PROMPT_LOOKUP_MIN="9").speculative.prompt_lookup_min == 9
     assert _cfg(MOED_SPECULATIVE_METHOD="ngram", MOED_SERVER_ROLE="decode") \
         .speculative.enabled
+    assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1") \
+        .speculative.method == "mtp"
