@@ -291,3 +291,24 @@ def test_no_block_leaked_nor_rejected_token_cached(make_checkpoint, monkeypatch)
     for blk, toks in registered.items():        # still cached under them: still holds them
         if e.kv._pool.block_hash(blk) is not None:
             assert tuple(shadow[(blk, s)] for s in range(BS)) == toks
+
+
+def test_grammar_rows_decode_without_drafts_beside_speculating_rows(make_checkpoint):
+    """Structured output is not speculated (docs/speculative.md): a grammar request batched
+    with speculating ones gets the tokens it gets without speculation, and never a draft."""
+    from moed.types import GrammarSpec
+    d = make_checkpoint("qwen3_moe", "tiny", 3, **ARCHS["qwen3_moe"])
+    plain, spec = _engine(d, batched=32), _engine(d, NGRAM, batched=32)
+    prompts = _prompts(plain.runner.spec.vocab_size, 6, 8)
+    gram = SamplingParams(max_tokens=12, temperature=0.0, grammar=GrammarSpec("regex", "[a-e ]{4,40}"))
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = [gram if i % 2 else free for i in range(len(prompts))]
+    drafted_for: list[bool] = []
+    update = spec.scheduler.update
+
+    def spy(plan, *a, **kw):
+        drafted_for.extend(c.request.grammar is not None for c in plan.chunks if c.draft)
+        return update(plan, *a, **kw)
+    spec.scheduler.update = spy
+    assert spec.generate(prompts, params) == plain.generate(prompts, params)
+    assert drafted_for and not any(drafted_for)
