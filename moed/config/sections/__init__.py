@@ -21,5 +21,6 @@ __all__ = [
     "QUANTIZATIONS", "ROLES", "SPEC_METHODS", "TOOL_PARSERS",
     "AdmissionConfig", "BalanceConfig", "CanaryConfig", "ClusterConfig", "EngineConfig",
     "KVEventsConfig", "ModelConfig", "ParallelConfig", "ReleaseConfig", "RouterConfig",
-    "ServerConfig", "SpeculativeConfig", "StructuredConfig", "TiersConfig", "TraceConfig", "TransferConfig",
+    "ServerConfig", "SpeculativeConfig", "StructuredConfig", "TiersConfig", "TraceConfig",
+    "TransferConfig",
 ]

@@ -87,9 +87,11 @@ def draft_room(req: Request, k: int) -> int:
 
 
 def propose(s: SpecSettings, req: Request, room: int) -> tuple[int, ...]:
-    """Up to `room` draft tokens for `req` from its n-gram index (built on its first draft,
-    then extended with whatever tokens it has gained since: the index sees exactly the
-    request's prompt + emitted tokens, never a rejected draft)."""
+    """Up to `room` draft tokens for `req`: ngram, from its n-gram index (built on its first
+    draft, then extended with whatever tokens it has gained since: the index sees exactly the
+    request's prompt + emitted tokens, never a rejected draft); mtp, the one token the MTP
+    layer drafted in the last step for the request's current length (moed.engine.speculate).
+    Nothing while its acceptance has it paused (`observe`)."""
     if room <= 0:
         return ()
     acc = req.acceptance

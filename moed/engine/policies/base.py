@@ -67,10 +67,11 @@ class StepDraft(Protocol):
         ...
 
     def speculate(self, req: Request, room: int) -> int:
-        """Right after `extend` took a decoding request's one token: add up to `room` draft
+        """After `extend` took a decoding request's one token this step: add up to `room` draft
         tokens to its chunk (moed.engine.drafts.propose: the request's own limits, and the KV
-        blocks free now, may cut them; nothing is preempted for them). -> drafts added, 0 when
-        speculation is off or the request does not draft."""
+        blocks free now, may cut them; nothing is preempted for them). The policies call it
+        last, with what the step has left. -> drafts added, 0 when speculation is off or the
+        request does not draft (a prompt chunk, a grammar, a paused drafter, no guess)."""
         ...
 
     def admit(self, req: Request, hit: PrefixHit, n: int) -> bool:
