@@ -106,6 +106,9 @@ def model(cfg: Config) -> None:
         spec = load_spec(m.path)
         checkpoint_files(Path(m.path))
     quantization(cfg)
+    if cfg.speculative.method == "mtp" and spec.num_mtp_layers < 1:
+        raise ConfigError("speculative.method mtp: the checkpoint has no MTP layer (config.json "
+                          "num_nextn_predict_layers is 0 or absent)")
     if m.max_model_len > spec.max_position_embeddings:    # the engine would cap it, unsaid
         raise ConfigError(f"model.max_model_len: {m.max_model_len} is beyond the checkpoint's "
                           f"max_position_embeddings {spec.max_position_embeddings}")
@@ -125,7 +128,8 @@ def model(cfg: Config) -> None:
                else "engine.kv_cache_memory_mb")
         with _refused(key, ValueError, RuntimeError):
             kv_mb, _, _ = kv_memory_mb(cfg, spec, dtype, device)
-            num_blocks = auto_num_blocks(spec, e.block_size, dtype, kv_mb, e.kv_cache_dtype)
+            num_blocks = auto_num_blocks(spec, e.block_size, dtype, kv_mb, e.kv_cache_dtype,
+                                         mtp=cfg.speculative.method == "mtp")
     memory_budget(cfg, spec, dtype, num_blocks)
 
 

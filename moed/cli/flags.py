@@ -214,6 +214,10 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, "
                    "\"endpoint\": \"tcp://*:5557\"}' (the [kv_events] section; "
                    "docs/kv-events.md)")
+    p.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
+                   help="vLLM's speculative-decoding JSON, e.g. '{\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' (the "
+                   "[speculative] section; docs/speculative.md)")
 
 
 def refused_dest(name: str) -> str:

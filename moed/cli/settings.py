@@ -83,6 +83,30 @@ def kv_events_json(text: str) -> dict[str, Any]:
             for k, v in obj.items()}
 
 
+def speculative_json(text: str) -> dict[str, Any]:
+    """--speculative-config: vLLM's JSON object as [speculative] values. Any other vLLM key
+    (a draft model, its parallelism, ...) is refused by name; as in vLLM, a lone
+    prompt_lookup_min or prompt_lookup_max stands for both."""
+    from moed.config import SpeculativeConfig
+
+    flag = "command line: --speculative-config"
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{flag}: not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{flag}: expected a JSON object")
+    known = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+    for k in obj:
+        if k not in known:
+            raise ConfigError(f"{flag}: {k} is not supported (moed reads "
+                              f"{', '.join(known)})")
+    lo, hi = "prompt_lookup_min", "prompt_lookup_max"
+    if (lo in obj) != (hi in obj):
+        obj[hi if lo in obj else lo] = obj[lo if lo in obj else hi]
+    return {k: "" if v is None and k == "method" else v for k, v in obj.items()}
+
+
 def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"model": {"path": args.model}, "server": {}}
     for f in (*FLAGS, *SWITCHES):
@@ -90,6 +114,8 @@ def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         out.setdefault(section, {})[key] = getattr(args, f.dest)
     if getattr(args, "kv_events_config", None) is not None:
         out["kv_events"] = kv_events_json(args.kv_events_config)
+    if getattr(args, "speculative_config", None) is not None:
+        out["speculative"] = speculative_json(args.speculative_config)
     if args.api_key:
         out["server"]["api_keys_env"] = API_KEYS_ENV
     return out

@@ -30,8 +30,8 @@ from moed.config.sections import (ATTENTION_BACKENDS, BALANCE_POLICIES, CANARY_H
                                   QUANTIZATIONS, ROLES, TOOL_PARSERS, AdmissionConfig,
                                   BalanceConfig, CanaryConfig, ClusterConfig, EngineConfig,
                                   KVEventsConfig, ModelConfig, ParallelConfig, ReleaseConfig,
-                                  RouterConfig, ServerConfig, StructuredConfig, TiersConfig,
-                                  TraceConfig, TransferConfig)
+                                  RouterConfig, ServerConfig, SpeculativeConfig,
+                                  StructuredConfig, TiersConfig, TraceConfig, TransferConfig)
 
 __all__ = [
     "ATTENTION_BACKENDS", "BALANCE_POLICIES", "CANARY_HEADER_CHARS", "CPU_ISA_VALUES", "INT64",
@@ -40,7 +40,8 @@ __all__ = [
     "OTHER_ENV", "PREFIX_CACHE_ISOLATION", "QUANTIZATIONS", "ROLES", "TOOL_PARSERS",
     "AdmissionConfig", "BalanceConfig", "CanaryConfig", "Change", "ClusterConfig", "Config",
     "ConfigError", "EngineConfig", "KVEventsConfig", "ModelConfig",
-    "ParallelConfig", "ReleaseConfig", "RouterConfig", "ServerConfig", "StructuredConfig",
+    "ParallelConfig", "ReleaseConfig", "RouterConfig", "ServerConfig", "SpeculativeConfig",
+    "StructuredConfig",
     "TiersConfig", "TraceConfig", "TransferConfig",
     "apply_live", "check_env", "diff", "env_fields", "env_name",
     "env_overlay", "from_dict", "load", "needs_cluster_key", "node_name", "numeric_fields",

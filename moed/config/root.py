@@ -13,8 +13,8 @@ from typing import Any
 from moed.config import rules
 from moed.config.sections import (AdmissionConfig, BalanceConfig, CanaryConfig, ClusterConfig,
                                   EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
-                                  ReleaseConfig, RouterConfig, ServerConfig, StructuredConfig,
-                                  TiersConfig, TraceConfig, TransferConfig)
+                                  ReleaseConfig, RouterConfig, ServerConfig, SpeculativeConfig,
+                                  StructuredConfig, TiersConfig, TraceConfig, TransferConfig)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         rules.sections(self)

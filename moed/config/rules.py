@@ -14,8 +14,8 @@ from typing import Protocol
 
 from moed.config.schema import ConfigError
 from moed.config.sections import (CanaryConfig, ClusterConfig, EngineConfig, KVEventsConfig,
-                                  ModelConfig, ParallelConfig, ServerConfig, StructuredConfig,
-                                  TiersConfig)
+                                  ModelConfig, ParallelConfig, ServerConfig, SpeculativeConfig,
+                                  StructuredConfig, TiersConfig)
 
 
 class NodeSettings(Protocol):
@@ -38,6 +38,8 @@ class NodeSettings(Protocol):
     def kv_events(self) -> KVEventsConfig: ...
     @property
     def structured(self) -> StructuredConfig: ...
+    @property
+    def speculative(self) -> SpeculativeConfig: ...
 
 
 def sections(cfg: NodeSettings) -> None:
@@ -80,12 +82,39 @@ def sections(cfg: NodeSettings) -> None:
         raise ConfigError("structured.mask_timeout_ms must stay under half of "
                           "parallel.collective_timeout_s: a late token mask fails its "
                           "request, never the expert-parallel group")
+    speculative(cfg)
     if cfg.server.role == "router" and cfg.canary.share > 0 and not cfg.canary.label:
         raise ConfigError("canary.share: a share needs canary.label (the canary's version "
                           "label)")
     if cfg.server.role == "router" and cfg.canary.label and not cfg.cluster.enabled:
         raise ConfigError("canary.label: canary routing needs membership (cluster.enabled): "
                           "static router.backends do not say which version they run")
+
+
+def speculative(cfg: NodeSettings) -> None:
+    """[speculative] against the node: drafts are verified where tokens are decoded."""
+    sp = cfg.speculative
+    if not sp.enabled:
+        return
+    if sp.method == "mtp" and sp.num_speculative_tokens != 1:
+        raise ConfigError(f"speculative.num_speculative_tokens {sp.num_speculative_tokens} "
+                          f"with method mtp: one MTP layer is served, it drafts 1 token a step "
+                          f"(set it to 1)")
+    if sp.method == "mtp" and cfg.server.role == "decode":
+        raise ConfigError("speculative.method mtp on a decode node: the MTP layer needs the "
+                          "prompt's hidden states and its own KV, which a prefill node does not "
+                          "send; use ngram there")
+    if sp.prompt_lookup_min > sp.prompt_lookup_max:
+        raise ConfigError(f"speculative.prompt_lookup_min ({sp.prompt_lookup_min}) must not "
+                          f"exceed speculative.prompt_lookup_max ({sp.prompt_lookup_max})")
+    if cfg.server.role in ("prefill", "router"):
+        raise ConfigError(f"speculative.method {sp.method}: speculation runs where tokens "
+                          f"are decoded (colocated or decode nodes), not on a "
+                          f"{cfg.server.role} node")
+    if cfg.parallel.ep_size > 1:
+        raise ConfigError(f"speculative.method {sp.method}: not supported with "
+                          f"parallel.ep_size {cfg.parallel.ep_size} > 1 (the ranks' "
+                          f"verify steps are not agreed yet)")
 
 
 def tiers_need_prefix_caching(engine: EngineConfig, tiers: TiersConfig) -> None:

@@ -45,7 +45,8 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
     if not num_blocks:
         kv_mb, sized_by, sized = kv_memory_mb(cfg, spec, dtype, device)
         num_blocks = auto_num_blocks(spec, block_size=e.block_size, dtype=dtype,
-                                     memory_mb=kv_mb, kv_dtype=e.kv_cache_dtype)
+                                     memory_mb=kv_mb, kv_dtype=e.kv_cache_dtype,
+                                     mtp=cfg.speculative.method == "mtp")
     ep = None
     if cfg.parallel.ep_size > 1:    # plan (which experts to load), load, then rendezvous
         from moed.parallel.runtime import EPRuntime
@@ -55,14 +56,16 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
                          block_size=e.block_size, kv_dtype=e.kv_cache_dtype,
                          placement=None if ep is None else ep.placement,
                          quantization=m.quantization,
-                         quantization_group_size=m.quantization_group_size)
+                         quantization_group_size=m.quantization_group_size,
+                         mtp=cfg.speculative.method == "mtp")
     if ep is not None:
         ep.join()
         ep.attach(runner.model)     # the expert balancer, if parallel.eplb_interval_s
     from moed.model.identity import model_id
     engine = cls(runner, Tokenizer.from_dir(m.path), e, max_model_len=m.max_model_len or None,
                  balance=cfg.balance, ep=ep, tiers=cfg.tiers, model_id=model_id(m.path),
-                 kv_events=cfg.kv_events, structured=cfg.structured, **kw)
+                 kv_events=cfg.kv_events, structured=cfg.structured,
+                 speculative=cfg.speculative, **kw)
     # what the KV budget buys: requests of the model's full context that fit at once
     tokens = num_blocks * e.block_size
     log.info("kv_cache_sized", kv_blocks=num_blocks, block_size=e.block_size,

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from moed.config import (BalanceConfig, Config, EngineConfig, KVEventsConfig,
+from moed.config import (BalanceConfig, Config, EngineConfig, KVEventsConfig, SpeculativeConfig,
                          StructuredConfig, TiersConfig)
 from moed.engine.balancing import EngineBalance, calibrate
 from moed.engine.boundary import Boundary
@@ -57,12 +57,14 @@ from moed.engine.build import build_engine, make_kv_events, make_tiers
 from moed.engine.client import Listeners, Unsubscribe
 from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary, Command,
                                   CompleteRemotePrefill, ReleaseKV)
+from moed.engine.drafts.propose import SpecSettings
 from moed.engine.drivers import GroupDriver, ServeDriver, generate, serve, serve_group
 from moed.engine.masks import MaskPool
 from moed.engine.prompts import LocalPrompts, PendingPrompt, PromptSource
 from moed.engine.request import Request
 from moed.engine.runner import StepRunner
 from moed.engine.scheduler import Scheduler
+from moed.engine.speculate import log_start as log_spec_start
 from moed.engine.step import _error
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
@@ -85,12 +87,14 @@ class Engine(Boundary):
                  balance: BalanceConfig | None = None, ep: EPRuntime | None = None,
                  tiers: TiersConfig | None = None, model_id: str = "",
                  kv_events: KVEventsConfig | None = None,
-                 structured: StructuredConfig | None = None) -> None:
+                 structured: StructuredConfig | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         """ep: this rank's moed.parallel.runtime.EPRuntime (expert parallelism; joined).
         tiers: the KV tiers below the KV tensor (host memory, disk); None or all 0 = none.
         model_id: the checkpoint's (moed.model.identity): with the layout id it names the
         disk tier's files, so a restart on other weights never reads their KV.
-        kv_events: vLLM's KV-events stream (moed.kvcache.events); published from start()."""
+        kv_events: vLLM's KV-events stream (moed.kvcache.events); published from start().
+        speculative: [speculative] (moed.engine.speculate); None or method "" = off."""
         self._model_id = model_id
         self.runner = runner
         self.ep = ep
@@ -108,6 +112,10 @@ class Engine(Boundary):
         self.scheduler = Scheduler(self.kv, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    on_remote_allocated=self._remote_allocated)
+        spec_s = None if speculative is None else SpecSettings.from_config(speculative)
+        self.scheduler.set_speculation(spec_s)
+        self._mtp = spec_s is not None and spec_s.method == "mtp"
+        log_spec_start(spec_s)
         # the prefill balancer: cost model fed below from each step, time budget (None: tokens)
         self.balance = EngineBalance(self.scheduler, spec, balance)
         self.tiers = make_tiers(self, tiers)

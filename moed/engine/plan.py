@@ -16,6 +16,9 @@ class ScheduledChunk:
     request: Request
     num_new_tokens: int
     sample: bool                    # computed reaches known after this chunk: sample a token
+    # speculative decoding (moed.engine.speculate): draft tokens run after the chunk's one
+    # known token, verified instead of sampled; never part of request.token_ids
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,11 @@ def build_plan(kv: KVCacheManager, chunks: Sequence[ScheduledChunk], preempted: 
     for c in chunks:
         r = c.request
         s = r.num_computed_tokens
-        toks.append(r.token_ids[s:s + c.num_new_tokens])
+        toks.append(r.token_ids[s:s + c.num_new_tokens] + list(c.draft))
         starts.append(s)
         tables.append(list(kv.block_table(r.request_id)))
         if c.num_new_tokens == 1 and c.sample and r.num_output_tokens > 0:
-            n_decode += 1
+            n_decode += 1 + len(c.draft)
     batch = ForwardBatch(toks, starts, tables)
     return StepPlan(tuple(chunks), batch, batch.num_tokens - n_decode, n_decode,
                     tuple(preempted))

@@ -85,6 +85,10 @@ class Request:
     error_kind: ErrorKind | None = None     # with error: GRAMMAR when the grammar overran
     rng: Any = None                  # sampler state (a torch.Generator for seeded requests)
     grammar: Any = None              # structured outputs: this request's GrammarMatcher
+    # speculative decoding (engine.drafts): its NgramIndex, or (length, token) the MTP layer
+    # drafted for the position after `length` known tokens
+    drafter: Any = None
+    acceptance: Any = None           # and its drafts' Acceptance (engine.drafts.propose)
     # params.prompt_logprobs: prompt tokens 1.. so far (moed.types.PromptLogprob), and whether
     # they went out (on the first token's event)
     prompt_logprobs: list[Any] = field(default_factory=list)

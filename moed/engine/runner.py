@@ -21,6 +21,7 @@ class StepRunner(Protocol):
     kv_cache: Any
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor: ...
     def forward_empty(self) -> None: ...
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None: ...
     def expert_load(self) -> torch.Tensor | None: ...
@@ -49,6 +50,9 @@ class RunnerDefaults:
 
     def forward_empty(self) -> None:
         raise RuntimeError("this runner is not part of an expert-parallel group")
+
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this runner has no MTP layer")
 
     def kv_region(self) -> KVRegion:
         raise RuntimeError("this runner has no KV tensor to register")

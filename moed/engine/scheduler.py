@@ -23,8 +23,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from moed.balance.cost import AdvertisedCost, CostModel, ExpertShape
+from moed.engine.drafts.propose import SpecSettings, draft_room, observe, propose
 from moed.engine.parking import RemoteKVParking
 from moed.engine.plan import ScheduledChunk, StepPlan, build_plan, token_event, top_row
 from moed.engine.policies import CostPolicy, StepPolicy, StepTimeBudget, TokenPolicy
@@ -34,6 +36,9 @@ from moed.engine.tier_admission import TierAdmission
 from moed.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 from moed.kvcache.tiers import TieredCache
 from moed.types import ContextRule, FinishReason, RequestState, TokenEvent
+
+if TYPE_CHECKING:
+    from moed.model.spec_verify import Verified
 
 
 class Scheduler:
@@ -61,6 +66,7 @@ class Scheduler:
         self._cost, self._experts = cost, experts
         self._recompute_s_per_token = recompute_s_per_token
         self._num_preemptions = 0
+        self._spec: SpecSettings | None = None      # speculative decoding: off
 
     # ---- set up (the engine's builder and reloads; at a step boundary) ---------------------
     def set_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -72,6 +78,10 @@ class Scheduler:
 
     def set_policy(self, policy: StepPolicy) -> None:
         self._policy = policy
+
+    def set_speculation(self, spec: SpecSettings | None) -> None:
+        """[speculative] (moed.engine.drafts.propose): decoding requests draft, None = off."""
+        self._spec = spec
 
     def use_cost_model(self, cost: CostModel | None, experts: ExpertShape | None) -> None:
         self._cost, self._experts = cost, experts
@@ -133,6 +143,11 @@ class Scheduler:
     def time_budget(self) -> StepTimeBudget | None:
         """The cost policy's step time budget (None under another policy)."""
         return self._policy.budget if isinstance(self._policy, CostPolicy) else None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k, the most draft tokens a request verifies a step (0: no speculation)."""
+        return 0 if self._spec is None else self._spec.k
 
     @property
     def max_num_seqs(self) -> int:
@@ -247,15 +262,19 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int],
                logprobs: Sequence[float] | None = None,
-               top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None
-               ) -> list[TokenEvent]:
-        """Apply one step: `sampled[j]` is the token of the j-th request of `plan.sampled`."""
+               top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None,
+               verified: Mapping[str, Verified] | None = None) -> list[TokenEvent]:
+        """Apply one step: `sampled[j]` is the token of the j-th request of `plan.sampled`
+        that had no draft; `verified` holds the verification of each chunk with one."""
         events: list[TokenEvent] = []
         j = 0
         for c in plan.chunks:
             req = c.request
             if req.finished:        # aborted while the step ran (engine applies aborts first)
-                j += c.sample
+                j += c.sample and not c.draft
+                continue
+            if c.draft:
+                events.extend(self._apply_verified(req, c, verified[req.request_id]))
                 continue
             req.num_computed_tokens += c.num_new_tokens
             self._kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
@@ -267,6 +286,27 @@ class Scheduler:
             j += 1
             events.append(self.accept_token(req, tok, lp, top))
         return events
+
+    def _apply_verified(self, req: Request, c: ScheduledChunk, v: Verified
+                        ) -> list[TokenEvent]:
+        """A speculating request's step: its accepted drafts and the one token after them
+        are appended one by one through the same stop checks as a sampled token (the run is
+        cut at the first that finishes it: its blocks are freed then). Otherwise its K/V
+        holds the known token and the accepted drafts: computed grows by 1 + accepted, only
+        full blocks of those are committed (a rejected draft is never cached), and the blocks
+        past the known tokens, holding rejected drafts only, are freed."""
+        out: list[TokenEvent] = []
+        for i, tok in enumerate(v.token_ids):
+            lp = () if v.logprobs is None or not req.params.logprobs else (v.logprobs[i],)
+            out.append(self.accept_token(req, tok, lp, top_row(
+                req, None if v.top_logprobs is None else v.top_logprobs[i])))
+            if req.finished:
+                return out
+        req.acceptance = observe(req.acceptance, len(c.draft), v.accepted)
+        req.num_computed_tokens += c.num_new_tokens + v.accepted
+        self._kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+        self._kv.truncate(req.request_id, req.num_tokens)
+        return out
 
     def accept_token(self, req: Request, tok: int, lp: tuple[float, ...] = (),
                      top: tuple[tuple[tuple[int, float], ...], ...] = ()) -> TokenEvent:
@@ -312,6 +352,7 @@ class _Draft:
         self.chunks: list[ScheduledChunk] = []
         self.preempted_ids: list[str] = []
         self.events: list[TokenEvent] = []
+        self._extended: dict[str, int] = {}     # running request id -> its chunk's index
 
     @property
     def num_chunks(self) -> int:
@@ -335,8 +376,26 @@ class _Draft:
             if victim is req:
                 return False
         s.kv.append_slots(req.request_id, end)
+        self._extended[req.request_id] = len(self.chunks)
         self.chunks.append(ScheduledChunk(req, n, end == req.num_tokens))
         return True
+
+    def speculate(self, req: Request, room: int) -> int:
+        s = self._s
+        at = self._extended.get(req.request_id)
+        last = None if at is None else self.chunks[at]
+        if s._spec is None or last is None or last.draft or not last.sample:
+            return 0
+        draft = propose(s._spec, req, min(room, draft_room(req, s._spec.k)))
+        # never preempt for a guess: cut it to the room of the blocks held and free now
+        kv = s.kv
+        draft = draft[:(len(kv.block_table(req.request_id)) + kv.num_free_blocks)
+                      * kv.block_size - req.num_tokens]
+        if not draft:
+            return 0
+        s.kv.append_slots(req.request_id, req.num_tokens + len(draft))
+        self.chunks[at] = ScheduledChunk(req, last.num_new_tokens, True, draft)
+        return len(draft)
 
     def admit(self, req: Request, hit: PrefixHit, n: int) -> bool:
         s = self._s

@@ -31,11 +31,14 @@ from moed.engine.request import Request
 from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
+from moed.engine.speculate import SpecOut, mtp_drafts, verify_rows
+from moed.engine.speculate import record as record_spec
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
 from moed.model.logprobs import compute as compute_prompt_logprobs
 from moed.model.logprobs import prompt_positions
 from moed.model.sampler import SampleResult, SampleRow, sample
+from moed.model.spec_verify import Verified
 from moed.obs import metrics
 from moed.types import ErrorKind, FinishReason, PromptLogprob, TokenEvent
 
@@ -49,7 +52,8 @@ log = structlog.get_logger(__name__)
 
 EXPERT_LOAD_INTERVAL_S = 1.0
 PromptLPs = dict[str, list[PromptLogprob]]     # one step's prompt logprobs, by request id
-Executed = tuple[SampleResult | None, float, PromptLPs]
+# the sampled rows' result, forward + sample seconds, prompt logprobs, speculation's results
+Executed = tuple[SampleResult | None, float, PromptLPs, SpecOut]
 
 
 class Go(enum.Enum):
@@ -100,6 +104,7 @@ class StepCore:
     _load_read_at: float
     _load_pending: bool
     _executor: ThreadPoolExecutor | None
+    _mtp: bool          # speculative decoding with the MTP layer: forward with hidden states
 
     def _apply_commands(self) -> None:
         raise NotImplementedError
@@ -142,13 +147,13 @@ class StepCore:
             await driver.between_steps()
             return Go.STEP
         try:
-            res, fwd_s, plps = await driver.call(self._execute, plan)
+            res, fwd_s, plps, spec = await driver.call(self._execute, plan)
         except Exception as e:
             if not driver.contain(plan, e):
                 raise
             return Go.STEP
         driver.after_forward()
-        self._finish_step(plan, res, t0, fwd_s, plps)   # tokens out before any move
+        self._finish_step(plan, res, t0, fwd_s, plps, spec)  # tokens out before any move
         self._flush_kv_events()
         await driver.between_steps()
         if driver.reads_expert_load:
@@ -220,12 +225,20 @@ class StepCore:
         t0 = time.perf_counter()
         asks = [_prompt_positions(c) for c in plan.chunks]
         batch = plan.batch
-        if any(asks):       # rows that do not ask pay nothing: the batch stays as planned
-            batch = replace(batch, all_logits=tuple(bool(a) for a in asks))
+        if any(asks) or any(c.draft for c in plan.chunks):
+            # rows that do not ask (nor draft) pay nothing: the batch stays as planned
+            batch = replace(batch, all_logits=tuple(bool(a) or bool(c.draft)
+                                                    for a, c in zip(asks, plan.chunks)))
         gram = [c.request for c in plan.chunks if c.sample and c.request.grammar is not None]
         pending = self._masks.start([r.grammar for r in gram]) if gram else None
-        logits = out = self.runner.forward(batch)
+        hid = None
+        if self._mtp:       # the MTP layer drafts from every row's hidden state (after sampling)
+            logits, hid = self.runner.forward(batch, hidden=True)
+            out = logits
+        else:
+            logits = out = self.runner.forward(batch)
         plps: PromptLPs = {}
+        ver: dict[str, Verified] = {}
         if batch.all_logits:
             last = batch.sample_rows
             for i, (c, pos) in enumerate(zip(plan.chunks, asks)):
@@ -236,10 +249,11 @@ class StepCore:
                         logits[base + pos.start:base + pos.stop],
                         r.prompt_token_ids[pos.start + 1:pos.stop + 1],
                         r.params.prompt_logprobs or 0)
+            ver = verify_rows(logits, last, plan.chunks, self._sample_row)
             logits = logits[last]
-        idx = [i for i, c in enumerate(plan.chunks) if c.sample]
+        idx = [i for i, c in enumerate(plan.chunks) if c.sample and not c.draft]
         if not idx:
-            return None, time.perf_counter() - t0, plps
+            return None, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, None, ver)
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
         masks: dict[str, Any] = {}
@@ -252,7 +266,16 @@ class StepCore:
         rows = [self._sample_row(r, masks.get(r.request_id)) for r in reqs]
         # the step's own argmax, if it has one (None: the sampler computes it)
         argmax = self.runner.argmax_of(out) if logits is out else None
-        return sample(logits, rows, argmax), time.perf_counter() - t0, plps
+        res = sample(logits, rows, argmax)
+        return res, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, res, ver)
+
+    def _spec_out(self, plan: StepPlan, hid: Any, idx: list[int], res: SampleResult | None,
+                  ver: dict[str, Verified]) -> SpecOut:
+        """The drafts' verifications and, with the MTP layer, its drafts for the next step."""
+        if hid is None:
+            return SpecOut(ver)
+        return SpecOut(ver, mtp_drafts(self.runner, plan, hid, idx,
+                                       None if res is None else res.token_ids, ver))
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params
@@ -267,14 +290,23 @@ class StepCore:
                          grammar=req.grammar, mask=mask)
 
     def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
-                     fwd_s: float, plps: PromptLPs | None = None) -> None:
+                     fwd_s: float, plps: PromptLPs | None = None,
+                     spec: SpecOut | None = None) -> None:
         toks = [] if res is None else res.token_ids
         self._fail_grammars(plan)
         for c in plan.chunks if plps else ():
             if c.request.request_id in plps and not c.request.finished:
                 c.request.prompt_logprobs.extend(plps[c.request.request_id])
+        ver = None if spec is None else spec.verified
+        if ver:
+            record_spec(plan.chunks, ver)
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
-                                       None if res is None else res.top_logprobs)
+                                       None if res is None else res.top_logprobs, ver)
+        if spec is not None and spec.mtp:   # for the position after the tokens known now
+            for c in plan.chunks:
+                r = c.request
+                if r.request_id in spec.mtp and not r.finished:
+                    r.drafter = (r.num_tokens, spec.mtp[r.request_id])
         if any(c.request.params.prompt_logprobs is not None for c in plan.chunks):
             events = _with_prompt_logprobs(events, plan)
         for c in plan.chunks:   # a token that took the grammar past a limit (Request.append_token)

@@ -15,7 +15,7 @@ class StepStats:
     step: int
     batch_size: int              # sequences in the forward pass
     num_prefill_tokens: int      # prompt (or recompute) tokens computed this step
-    num_decode_tokens: int       # one per decoding sequence
+    num_decode_tokens: int       # one per decoding sequence (+ its drafts when it speculates)
     num_sampled: int             # sequences that produced a token
     num_finished: int
     num_preempted: int

@@ -197,6 +197,20 @@ class KVCacheManager:
         t.blocks.extend(new)
         return new
 
+    def truncate(self, req_id: str, num_tokens: int) -> int:
+        """Shrink the table to the blocks `num_tokens` tokens need (speculative decoding: the
+        K/V of rejected draft tokens past them is dropped); -> blocks freed. Only blocks past
+        every committed (hashed) block may go: a cached block holds accepted tokens only."""
+        t = self._tables[req_id]
+        keep = self.blocks_for(num_tokens)
+        if keep < len(t.hashes):
+            raise RuntimeError(f"truncate({req_id}, {num_tokens}) would drop committed blocks")
+        tail = t.blocks[keep:]
+        if tail:
+            del t.blocks[keep:]
+            self._pool.free(reversed(tail))
+        return len(tail)
+
     def commit(self, req_id: str, tokens: Sequence[int], num_computed: int) -> None:
         """Register the request's full blocks whose K/V are now written (first `num_computed`
         of `tokens`) in the prefix cache."""

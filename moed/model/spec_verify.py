@@ -30,7 +30,7 @@ gives the same tokens, and an empty draft gives the very token `sample` would. S
 and off with one seed give the same distribution, not the same tokens (the generator is
 consumed differently); vLLM documents the same of its own.
 
-The caller (the engine, when wired; nothing calls this yet, issue 32) cuts the emitted tokens
+The caller (moed.engine.speculate and Scheduler._apply_verified) cuts the emitted tokens
 at a stop token, stop string or max_tokens as after plain decoding (a prefix of an exactly
 distributed sequence is exactly distributed), rolls back the KV of the rejected positions,
 and advances the grammar matcher through the emitted tokens only. Exact up to what `sample`

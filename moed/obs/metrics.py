@@ -252,6 +252,16 @@ KV_EVENT_BATCHES = Counter("moed_kv_event_batches", "KV-event batches (kv_events
                            "step with KV changes) by outcome: sent on the PUB socket, or "
                            "dropped (publisher queue full or send failed)", ["outcome"],
                            registry=ENGINE)
+# Speculative decoding ([speculative], docs/speculative.md), vLLM's spec_decode counters
+SPEC_DRAFTS = Counter("moed_spec_decode_num_drafts", "Drafts verified (one per speculating "
+                      "request per step)", registry=ENGINE)
+SPEC_DRAFT_TOKENS = Counter("moed_spec_decode_num_draft_tokens", "Draft tokens verified",
+                            registry=ENGINE)
+SPEC_ACCEPTED = Counter("moed_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                        registry=ENGINE)
+SPEC_ACCEPTED_POS = Counter("moed_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                            "accepted by their position in the draft (0 = the first)",
+                            ["position"], registry=ENGINE)
 MODEL_INFO = Info("moed_model", "The loaded model: architecture, dtype, device, attention backend, "
                   "whether the native CPU kernels run (cpu_kernels on/off) and the weights' "
                   "quantization (fp8/int8/int4/none)", registry=ENGINE)

@@ -12,13 +12,15 @@ from moed.config.sections.release import (CANARY_HEADER_CHARS, LABEL_CHARS, Cana
 from moed.config.sections.server import (LOG_FORMATS, LOG_LEVELS, METRICS_ACCESS,
                                          PREFIX_CACHE_ISOLATION, ROLES, AdmissionConfig,
                                          ServerConfig, TraceConfig)
+from moed.config.sections.speculative import SPEC_METHODS, SpeculativeConfig
 
 __all__ = [
     "ATTENTION_BACKENDS", "BALANCE_POLICIES", "CANARY_HEADER_CHARS", "KV_CACHE_DTYPES",
     "KV_EVENT_FORMATS", "KV_EVENT_PUBLISHERS", "LABEL_CHARS", "LOG_FORMATS", "LOG_LEVELS",
     "METRICS_ACCESS", "MODEL_DTYPES", "MS_DAY", "MS_HOUR", "PREFIX_CACHE_ISOLATION",
-    "QUANTIZATIONS", "ROLES", "TOOL_PARSERS",
+    "QUANTIZATIONS", "ROLES", "SPEC_METHODS", "TOOL_PARSERS",
     "AdmissionConfig", "BalanceConfig", "CanaryConfig", "ClusterConfig", "EngineConfig",
     "KVEventsConfig", "ModelConfig", "ParallelConfig", "ReleaseConfig", "RouterConfig",
-    "ServerConfig", "StructuredConfig", "TiersConfig", "TraceConfig", "TransferConfig",
+    "ServerConfig", "SpeculativeConfig", "StructuredConfig", "TiersConfig", "TraceConfig",
+    "TransferConfig",
 ]

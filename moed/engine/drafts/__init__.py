@@ -6,7 +6,6 @@ sampling accepts, so the output distribution never depends on the guesses, only 
 Proposers are per-request and pure (tokens in, token ids out); the engine owns when they run.
 
 ngram.py: prompt lookup (vLLM's `ngram` method), an incremental n-gram index.
-
-Not wired yet (issue 32): nothing in the engine calls this package, and no config key or
-request field selects it.
+propose.py: when a request drafts and how many tokens (the scheduler's side, no torch);
+`[speculative]` turns it on (docs/speculative.md).
 """

@@ -43,6 +43,8 @@ class SchedulerView(Protocol):
     @property
     def max_num_batched_tokens(self) -> int: ...
     @property
+    def num_speculative_tokens(self) -> int: ...        # k; 0 = no speculation
+    @property
     def seated(self) -> int: ...        # requests holding a seat: running, parked, loading
     @property
     def cost(self) -> CostModel | None: ...             # fitted from measured steps
@@ -62,6 +64,14 @@ class StepDraft(Protocol):
         """A running request's next `n` tokens. When the KV pool cannot hold them: with
         `preempt`, the most recently admitted running requests go back to WAITING until it
         can (possibly `req` itself); without, nothing happens. -> whether `req` got them."""
+        ...
+
+    def speculate(self, req: Request, room: int) -> int:
+        """After `extend` took a decoding request's one token this step: add up to `room` draft
+        tokens to its chunk (moed.engine.drafts.propose: the request's own limits, and the KV
+        blocks free now, may cut them; nothing is preempted for them). The policies call it
+        last, with what the step has left. -> drafts added, 0 when speculation is off or the
+        request does not draft (a prompt chunk, a grammar, a paused drafter, no guess)."""
         ...
 
     def admit(self, req: Request, hit: PrefixHit, n: int) -> bool:

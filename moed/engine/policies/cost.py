@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from moed.balance.step_time import Buckets, Item, choose, chunk_budget, step_budget, whole_budget
-from moed.balance.cost import AdvertisedCost, bucket_of, max_chunk, shape_of
+from moed.balance.cost import AdvertisedCost, CostModel, bucket_of, max_chunk, shape_of
 from moed.config import BalanceConfig
 from moed.engine.policies.base import SchedulerView, StepDraft, StepPolicy
 from moed.engine.policies.tokens import TokenPolicy
@@ -54,10 +54,12 @@ class CostPolicy:
             return
         tb, kv = self.budget, view.kv
         decodes: list[tuple[int, int, bool]] = []
+        decoding: list[Request] = []
         for req in [r for r in view.running if r.num_tokens - r.num_computed_tokens <= 1]:
             n, start = req.num_tokens - req.num_computed_tokens, req.num_computed_tokens
             if n > 0 and step.extend(req, n, preempt=True):
                 decodes.append((start, 1, True))
+                decoding.append(req)
         seats = view.max_num_seqs - view.seated
         items = [Item(r.request_id, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens,
                       r.num_tokens, _age(r), True)
@@ -79,14 +81,20 @@ class CostPolicy:
                        max_tokens=view.max_num_batched_tokens - len(decodes), max_new=seats,
                        min_tokens=kv.block_size, experts=view.experts,
                        whole_s=whole_budget(has_decodes, step_s, min(tb.buckets.ttft_targets_s)))
+        planned = list(decodes)
         for p in picks:
             req = view.requests[p.key]
             if req.state is RequestState.RUNNING:
-                step.extend(req, p.num_tokens, preempt=False)
+                if step.extend(req, p.num_tokens, preempt=False):
+                    planned.append((req.num_computed_tokens, p.num_tokens, False))
                 continue
             hit = view.prefix_hit(req)
             if not step.load_from_tiers(req, hit):
-                step.admit(req, hit, min(p.num_tokens, req.num_tokens - hit.num_tokens))
+                n = min(p.num_tokens, req.num_tokens - hit.num_tokens)
+                if step.admit(req, hit, n):
+                    planned.append((hit.num_tokens, n, False))
+        if view.num_speculative_tokens:
+            _drafts(view, step, cost, decoding, planned, step_s)
         if not step.num_chunks and not step.preempted:
             self.fallback.fill(view, step)
 
@@ -116,6 +124,27 @@ class CostPolicy:
         chunk = max_chunk(coef, base, 0, view.max_num_batched_tokens, budget, view.experts)
         return AdvertisedCost(coef, edges, tuple(toks), tuple(reqs), share,
                               chunk or view.kv.block_size)
+
+
+def _drafts(view: SchedulerView, step: StepDraft, cost: CostModel, decoding: list[Request],
+            planned: list[tuple[int, int, bool]], step_s: float) -> None:
+    """Speculative decoding's drafts, last: each decoding request (admission order) takes the
+    most drafts, at most k, that keep the predicted step within its time budget and the step
+    within max_num_batched_tokens. planned: the step's chunks so far as (start, n, decode),
+    decodes first in `decoding`'s order."""
+    coef = cost.coefficients
+    tokens = sum(n for _, n, _ in planned)
+    for j, req in enumerate(decoding):
+        start = planned[j][0]
+        for d in range(min(view.num_speculative_tokens,
+                           view.max_num_batched_tokens - tokens), 0, -1):
+            trial = [*planned[:j], (start, 1 + d, False), *planned[j + 1:]]
+            if coef.predict(shape_of(trial, view.experts)) <= step_s:
+                got = step.speculate(req, d)
+                if got:     # k + 1 positions cost as a prompt chunk does
+                    planned[j] = (start, 1 + got, False)
+                    tokens += got
+                break
 
 
 def _age(req: Request) -> float:

@@ -4,7 +4,9 @@ fallback while its model is unfitted).
 Running requests in admission order get their catch-up (a decode's one token, a prompt's next
 chunk), preempting the most recently admitted when the KV pool runs out; then, if nothing was
 preempted, waiting requests in arrival order while `max_num_batched_tokens`, `max_num_seqs`
-and the KV pool allow (cached prefix blocks count as computed).
+and the KV pool allow (cached prefix blocks count as computed). Last, speculative decoding's
+drafts take what the budget has left, decoding requests in admission order, at most k each:
+a guess never pushes a decode or a prompt chunk out of the step.
 """
 from __future__ import annotations
 
@@ -43,3 +45,8 @@ class TokenPolicy:
             if not step.admit(req, hit, n):
                 break
             budget -= n
+
+        for req in running[:i] if view.num_speculative_tokens else ():
+            if budget <= 0:
+                break
+            budget -= step.speculate(req, budget)

@@ -243,6 +243,35 @@ def test_kv_events_config_takes_vllm_json_and_refuses_unknown_keys(capsys, tmp_p
         assert says in capsys.readouterr().err, bad
 
 
+def test_speculative_config_takes_vllm_json_and_refuses_other_keys(capsys):
+    sp = _cfg("/m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 6}').speculative
+    assert (sp.method, sp.num_speculative_tokens, sp.prompt_lookup_min,
+            sp.prompt_lookup_max) == ("ngram", 4, 2, 6)
+    # vLLM's rule: a lone prompt_lookup_min or _max stands for both
+    sp = _cfg("/m", "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3}') \
+        .speculative
+    assert (sp.prompt_lookup_min, sp.prompt_lookup_max) == (3, 3)
+    assert not _cfg("/m").speculative.enabled
+    for bad, says in (('{"method": "ngram", "draft_tensor_parallel_size": 1}',
+                       "draft_tensor_parallel_size is not supported"),
+                      ('{"model": "x/draft"}', "model is not supported"),
+                      ('{"method": "mtp", "num_speculative_tokens": 2}',
+                       "one MTP layer is served"),
+                      ('{"method": "ngram", "num_speculative_tokens": 0}',
+                       "speculative.num_speculative_tokens"),
+                      ("[1]", "JSON object"), ("{nope", "not valid JSON")):
+        assert cli.main(["check-config", "--model", "/m", "--speculative-config", bad]) == 2, bad
+        assert says in capsys.readouterr().err, bad
+
+
+def test_mtp_on_a_checkpoint_without_an_mtp_layer_is_a_config_error(capsys, tiny_qwen3):
+    rc, _, err = _run(capsys, "check-config", "--model", str(tiny_qwen3), "--speculative-config",
+                      '{"method": "mtp", "num_speculative_tokens": 1}')
+    assert rc == 2 and "speculative.method mtp: the checkpoint has no MTP layer" in err \
+        and "num_nextn_predict_layers" in err and len(err.strip().splitlines()) == 1
+
+
 def test_documented_default_file_matches_builtin_defaults():
     """conf/moed.toml documents the defaults: loading it changes nothing but what it must."""
     o = {"model": {"path": "/m"}}

@@ -95,3 +95,37 @@ def test_node_name_is_the_setting_else_hostname_port() -> None:
 
     assert config.node_name(_cfg(MOED_SERVER_NODE_NAME="n1")) == "n1"
     assert config.node_name(_cfg(MOED_SERVER_PORT="9123")) == f"{socket.gethostname()}-9123"
+
+
+def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None:
+    assert not _cfg().speculative.enabled
+    on = _cfg(MOED_SPECULATIVE_METHOD="ngram", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="4",
+              MOED_SPECULATIVE_PROMPT_LOOKUP_MIN="2", MOED_SPECULATIVE_PROMPT_LOOKUP_MAX="3")
+    sp = on.speculative
+    assert (sp.method, sp.num_speculative_tokens, sp.prompt_lookup_min,
+            sp.prompt_lookup_max) == ("ngram", 4, 2, 3)
+    for env, says in (
+            ({"MOED_SPECULATIVE_METHOD": "eagle"}, "speculative.method: 'eagle' is not one of"),
+            ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "9"},
+             r"speculative.num_speculative_tokens: must be in \[1, 8\]"),
+            ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SPECULATIVE_PROMPT_LOOKUP_MIN": "4",
+              "MOED_SPECULATIVE_PROMPT_LOOKUP_MAX": "3"},
+             r"speculative.prompt_lookup_min \(4\) must not exceed"),
+            ({"MOED_SPECULATIVE_METHOD": "mtp"},
+             "num_speculative_tokens 3 with method mtp: one MTP layer is served"),
+            ({"MOED_SPECULATIVE_METHOD": "mtp", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "1",
+              "MOED_SERVER_ROLE": "decode"}, "mtp on a decode node"),
+            ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "prefill"},
+             "speculation runs where tokens are decoded"),
+            ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "router"},
+             "not on a router node"),
+            ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_PARALLEL_EP_SIZE": "2",
+              "MOED_PARALLEL_EP_INIT": "tcp://127.0.0.1:9"}, "parallel.ep_size 2 > 1")):
+        with pytest.raises(ConfigError, match=says):
+            _cfg(**env)
+    # off: the draft settings are not applied, so they are not checked across fields
+    assert _cfg(MOED_SPECULATIVE_PROMPT_LOOKUP_MIN="9").speculative.prompt_lookup_min == 9
+    assert _cfg(MOED_SPECULATIVE_METHOD="ngram", MOED_SERVER_ROLE="decode") \
+        .speculative.enabled
+    assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1") \
+        .speculative.method == "mtp"

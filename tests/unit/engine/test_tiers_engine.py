@@ -164,8 +164,8 @@ def run_workload(model: Path, jobs: list[tuple[int, int, int, int | None]], seed
                 s.add(pending.pop(0))
             continue
         seen["preempted"] += len(plan.preempted)
-        res, fwd_s, plps = eng._execute(plan)
-        eng._finish_step(plan, res, time.perf_counter(), fwd_s, plps)
+        res, fwd_s, plps, spec = eng._execute(plan)
+        eng._finish_step(plan, res, time.perf_counter(), fwd_s, plps, spec)
     for r in reqs:
         if r.finish_reason is not None and r.finish_reason.value != "abort":
             assert r.output_token_ids == reference(model, r.prompt_token_ids,

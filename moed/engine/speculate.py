@@ -1,0 +1,102 @@
+"""The speculative step's executor half: verify each drafting chunk, count it, say it at start.
+
+A chunk with a draft (moed.engine.drafts.propose, taken by the scheduler's `speculate`) ran
+its known token and its k drafts as k + 1 new tokens with every row's logits
+(ForwardBatch.all_logits). `verify_rows` hands those rows to moed.model.spec_verify.verify with
+the SampleRow the step would have sampled the next token from, so penalties, logit_bias,
+min_tokens' bans, seeds and logprobs are exactly those of plain decoding. The scheduler then
+appends the emitted tokens through the normal stop checks and rolls back the KV of the rejected
+ones (Scheduler._apply_verified).
+
+A step with drafts is not decode-only (k + 1 tokens in a row), so the runner's native decode
+step (1-token rows only) steps aside for it and the layered path runs it; said once at start.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from moed.engine.drafts.propose import SpecSettings
+from moed.engine.plan import ScheduledChunk, StepPlan
+from moed.engine.request import Request
+from moed.engine.runner import StepRunner
+from moed.model.mtp import mtp_inputs
+from moed.model.sampler import SampleRow
+from moed.model.spec_verify import DraftRow, Verified, verify
+from moed.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SpecOut:
+    """What a step's speculation produced, by request id: each drafting chunk's verification,
+    and the MTP layer's draft for each sampled request's next step."""
+    verified: dict[str, Verified] = field(default_factory=dict)
+    mtp: dict[str, int] = field(default_factory=dict)
+
+
+def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Sequence[int],
+               sampled: Sequence[int] | None, verified: dict[str, Verified]) -> dict[str, int]:
+    """The MTP step after a main step (docs/models.md, "The MTP layer"): every position the
+    main step kept, each with the token after it (the next prompt token, the sampled one, or
+    for a drafting chunk the accepted drafts then the emitted token: keep = accepted + 1), so
+    the MTP layer's KV covers every computed position; its last row per sequence is the greedy
+    draft for the position after the next known token. -> that draft per sampling request."""
+    batch = plan.batch
+    tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
+    next_ids, keep = [], []
+    for i, c in enumerate(plan.chunks):
+        r, n = c.request, len(batch.token_ids[i])
+        if c.draft:
+            v = verified[r.request_id]
+            next_ids.append(v.token_ids[-1])
+            keep.append(v.accepted + 1)
+        else:
+            next_ids.append(tok[i] if c.sample else r.token_ids[r.num_computed_tokens + n])
+            keep.append(n)
+    mb, rows = mtp_inputs(batch, next_ids, keep)
+    logits = runner.forward_mtp(mb, hidden.index_select(0, torch.tensor(rows,
+                                                                        device=hidden.device)))
+    best = logits.argmax(-1).tolist()
+    return {c.request.request_id: best[i] for i, c in enumerate(plan.chunks) if c.sample}
+
+
+def verify_rows(logits: torch.Tensor, last: Sequence[int], chunks: Sequence[ScheduledChunk],
+                sample_row: Callable[[Request], SampleRow]) -> dict[str, Verified]:
+    """logits: the runner's rows with every drafting chunk flagged all_logits; last[i]: where
+    chunk i's last row landed. -> each drafting request's verification, by request id."""
+    idx = [i for i, c in enumerate(chunks) if c.draft]
+    if not idx:
+        return {}
+    rows = torch.cat([logits[last[i] - len(chunks[i].draft):last[i] + 1] for i in idx])
+    reqs = [DraftRow(sample_row(chunks[i].request), chunks[i].draft,
+                     chunks[i].request.num_output_tokens) for i in idx]
+    return {chunks[i].request.request_id: v for i, v in zip(idx, verify(rows, reqs))}
+
+
+def record(chunks: Sequence[ScheduledChunk], verified: dict[str, Verified]) -> None:
+    """vLLM's spec_decode counters for one step."""
+    for c in chunks:
+        v = verified.get(c.request.request_id) if c.draft else None
+        if v is None:
+            continue
+        metrics.SPEC_DRAFTS.inc()
+        metrics.SPEC_DRAFT_TOKENS.inc(len(c.draft))
+        metrics.SPEC_ACCEPTED.inc(v.accepted)
+        for pos in range(v.accepted):
+            metrics.SPEC_ACCEPTED_POS.labels(str(pos)).inc()
+
+
+def log_start(spec: SpecSettings | None) -> None:
+    """One line at start naming the method and its settings (nothing when off)."""
+    if spec is None:
+        return
+    log.info("speculative_decoding", method=spec.method, num_speculative_tokens=spec.k,
+             prompt_lookup_min=spec.n_min, prompt_lookup_max=spec.n_max,
+             grammar_rows="not speculated (one token a step)",
+             native_decode="steps with drafts take the layered path (the native decode "
+                           "step, where it runs, serves 1-token rows only)")
