@@ -174,10 +174,8 @@ class CpuKernels:
         # argmax, threads): the structs and the caller are moed/model/decode_step.py
         lib.moed_decode_step_bf16.argtypes = [_p, _l, _p, _p, _p, _l, _p, _p, _p, _p, _p, _p, _i]
         lib.moed_decode_step_bf16.restype = _i
-        lib.moed_decode_step_scratch.argtypes = [_p, _l]
-        lib.moed_decode_step_scratch.restype = _l
-        lib.moed_decode_step_hidden_offset.argtypes = [_p, _l]
-        lib.moed_decode_step_hidden_offset.restype = _l
+        for f in (lib.moed_decode_step_scratch, lib.moed_decode_step_hidden_offset):
+            f.argtypes, f.restype = [_p, _l], _l
         lib.moed_argmax_f32.argtypes = [_p, _l, _l, _p, _i]
         lib.moed_argmax_f32.restype = None
         lib.moed_lut_u8_to_u16.argtypes = [_p, _l, _p, _p, _i]
