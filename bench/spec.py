@@ -1,0 +1,188 @@
+"""Speculative decoding's speed: decode tok/s with and without drafts, and the acceptance rate,
+at batch 1, 4 and 16 on the trained demo model, one run (issue 32).
+
+    .venv/bin/python bench/spec.py [--model models/stdlib-ds3-tiny] [--batches 1,4,16]
+                                   [--methods ngram,mtp] [--new 64] [--repeats 3] [--threads 2]
+
+Workloads (greedy, the prompts cut from the demo model's held-out split, split.json):
+  edit      edit-style: a held-out window W (96 tokens), a line "# the same again:", then W's
+            first 16 tokens; the continuation is a copy of W, ngram's case (rewrite this code,
+            repeat it with a change)
+  heldout   a held-out window's first 128 tokens, continued: plain code, nothing to copy
+For each (workload, batch) the same prompts run through a plain engine and one engine per
+method, alternated `--repeats` times; decode tok/s = the tokens after the first over the time
+`--new` tokens took minus the time one token took (the prefill), median of the repeats. The
+acceptance rate is accepted / drafted tokens from the moed_spec_decode_* counters. The ratio
+is the method's median over the plain engine's, from the same run. Outputs equal to the plain
+engine's are counted too (bf16: a step's batch shape may move a near tie, docs/speculative.md).
+
+Saves bench/results/spec.json and, when matplotlib is installed, spec.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_model, load_average  # noqa: E402
+from quality import heldout_windows  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "stdlib-ds3-tiny"
+
+
+def prompts_for(model_dir: Path, workload: str, count: int) -> list[list[int]]:
+    from moed.model.tokenizer import Tokenizer
+
+    windows = [w for _, w in heldout_windows(model_dir)[0] if len(w) >= 128]
+    step = max(1, len(windows) // count)
+    picked = windows[::step][:count]
+    if workload == "heldout":
+        return [w[:128] for w in picked]
+    sep = Tokenizer.from_dir(model_dir).encode("\n\n# the same again:\n", add_special_tokens=False)
+    return [w[:96] + sep + w[:16] for w in picked]
+
+
+def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int):
+    from moed.config import EngineConfig, SpeculativeConfig
+    from moed.engine.engine import Engine
+    from moed.model.runner import ModelRunner
+    from moed.model.tokenizer import Tokenizer
+
+    spec = None
+    if method == "ngram":
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+                                 prompt_lookup_max=4)
+    elif method == "mtp":
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+    per_seq = -(-(160 + new + 8) // 16)
+    runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=batch * per_seq + 8,
+                         block_size=16, mtp=method == "mtp")
+    cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=batch,
+                       max_num_batched_tokens=2048)
+    return Engine(runner, Tokenizer.from_dir(model_dir), cfg, speculative=spec)
+
+
+def counters() -> tuple[float, float]:
+    from moed.obs import metrics
+
+    return metrics.SPEC_DRAFT_TOKENS._value.get(), metrics.SPEC_ACCEPTED._value.get()
+
+
+def timed(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    from moed.types import SamplingParams
+
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - t0, out
+
+
+def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) -> dict:
+    prompts = prompts_for(model_dir, workload, batch)
+    engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new) for m in ["plain", *methods]}
+    for e in engines.values():        # warm-up: kernels, allocator, first steps
+        timed(e, prompts, 4)
+    tok_s: dict[str, list[float]] = {m: [] for m in engines}
+    drafted = {m: 0.0 for m in engines}
+    accepted = {m: 0.0 for m in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    for r in range(a.repeats):
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        for m in order:
+            e = engines[m]
+            t1, _ = timed(e, prompts, 1)
+            d0, a0 = counters()
+            tn, out = timed(e, prompts, a.new)
+            d1, a1 = counters()
+            drafted[m] += d1 - d0
+            accepted[m] += a1 - a0
+            outputs[m] = out
+            tok_s[m].append(batch * (a.new - 1) / max(tn - t1, 1e-9))
+    plain = statistics.median(tok_s["plain"])
+    row = {"workload": workload, "batch": batch, "plain_tok_s": plain, "plain_rounds": tok_s["plain"]}
+    for m in methods:
+        med = statistics.median(tok_s[m])
+        same = sum(o == p for o, p in zip(outputs[m], outputs["plain"]))
+        row[m] = {"tok_s": med, "rounds": tok_s[m], "ratio": med / plain,
+                  "acceptance": accepted[m] / drafted[m] if drafted[m] else None,
+                  "draft_tokens": drafted[m], "outputs_equal_plain": f"{same}/{batch}"}
+    return row
+
+
+def plot(rows: list[dict], methods: list[str], path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: matplotlib is not installed in this environment"
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 3.6), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        rs = [r for r in rows if r["workload"] == w]
+        xs = range(len(rs))
+        width = 0.8 / max(1, len(methods))
+        for i, m in enumerate(methods):
+            ax.bar([x + i * width for x in xs], [r[m]["ratio"] for r in rs], width, label=m)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in xs])
+        ax.set_xticklabels([f"batch {r['batch']}" for r in rs])
+        ax.set_ylabel("decode tok/s, speculative / plain")
+        ax.set_title(f"{w} prompts")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return str(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--methods", default="ngram,mtp")
+    ap.add_argument("--workloads", default="edit,heldout")
+    ap.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec.json")
+    a = ap.parse_args()
+    import structlog
+    import logging
+    import torch
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    torch.set_num_threads(a.threads)
+    methods = [m for m in a.methods.split(",") if m]
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs, {a.threads} threads, load {load_average()}; "
+          f"{a.model.name}, {a.dtype}, {a.new} tokens, median of {a.repeats}", flush=True)
+    rows = []
+    for w in [x for x in a.workloads.split(",") if x]:
+        for b in [int(x) for x in a.batches.split(",")]:
+            row = run_cell(a.model, w, b, methods, a)
+            rows.append(row)
+            line = f"{w:8s} batch {b:3d}  plain {row['plain_tok_s']:8.1f} tok/s"
+            for m in methods:
+                x = row[m]
+                acc = "n/a" if x["acceptance"] is None else f"{100 * x['acceptance']:.0f}%"
+                line += (f" | {m} {x['tok_s']:8.1f} tok/s {x['ratio']:.2f}x acceptance {acc}"
+                         f" equal {x['outputs_equal_plain']}")
+            print(line, flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    png = plot(rows, methods, a.out.with_suffix(".png"))
+    a.out.write_text(json.dumps({"bench": "spec", "cpu": cpu_model(), "threads": a.threads,
+                                 "model": str(a.model), "dtype": a.dtype, "new": a.new,
+                                 "repeats": a.repeats, "load_average": load_average(),
+                                 "rows": rows, "png": png}, indent=1))
+    print(f"saved {a.out} ({png})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
