@@ -42,7 +42,7 @@ import structlog
 from aiohttp import web
 
 from moed import __version__
-from moed.api import health, limits, openai
+from moed.api import continuation, health, limits, openai
 from moed.api.auth import load_keys
 from moed.api.middleware import auth, read_body, request_context
 from moed.api.state import STATE, ServerState
@@ -100,6 +100,7 @@ class EngineComponent(BaseComponent):
 
     def add_routes(self, web_app: web.Application) -> None:
         openai.add_routes(web_app)
+        continuation.add_routes(web_app)    # a migrated stream resumes here (router only)
 
     async def start(self, app: App) -> None:
         t0 = time.perf_counter()

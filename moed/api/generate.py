@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import structlog
 
@@ -126,13 +126,23 @@ def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int) -> l
     return tickets
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """A migrated stream resumed on this node (moed.api.continuation): the client's original
+    body, its prompt's token ids and the output token ids the client already has."""
+    body: bytes
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
 class Generation:
     """The engine side of one HTTP request; use as `async with` and iterate `events()`."""
 
     def __init__(self, engine: EngineClient, admission: Admission, req: GenerationRequest,
                  prompt_ids: list[list[int]], request_id: str, retry_after_s: int,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, resume: Sequence[int] = ()) -> None:
         self.engine = engine
+        self.resume = list(resume)   # a continuation's output tokens already sent (n = 1)
         self.admission = admission
         self.req = req
         self.prompt_ids = prompt_ids
@@ -161,7 +171,7 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return len(self.resume) + sum(len(c.token_ids) for c in self.choices)
 
     async def __aenter__(self) -> Generation:
         try:
@@ -169,7 +179,9 @@ class Generation:
                 params = self.req.sampling_params(self.max_tokens[ch.prompt_index],
                                                   ch.index % self.req.n)
                 try:
-                    stream = self.engine.add_request(ch.engine_id, ch.prompt_ids, params)
+                    stream = self.engine.add_request(ch.engine_id, ch.prompt_ids, params,
+                                                     resume=self.resume) if self.resume else \
+                        self.engine.add_request(ch.engine_id, ch.prompt_ids, params)
                 except ValueError as e:
                     raise bad_request(str(e), "messages" if self.req.chat else "prompt") from None
                 except RuntimeError as e:   # the engine is stopping (shutdown or a crashed loop)

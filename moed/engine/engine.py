@@ -61,6 +61,7 @@ from moed.engine.drivers import GroupDriver, ServeDriver, generate, serve, serve
 from moed.engine.masks import MaskPool
 from moed.engine.prompts import LocalPrompts, PendingPrompt, PromptSource
 from moed.engine.request import Request
+from moed.engine.resume import prime
 from moed.engine.runner import StepRunner
 from moed.engine.scheduler import Scheduler
 from moed.engine.step import _error
@@ -235,19 +236,25 @@ class Engine(Boundary):
 
     # ---- public API (call from the event loop's thread) ------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    *, remote_kv: bool = False, prefill_only: bool = False) -> RequestStream:
+                    *, remote_kv: bool = False, prefill_only: bool = False,
+                    resume: Sequence[int] = ()) -> RequestStream:
+        """resume: output tokens another node already streamed (a migrated request,
+        moed.engine.resume): replayed as output, and the KV recomputed here, never by a prompt
+        source (a prefill node would sample a first token that was already sent)."""
         if self._stopping:
             done = self._task is not None and self._task.done()
             raise RuntimeError("engine is not running (stopped or crashed)" if done
                                else "engine is shutting down")
         req = self._new_request(request_id, prompt_token_ids, params, remote_kv, prefill_only)
+        if resume:
+            prime(req, resume, self.spec.vocab_size)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, self.abort)
         self._streams[request_id] = stream
         self._parked[request_id] = req
-        if remote_kv:       # the caller brings the KV itself
-            self._submit(request_id, True)
+        if remote_kv or resume:     # the caller brings the KV itself / recomputed here
+            self._submit(request_id, remote_kv)
         else:
             self._prompts.admit(PendingPrompt(request_id, req.prompt_token_ids, params,
                                               prefill_only, stream, self._submit))
