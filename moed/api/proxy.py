@@ -36,7 +36,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from moed.api import affinity
+from moed.api import affinity, migrate, migrating
 from moed.api.backends import BackendSource, StaticBackends
 from moed.api.errors import APIError
 from moed.api.middleware import request_id_of
@@ -71,8 +71,9 @@ class Proxy:
 
     def __init__(self, source: BackendSource, config: Callable[[], Config],
                  draining: Callable[[], bool] = lambda: False, offload: Any = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, signer: Callable[[], Any] = lambda: None) -> None:
         self._source = source
+        self.signer = signer             # the InternalAuth a continuation is signed with
         self._config = config
         self._draining = draining
         self._offload = offload          # moed.api.offload.Offload: prompt hashing off the loop
@@ -100,6 +101,20 @@ class Proxy:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_route("*", "/v1/{tail:.*}", self.handle)
+
+    def migration_limit(self) -> int:
+        return self._config().router.migration_limit
+
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Proxy.start() was not awaited"
+        return self._session
+
+    def is_listed(self, name: str) -> bool:
+        """The node is still a serving backend (membership has not declared it dead)."""
+        return any(c.name == name for c in self._source.backends())
+
+    def mark_failed(self, name: str) -> None:
+        self._source.mark_failed(name)
 
     def pick(self, exclude: Iterable[str] = (), side: Side | None = None,
              pinned: bool = False) -> Candidate | None:
@@ -182,6 +197,12 @@ class Proxy:
                            headers={"Retry-After": "1"})
         assert self._session is not None, "Proxy.start() was not awaited"
         body = await request.read()
+        ledger = None            # a single-choice stream that may migrate (moed.api.migrate)
+        if request.method == "POST" and self.migration_limit() > 0:
+            req = migrate.eligible(request.path, body)
+            if req is not None:
+                ledger = migrate.Ledger.open(request.path, req)
+                body = ledger.backend_body()
         headers = _forwardable(request.headers)
         rid = request_id_of(request)
         if rid:
@@ -213,7 +234,8 @@ class Proxy:
                 with trace.span("router.attempt", kind="client", backend=backend.name,
                                 attempt=len(tried), placement=placed.reason) as span:
                     trace.inject(headers)
-                    outcome = await self._forward(request, backend, body, headers, timeout)
+                    outcome = await self._forward(request, backend, body, headers, timeout,
+                                                  ledger)
                     span.set(outcome="streamed" if isinstance(outcome, web.StreamResponse)
                              else "refused" if outcome is not None else "failed")
             finally:
@@ -251,7 +273,8 @@ class Proxy:
                        code="no_backend", headers={"Retry-After": "1"})
 
     async def _forward(self, request: web.Request, backend: Candidate, body: bytes,
-                       headers: CIMultiDict[str], timeout: aiohttp.ClientTimeout
+                       headers: CIMultiDict[str], timeout: aiohttp.ClientTimeout,
+                       ledger: migrate.Ledger | None = None
                        ) -> web.StreamResponse | tuple[int, bytes, CIMultiDict[str]] | None:
         """The client's response, or (status, body, headers) for a retryable refusal, or None
         for a failure before any byte reached the client (both mean: try another backend)."""
@@ -286,6 +309,13 @@ class Proxy:
             out.headers["X-Moed-Backend"] = backend.name
             if backend.label:
                 out.headers["X-Moed-Version"] = backend.label
+            if ledger is not None and resp.status == 200 and \
+                    resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                out.headers.pop("Content-Length", None)
+                await out.prepare(request)
+                await migrating.relay(self, request, out, resp, first, ledger, backend,
+                                      headers, timeout)
+                return out
             await out.prepare(request)
             await self._pump(request, out, resp, first, backend, t0)
             return out
@@ -316,7 +346,7 @@ class Proxy:
             metrics.ROUTER_REQUESTS.labels(result="failed_mid_stream").inc()
             self.record(backend, "error")
             if sse:
-                err = APIError(502, f"The serving node {backend.name} failed mid-stream.",
+                err = APIError(502, "The serving node failed mid-stream.",   # server_error
                                code="backend_failed").body()
                 await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
             elif request.transport is not None:

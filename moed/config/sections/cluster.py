@@ -92,6 +92,10 @@ class RouterConfig:
                            doc="backends tried before the first byte is sent")
     max_connections: int = _f(1024, bounds=(1, 1 << 20),
                               doc="pooled connections to all backends together")
+    migration_limit: int = _f(3, live=True, bounds=(0, 64),
+                              doc="resubmissions of one stream whose node failed mid-way "
+                              "(docs/migration.md); 0 = off: the stream ends with a "
+                              "server_error event")
 
     def __post_init__(self) -> None:
         _check_bounds("router", self)
