@@ -3,7 +3,8 @@
     POST /internal/continue/v1/completions
     POST /internal/continue/v1/chat/completions
     body {"request": <the client's original body>, "prompt_token_ids": [...],
-          "output_token_ids": [...]}
+          "output_token_ids": [...], "replay": "decode" | "prefill"}
+    (replay: how the sent tokens are recomputed, moed.engine.resume; default "decode")
 
 Only a router may call it, with a request signed by the cluster secret (moed.api.internal;
 a tenant API key gets 403, nothing else 401): a continuation makes the node emit text it did
@@ -27,6 +28,7 @@ from moed.api.generate import Continuation
 from moed.api.internal import require_signed
 from moed.api.openai import _read_body
 from moed.api.state import STATE
+from moed.engine.resume import REPLAYS
 
 PREFIX = "/internal/continue"
 
@@ -55,8 +57,11 @@ def parse(raw: bytes) -> Continuation:
         raise bad_request("a continuation has one choice of one prompt", "n")
     if req.get("tools"):
         raise bad_request("tool-calling streams are not continued", "tools")
+    replay = body.get("replay", "decode")
+    if replay not in REPLAYS:
+        raise bad_request(f"'replay' must be one of {', '.join(REPLAYS)}", "replay")
     return Continuation(json.dumps(req).encode(), _ids(body, "prompt_token_ids", False),
-                        _ids(body, "output_token_ids", True))
+                        _ids(body, "output_token_ids", True), replay)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

@@ -10,9 +10,10 @@ outlives its HTTP request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 import structlog
 
@@ -133,6 +134,7 @@ class Continuation:
     body: bytes
     prompt_ids: list[int]
     output_ids: list[int]
+    replay: str = "decode"      # moed.engine.resume.REPLAYS
 
 
 class Generation:
@@ -140,9 +142,12 @@ class Generation:
 
     def __init__(self, engine: EngineClient, admission: Admission, req: GenerationRequest,
                  prompt_ids: list[list[int]], request_id: str, retry_after_s: int,
-                 timeout_s: float | None = None, resume: Sequence[int] = ()) -> None:
+                 timeout_s: float | None = None, cont: Continuation | None = None) -> None:
         self.engine = engine
-        self.resume = list(resume)   # a continuation's output tokens already sent (n = 1)
+        self.cont = cont             # a migrated stream's continuation (n = 1)
+        self.resume = list(cont.output_ids) if cont else []     # the client has these
+        # "decode" replay: the engine publishes the sent tokens again; dropped here
+        self._replaying = list(self.resume) if cont and cont.replay == "decode" else []
         self.admission = admission
         self.req = req
         self.prompt_ids = prompt_ids
@@ -179,8 +184,9 @@ class Generation:
                 params = self.req.sampling_params(self.max_tokens[ch.prompt_index],
                                                   ch.index % self.req.n)
                 try:
-                    stream = self.engine.add_request(ch.engine_id, ch.prompt_ids, params,
-                                                     resume=self.resume) if self.resume else \
+                    stream = self.engine.add_request(
+                        ch.engine_id, ch.prompt_ids, params, resume=self.resume,
+                        replay=self.cont.replay) if self.cont and self.resume else \
                         self.engine.add_request(ch.engine_id, ch.prompt_ids, params)
                 except ValueError as e:
                     raise bad_request(str(e), "messages" if self.req.chat else "prompt") from None
@@ -216,6 +222,10 @@ class Generation:
         remaining = sum(1 for c in self.choices if not c.finished)
         while remaining:
             ch, ev = await self._queue.get()
+            if self._replaying and not isinstance(ev, BaseException) and ev.token_ids:
+                ev = self._drop_replayed(ev)
+                if ev is None:
+                    continue
             if isinstance(ev, BaseException):
                 log.error("engine_stream_failed", engine_request=ch.engine_id, error=repr(ev))
                 raise APIError(500, f"Internal server error (request id {self.request_id}).",
@@ -236,6 +246,19 @@ class Generation:
             if ev.finished:
                 remaining -= 1
             yield ch, ev
+
+    def _drop_replayed(self, ev: TokenEvent) -> TokenEvent | None:
+        """A decode replay's event minus the tokens the client already has (None: nothing
+        left). One token per step: an event is all replayed or all new."""
+        n = min(len(ev.token_ids), len(self._replaying))
+        if list(ev.token_ids[:n]) != self._replaying[:n]:
+            log.error("replay_mismatch", request_id=self.request_id)   # forced: cannot happen
+        del self._replaying[:n]
+        if n == len(ev.token_ids) and not ev.finished:
+            return None
+        return dataclasses.replace(ev, token_ids=ev.token_ids[n:], logprobs=ev.logprobs[n:],
+                                   top_logprobs=ev.top_logprobs[n:],
+                                   text=ev.text if n < len(ev.token_ids) else "")
 
     def _observe(self, ch: Choice, ev: TokenEvent) -> None:
         now = time.perf_counter()

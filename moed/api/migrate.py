@@ -101,14 +101,15 @@ class Ledger:
         """The original request, asking for token ids."""
         return json.dumps({**self.request, "return_token_ids": True}).encode()
 
-    def resubmission(self) -> tuple[str, bytes]:
+    def resubmission(self, replay: str = "decode") -> tuple[str, bytes]:
         """(path suffix kind, body) for the next node: a continuation once the client has an
         event with the prompt's ids, else the original request again ('fresh')."""
         if self.prompt_ids is None:
             return "fresh", self.backend_body()
         return "continue", json.dumps({
             "request": {**self.request, "return_token_ids": True},
-            "prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids}).encode()
+            "prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids,
+            "replay": replay}).encode()
 
     def relay(self, data: bytes) -> tuple[bytes | None, bool]:
         """One SSE event's data (after 'data: ') → (what the client gets, or None to drop it;

@@ -131,7 +131,7 @@ async def _resubmit(proxy: Proxy, request: web.Request, ledger: Ledger, tried: l
     signer = proxy.signer()
     rid = headers.get("X-Request-Id", "")
     while ledger.migrations < limit:
-        kind, body = ledger.resubmission()
+        kind, body = ledger.resubmission(proxy.replay())
         if kind == "continue" and signer is None:
             log.error("router_migration_unsigned", request_id=rid,
                       why="no cluster key on the router: a continuation must be signed")

@@ -333,8 +333,7 @@ async def _serve(request: web.Request, chat: bool, cont: Continuation | None = N
     with state.track():
         gen = Generation(engine, state.admission, req, prompt_ids, rid,
                          state.config.admission.retry_after_s,
-                         timeout_s=state.config.server.request_timeout_s,
-                         resume=cont.output_ids if cont else ())
+                         timeout_s=state.config.server.request_timeout_s, cont=cont)
         trace.record("admission", t_admit, trace.now_ns(), sequences=len(gen.choices))
         fmt = Formatter(req, engine.tokenizer, state.model_name, gen)
         if cont:

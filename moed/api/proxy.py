@@ -105,6 +105,9 @@ class Proxy:
     def migration_limit(self) -> int:
         return self._config().router.migration_limit
 
+    def replay(self) -> str:
+        return self._config().router.migration_replay
+
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Proxy.start() was not awaited"
         return self._session

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -28,6 +29,7 @@ import structlog
 from moed.engine.client import Listeners
 from moed.engine.masks import MaskPool
 from moed.engine.request import Request
+from moed.engine.resume import force
 from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
@@ -91,6 +93,7 @@ class StepCore:
     _tokenizer: Any
     _masks: MaskPool
     _grammar_failed: dict[str, str]
+    _forced: dict[str, deque[int]]      # a migrated stream's sent tokens (engine/resume.py)
     _streams: dict[str, RequestStream]
     _kv_events: KVEventRecorder | None
     _kv_publisher: ZmqPublisher | None
@@ -269,6 +272,8 @@ class StepCore:
     def _finish_step(self, plan: StepPlan, res: SampleResult | None, t0: float,
                      fwd_s: float, plps: PromptLPs | None = None) -> None:
         toks = [] if res is None else res.token_ids
+        if self._forced:
+            toks = force(self._forced, plan, toks)
         self._fail_grammars(plan)
         for c in plan.chunks if plps else ():
             if c.request.request_id in plps and not c.request.finished:
