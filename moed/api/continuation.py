@@ -28,7 +28,7 @@ from moed.api.generate import Continuation
 from moed.api.internal import require_signed
 from moed.api.openai import _read_body
 from moed.api.state import STATE
-from moed.engine.resume import REPLAYS
+from moed.types import REPLAYS
 
 PREFIX = "/internal/continue"
 

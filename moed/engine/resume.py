@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from moed.engine.plan import StepPlan
 from moed.engine.request import Request
 from moed.model.sampler import skip_one_token
+from moed.types import REPLAYS
 
-REPLAYS = ("decode", "prefill")
+__all__ = ["REPLAYS", "check", "force", "prime"]
 
 
 def check(output_ids: Sequence[int], vocab_size: int, prompt_len: int, max_len: int) -> None:
