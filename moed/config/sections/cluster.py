@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moed.config.schema import ConfigError, _check_bounds, _choice, _f, _range, _short
-from moed.types import REPLAYS
 
 MS_HOUR, MS_DAY = 3_600_000, 86_400_000
 
@@ -110,7 +109,8 @@ class RouterConfig:
                 raise ConfigError(f"router.backends: {_short(b)} is not an http(s):// URL")
         for r in self.backend_roles:
             _choice("router.backend_roles", r, ("decode", "colocated", "prefill"))
-        _choice("router.migration_replay", self.migration_replay, REPLAYS)
+        # moed.types.REPLAYS (config imports nothing of moed above it)
+        _choice("router.migration_replay", self.migration_replay, ("decode", "prefill"))
 
 
 BALANCE_POLICIES = ("tokens", "cost")
