@@ -41,7 +41,7 @@ gossip_interval_ms = 50
 def cluster(tiny_qwen3, tmp_path_factory):
     d = tmp_path_factory.mktemp("migrate")
     key = os.urandom(32).hex()
-    g = {n: free_port() for n in ("A", "B", "R")}
+    g = {n: free_port() for n in ("A", "B", "R", "R0")}
     common = {"MOED_MODEL_SERVED_NAME": "tiny", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "64",
               "MOED_CLUSTER_ENABLED": "true", "MOED_CLUSTER_KEY_ENV": KEY_ENV, KEY_ENV: key,
               "MOED_CLUSTER_SEEDS": f"127.0.0.1:{g['A']}",
@@ -51,8 +51,10 @@ def cluster(tiny_qwen3, tmp_path_factory):
               # undisturbed concurrent runs of the random tiny model differ after a few
               # tokens), so "identical to an undisturbed run" is only testable batch-free
               "MOED_ENGINE_MAX_NUM_SEQS": "1"}
-    conf = d / "router.toml"
+    conf, conf0 = d / "router.toml", d / "router0.toml"
     conf.write_text(ROUTER.format(port=g["R"], seed=g["A"], key_env=KEY_ENV))
+    conf0.write_text(ROUTER.format(port=g["R0"], seed=g["A"], key_env=KEY_ENV)
+                     + "[router]\nmigration_limit = 0\n")
     servers = {}
     try:
         for name in ("A", "B"):
@@ -60,13 +62,15 @@ def cluster(tiny_qwen3, tmp_path_factory):
                 model=tiny_qwen3, role="colocated", log_dir=d, wait=None,
                 env={**common, "MOED_CLUSTER_BIND_PORT": str(g[name]),
                      "MOED_SERVER_NODE_NAME": name})
-        servers["R"] = start_server(role="router", config=conf, log_dir=d, wait=None,
-                                    env={KEY_ENV: key, "MOED_SERVER_NODE_NAME": "R",
-                                         "MOED_SERVER_API_KEYS_ENV": "TEST_TENANT_KEYS",
-                                         "TEST_TENANT_KEYS": TENANT})
+        for name, c in (("R", conf), ("R0", conf0)):
+            servers[name] = start_server(role="router", config=c, log_dir=d, wait=None,
+                                         env={KEY_ENV: key, "MOED_SERVER_NODE_NAME": name,
+                                              "MOED_SERVER_API_KEYS_ENV": "TEST_TENANT_KEYS",
+                                              "TEST_TENANT_KEYS": TENANT})
         for s in servers.values():
             _wait_ready(s, "/ready", time.monotonic() + 150)
-        _wait_until(lambda: _alive(servers["R"], {"A", "B"}), 30, "router sees A and B", 0.1)
+        for r in ("R", "R0"):
+            _wait_until(lambda: _alive(servers[r], {"A", "B"}), 30, "routers see A and B", 0.1)
         yield servers
     finally:
         for s in servers.values():
@@ -194,3 +198,20 @@ def test_a_continuation_with_a_tenant_key_is_refused(cluster) -> None:
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == want
+
+
+def test_with_migration_limit_0_a_dead_node_ends_the_stream_with_one_server_error(
+        cluster) -> None:
+    """Runs last: it kills the node left by the first test."""
+    node = "B" if cluster["B"].alive else "A"
+    s = Stream(cluster["R0"].url, _body(1, ids=False))
+    s.start()
+    _wait_until(lambda: s.tokens() >= 20, 30, "the stream has tokens")
+    cluster[node].proc.send_signal(signal.SIGKILL)
+    s.join(30)
+    assert not s.is_alive() and s.error is None, repr(s.error)
+    res = s.result()
+    assert not res["done"] and len(res["errors"]) == 1
+    err = res["errors"][0]["error"]
+    assert err["type"] == "server_error" and err["code"] == "backend_failed"
+    assert "127.0.0.1" not in err["message"] and str(cluster[node].port) not in err["message"]
