@@ -41,9 +41,12 @@ class Node:
     """Streams tokens 100.. (text t0 t1 ...); dies after `die_after` chunks when set; serves
     continuations from where the caller says the client is."""
 
-    def __init__(self, die_after: int | None = None, always: bool = False) -> None:
+    def __init__(self, die_after: int | None = None, always: bool = False,
+                 how: str = "cut") -> None:
         self.die_after = die_after      # fresh requests die after this many chunks
         self.always = always            # continuations too
+        self.how = how                  # cut | error (a server_error event) | stall (unready)
+        self.ready = 200
         self.continued: list[dict] = []
         self.signed: list[bool] = []
         app = web.Application()
@@ -53,7 +56,7 @@ class Node:
         self.app = app
 
     async def _ready(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ready"})
+        return web.json_response({"status": "ready"}, status=self.ready)
 
     async def _fresh(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -73,6 +76,12 @@ class Node:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for n, i in enumerate(range(start, TOKENS)):
+            if die_after is not None and n == die_after and self.how == "error":
+                await resp.write(b'data: {"error": {"type": "server_error", "code": "x"}}\n\n')
+                return resp
+            if die_after is not None and n == die_after and self.how == "stall":
+                self.ready = 503          # membership / the health poll drops it; no byte more
+                await asyncio.sleep(30)
             if die_after is not None and n == die_after:
                 await resp.write(b'data: {"id": "cut')          # an event cut in half
                 request.transport.close()
@@ -187,3 +196,17 @@ async def test_every_node_failing_ends_with_one_server_error_after_the_limit(rou
     assert sum(len(n.continued) for n in nodes) == 2        # the limit: two resubmissions
     texts = [e["choices"][0]["text"] for e in events if isinstance(e, dict) and "choices" in e]
     assert texts == ["t0 ", "t1 ", "t2 "]                   # each token once, in order
+
+
+@pytest.mark.parametrize("how,reason", [("error", "error_event"), ("stall", "node_dead")])
+async def test_an_error_event_or_a_silent_dropped_node_moves_the_stream(router, how,
+                                                                        reason) -> None:
+    a, b = Node(die_after=2, how=how), Node(die_after=2, how=how)
+    url = await router(a, b)
+    before = metrics.ROUTER_MIGRATIONS.labels(reason=reason)._value.get()
+    events = await asyncio.wait_for(_stream(url), 10)
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e
+                                              for e in events)
+    assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == "".join(
+        f"t{i} " for i in range(TOKENS))
+    assert metrics.ROUTER_MIGRATIONS.labels(reason=reason)._value.get() == before + 1
