@@ -1,8 +1,10 @@
-"""Stream migration (issue 33) on real processes: router R + colocated nodes A and B on
-127.0.0.1 (gossip, one cluster key). Eight concurrent greedy streams; SIGKILL of the node
-serving some of them once every stream has tokens: every stream finishes with exactly the
-tokens of an undisturbed run, no error event, [DONE], usage counted once, and
-moed_router_migrations_total moved. A continuation with a tenant key is refused."""
+"""Stream migration (issue 33) on real processes: router R + colocated nodes A, B and C on
+127.0.0.1 (gossip, one cluster key). Eight concurrent greedy streams (completions and chats);
+SIGKILL of the node serving one under way (a completion stream, then a chat stream, each
+killing another node): every stream finishes with exactly the tokens of an undisturbed run, no
+error event, one [DONE], usage counted once, chat's role once, and
+moed_router_migrations_total moved. A continuation with a tenant key is refused; with
+router.migration_limit = 0 (router R0) a killed node ends the stream with one server_error."""
 from __future__ import annotations
 
 import json
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.timeout(240)
 KEY_ENV = "CLUSTER_KEY_HEX"
 TENANT = "tenant-key-1"
 N, TOKENS = 8, 400
+NODES = ("A", "B", "C")        # each kill test kills one; the last test the last one
 ROUTER = """
 [server]
 role = "router"
@@ -41,7 +44,7 @@ gossip_interval_ms = 50
 def cluster(tiny_qwen3, tmp_path_factory):
     d = tmp_path_factory.mktemp("migrate")
     key = os.urandom(32).hex()
-    g = {n: free_port() for n in ("A", "B", "R", "R0")}
+    g = {n: free_port() for n in ("A", "B", "C", "R", "R0")}
     common = {"MOED_MODEL_SERVED_NAME": "tiny", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "64",
               "MOED_CLUSTER_ENABLED": "true", "MOED_CLUSTER_KEY_ENV": KEY_ENV, KEY_ENV: key,
               "MOED_CLUSTER_SEEDS": f"127.0.0.1:{g['A']}",
@@ -57,7 +60,7 @@ def cluster(tiny_qwen3, tmp_path_factory):
                      + "[router]\nmigration_limit = 0\n")
     servers = {}
     try:
-        for name in ("A", "B"):
+        for name in NODES:
             servers[name] = start_server(
                 model=tiny_qwen3, role="colocated", log_dir=d, wait=None,
                 env={**common, "MOED_CLUSTER_BIND_PORT": str(g[name]),
@@ -70,7 +73,7 @@ def cluster(tiny_qwen3, tmp_path_factory):
         for s in servers.values():
             _wait_ready(s, "/ready", time.monotonic() + 150)
         for r in ("R", "R0"):
-            _wait_until(lambda: _alive(servers[r], {"A", "B"}), 30, "routers see A and B", 0.1)
+            _wait_until(lambda: _alive(servers[r], set(NODES)), 30, "routers see the nodes", 0.1)
         yield servers
     finally:
         for s in servers.values():
@@ -85,9 +88,13 @@ def _alive(router, names: set[str]) -> bool:
 
 
 def _body(i: int, ids: bool) -> dict:
-    return {"model": "tiny", "prompt": f"stream {i}: the quick brown fox {i * 7}",
-            "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": ids}
+    """Every fourth stream is a chat (from i = 3)."""
+    text = f"stream {i}: the quick brown fox {i * 7}"
+    body = {"model": "tiny", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": ids}
+    if i % 4 == 3:
+        return {**body, "messages": [{"role": "user", "content": text}]}
+    return {**body, "prompt": text}
 
 
 class Stream(threading.Thread):
@@ -101,8 +108,9 @@ class Stream(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        path = "/v1/chat/completions" if "messages" in self.body else "/v1/completions"
         req = urllib.request.Request(
-            self.base + "/v1/completions", data=json.dumps(self.body).encode(),
+            self.base + path, data=json.dumps(self.body).encode(),
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {TENANT}"})
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
@@ -115,29 +123,35 @@ class Stream(threading.Thread):
             self.error = e
 
     def tokens(self) -> int:
-        return sum(1 for e in self.events if e.startswith("{") and '"text"' in e)
+        return sum(1 for e in self.events if e.startswith("{") and '"finish_reason"' in e)
 
     def result(self) -> dict:
         chunks = [json.loads(e) for e in self.events if e != "[DONE]"]
         errors = [c for c in chunks if "error" in c]
         choices = [c["choices"][0] for c in chunks if c.get("choices")]
         ids = [t for c in choices for t in c.get("token_ids", [])]
-        return {"text": "".join(c["text"] for c in choices), "ids": ids, "errors": errors,
+        text = "".join(c["text"] if "text" in c else c["delta"].get("content", "")
+                       for c in choices)
+        prompt_ids = [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c] + \
+            [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c]   # chat
+        return {"text": text, "ids": ids, "errors": errors,
+                "roles": sum(1 for c in choices if "role" in c.get("delta", {})),
                 "done": bool(self.events) and self.events[-1] == "[DONE]",
                 "usage": [c["usage"] for c in chunks if c.get("usage")],
-                "prompt_ids": [c["prompt_token_ids"] for c in choices
-                               if "prompt_token_ids" in c],
+                "prompt_ids": prompt_ids,
                 "has_ids": any("token_ids" in c for c in choices),
                 "ids_of": {c["id"] for c in chunks if "id" in c},
                 "finish": [c["finish_reason"] for c in choices if c["finish_reason"]]}
 
 
-def _run(base: str, kill=None) -> list[dict]:
+def _run(base: str, kill=None, chat: bool = False) -> list[dict]:
     streams = [Stream(base, _body(i, ids=i % 2 == 0)) for i in range(N)]
     for s in streams:
         s.start()
-    if kill is not None:
-        _wait_until(lambda: any(s.tokens() >= 20 for s in streams), 30, "a stream has tokens")
+    if kill is not None:      # a stream of the kind asked for under way
+        _wait_until(lambda: any(s.tokens() >= 20 and s.is_alive() and
+                                ("messages" in s.body) == chat for s in streams),
+                    30, "a stream has tokens")
         kill(streams)
     for s in streams:
         s.join(60)
@@ -146,7 +160,8 @@ def _run(base: str, kill=None) -> list[dict]:
     return [s.result() for s in streams]
 
 
-def test_streams_survive_a_node_killed_mid_way(cluster) -> None:
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_streams_survive_a_node_killed_mid_way(cluster, chat: bool) -> None:
     r = cluster["R"]
     t0 = time.monotonic()
     base = _run(r.url)
@@ -156,14 +171,15 @@ def test_streams_survive_a_node_killed_mid_way(cluster) -> None:
     killed: list[str] = []
 
     def kill(streams: list[Stream]) -> None:
-        live = [s for s in streams if s.is_alive() and s.tokens() >= 20]
+        live = [s for s in streams if s.is_alive() and s.tokens() >= 20
+                and ("messages" in s.body) == chat]
         assert live, "every stream had already finished"
         victim = live[0].backend     # the node serving a stream under way (others queue there)
-        assert victim in ("A", "B")
+        assert victim in NODES
         cluster[victim].proc.send_signal(signal.SIGKILL)
         killed.append(victim)
 
-    got = _run(r.url, kill)
+    got = _run(r.url, kill, chat)
     after = r.metrics()
     for i, (a, b) in enumerate(zip(base, got)):
         assert not b["errors"], (i, b["errors"])
@@ -171,6 +187,7 @@ def test_streams_survive_a_node_killed_mid_way(cluster) -> None:
         assert b["text"] == a["text"], i
         assert b["finish"] == ["length"], i
         assert len(b["ids_of"]) == 1, "the chunk id stays the first node's"
+        assert b["roles"] == (1 if i % 4 == 3 else 0), "chat: the role in the first chunk only"
         assert b["usage"] == a["usage"] and b["usage"][0]["completion_tokens"] == TOKENS
         if i % 2 == 0:        # asked for token ids: the same ids, prompt ids once
             assert b["ids"] == a["ids"] and len(b["ids"]) == TOKENS
@@ -181,14 +198,15 @@ def test_streams_survive_a_node_killed_mid_way(cluster) -> None:
     was = sum(v for k, v in before.items() if k.startswith("moed_router_migrations_total{"))
     assert moved > was, "no stream migrated"
     logs = r.log_records()
-    lines = [x for x in logs if x.get("event") == "router_stream_migrated"]
-    assert lines and all(x["from_node"] == killed[0] and x["request_id"] for x in lines)
+    lines = [x for x in logs if x.get("event") == "router_stream_migrated"
+             and x["from_node"] == killed[0]]
+    assert lines and all(x["request_id"] and x["to_node"] != killed[0] for x in lines)
     assert any(x["kind"] == "continue" and x["tokens_sent"] >= 20 for x in lines)
     assert time.monotonic() - t0 < 60
 
 
 def test_a_continuation_with_a_tenant_key_is_refused(cluster) -> None:
-    node = cluster["B"] if cluster["B"].alive else cluster["A"]
+    node = next(cluster[n] for n in NODES if cluster[n].alive)
     body = json.dumps({"request": _body(0, False), "prompt_token_ids": [1, 2, 3],
                        "output_token_ids": [4]}).encode()
     for auth, want in ((f"Bearer {TENANT}", 403), (None, 401)):
@@ -203,7 +221,7 @@ def test_a_continuation_with_a_tenant_key_is_refused(cluster) -> None:
 def test_with_migration_limit_0_a_dead_node_ends_the_stream_with_one_server_error(
         cluster) -> None:
     """Runs last: it kills the node left by the first test."""
-    node = "B" if cluster["B"].alive else "A"
+    node = next(n for n in NODES if cluster[n].alive)
     s = Stream(cluster["R0"].url, _body(1, ids=False))
     s.start()
     _wait_until(lambda: s.tokens() >= 20, 30, "the stream has tokens")
