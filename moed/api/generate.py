@@ -127,6 +127,13 @@ def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int) -> l
     return tickets
 
 
+MIGRATABLE = "X-Moed-Migratable"    # set by a router that migrates this stream if it ends
+
+
+class HandOff(Exception):
+    """Drain: this stream ends here so its router continues it elsewhere."""
+
+
 @dataclass(frozen=True)
 class Continuation:
     """A migrated stream resumed on this node (moed.api.continuation): the client's original
@@ -142,8 +149,10 @@ class Generation:
 
     def __init__(self, engine: EngineClient, admission: Admission, req: GenerationRequest,
                  prompt_ids: list[list[int]], request_id: str, retry_after_s: int,
-                 timeout_s: float | None = None, cont: Continuation | None = None) -> None:
+                 timeout_s: float | None = None, cont: Continuation | None = None,
+                 handoffs: set | None = None) -> None:
         self.engine = engine
+        self._handoffs = handoffs    # drain hands this stream to its router (ServerState's)
         self.cont = cont             # a migrated stream's continuation (n = 1)
         self.resume = list(cont.output_ids) if cont else []     # the client has these
         # "decode" replay: the engine publishes the sent tokens again; dropped here
@@ -169,6 +178,8 @@ class Generation:
             for pi, p in enumerate(prompt_ids) for c in range(req.n)]
         self._queue: asyncio.Queue[tuple[Choice, TokenEvent | BaseException]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
+        if handoffs is not None:
+            handoffs.add(self.hand_off)
 
     @property
     def prompt_tokens(self) -> int:
@@ -226,6 +237,9 @@ class Generation:
                 ev = self._drop_replayed(ev)
                 if ev is None:
                     continue
+            if isinstance(ev, HandOff):    # a server_error event: the router moves it
+                raise APIError(503, "This node is draining; the stream continues on another.",
+                               code="handed_off")
             if isinstance(ev, BaseException):
                 log.error("engine_stream_failed", engine_request=ch.engine_id, error=repr(ev))
                 raise APIError(500, f"Internal server error (request id {self.request_id}).",
@@ -321,8 +335,14 @@ class Generation:
                          **attrs)
             at = start
 
+    def hand_off(self) -> None:
+        """Drain: end this stream with a server_error event (its router continues it)."""
+        self._queue.put_nowait((self.choices[0], HandOff()))
+
     async def close(self) -> None:
         """Abort unfinished engine requests, stop pumps, release tickets. Idempotent."""
+        if self._handoffs is not None:
+            self._handoffs.discard(self.hand_off)
         for ch in self.choices:
             if ch.added and not ch.finished:
                 ch.finish_reason = FinishReason.ABORT.value

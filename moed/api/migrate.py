@@ -52,6 +52,7 @@ class Reason(str, enum.Enum):
     CONNECTION = "connection"      # read error, reset, or the stream ended without [DONE]
     ERROR_EVENT = "error_event"    # the node's own in-band error of a server-side kind
     NODE_DEAD = "node_dead"        # membership no longer lists the node while it is silent
+    DRAIN = "drain"                # a draining node handed the stream back (code handed_off)
 
 
 def eligible(path: str, body: bytes) -> dict[str, Any] | None:
@@ -85,6 +86,7 @@ class Ledger:
     first_id: str | None = None            # the first chunk's id and created: kept across nodes
     created: int | None = None
     finished: bool = False                 # a finish_reason was relayed
+    handed_off: bool = False               # the last node's error: it was draining
     migrations: int = 0
 
     @classmethod
@@ -125,7 +127,9 @@ class Ledger:
         if not isinstance(obj, dict):
             return data, False
         if "error" in obj:
-            return None if server_side(obj["error"]) else data, server_side(obj["error"])
+            err = obj["error"]
+            self.handed_off = isinstance(err, dict) and err.get("code") == "handed_off"
+            return None if server_side(err) else data, server_side(err)
         self._record(obj)
         return json.dumps(obj, separators=(",", ":")).encode(), False
 

@@ -4,8 +4,8 @@ Lifecycle of one relayed stream (the ledger's phases, moed.api.migrate.StreamPha
   RELAYING: events are read whole from the node, recorded and rewritten (token ids stripped
     unless the client asked, the first chunk's id kept) and written to the client
   a failure — the connection drops or the stream ends without [DONE] (connection), the node's
-    own server-side error event (error_event), or no byte for POLL_S while membership no longer
-    lists the node (node_dead) → MIGRATING: the node is marked failed, the next one is placed
+    own server-side error event (error_event; drain: a draining node handed it back), or no
+    byte for POLL_S while membership no longer lists the node (node_dead) → MIGRATING: the node is marked failed, the next one is placed
     (never a node this request already failed on) and gets the continuation, signed with the
     cluster key (or the original request when the client has no event yet) → RELAYING again
   [DONE] → DONE. A finish already relayed when the node died: the router closes the stream
@@ -52,7 +52,7 @@ async def _relay_one(proxy: Proxy, out: web.StreamResponse, resp: aiohttp.Client
                 for data in split.feed(chunk):
                     client, failed = ledger.relay(data)
                     if failed:
-                        return Reason.ERROR_EVENT
+                        return Reason.DRAIN if ledger.handed_off else Reason.ERROR_EVENT
                     if client is not None:
                         await _send(out, client)
                     if ledger.phase is StreamPhase.DONE:
@@ -93,7 +93,7 @@ async def relay(proxy: Proxy, request: web.Request, out: web.StreamResponse,
                 await out.write_eof()
                 return
             proxy.record(backend, "error")
-            if reason is not Reason.ERROR_EVENT:
+            if reason not in (Reason.ERROR_EVENT, Reason.DRAIN):
                 proxy.mark_failed(backend.name)
             if own is not None:
                 own.close()

@@ -25,8 +25,8 @@ from aiohttp import web
 
 from moed.api import tokens
 from moed.api.errors import APIError, bad_request
-from moed.api.generate import (Choice, Continuation, Generation, check_rough_length,
-                              encode_prompts)
+from moed.api.generate import (MIGRATABLE, Choice, Continuation, Generation,
+                              check_rough_length, encode_prompts)
 from moed.api.protocol import GenerationRequest, parse_request
 from moed.api.salt import tenant_tag
 from moed.api.tools import ChatOutput, bind
@@ -333,7 +333,9 @@ async def _serve(request: web.Request, chat: bool, cont: Continuation | None = N
     with state.track():
         gen = Generation(engine, state.admission, req, prompt_ids, rid,
                          state.config.admission.retry_after_s,
-                         timeout_s=state.config.server.request_timeout_s, cont=cont)
+                         timeout_s=state.config.server.request_timeout_s, cont=cont,
+                         handoffs=state.handoffs if req.stream and MIGRATABLE in request.headers
+                         else None)
         trace.record("admission", t_admit, trace.now_ns(), sequences=len(gen.choices))
         fmt = Formatter(req, engine.tokenizer, state.model_name, gen)
         if cont:

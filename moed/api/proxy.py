@@ -39,6 +39,7 @@ from multidict import CIMultiDict
 from moed.api import affinity, migrate, migrating
 from moed.api.backends import BackendSource, StaticBackends
 from moed.api.errors import APIError
+from moed.api.generate import MIGRATABLE
 from moed.api.middleware import request_id_of
 from moed.api.salt import effective_salt, tenant_tag
 from moed.balance import canary
@@ -209,6 +210,9 @@ class Proxy:
                 ledger = migrate.Ledger.open(request.path, req)
                 body = ledger.backend_body()
         headers = _forwardable(request.headers)
+        headers.pop(MIGRATABLE, None)         # only this router says so, never its client
+        if ledger is not None and self.migration_limit() > 0:
+            headers[MIGRATABLE] = "1"         # a draining node may hand the stream back
         rid = request_id_of(request)
         if rid:
             headers["X-Request-Id"] = rid
