@@ -1,5 +1,5 @@
-"""Stream migration (issue 33) on real processes: router R + colocated nodes A, B and C on
-127.0.0.1 (gossip, one cluster key). Eight concurrent greedy streams (completions and chats);
+"""Stream migration (issue 33) on real processes: router R + colocated nodes A, B, C and D on
+127.0.0.1 (gossip, one cluster key). A drained node hands its streams over (item 2). Eight concurrent greedy streams (completions and chats);
 SIGKILL of the node serving one under way (a completion stream, then a chat stream, each
 killing another node): every stream finishes with exactly the tokens of an undisturbed run, no
 error event, one [DONE], usage counted once, chat's role once, and
@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from moed_server import _wait_ready, free_port, start_server
+from moed_server import ADMIN_HEADERS, _wait_ready, free_port, start_server
 
 from test_disagg import _wait_until
 
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(240)
 KEY_ENV = "CLUSTER_KEY_HEX"
 TENANT = "tenant-key-1"
 N, TOKENS = 8, 400
-NODES = ("A", "B", "C")        # each kill test kills one; the last test the last one
+NODES = ("A", "B", "C", "D")   # the drain test and each kill test take one; the last the last
+DRAIN_AFTER_S = 0.5
 ROUTER = """
 [server]
 role = "router"
@@ -44,7 +45,7 @@ gossip_interval_ms = 50
 def cluster(tiny_qwen3, tmp_path_factory):
     d = tmp_path_factory.mktemp("migrate")
     key = os.urandom(32).hex()
-    g = {n: free_port() for n in ("A", "B", "C", "R", "R0")}
+    g = {n: free_port() for n in ("A", "B", "C", "D", "R", "R0")}
     common = {"MOED_MODEL_SERVED_NAME": "tiny", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "64",
               "MOED_CLUSTER_ENABLED": "true", "MOED_CLUSTER_KEY_ENV": KEY_ENV, KEY_ENV: key,
               "MOED_CLUSTER_SEEDS": f"127.0.0.1:{g['A']}",
@@ -53,7 +54,8 @@ def cluster(tiny_qwen3, tmp_path_factory):
               # one sequence per step: the CPU kernels' results depend on the batch (two
               # undisturbed concurrent runs of the random tiny model differ after a few
               # tokens), so "identical to an undisturbed run" is only testable batch-free
-              "MOED_ENGINE_MAX_NUM_SEQS": "1"}
+              "MOED_ENGINE_MAX_NUM_SEQS": "1",
+              "MOED_SERVER_DRAIN_MIGRATE_AFTER_S": str(DRAIN_AFTER_S)}
     conf, conf0 = d / "router.toml", d / "router0.toml"
     conf.write_text(ROUTER.format(port=g["R"], seed=g["A"], key_env=KEY_ENV))
     conf0.write_text(ROUTER.format(port=g["R0"], seed=g["A"], key_env=KEY_ENV)
@@ -158,6 +160,42 @@ def _run(base: str, kill=None, chat: bool = False) -> list[dict]:
         assert not s.is_alive(), "stream did not end within 60 s"
         assert s.error is None, repr(s.error)
     return [s.result() for s in streams]
+
+
+def test_a_drained_node_hands_its_streams_over(cluster) -> None:
+    """Item 2: POST /admin/drain on the node serving a stream: after
+    server.drain_migrate_after_s its streams end there and continue elsewhere, identical, and
+    the node exits long before they would have finished."""
+    r = cluster["R"]
+    base = _run(r.url)
+    drained: list[str] = []
+
+    def drain(streams: list[Stream]) -> None:
+        live = [s for s in streams if s.is_alive() and s.tokens() >= 20]
+        assert live, "every stream had already finished"
+        drained.append(live[0].backend)
+        status, _ = _post_admin(cluster[drained[0]])
+        assert status in (200, 202)
+
+    t0 = time.monotonic()
+    got = _run(r.url, drain)
+    for i, (a, b) in enumerate(zip(base, got)):
+        assert not b["errors"] and b["done"], (i, b["errors"])
+        assert b["text"] == a["text"] and b["usage"] == a["usage"], i
+    cluster[drained[0]].proc.wait(timeout=DRAIN_AFTER_S + 5)
+    assert time.monotonic() - t0 < 30
+    m = r.metrics()
+    assert m.get('moed_router_migrations_total{reason="drain"}', 0) >= 1
+    lines = [x for x in r.log_records() if x.get("event") == "router_stream_migrated"
+             and x["reason"] == "drain"]
+    assert lines and all(x["from_node"] == drained[0] for x in lines)
+
+
+def _post_admin(srv) -> tuple[int, str]:
+    req = urllib.request.Request(srv.url + "/admin/drain", data=b"{}", method="POST",
+                                 headers={**ADMIN_HEADERS, "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.status, resp.read().decode()
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
