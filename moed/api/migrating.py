@@ -5,9 +5,10 @@ Lifecycle of one relayed stream (the ledger's phases, moed.api.migrate.StreamPha
     unless the client asked, the first chunk's id kept) and written to the client
   a failure — the connection drops or the stream ends without [DONE] (connection), the node's
     own server-side error event (error_event; drain: a draining node handed it back), or no
-    byte for POLL_S while membership no longer lists the node (node_dead) → MIGRATING: the node is marked failed, the next one is placed
-    (never a node this request already failed on) and gets the continuation, signed with the
-    cluster key (or the original request when the client has no event yet) → RELAYING again
+    byte for POLL_S while membership no longer lists the node (node_dead) → MIGRATING: the
+    node is marked failed (not a draining one), the next one is placed (never a node this
+    request already failed on) and gets the continuation, signed with the cluster key (or the
+    original request when the client has no event yet) → RELAYING again
   [DONE] → DONE. A finish already relayed when the node died: the router closes the stream
     itself (usage when asked, [DONE]). router.migration_limit resubmissions spent, no node left,
     or a node refusing the continuation → FAILED: one server_error event, no [DONE].

@@ -91,3 +91,29 @@ def test_force_replaces_only_the_forced_rows_in_sample_order() -> None:
     assert force(forced, plan, [1, 2]) == [1, 11]   # row 1 is c's (b samples nothing)
     assert forced == {"c": deque([12]), "b": deque([5])}
     assert force(forced, plan, [1, 2]) == [1, 12] and "c" not in forced
+
+
+@pytest.mark.parametrize("replay", ["decode", "prefill"])
+async def test_a_seeded_stream_continues_with_the_undisturbed_draws(replay) -> None:
+    """What `seed` promises across a migration (docs/migration.md): with the same logits, the
+    tokens after the move are the undisturbed run's."""
+    params = SamplingParams(max_tokens=12, temperature=2.0, seed=5)
+
+    async def run(eng: Engine, **kw) -> list[int]:
+        await eng.start()
+        try:
+            evs = await asyncio.wait_for(_collect(eng.add_request("s", PROMPT, params, **kw)), 10)
+        finally:
+            await eng.shutdown()
+        return [t for e in evs for t in e.token_ids]
+
+    whole = await run(_engine())
+    assert len(set(whole)) > 3                     # sampled, not the greedy argmax throughout
+    got = await run(_engine(), resume=whole[:5], replay=replay)
+    assert got[-7:] == whole[5:]
+    other = await run(_engine(), resume=whole[:4] + [(whole[4] + 1) % 60], replay=replay)
+    assert other[-7:] != whole[5:]                 # the sent tokens matter: the test can fail
+
+
+async def _collect(stream) -> list:
+    return [ev async for ev in stream]
