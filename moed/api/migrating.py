@@ -145,7 +145,8 @@ async def _resubmit(proxy: Proxy, request: web.Request, ledger: Ledger, tried: l
         path = (CONTINUE + request.path) if kind == "continue" else request.path
         h = CIMultiDict(headers)
         if kind == "continue":
-            h.pop("Authorization", None)              # the tenant's key stays at the router
+            # signed by this router; the tenant's Authorization still goes along (as to /v1):
+            # the node salts the prompt's cache blocks by it (server.prefix_cache_isolation)
             h.update(signer.sign("POST", path, body))
         h["Content-Type"] = "application/json"
         t0 = time.monotonic()

@@ -65,8 +65,8 @@ class Node:
     async def _continue(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.continued.append(body)
-        self.signed.append("X-Test-Signed" in request.headers and
-                           "Authorization" not in request.headers)
+        self.signed.append("X-Test-Signed" in request.headers and   # + the tenant's salt
+                           request.headers.get("Authorization") == "Bearer tenant")
         return await self._stream(request, len(body["output_token_ids"]),
                                   bool(body["request"].get("return_token_ids")),
                                   self.die_after if self.always else None)
@@ -164,7 +164,7 @@ async def test_a_stream_whose_node_dies_continues_on_another(router) -> None:
     assert len(conts) == 1 and len(a.continued) != len(b.continued)   # the other node
     assert conts[0]["output_token_ids"] == [100, 101, 102]
     assert conts[0]["prompt_token_ids"] == PROMPT_IDS and conts[0]["replay"] == "decode"
-    assert a.signed + b.signed == [True]             # signed, the tenant's key not sent on
+    assert a.signed + b.signed == [True]             # signed, the tenant's key for its salt
     assert _migrations() == before + 1
 
 
