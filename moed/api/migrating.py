@@ -42,14 +42,17 @@ async def _send(out: web.StreamResponse, data: bytes) -> None:
 
 
 async def _relay_one(proxy: Proxy, out: web.StreamResponse, resp: aiohttp.ClientResponse,
-                     first: bytes, ledger: Ledger, backend: Candidate) -> Reason | None:
+                     first: bytes, ledger: Ledger, backend: Candidate, t0: float
+                     ) -> Reason | None:
     """Relay one node's stream until [DONE] (None) or a failure (its reason)."""
     split = EventSplitter()            # a new node: an event cut by the old one is dropped
+    timing = proxy.timing(backend, t0)
     chunk: bytes | None = first
     read: asyncio.Future[bytes] | None = None
     try:
         while True:
             if chunk is not None:
+                timing.chunk(chunk, time.monotonic())
                 for data in split.feed(chunk):
                     client, failed = ledger.relay(data)
                     if failed:
@@ -57,6 +60,7 @@ async def _relay_one(proxy: Proxy, out: web.StreamResponse, resp: aiohttp.Client
                     if client is not None:
                         await _send(out, client)
                     if ledger.phase is StreamPhase.DONE:
+                        proxy.record(backend, "ok", *timing.figures())
                         return None
                 if not chunk:
                     return Reason.CONNECTION          # the body ended without [DONE]
@@ -80,7 +84,7 @@ async def _relay_one(proxy: Proxy, out: web.StreamResponse, resp: aiohttp.Client
 async def relay(proxy: Proxy, request: web.Request, out: web.StreamResponse,
                 resp: aiohttp.ClientResponse, first: bytes, ledger: Ledger,
                 backend: Candidate, headers: CIMultiDict[str],
-                timeout: aiohttp.ClientTimeout) -> None:
+                timeout: aiohttp.ClientTimeout, t0: float) -> None:
     """Relay the stream, migrating it on a node's failure (see the module docstring). `resp`
     is the caller's (it closes it); every response opened here is closed here."""
     limit = proxy.migration_limit()
@@ -88,9 +92,8 @@ async def relay(proxy: Proxy, request: web.Request, out: web.StreamResponse,
     own: aiohttp.ClientResponse | None = None
     try:
         while True:
-            reason = await _relay_one(proxy, out, resp, first, ledger, backend)
+            reason = await _relay_one(proxy, out, resp, first, ledger, backend, t0)
             if reason is None:
-                proxy.record(backend, "ok")
                 await out.write_eof()
                 return
             proxy.record(backend, "error")
@@ -115,7 +118,7 @@ async def relay(proxy: Proxy, request: web.Request, out: web.StreamResponse,
                     "The serving node failed mid-stream and the stream could not be moved to "
                     "another node.", "backend_failed"))
                 return
-            backend, own, first = moved
+            backend, own, first, t0 = moved
             resp = own
             ledger.to(StreamPhase.RELAYING)
     finally:
@@ -126,7 +129,7 @@ async def relay(proxy: Proxy, request: web.Request, out: web.StreamResponse,
 async def _resubmit(proxy: Proxy, request: web.Request, ledger: Ledger, tried: list[str],
                     headers: CIMultiDict[str], timeout: aiohttp.ClientTimeout, limit: int,
                     failed: str, reason: Reason
-                    ) -> tuple[Candidate, aiohttp.ClientResponse, bytes] | None:
+                    ) -> tuple[Candidate, aiohttp.ClientResponse, bytes, float] | None:
     """The next node streaming this request's continuation, or None (limit, no node, or every
     node refused it). Each attempt counts against router.migration_limit."""
     signer = proxy.signer()
@@ -171,5 +174,5 @@ async def _resubmit(proxy: Proxy, request: web.Request, ledger: Ledger, tried: l
         log.info("router_stream_migrated", request_id=rid, from_node=failed, to_node=backend.name,
                  reason=reason.value, tokens_sent=len(ledger.output_ids), kind=kind,
                  migration=ledger.migrations, connect_s=round(time.monotonic() - t0, 3))
-        return backend, resp, first
+        return backend, resp, first, t0
     return None

@@ -120,6 +120,11 @@ class Proxy:
     def mark_failed(self, name: str) -> None:
         self._source.mark_failed(name)
 
+    @staticmethod
+    def timing(backend: Candidate, t0: float) -> _StreamTiming:
+        """TTFT and inter-chunk gaps of one node's part of a stream (canary figures)."""
+        return _StreamTiming(t0, backend.label or "unknown")
+
     def pick(self, exclude: Iterable[str] = (), side: Side | None = None,
              pinned: bool = False) -> Candidate | None:
         """The next backend by load alone (see place)."""
@@ -323,7 +328,7 @@ class Proxy:
                 out.headers.pop("Content-Length", None)
                 await out.prepare(request)
                 await migrating.relay(self, request, out, resp, first, ledger, backend,
-                                      headers, timeout)
+                                      headers, timeout, t0)
                 return out
             await out.prepare(request)
             await self._pump(request, out, resp, first, backend, t0)
