@@ -91,7 +91,6 @@ class Boundary(StepCore):
             self.scheduler.add(cmd.request)
 
     def _abort(self, cmd: Abort) -> None:
-        self._forced.pop(cmd.request_id, None)
         ev = self.scheduler.abort(cmd.request_id)
         if ev is None and self._parked.pop(cmd.request_id, None) is not None:
             ev = TokenEvent.finish(cmd.request_id, FinishReason.ABORT)  # its source held it

@@ -120,6 +120,7 @@ class StepCore:
             s.put(ev)
             if ev.finished:
                 del self._streams[ev.request_id]
+                self._forced.pop(ev.request_id, None)    # a migrated one's unreplayed rest
                 if s.kv_blocks is not None and not s.kv_blocks.done():
                     s.kv_blocks.cancel()
 
