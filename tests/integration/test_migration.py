@@ -1,10 +1,11 @@
 """Stream migration (issue 33) on real processes: router R + colocated nodes A, B, C and D on
-127.0.0.1 (gossip, one cluster key). A drained node hands its streams over (item 2). Eight concurrent greedy streams (completions and chats);
-SIGKILL of the node serving one under way (a completion stream, then a chat stream, each
-killing another node): every stream finishes with exactly the tokens of an undisturbed run, no
-error event, one [DONE], usage counted once, chat's role once, and
-moed_router_migrations_total moved. A continuation with a tenant key is refused; with
-router.migration_limit = 0 (router R0) a killed node ends the stream with one server_error."""
+127.0.0.1 (gossip, one cluster key). A drained node hands its streams over (item 2). Eight
+concurrent greedy streams (completions and chats); SIGKILL of the node serving one under way
+(a completion stream, then a chat stream, each killing another node): every stream finishes
+with exactly the tokens of an undisturbed run, no error event, one [DONE], usage counted once,
+chat's role once, and moed_router_migrations_total moved. A continuation with a tenant key is
+refused; with router.migration_limit = 0 (router R0) a killed node ends the stream with one
+server_error."""
 from __future__ import annotations
 
 import json
