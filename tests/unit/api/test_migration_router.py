@@ -88,6 +88,9 @@ class Node:
                 return resp
             await resp.write(_chunk(i, i == 0, ids))
             await asyncio.sleep(0.005)
+        if die_after is not None and die_after >= TOKENS - start:   # after the finish chunk
+            request.transport.close()
+            return resp
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -210,3 +213,15 @@ async def test_an_error_event_or_a_silent_dropped_node_moves_the_stream(router, 
     assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == "".join(
         f"t{i} " for i in range(TOKENS))
     assert metrics.ROUTER_MIGRATIONS.labels(reason=reason)._value.get() == before + 1
+
+
+async def test_a_node_dying_after_the_last_token_is_closed_by_the_router(router) -> None:
+    a, b = Node(die_after=TOKENS), Node(die_after=TOKENS)   # cut after the finish chunk
+    url = await router(a, b)
+    events = await _stream(url, stream_options={"include_usage": True})
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e
+                                              for e in events)
+    usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+    assert usage == [{"prompt_tokens": 3, "completion_tokens": TOKENS,
+                      "total_tokens": 3 + TOKENS}]
+    assert not a.continued and not b.continued               # nothing left to continue
