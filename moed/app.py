@@ -42,7 +42,7 @@ import structlog
 from aiohttp import web
 
 from moed import __version__
-from moed.api import health, limits, openai
+from moed.api import continuation, health, limits, openai
 from moed.api.auth import load_keys
 from moed.api.middleware import auth, read_body, request_context
 from moed.api.state import STATE, ServerState
@@ -100,6 +100,7 @@ class EngineComponent(BaseComponent):
 
     def add_routes(self, web_app: web.Application) -> None:
         openai.add_routes(web_app)
+        continuation.add_routes(web_app)    # a migrated stream resumes here (router only)
 
     async def start(self, app: App) -> None:
         t0 = time.perf_counter()
@@ -315,6 +316,15 @@ class App:
         metrics.READY.set(1)
         log.info("ready", components=[c.name for c in self.components])
 
+    async def _hand_off_after(self, delay: float) -> None:
+        """Drain: streams a router relays for migration end here after `delay` and continue
+        elsewhere (server.drain_migrate_after_s), instead of holding the node to their end."""
+        await asyncio.sleep(delay)
+        streams = list(self.state.handoffs)
+        for hand_off in streams:
+            hand_off()
+        log.info("drain_handed_off", streams=len(streams))
+
     async def drain(self) -> None:
         """Stop taking work, let in-flight requests finish (up to the grace), stop everything."""
         grace = self.config.server.shutdown_grace_s
@@ -326,9 +336,13 @@ class App:
             await _quietly(c.drain(), f"{c.name}.drain")
         idle_wait = asyncio.ensure_future(self.state.wait_idle(grace))
         force_wait = asyncio.ensure_future(self._force.wait())
+        hand = self.config.server.drain_migrate_after_s
+        handing = asyncio.ensure_future(self._hand_off_after(min(hand, grace))) if hand else None
         await asyncio.wait({idle_wait, force_wait}, return_when=asyncio.FIRST_COMPLETED)
         force_wait.cancel()
         idle_wait.cancel()
+        if handing is not None:
+            handing.cancel()
         if self.state.inflight:
             log.warning("grace_expired", inflight=self.state.inflight)
         if self._runner is not None:

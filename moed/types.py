@@ -250,3 +250,9 @@ class EngineStats:
     prefix_cache_hits: int = 0          # cumulative prompt tokens found
     steps: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+
+
+# How a migrated request's already-sent tokens are recomputed on its new node
+# (moed.engine.resume; the router's router.migration_replay): one forced decode step each, or
+# one prefill.
+REPLAYS = ("decode", "prefill")

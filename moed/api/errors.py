@@ -23,10 +23,11 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     431: "invalid_request_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
     504: "timeout_error",
 }
+# every other 5xx is OpenAI's "server_error": the server failed, the request was fine
+# (issue 33's error contract; never invalid_request_error)
+SERVER_ERROR = "server_error"
 
 
 class APIError(Exception):
@@ -38,7 +39,8 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.err_type = err_type or _TYPES.get(status, "invalid_request_error")
+        self.err_type = err_type or _TYPES.get(
+            status, SERVER_ERROR if status >= 500 else "invalid_request_error")
         self.headers = dict(headers or {})
 
     def body(self) -> dict:

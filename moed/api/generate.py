@@ -10,6 +10,7 @@ outlives its HTTP request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -126,13 +127,36 @@ def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int) -> l
     return tickets
 
 
+MIGRATABLE = "X-Moed-Migratable"    # set by a router that migrates this stream if it ends
+
+
+class HandOff(Exception):
+    """Drain: this stream ends here so its router continues it elsewhere."""
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A migrated stream resumed on this node (moed.api.continuation): the client's original
+    body, its prompt's token ids and the output token ids the client already has."""
+    body: bytes
+    prompt_ids: list[int]
+    output_ids: list[int]
+    replay: str = "decode"      # moed.engine.resume.REPLAYS
+
+
 class Generation:
     """The engine side of one HTTP request; use as `async with` and iterate `events()`."""
 
     def __init__(self, engine: EngineClient, admission: Admission, req: GenerationRequest,
                  prompt_ids: list[list[int]], request_id: str, retry_after_s: int,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, cont: Continuation | None = None,
+                 handoffs: set | None = None) -> None:
         self.engine = engine
+        self._handoffs = handoffs    # drain hands this stream to its router (ServerState's)
+        self.cont = cont             # a migrated stream's continuation (n = 1)
+        self.resume = list(cont.output_ids) if cont else []     # the client has these
+        # "decode" replay: the engine publishes the sent tokens again; dropped here
+        self._replaying = list(self.resume) if cont and cont.replay == "decode" else []
         self.admission = admission
         self.req = req
         self.prompt_ids = prompt_ids
@@ -154,6 +178,8 @@ class Generation:
             for pi, p in enumerate(prompt_ids) for c in range(req.n)]
         self._queue: asyncio.Queue[tuple[Choice, TokenEvent | BaseException]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
+        if handoffs is not None:
+            handoffs.add(self.hand_off)
 
     @property
     def prompt_tokens(self) -> int:
@@ -161,7 +187,7 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return len(self.resume) + sum(len(c.token_ids) for c in self.choices)
 
     async def __aenter__(self) -> Generation:
         try:
@@ -169,7 +195,10 @@ class Generation:
                 params = self.req.sampling_params(self.max_tokens[ch.prompt_index],
                                                   ch.index % self.req.n)
                 try:
-                    stream = self.engine.add_request(ch.engine_id, ch.prompt_ids, params)
+                    stream = self.engine.add_request(
+                        ch.engine_id, ch.prompt_ids, params, resume=self.resume,
+                        replay=self.cont.replay) if self.cont and self.resume else \
+                        self.engine.add_request(ch.engine_id, ch.prompt_ids, params)
                 except ValueError as e:
                     raise bad_request(str(e), "messages" if self.req.chat else "prompt") from None
                 except RuntimeError as e:   # the engine is stopping (shutdown or a crashed loop)
@@ -204,6 +233,13 @@ class Generation:
         remaining = sum(1 for c in self.choices if not c.finished)
         while remaining:
             ch, ev = await self._queue.get()
+            if self._replaying and not isinstance(ev, BaseException) and ev.token_ids:
+                ev = self._drop_replayed(ev)
+                if ev is None:
+                    continue
+            if isinstance(ev, HandOff):    # a server_error event: the router moves it
+                raise APIError(503, "This node is draining; the stream continues on another.",
+                               code="handed_off")
             if isinstance(ev, BaseException):
                 log.error("engine_stream_failed", engine_request=ch.engine_id, error=repr(ev))
                 raise APIError(500, f"Internal server error (request id {self.request_id}).",
@@ -224,6 +260,19 @@ class Generation:
             if ev.finished:
                 remaining -= 1
             yield ch, ev
+
+    def _drop_replayed(self, ev: TokenEvent) -> TokenEvent | None:
+        """A decode replay's event minus the tokens the client already has (None: nothing
+        left). One token per step: an event is all replayed or all new."""
+        n = min(len(ev.token_ids), len(self._replaying))
+        if list(ev.token_ids[:n]) != self._replaying[:n]:
+            log.error("replay_mismatch", request_id=self.request_id)   # forced: cannot happen
+        del self._replaying[:n]
+        if n == len(ev.token_ids) and not ev.finished:
+            return None
+        return dataclasses.replace(ev, token_ids=ev.token_ids[n:], logprobs=ev.logprobs[n:],
+                                   top_logprobs=ev.top_logprobs[n:],
+                                   text=ev.text if n < len(ev.token_ids) else "")
 
     def _observe(self, ch: Choice, ev: TokenEvent) -> None:
         now = time.perf_counter()
@@ -286,8 +335,14 @@ class Generation:
                          **attrs)
             at = start
 
+    def hand_off(self) -> None:
+        """Drain: end this stream with a server_error event (its router continues it)."""
+        self._queue.put_nowait((self.choices[0], HandOff()))
+
     async def close(self) -> None:
         """Abort unfinished engine requests, stop pumps, release tickets. Idempotent."""
+        if self._handoffs is not None:
+            self._handoffs.discard(self.hand_off)
         for ch in self.choices:
             if ch.added and not ch.finished:
                 ch.finish_reason = FinishReason.ABORT.value

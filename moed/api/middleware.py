@@ -91,7 +91,8 @@ def _from_http_exception(e: web.HTTPException, request: web.Request) -> APIError
         allow = e.headers.get("Allow")
         return APIError(405, "Method not allowed.", code="method_not_allowed",
                         headers={"Allow": allow} if allow else None)
-    return APIError(e.status, e.reason or "HTTP error", err_type="invalid_request_error")
+    return APIError(e.status, e.reason or "HTTP error",   # a 5xx: server_error (errors.py)
+                    err_type=None if e.status >= 500 else "invalid_request_error")
 
 
 @web.middleware

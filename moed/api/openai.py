@@ -25,7 +25,8 @@ from aiohttp import web
 
 from moed.api import tokens
 from moed.api.errors import APIError, bad_request
-from moed.api.generate import Choice, Generation, check_rough_length, encode_prompts
+from moed.api.generate import (MIGRATABLE, Choice, Continuation, Generation,
+                              check_rough_length, encode_prompts)
 from moed.api.protocol import GenerationRequest, parse_request
 from moed.api.salt import tenant_tag
 from moed.api.tools import ChatOutput, bind
@@ -220,6 +221,15 @@ class Formatter:
             body["usage"] = None
         return body
 
+    def resume(self, prior: list[int]) -> None:
+        """A continuation (n = 1): the client has the first chunk (role, prompt ids, echo) and
+        `prior`'s text, so the text offsets go on from there."""
+        self._started = [True]
+        if self.req.logprobs is not None and not self.req.chat:
+            ch = self.gen.choices[0]
+            self._logprobs(ch, [], [], [], False)     # creates the offsets, then skip `prior`
+            self._offsets[0].take(prior)  # type: ignore[union-attr]
+
     def usage_chunk(self) -> dict[str, Any]:
         body = self._base("chat.completion.chunk" if self.req.chat else "text_completion")
         body["choices"] = []
@@ -292,11 +302,12 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+async def _serve(request: web.Request, chat: bool, cont: Continuation | None = None
+                 ) -> web.StreamResponse:
     state = request.app[STATE]
     engine = _check_serving(state)
     t_prep = trace.now_ns()        # body, parse, template, tokenize: one span when traced
-    raw = await _read_body(request, state.config.server.max_body_bytes)
+    raw = cont.body if cont else await _read_body(request, state.config.server.max_body_bytes)
     retry = state.config.admission.retry_after_s
     vocab = getattr(engine.tokenizer, "vocab_size", None)     # bounds token ids
     req = await state.offload.run(_parse, raw, chat, vocab, retry_after_s=retry)
@@ -313,7 +324,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     if req.grammar is not None:    # compiled on its own pool before any engine work: 400/429
         await state.grammar.compile(engine.tokenizer, req.grammar, retry_after_s=retry)
     check_rough_length(engine, req)        # hopeless prompts never reach the tokenizer
-    prompt_ids = await state.offload.run(encode_prompts, engine, req, retry_after_s=retry)
+    prompt_ids = [cont.prompt_ids] if cont else \
+        await state.offload.run(encode_prompts, engine, req, retry_after_s=retry)
     rid = request[REQUEST_ID]
     t_admit = trace.now_ns()
     trace.record("request.prepare", t_prep, t_admit, prompts=len(prompt_ids),
@@ -321,9 +333,13 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     with state.track():
         gen = Generation(engine, state.admission, req, prompt_ids, rid,
                          state.config.admission.retry_after_s,
-                         timeout_s=state.config.server.request_timeout_s)
+                         timeout_s=state.config.server.request_timeout_s, cont=cont,
+                         handoffs=state.handoffs if req.stream and MIGRATABLE in request.headers
+                         else None)
         trace.record("admission", t_admit, trace.now_ns(), sequences=len(gen.choices))
         fmt = Formatter(req, engine.tokenizer, state.model_name, gen)
+        if cont:
+            fmt.resume(cont.output_ids)
         timeout = state.config.server.request_timeout_s
         try:
             async with gen:

@@ -36,9 +36,10 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from moed.api import affinity
+from moed.api import affinity, migrate, migrating
 from moed.api.backends import BackendSource, StaticBackends
 from moed.api.errors import APIError
+from moed.api.generate import MIGRATABLE
 from moed.api.middleware import request_id_of
 from moed.api.salt import effective_salt, tenant_tag
 from moed.balance import canary
@@ -71,8 +72,9 @@ class Proxy:
 
     def __init__(self, source: BackendSource, config: Callable[[], Config],
                  draining: Callable[[], bool] = lambda: False, offload: Any = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, signer: Callable[[], Any] = lambda: None) -> None:
         self._source = source
+        self.signer = signer             # the InternalAuth a continuation is signed with
         self._config = config
         self._draining = draining
         self._offload = offload          # moed.api.offload.Offload: prompt hashing off the loop
@@ -100,6 +102,28 @@ class Proxy:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_route("*", "/v1/{tail:.*}", self.handle)
+
+    def migration_limit(self) -> int:
+        return self._config().router.migration_limit
+
+    def replay(self) -> str:
+        return self._config().router.migration_replay
+
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Proxy.start() was not awaited"
+        return self._session
+
+    def is_listed(self, name: str) -> bool:
+        """The node is still a serving backend (membership has not declared it dead)."""
+        return any(c.name == name for c in self._source.backends())
+
+    def mark_failed(self, name: str) -> None:
+        self._source.mark_failed(name)
+
+    @staticmethod
+    def timing(backend: Candidate, t0: float) -> _StreamTiming:
+        """TTFT and inter-chunk gaps of one node's part of a stream (canary figures)."""
+        return _StreamTiming(t0, backend.label or "unknown")
 
     def pick(self, exclude: Iterable[str] = (), side: Side | None = None,
              pinned: bool = False) -> Candidate | None:
@@ -182,7 +206,18 @@ class Proxy:
                            headers={"Retry-After": "1"})
         assert self._session is not None, "Proxy.start() was not awaited"
         body = await request.read()
+        # a single-choice stream, relayed event by event so it may migrate (moed.api.migrate;
+        # with router.migration_limit 0 it still ends in one whole error event)
+        ledger = None
+        if request.method == "POST":
+            req = migrate.eligible(request.path, body)
+            if req is not None:
+                ledger = migrate.Ledger.open(request.path, req)
+                body = ledger.backend_body()
         headers = _forwardable(request.headers)
+        headers.pop(MIGRATABLE, None)         # only this router says so, never its client
+        if ledger is not None and self.migration_limit() > 0:
+            headers[MIGRATABLE] = "1"         # a draining node may hand the stream back
         rid = request_id_of(request)
         if rid:
             headers["X-Request-Id"] = rid
@@ -213,7 +248,8 @@ class Proxy:
                 with trace.span("router.attempt", kind="client", backend=backend.name,
                                 attempt=len(tried), placement=placed.reason) as span:
                     trace.inject(headers)
-                    outcome = await self._forward(request, backend, body, headers, timeout)
+                    outcome = await self._forward(request, backend, body, headers, timeout,
+                                                  ledger)
                     span.set(outcome="streamed" if isinstance(outcome, web.StreamResponse)
                              else "refused" if outcome is not None else "failed")
             finally:
@@ -251,7 +287,8 @@ class Proxy:
                        code="no_backend", headers={"Retry-After": "1"})
 
     async def _forward(self, request: web.Request, backend: Candidate, body: bytes,
-                       headers: CIMultiDict[str], timeout: aiohttp.ClientTimeout
+                       headers: CIMultiDict[str], timeout: aiohttp.ClientTimeout,
+                       ledger: migrate.Ledger | None = None
                        ) -> web.StreamResponse | tuple[int, bytes, CIMultiDict[str]] | None:
         """The client's response, or (status, body, headers) for a retryable refusal, or None
         for a failure before any byte reached the client (both mean: try another backend)."""
@@ -286,6 +323,13 @@ class Proxy:
             out.headers["X-Moed-Backend"] = backend.name
             if backend.label:
                 out.headers["X-Moed-Version"] = backend.label
+            if ledger is not None and resp.status == 200 and \
+                    resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                out.headers.pop("Content-Length", None)
+                await out.prepare(request)
+                await migrating.relay(self, request, out, resp, first, ledger, backend,
+                                      headers, timeout, t0)
+                return out
             await out.prepare(request)
             await self._pump(request, out, resp, first, backend, t0)
             return out
@@ -316,7 +360,7 @@ class Proxy:
             metrics.ROUTER_REQUESTS.labels(result="failed_mid_stream").inc()
             self.record(backend, "error")
             if sse:
-                err = APIError(502, f"The serving node {backend.name} failed mid-stream.",
+                err = APIError(502, "The serving node failed mid-stream.",   # server_error
                                code="backend_failed").body()
                 await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
             elif request.transport is not None:

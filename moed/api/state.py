@@ -50,6 +50,8 @@ class ServerState:
     offload: Offload = field(init=False, default_factory=Offload)   # O(prompt) work, off the loop
     grammar: GrammarPool = field(init=False)      # structured outputs' compilation, apart
     _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    # drain: each live stream a router may migrate, by its hand-off (moed.api.generate)
+    handoffs: set[Callable[[], None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         a = self.config.admission

@@ -51,7 +51,7 @@ class SoloClusterComponent:
             view = self.view()
             if view is None:
                 return web.json_response({"error": {
-                    "message": "Node is starting.", "type": "service_unavailable",
+                    "message": "Node is starting.", "type": "server_error",
                     "param": None, "code": "not_ready"}}, status=503)
             return web.json_response(view.to_json())
         web_app.router.add_get("/cluster", cluster)

@@ -83,7 +83,8 @@ class EngineClient(Protocol):
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, *, remote_kv: bool = False,
-                    prefill_only: bool = False) -> RequestStream: ...
+                    prefill_only: bool = False, resume: Sequence[int] = ()
+                    ) -> RequestStream: ...
     def abort(self, request_id: str) -> None: ...
 
     # ---- disaggregation (the roles) ----

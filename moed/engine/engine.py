@@ -62,6 +62,7 @@ from moed.engine.drivers import GroupDriver, ServeDriver, generate, serve, serve
 from moed.engine.masks import MaskPool
 from moed.engine.prompts import LocalPrompts, PendingPrompt, PromptSource
 from moed.engine.request import Request
+from moed.engine.resume import REPLAYS, check, prime
 from moed.engine.runner import StepRunner
 from moed.engine.scheduler import Scheduler
 from moed.engine.speculate import log_start as log_spec_start
@@ -146,6 +147,7 @@ class Engine(Boundary):
         st = structured or StructuredConfig()
         self._masks = MaskPool(st.mask_workers, st.mask_timeout_ms / 1000)
         self._grammar_failed: dict[str, str] = {}
+        self._forced: dict[str, deque[int]] = {}    # migrated streams' sent tokens (resume.py)
         # where new prompts' KV comes from (moed.engine.prompts), and the requests it holds
         # parked: checked, with a stream, not yet in the scheduler
         self._prompts: PromptSource = LocalPrompts()
@@ -243,19 +245,33 @@ class Engine(Boundary):
 
     # ---- public API (call from the event loop's thread) ------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    *, remote_kv: bool = False, prefill_only: bool = False) -> RequestStream:
+                    *, remote_kv: bool = False, prefill_only: bool = False,
+                    resume: Sequence[int] = (), replay: str = "decode") -> RequestStream:
+        """resume: output tokens another node already streamed (a migrated request), replayed
+        as output by `replay` (moed.engine.resume: "decode" forces them as the next steps'
+        tokens and still publishes their events, "prefill" recomputes them as one prefill), the
+        KV computed here, never by a prompt source (a prefill node would sample a first token
+        that was already sent)."""
         if self._stopping:
             done = self._task is not None and self._task.done()
             raise RuntimeError("engine is not running (stopped or crashed)" if done
                                else "engine is shutting down")
         req = self._new_request(request_id, prompt_token_ids, params, remote_kv, prefill_only)
+        if resume and replay == "prefill":
+            prime(req, resume, self.spec.vocab_size)
+        elif resume:
+            if replay not in REPLAYS:
+                raise ValueError(f"replay {replay!r}: one of {', '.join(REPLAYS)}")
+            check(resume, self.spec.vocab_size, req.num_prompt_tokens, req.max_model_len)
+            if request_id not in self._streams:
+                self._forced[request_id] = deque(int(t) for t in resume)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, self.abort)
         self._streams[request_id] = stream
         self._parked[request_id] = req
-        if remote_kv:       # the caller brings the KV itself
-            self._submit(request_id, True)
+        if remote_kv or resume:     # the caller brings the KV itself / recomputed here
+            self._submit(request_id, remote_kv)
         else:
             self._prompts.admit(PendingPrompt(request_id, req.prompt_token_ids, params,
                                               prefill_only, stream, self._submit))

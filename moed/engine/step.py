@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -28,6 +29,7 @@ import structlog
 from moed.engine.client import Listeners
 from moed.engine.masks import MaskPool
 from moed.engine.request import Request
+from moed.engine.resume import force
 from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
@@ -95,6 +97,7 @@ class StepCore:
     _tokenizer: Any
     _masks: MaskPool
     _grammar_failed: dict[str, str]
+    _forced: dict[str, deque[int]]      # a migrated stream's sent tokens (engine/resume.py)
     _streams: dict[str, RequestStream]
     _kv_events: KVEventRecorder | None
     _kv_publisher: ZmqPublisher | None
@@ -122,6 +125,7 @@ class StepCore:
             s.put(ev)
             if ev.finished:
                 del self._streams[ev.request_id]
+                self._forced.pop(ev.request_id, None)    # a migrated one's unreplayed rest
                 if s.kv_blocks is not None and not s.kv_blocks.done():
                     s.kv_blocks.cancel()
 
@@ -293,6 +297,8 @@ class StepCore:
                      fwd_s: float, plps: PromptLPs | None = None,
                      spec: SpecOut | None = None) -> None:
         toks = [] if res is None else res.token_ids
+        if self._forced:
+            toks = force(self._forced, plan, toks)
         self._fail_grammars(plan)
         for c in plan.chunks if plps else ():
             if c.request.request_id in plps and not c.request.finished:

@@ -623,6 +623,11 @@ ROUTER_REQUESTS = Counter("moed_router_requests",
 ROUTER_RETRIES = Counter("moed_router_retries",
                          "Backend attempts that failed before the first byte and were retried "
                          "elsewhere", registry=ROUTER)
+ROUTER_MIGRATIONS = Counter("moed_router_migrations",
+                            "Streams moved to another node after theirs failed mid-way or "
+                            "drained, by reason (connection, error_event, node_dead, drain; "
+                            "docs/migration.md)",
+                            ["reason"], registry=ROUTER)
 ROUTER_BACKENDS = Gauge("moed_router_backends", "Serving nodes the router can pick now",
                         registry=ROUTER)
 ROUTER_PLACEMENTS = Counter("moed_router_placements",

@@ -75,7 +75,8 @@ class RouterComponent:
         self._app = app
         source = self._source(app)
         proxy = Proxy(source, self._config, draining=lambda: app.state.draining,
-                      offload=app.state.offload, tokenizer=await self._tokenizer())
+                      offload=app.state.offload, tokenizer=await self._tokenizer(),
+                      signer=lambda: app.state.internal_auth)   # continuations are signed
         await proxy.start()
         self.proxy = proxy
         # not ready while no serving node is alive: a load balancer in front sends elsewhere

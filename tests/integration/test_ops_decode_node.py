@@ -81,7 +81,7 @@ def test_failed_remote_prefill_is_503_with_the_reason(node) -> None:
     e = err.value
     assert e.status_code == 503 and e.response.headers["Retry-After"] == "2"
     body = e.body if isinstance(e.body, dict) and "message" in e.body else e.body["error"]
-    assert body["code"] == "unavailable" and body["type"] == "service_unavailable"
+    assert body["code"] == "unavailable" and body["type"] == "server_error"
     assert "remote prefill failed" in body["message"] and "rpc_error" in body["message"]
     # no internal address or exception text reaches the client (both are in the log)
     for leak in ("127.0.0.1", "http://", "Error", "Connector"):

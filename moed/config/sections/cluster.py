@@ -92,6 +92,15 @@ class RouterConfig:
                            doc="backends tried before the first byte is sent")
     max_connections: int = _f(1024, bounds=(1, 1 << 20),
                               doc="pooled connections to all backends together")
+    migration_limit: int = _f(3, live=True, bounds=(0, 64),
+                              doc="resubmissions of one stream whose node failed mid-way "
+                              "(docs/migration.md); 0 = off: the stream ends with a "
+                              "server_error event")
+    migration_replay: str = _f("decode", live=True,
+                               doc="how the next node recomputes the tokens already sent: "
+                               "decode (one forced step each: greedy output identical to an "
+                               "undisturbed run) | prefill (one prefill: fast, may round "
+                               "differently)")
 
     def __post_init__(self) -> None:
         _check_bounds("router", self)
@@ -100,6 +109,8 @@ class RouterConfig:
                 raise ConfigError(f"router.backends: {_short(b)} is not an http(s):// URL")
         for r in self.backend_roles:
             _choice("router.backend_roles", r, ("decode", "colocated", "prefill"))
+        # moed.types.REPLAYS (config imports nothing of moed above it)
+        _choice("router.migration_replay", self.migration_replay, ("decode", "prefill"))
 
 
 BALANCE_POLICIES = ("tokens", "cost")

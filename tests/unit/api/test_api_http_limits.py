@@ -120,7 +120,7 @@ async def test_parser_errors_are_json_without_echo(server, name, raw, status, co
 
 def test_failures_outside_the_middleware_name_nothing():
     assert unparsed_request_error(500, RuntimeError("secret detail")).body() == {"error": {
-        "message": "Internal server error.", "type": "internal_server_error", "param": None,
+        "message": "Internal server error.", "type": "server_error", "param": None,
         "code": "internal_error"}}
     assert unparsed_request_error(504, None).status == 504
 

@@ -176,6 +176,7 @@ async def test_node_dying_mid_stream_ends_with_an_error_event(cluster) -> None:
     status, text, _ = await _post(url)
     assert status == 200 and text.count('"i"') == 2
     assert '"backend_failed"' in text and "[DONE]" not in text
+    assert '"type": "server_error"' in text and "127.0.0.1" not in text   # issue 33, item 4
 
 
 async def test_node_dying_before_first_byte_is_replaced(cluster) -> None:

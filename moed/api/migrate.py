@@ -1,0 +1,201 @@
+"""Migration of a proxied stream (the router role): the pure half — what the router records of
+a stream, what the client sees of each event, and what is resubmitted when the node fails.
+
+Glossary
+  ledger        one client stream's record: the original body, the prompt's token ids and
+                the output token ids the client has received, the first chunk's id/created
+  continuation  POST /internal/continue/<path> on another node (moed.api.continuation):
+                {request, prompt_token_ids, output_token_ids}, signed with the cluster key
+  fresh resubmit  the node failed before any event reached the client: the original request
+                again, to the ordinary /v1 path (nothing to continue from)
+
+A stream's phases (StreamPhase; TRANSITIONS is the one place they change):
+
+    RELAYING ──failure──▶ MIGRATING ──next node streams──▶ RELAYING ── [DONE] ──▶ DONE
+        │                    └── limit reached / no node / refused ──▶ FAILED
+        └── [DONE] ──▶ DONE
+
+The router asks every node for token ids (vLLM's `return_token_ids`) and strips them from
+what the client sees unless the client asked for them itself. Events are forwarded whole (an
+event cut by the failure never reaches the client), so the recorded token ids are exactly
+the client's. Only single-choice streams (n = 1, one prompt, no tool calling) migrate;
+`eligible` says why not for the others, which end as before with one server_error event.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MIGRATABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class StreamPhase(enum.Enum):
+    RELAYING = "relaying"
+    MIGRATING = "migrating"
+    DONE = "done"
+    FAILED = "failed"
+
+
+TRANSITIONS: dict[StreamPhase, frozenset[StreamPhase]] = {
+    StreamPhase.RELAYING: frozenset({StreamPhase.MIGRATING, StreamPhase.DONE,
+                                     StreamPhase.FAILED}),
+    StreamPhase.MIGRATING: frozenset({StreamPhase.RELAYING, StreamPhase.FAILED}),
+    StreamPhase.DONE: frozenset(),
+    StreamPhase.FAILED: frozenset(),
+}
+
+
+class Reason(str, enum.Enum):
+    """Why a stream migrated (the label of moed_router_migrations_total)."""
+    CONNECTION = "connection"      # read error, reset, or the stream ended without [DONE]
+    ERROR_EVENT = "error_event"    # the node's own in-band error of a server-side kind
+    NODE_DEAD = "node_dead"        # membership no longer lists the node while it is silent
+    DRAIN = "drain"                # a draining node handed the stream back (code handed_off)
+
+
+def eligible(path: str, body: bytes) -> dict[str, Any] | None:
+    """The parsed body when this request's stream can migrate, else None (passed through as
+    before)."""
+    if path not in MIGRATABLE_PATHS:
+        return None
+    try:
+        req = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(req, dict) or req.get("stream") is not True:
+        return None
+    if req.get("n", 1) != 1 or req.get("best_of") not in (None, 1) or req.get("tools"):
+        return None
+    prompt = req.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return None          # several prompts: several choices
+    return req
+
+
+@dataclass
+class Ledger:
+    """One client stream, as the router relays it (see the module docstring)."""
+    request: dict[str, Any]
+    chat: bool
+    client_ids: bool                       # the client asked for token ids itself
+    phase: StreamPhase = StreamPhase.RELAYING
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    first_id: str | None = None            # the first chunk's id and created: kept across nodes
+    created: int | None = None
+    finished: bool = False                 # a finish_reason was relayed
+    handed_off: bool = False               # the last node's error: it was draining
+    migrations: int = 0
+
+    @classmethod
+    def open(cls, path: str, request: dict[str, Any]) -> Ledger:
+        return cls(request, path.endswith("/chat/completions"),
+                   bool(request.get("return_token_ids")))
+
+    def to(self, new: StreamPhase) -> None:
+        if new not in TRANSITIONS[self.phase]:
+            raise ValueError(f"stream phase {self.phase.value} -> {new.value}")
+        self.phase = new
+
+    def backend_body(self) -> bytes:
+        """The original request, asking for token ids."""
+        return json.dumps({**self.request, "return_token_ids": True}).encode()
+
+    def resubmission(self, replay: str = "decode") -> tuple[str, bytes]:
+        """(path suffix kind, body) for the next node: a continuation once the client has an
+        event with the prompt's ids, else the original request again ('fresh')."""
+        if self.prompt_ids is None:
+            return "fresh", self.backend_body()
+        return "continue", json.dumps({
+            "request": {**self.request, "return_token_ids": True},
+            "prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids,
+            "replay": replay}).encode()
+
+    def relay(self, data: bytes) -> tuple[bytes | None, bool]:
+        """One SSE event's data (after 'data: ') → (what the client gets, or None to drop it;
+        whether it is a server-side error that should migrate instead)."""
+        if data.strip() == b"[DONE]":
+            if self.phase is StreamPhase.RELAYING:
+                self.to(StreamPhase.DONE)
+            return b"[DONE]", False
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError):
+            return data, False                        # not ours to judge: pass it on
+        if not isinstance(obj, dict):
+            return data, False
+        if "error" in obj:
+            err = obj["error"]
+            self.handed_off = isinstance(err, dict) and err.get("code") == "handed_off"
+            return None if server_side(err) else data, server_side(err)
+        self._record(obj)
+        return json.dumps(obj, separators=(",", ":")).encode(), False
+
+    def _record(self, obj: dict[str, Any]) -> None:
+        if self.first_id is None:
+            self.first_id, self.created = obj.get("id"), obj.get("created")
+        else:               # a continuation's chunks carry the new node's id: the client's
+            obj["id"], obj["created"] = self.first_id, self.created
+        top = obj.pop("prompt_token_ids", None) if not self.client_ids \
+            else obj.get("prompt_token_ids")
+        if isinstance(top, list) and self.prompt_ids is None:
+            self.prompt_ids = top                     # chat: on the first chunk's body
+        for ch in obj.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            p = ch.get("prompt_token_ids") if self.client_ids \
+                else ch.pop("prompt_token_ids", None)
+            if isinstance(p, list) and self.prompt_ids is None:
+                self.prompt_ids = p                   # completions: on the first choice
+            ids = ch.get("token_ids") if self.client_ids else ch.pop("token_ids", None)
+            if isinstance(ids, list):
+                self.output_ids.extend(ids)
+            if ch.get("finish_reason") is not None:
+                self.finished = True
+
+    def closing(self) -> list[bytes]:
+        """The node died after the last token's chunk (finish_reason relayed) but before its
+        usage chunk / [DONE]: the router ends the stream itself, with the exact counts."""
+        out: list[bytes] = []
+        opts = self.request.get("stream_options") or {}
+        if isinstance(opts, dict) and opts.get("include_usage") and self.prompt_ids is not None:
+            p, c = len(self.prompt_ids), len(self.output_ids)
+            out.append(json.dumps({
+                "id": self.first_id, "created": self.created, "model": self.request.get("model"),
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c,
+                                         "total_tokens": p + c}}).encode())
+        return out + [b"[DONE]"]
+
+
+def server_side(err: Any) -> bool:
+    """An in-band error event the node raised for its own failure (not the request's fault)."""
+    return isinstance(err, dict) and err.get("type") in ("server_error", "internal_server_error",
+                                                         "service_unavailable")
+
+
+class EventSplitter:
+    """Bytes of an SSE stream → complete events' data payloads; a cut event stays held."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buf += chunk
+        out = []
+        while True:
+            i = self._buf.find(b"\n\n")
+            if i < 0:
+                return out
+            event, self._buf = self._buf[:i], self._buf[i + 2:]
+            data = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            if data:
+                out.append(b"\n".join(data))
+
+
+def error_event(message: str, code: str) -> bytes:
+    """The one error a stream ends with when it cannot migrate (OpenAI's server_error)."""
+    return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                 "code": code}}).encode()
