@@ -265,6 +265,7 @@ class Engine(Boundary):
             check(resume, self.spec.vocab_size, req.num_prompt_tokens, req.max_model_len)
             if request_id not in self._streams:
                 self._forced[request_id] = deque(int(t) for t in resume)
+                req.replaying = True
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, self.abort)

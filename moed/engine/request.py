@@ -89,6 +89,8 @@ class Request:
     # drafted for the position after `length` known tokens
     drafter: Any = None
     acceptance: Any = None           # and its drafts' Acceptance (engine.drafts.propose)
+    # a migrated stream's decode replay (engine.resume) still forces its sent tokens: no drafts
+    replaying: bool = False
     # params.prompt_logprobs: prompt tokens 1.. so far (moed.types.PromptLogprob), and whether
     # they went out (on the first token's event)
     prompt_logprobs: list[Any] = field(default_factory=list)

@@ -47,11 +47,13 @@ def force(forced: dict[str, deque[int]], plan: StepPlan, sampled: Sequence[int])
     for c in plan.chunks:
         rid = c.request.request_id
         q = forced.get(rid)
-        if q is not None and c.sample and not c.request.finished and j < len(out):
+        row = c.sample and not c.draft      # a drafting chunk's tokens come from verification
+        if q is not None and row and not c.request.finished and j < len(out):
             out[j] = q.popleft()
         if q is not None and (not q or c.request.finished):
             del forced[rid]
-        j += c.sample
+            c.request.replaying = False     # it may draft from its next step
+        j += row
     return out
 
 

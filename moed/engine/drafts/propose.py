@@ -77,7 +77,8 @@ def observe(a: Acceptance | None, drafted: int, accepted: int) -> Acceptance:
 
 def draft_room(req: Request, k: int) -> int:
     """How many draft tokens `req` may verify this step (0: it decodes one token)."""
-    if req.state is not RequestState.RUNNING or req.prefill_only or req.grammar is not None:
+    if req.state is not RequestState.RUNNING or req.prefill_only or req.grammar is not None \
+            or req.replaying:      # a decode replay forces its next tokens (engine.resume)
         return 0
     if req.num_tokens - req.num_computed_tokens != 1 or req.num_output_tokens == 0:
         return 0

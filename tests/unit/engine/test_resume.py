@@ -117,3 +117,15 @@ async def test_a_seeded_stream_continues_with_the_undisturbed_draws(replay) -> N
 
 async def _collect(stream) -> list:
     return [ev async for ev in stream]
+
+
+def test_force_skips_a_drafting_chunk_as_the_sampled_rows_do() -> None:
+    """A drafting chunk (speculative decoding) has no sampled row: its tokens come from
+    verification, so the forced rows after it keep their place."""
+    reqs = [Request(r, PROMPT, GREEDY) for r in ("a", "b")]
+    plan = StepPlan((ScheduledChunk(reqs[0], 1, True, (4, 4)), ScheduledChunk(reqs[1], 1, True)),
+                    None, 2, 2)
+    forced = {"b": deque([11])}
+    reqs[1].replaying = True
+    assert force(forced, plan, [3]) == [11]       # b's row is the only sampled one
+    assert not forced and not reqs[1].replaying   # replayed: b may draft again

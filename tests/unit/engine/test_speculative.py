@@ -312,3 +312,33 @@ def test_grammar_rows_decode_without_drafts_beside_speculating_rows(make_checkpo
     spec.scheduler.update = spy
     assert spec.generate(prompts, params) == plain.generate(prompts, params)
     assert drafted_for and not any(drafted_for)
+
+
+def test_a_migrated_stream_replays_its_sent_tokens_before_it_drafts(ckpt):
+    """A decode replay (moed.engine.resume) forces the sent tokens one step each; a request
+    must not draft while it replays (a verified run would emit its own tokens instead of the
+    forced ones), and drafts again after: the output is the undisturbed greedy run's."""
+    import asyncio
+
+    plain = _engine(ckpt)
+    prompts = _prompts(plain.runner.spec.vocab_size, 9, 3)
+    prompts = [p + p for i, p in enumerate(prompts) if i % 3 != 2][:4]   # a passage, twice
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    whole = plain.generate(prompts, params)
+
+    async def resumed() -> list[list[int]]:
+        eng = _engine(ckpt, NGRAM)
+        await eng.start()
+        try:
+            async def one(i: int) -> list[int]:
+                evs = [ev async for ev in eng.add_request(f"m{i}", prompts[i], params,
+                                                          resume=whole[i][:10], replay="decode")]
+                return [t for e in evs for t in e.token_ids]
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))), 60)
+        finally:
+            await eng.shutdown()
+
+    d0, _ = _spec_counts()
+    got = asyncio.run(resumed())
+    assert got == whole                      # the 10 sent (published again, the API drops them)
+    assert _spec_counts()[0] > d0            # + the rest, drafted after the replay
