@@ -49,3 +49,19 @@ class FakeRunner(RunnerDefaults):
         for i, nt in enumerate(self.greedy(batch)):                   # for sampling tests
             out[i, nt] = 8.0
         return out
+
+
+def assert_followed_the_model(reqs, kv_tokens: int) -> None:
+    """After a random workload ran to its end: each request's tokens are the model's own
+    (next_token over prompt + output, whatever chunking, preemption or drafts it went
+    through), finished by length; a prompt larger than the whole KV cache (kv_tokens) failed."""
+    from moed.types import FinishReason
+
+    for r in reqs:
+        if r.num_prompt_tokens > kv_tokens:
+            assert r.finish_reason is FinishReason.ERROR
+            continue
+        seq = list(r.prompt_token_ids)
+        for _ in range(r.num_output_tokens):
+            seq.append(next_token(seq))
+        assert r.token_ids == seq and r.finish_reason is FinishReason.LENGTH

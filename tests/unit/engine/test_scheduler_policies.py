@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_fakes import FakeRunner, next_token
+from engine_fakes import FakeRunner, assert_followed_the_model
 from moed.balance.step_time import Buckets
 from moed.balance.cost import Coefficients, CostModel
 from moed.config import BalanceConfig
@@ -22,7 +22,7 @@ from moed.engine.policies import (CostPolicy, SchedulerView, StepDraft, StepPoli
 from moed.engine.request import Request
 from moed.engine.scheduler import Scheduler
 from moed.kvcache.manager import KVCacheManager
-from moed.types import FinishReason, SamplingParams
+from moed.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -97,15 +97,7 @@ def test_every_policy_keeps_the_invariants(name: str, w: dict) -> None:
         s.update(plan, [nxt[i] for i, c in enumerate(plan.chunks) if c.sample])
     else:
         raise AssertionError("did not finish")
-    cap = w["num_blocks"] * w["block_size"]
-    for r in reqs:
-        if r.num_prompt_tokens > cap:
-            assert r.finish_reason is FinishReason.ERROR
-            continue
-        seq = list(r.prompt_token_ids)
-        for _ in range(r.num_output_tokens):
-            seq.append(next_token(seq))
-        assert r.token_ids == seq and r.finish_reason is FinishReason.LENGTH
+    assert_followed_the_model(reqs, w["num_blocks"] * w["block_size"])
     assert kv.num_used_blocks == 0
 
 
