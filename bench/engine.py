@@ -84,11 +84,14 @@ class MoedSide:
     name = "moed"
 
     def __init__(self, model_dir: Path, max_batch: int, prompt_len: int, new: int,
-                 kv_tokens: int | None = None) -> None:
-        """kv_tokens: the KV cache's size (default: max_batch sequences of prompt + new)."""
+                 kv_tokens: int | None = None, device: str = "cpu", attention: str = "torch",
+                 name: str = "moed") -> None:
+        """kv_tokens: the KV cache's size (default: max_batch sequences of prompt + new);
+        device/attention: where it runs and the attention backend (bench/gpu.py: cuda)."""
+        self.name = name
         per_seq = -(-(prompt_len + new) // 16)
         blocks = (-(-kv_tokens // 16) if kv_tokens else max_batch * per_seq) + 8
-        runner = ModelRunner(model_dir, dtype="bfloat16", device="cpu", attention_backend="torch",
+        runner = ModelRunner(model_dir, dtype="bfloat16", device=device, attention_backend=attention,
                              num_blocks=blocks, block_size=16)
         cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=max_batch,
                            max_num_batched_tokens=max(2048, prompt_len))
@@ -120,12 +123,13 @@ class MoedSide:
 class HFSide:
     name = "transformers"
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
+        self.device = device
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.bfloat16, experts_implementation="grouped_mm",
-            attn_implementation="sdpa").eval()
+            attn_implementation="sdpa").eval().to(device)
 
     def run(self, prompts: list[list[int]], n: int) -> Timing:
         from transformers import LogitsProcessor, LogitsProcessorList
@@ -134,10 +138,12 @@ class HFSide:
 
         class Clock(LogitsProcessor):   # called once per generated token, after its forward
             def __call__(self, input_ids, scores):  # noqa: ANN001
+                if scores.is_cuda:      # the clock reads when the step's kernels are done
+                    torch.cuda.synchronize()
                 stamps.append(time.perf_counter())
                 return scores
 
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,

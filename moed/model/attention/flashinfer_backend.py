@@ -7,7 +7,8 @@ forward() appends the new K/V with append_paged_kv_cache, then runs the planned 
 The softmax scale is FlashInfer's default, 1/sqrt(head_dim), as in the HF models.
 An fp8 KV cache (moed/model/kv_layout.py): the new K/V are clamped and cast to e4m3 before the
 append, the wrappers are planned with kv_data_type float8_e4m3fn and run with k_scale = v_scale
-= FP8_KV_SCALE (FlashInfer dequantizes inside the kernel). Untested without a GPU.
+= FP8_KV_SCALE (FlashInfer dequantizes inside the kernel); prefill runs FlashInfer's FA2 kernels
+then (its FA3 ones need one dtype for q and KV). Tested on an H200: tests/gpu/.
 """
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ class FlashInferBackend(AttentionBackend):
 
         self._fi = flashinfer
         ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        # FlashInfer's "auto" picks its FA3 (sm90) prefill on Hopper, whose kernels need q and
+        # KV of one dtype (0.6.1 fails to build bf16 q over an e4m3 cache); FA2 takes the pair.
+        backend = "fa2" if is_fp8(kv.dtype) else "auto"
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
         # Tensor-core decode kernels cover the larger GQA group sizes the CUDA-core ones lack.
         group = spec.num_heads // spec.num_kv_heads
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=group > 4)

@@ -7,11 +7,10 @@ kpe = [..., r:] (pages of page_size = block_size tokens). plan() builds the CSR 
 (qo_indptr, kv_indptr, kv_indices, kv_len_arr) once per step and plans the wrapper, causal, so
 chunked prefill and prefix hits (queries at the end of their sequence's KV) work as decode does;
 forward_mla writes the new [c_kv | k_rope] rows, projects q_nope into the latent space with W_uk,
-runs the kernel (output in the latent space) and projects back with W_uv. DeepSeek-V3's sizes
-(r 512, rope 64) are the ones FlashInfer documents. An fp8 cache: the rows are written through
-write_rows (clamped e4m3 cast) and the wrapper is planned with kv dtype float8_e4m3fn (scale
-1.0, FP8_KV_SCALE); whether the installed FlashInfer's MLA kernel takes fp8 is its answer at
-plan time. Untested without a GPU.
+runs the kernel (output in the latent space) and projects back with W_uv. Served for
+DeepSeek-V3's sizes (r 512, rope 64) over a 16-bit cache only: FlashInfer 0.6.1's kernels fail
+otherwise (registry.flashinfer_refusal: `auto` takes the torch MLA backend for such a model, and
+naming flashinfer is refused). Tested on an H200: tests/gpu/test_flashinfer_mla.py.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ class FlashInferMLABackend(mla.MLABackend):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
         ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
-        self._wrapper = BatchMLAPagedAttentionWrapper(ws)
+        self._wrapper = BatchMLAPagedAttentionWrapper(ws)     # sizes and dtype: registry.py
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev, s = self.block_size, self.device, self.spec

@@ -115,6 +115,29 @@ def test_gqa_backends_refuse_mla_and_mla_refuses_mismatch():
             0, torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1))
 
 
+def test_flashinfer_serves_only_the_mla_sizes_and_cache_its_kernels_take(monkeypatch):
+    """FlashInfer 0.6.1's MLA kernels (seen on an H200): latent 512 + rope 64 over a 16-bit cache.
+    Anything else: `auto` picks torch, naming flashinfer is refused with the reason."""
+    from moed.model.attention import registry
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: object())
+    small = spec_from_config(CFG)                                  # latent 32, rope 8
+    ds = spec_from_config({**CFG, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                           "v_head_dim": 128, "hidden_size": 256})
+    bf16, fp8 = archs.kv_layout(ds, 16, torch.bfloat16), archs.kv_layout(ds, 16, torch.float8_e4m3fn)
+    assert registry.flashinfer_refusal(ds, bf16) is None
+    assert registry.resolve("auto", cuda, ds, bf16) == "flashinfer"
+    assert "16-bit" in registry.flashinfer_refusal(ds, fp8)
+    assert registry.resolve("auto", cuda, ds, fp8) == "torch"
+    small_kv = archs.kv_layout(small, 16, torch.bfloat16)
+    assert "kv_lora_rank 512" in registry.flashinfer_refusal(small, small_kv)
+    assert registry.resolve("auto", cuda, small, small_kv) == "torch"
+    assert registry.resolve("auto", torch.device("cpu"), ds, bf16) == "torch"
+    with pytest.raises(ValueError, match="kv_lora_rank 512"):
+        registry.get_backend("flashinfer", small, small_kv, ComputeContext(cuda, torch.bfloat16))
+
+
 def test_init_lists_deepseek():
     from moed.dev.checkpoint import init_archs
 
