@@ -216,8 +216,9 @@ class Proxy:
                 body = ledger.backend_body()
         headers = _forwardable(request.headers)
         headers.pop(MIGRATABLE, None)         # only this router says so, never its client
-        if ledger is not None and self.migration_limit() > 0:
-            headers[MIGRATABLE] = "1"         # a draining node may hand the stream back
+        if self.migration_limit() > 0 and (ledger is not None or
+                                           migrate.non_streamed(request.path, body)):
+            headers[MIGRATABLE] = "1"         # a draining node may hand the request back
         rid = request_id_of(request)
         if rid:
             headers["X-Request-Id"] = rid

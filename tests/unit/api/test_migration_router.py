@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from moed.api.backends import StaticBackends
+from moed.api.generate import MIGRATABLE
 from moed.api.middleware import request_context
 from moed.api.proxy import Proxy
 from moed.config import load
@@ -47,6 +48,8 @@ class Node:
         self.always = always            # continuations too
         self.how = how                  # cut | error (a server_error event) | stall (unready)
         self.ready = 200
+        self.hand_back = [0]            # non-streamed: answer this many with a drain's 503
+        self.migratable: list[bool] = []    # per non-streamed request: the router's header
         self.continued: list[dict] = []
         self.signed: list[bool] = []
         app = web.Application()
@@ -60,6 +63,13 @@ class Node:
 
     async def _fresh(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if not body.get("stream"):
+            self.migratable.append(request.headers.get(MIGRATABLE) == "1")
+            if self.hand_back[0] and self.migratable[-1]:    # as a real node: only then
+                self.hand_back[0] -= 1
+                return web.json_response({"error": {"type": "server_error",
+                                                    "code": "handed_off"}}, status=503)
+            return web.json_response({"choices": [{"index": 0, "text": "whole"}]})
         return await self._stream(request, 0, bool(body.get("return_token_ids")), self.die_after)
 
     async def _continue(self, request: web.Request) -> web.StreamResponse:
@@ -225,3 +235,23 @@ async def test_a_node_dying_after_the_last_token_is_closed_by_the_router(router)
     assert usage == [{"prompt_tokens": 3, "completion_tokens": TOKENS,
                       "total_tokens": 3 + TOKENS}]
     assert not a.continued and not b.continued               # nothing left to continue
+
+
+@pytest.mark.parametrize("limit", [3, 0])
+async def test_a_non_streamed_request_a_draining_node_hands_back_is_resubmitted(router, limit
+                                                                              ) -> None:
+    """Drain (issue 33 item 2): the router marks a non-streamed request as movable too; a
+    draining node answers it 503 handed_off before any byte, and the router resubmits it to
+    the other node. With migration_limit 0 the router does not ask for that."""
+    a, b = Node(), Node()
+    a.hand_back = b.hand_back = [1]         # shared: whichever is picked first hands it back
+    url = await router(a, b, limit=limit)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 9},
+                          headers={MIGRATABLE: "1"}) as r:     # a client's own is dropped
+            status, body = r.status, await r.json()
+    if limit:
+        assert status == 200 and body["choices"][0]["text"] == "whole"
+        assert a.migratable == b.migratable == [True]         # one each: moved once
+    else:
+        assert status == 200 and a.migratable + b.migratable == [False]   # never handed back
