@@ -48,6 +48,7 @@ class Node:
         self.always = always            # continuations too
         self.how = how                  # cut | error (a server_error event) | stall (unready)
         self.ready = 200
+        self.then: Node | None = None   # stall: this node turns ready instead
         self.hand_back = [0]            # non-streamed: answer this many with a drain's 503
         self.migratable: list[bool] = []    # per non-streamed request: the router's header
         self.continued: list[dict] = []
@@ -70,6 +71,11 @@ class Node:
                 return web.json_response({"error": {"type": "server_error",
                                                     "code": "handed_off"}}, status=503)
             return web.json_response({"choices": [{"index": 0, "text": "whole"}]})
+        if self.how == "hang":            # no headers either (SIGSTOP before it answered)
+            self.ready = 503
+            if self.then is not None:
+                self.then.ready = 200
+            await asyncio.sleep(30)
         return await self._stream(request, 0, bool(body.get("return_token_ids")), self.die_after)
 
     async def _continue(self, request: web.Request) -> web.StreamResponse:
@@ -91,6 +97,8 @@ class Node:
                 return resp
             if die_after is not None and n == die_after and self.how == "stall":
                 self.ready = 503          # membership / the health poll drops it; no byte more
+                if self.then is not None:
+                    self.then.ready = 200
                 await asyncio.sleep(30)
             if die_after is not None and n == die_after:
                 await resp.write(b'data: {"id": "cut')          # an event cut in half
@@ -255,3 +263,19 @@ async def test_a_non_streamed_request_a_draining_node_hands_back_is_resubmitted(
         assert a.migratable == b.migratable == [True]         # one each: moved once
     else:
         assert status == 200 and a.migratable + b.migratable == [False]   # never handed back
+
+
+@pytest.mark.parametrize("how", ["stall", "hang"])
+async def test_a_node_silent_before_its_first_token_is_left_for_another(router, how) -> None:
+    """A stream's node hangs after its headers before any event (stall: SIGSTOP with a stream
+    queued there) or before its headers (hang): once the node is no longer listed the router
+    resubmits the request elsewhere instead of waiting for the total timeout."""
+    a, b = Node(die_after=0, how=how), Node()
+    b.ready, a.then = 503, b                # a is picked; b turns ready when a hangs
+    url = await router(a, b)
+    events = await asyncio.wait_for(_stream(url), 10)
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e
+                                              for e in events)
+    assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == "".join(
+        f"t{i} " for i in range(TOKENS))
+    assert not a.continued and not b.continued              # nothing was sent: a fresh retry
