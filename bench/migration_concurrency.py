@@ -3,14 +3,14 @@ SIGKILL of one serving node at a random moment; how many streams end with exactl
 of an undisturbed run, with no error event.
 
 Setups: `colocated` (router + 2 colocated nodes) and `pd` (router + 1 prefill + 2 decode
-nodes), each in float32 and bf16 (model.dtype). The peer in the same run is a second
+nodes), each in float32, bf16, and bf16 with model.batch_invariant (`bfloat16-inv`). The peer in the same run is a second
 undisturbed run: "undisturbed vs undisturbed" says how much of a difference is the batch's
 doing (bf16 on this CPU: the kernel serving a matmul is chosen per row count) rather than the
 migration's. Prints a table; saves bench/results/migration_concurrency.json (+ .png with
 matplotlib).
 
     .venv/bin/python bench/migration_concurrency.py [--streams 40] [--tokens 256]
-        [--setups colocated,pd] [--dtypes float32,bfloat16] [--model DIR]
+        [--setups colocated,pd] [--dtypes float32,bfloat16,bfloat16-inv] [--model DIR]
 """
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ def start(setup: str, dtype: str, model: str, logs: Path) -> dict[str, tuple]:
     seed = f"127.0.0.1:{g['A']}"
     common = {"MOED_CLUSTER_ENABLED": "true", "MOED_CLUSTER_SEEDS": seed,
               "MOED_CLUSTER_PROBE_INTERVAL_MS": "200", "MOED_CLUSTER_GOSSIP_INTERVAL_MS": "50"}
-    node = {**common, "MOED_MODEL_DTYPE": dtype, "MOED_ENGINE_KV_CACHE_MEMORY_MB": "128"}
+    node = {**common, "MOED_MODEL_DTYPE": dtype.removesuffix("-inv"),
+            "MOED_MODEL_BATCH_INVARIANT": str(dtype.endswith("-inv")).lower(),
+            "MOED_ENGINE_KV_CACHE_MEMORY_MB": "128"}
     roles = {"A": "colocated", "B": "colocated"} if setup == "colocated" else \
         {"A": "decode", "B": "decode", "P": "prefill"}
     nodes = {}
@@ -209,7 +211,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--setups", default="colocated,pd")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16-inv")
     ap.add_argument("--model", help="checkpoint (default: the tiny random qwen3_moe)")
     ap.add_argument("--seed", type=int, help="the kill moment's draw (default: random)")
     ap.add_argument("--out", type=Path,

@@ -3,11 +3,11 @@
 at a random moment under way: every stream ends with exactly the tokens of an undisturbed
 concurrent run, no error event, one [DONE], and moed_router_migrations_total moved.
 
-The nodes run model.dtype = float32 with the default batch (engine.max_num_seqs = 64): in
-float32 a row's result does not depend on the batch it is computed in (measured in
-docs/migration.md, "Identical at any concurrency"), so the undisturbed run, the disturbed one
-and the continuation's forced decode steps agree whatever the steps' batches were. In bf16 on
-this CPU they do not (the kernel serving a matmul is chosen per row count), which is why
+The nodes run bf16 with model.batch_invariant and the default batch (engine.max_num_seqs =
+64): a row's result then does not depend on the batch it is computed in (docs/migration.md,
+"Identical at any concurrency"), so the undisturbed run, the disturbed one and the
+continuation's forced decode steps agree whatever the steps' batches were. Without it they
+do not on this CPU (the kernel serving a matmul is chosen per row count), which is why
 test_migration.py runs one sequence per step. bench/migration_concurrency.py runs the literal
 40 x 256, colocated and P/D."""
 from __future__ import annotations
@@ -45,7 +45,8 @@ def cluster(tiny_qwen3, tmp_path_factory):
     d = tmp_path_factory.mktemp("migrate_conc")
     key = os.urandom(32).hex()
     g = {n: free_port() for n in ("A", "B", "R")}
-    common = {"MOED_MODEL_SERVED_NAME": "tiny", "MOED_MODEL_DTYPE": "float32",
+    common = {"MOED_MODEL_SERVED_NAME": "tiny", "MOED_MODEL_DTYPE": "bfloat16",
+              "MOED_MODEL_BATCH_INVARIANT": "true",
               "MOED_ENGINE_KV_CACHE_MEMORY_MB": "64",
               "MOED_CLUSTER_ENABLED": "true", "MOED_CLUSTER_KEY_ENV": KEY_ENV, KEY_ENV: key,
               "MOED_CLUSTER_SEEDS": f"127.0.0.1:{g['A']}",
