@@ -127,11 +127,12 @@ def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int) -> l
     return tickets
 
 
-MIGRATABLE = "X-Moed-Migratable"    # set by a router that migrates this stream if it ends
+MIGRATABLE = "X-Moed-Migratable"    # set by a router that moves this request if it ends here
 
 
 class HandOff(Exception):
-    """Drain: this stream ends here so its router continues it elsewhere."""
+    """Drain: this request ends here so its router continues it (a stream) or resubmits it
+    (not streamed: nothing was sent yet) elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ class Generation:
                 ev = self._drop_replayed(ev)
                 if ev is None:
                     continue
-            if isinstance(ev, HandOff):    # a server_error event: the router moves it
+            if isinstance(ev, HandOff):    # in-band event or a 503: the router moves it
                 raise APIError(503, "This node is draining; the stream continues on another.",
                                code="handed_off")
             if isinstance(ev, BaseException):
@@ -336,7 +337,8 @@ class Generation:
             at = start
 
     def hand_off(self) -> None:
-        """Drain: end this stream with a server_error event (its router continues it)."""
+        """Drain: end this request with a server_error (a stream's in-band event, else a 503
+        before any byte); its router continues or resubmits it elsewhere."""
         self._queue.put_nowait((self.choices[0], HandOff()))
 
     async def close(self) -> None:

@@ -74,6 +74,20 @@ def eligible(path: str, body: bytes) -> dict[str, Any] | None:
     return req
 
 
+def non_streamed(path: str, body: bytes) -> bool:
+    """A non-streamed completion or chat request (any n): a draining node may hand it back
+    before its first byte (a 503, code handed_off), and the router resubmits it from scratch
+    elsewhere, as after any 503 (router.max_attempts). Its work there is lost, but the drain
+    no longer waits for its max_tokens."""
+    if path not in MIGRATABLE_PATHS:
+        return False
+    try:
+        req = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(req, dict) and req.get("stream") in (None, False)
+
+
 @dataclass
 class Ledger:
     """One client stream, as the router relays it (see the module docstring)."""

@@ -12,12 +12,15 @@ Lifecycle of one relayed stream (the ledger's phases, moed.api.migrate.StreamPha
   [DONE] → DONE. A finish already relayed when the node died: the router closes the stream
     itself (usage when asked, [DONE]). router.migration_limit resubmissions spent, no node left,
     or a node refusing the continuation → FAILED: one server_error event, no [DONE].
+A hung node (SIGSTOP) keeps its sockets open: only "silent while no longer listed" sees it,
+so every wait on a node here — headers, first bytes, the next bytes — goes through that check
+(`unless_silent`, and the relay's own poll).
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 import aiohttp
 import structlog
@@ -34,7 +37,26 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 POLL_S = 1.0          # how long a silent node goes before membership is asked about it
+T = TypeVar("T")
 CONTINUE = "/internal/continue"
+
+
+async def unless_silent(proxy: Proxy, backend: Candidate, aw: Awaitable[T]) -> T | None:
+    """`aw`'s result, or None once it has waited POLL_S while membership no longer lists the
+    node (a hung node: its socket stays open, so only that tells). For a migratable stream's
+    response headers and first bytes: a stream queued there sends nothing until its first
+    token, and without this would wait for the total timeout. Errors propagate."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
+            if done:
+                return task.result()
+            if not proxy.is_listed(backend.name):
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def _send(out: web.StreamResponse, data: bytes) -> None:
@@ -154,15 +176,21 @@ async def _resubmit(proxy: Proxy, request: web.Request, ledger: Ledger, tried: l
         h["Content-Type"] = "application/json"
         t0 = time.monotonic()
         try:
-            resp = await proxy.session().post(backend.url + path, data=body, headers=h,
-                                              timeout=timeout, allow_redirects=False)
+            resp = await unless_silent(proxy, backend, proxy.session().post(
+                backend.url + path, data=body, headers=h, timeout=timeout,
+                allow_redirects=False))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            resp, why = None, repr(e)
+        else:
+            why = "silent while no longer listed"
+        if resp is None:
             log.warning("router_migration_unreachable", request_id=rid, to=backend.name,
-                        error=repr(e))
+                        error=why)
             proxy.mark_failed(backend.name)
             continue
         try:
-            first = await resp.content.readany() if resp.status == 200 else b""
+            first = (await unless_silent(proxy, backend, resp.content.readany()) or b"") \
+                if resp.status == 200 else b""
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             first = b""
         if resp.status != 200 or not first:

@@ -334,8 +334,7 @@ async def _serve(request: web.Request, chat: bool, cont: Continuation | None = N
         gen = Generation(engine, state.admission, req, prompt_ids, rid,
                          state.config.admission.retry_after_s,
                          timeout_s=state.config.server.request_timeout_s, cont=cont,
-                         handoffs=state.handoffs if req.stream and MIGRATABLE in request.headers
-                         else None)
+                         handoffs=state.handoffs if MIGRATABLE in request.headers else None)
         trace.record("admission", t_admit, trace.now_ns(), sequences=len(gen.choices))
         fmt = Formatter(req, engine.tokenizer, state.model_name, gen)
         if cont:

@@ -216,8 +216,9 @@ class Proxy:
                 body = ledger.backend_body()
         headers = _forwardable(request.headers)
         headers.pop(MIGRATABLE, None)         # only this router says so, never its client
-        if ledger is not None and self.migration_limit() > 0:
-            headers[MIGRATABLE] = "1"         # a draining node may hand the stream back
+        if self.migration_limit() > 0 and (ledger is not None or
+                                           migrate.non_streamed(request.path, body)):
+            headers[MIGRATABLE] = "1"         # a draining node may hand the request back
         rid = request_id_of(request)
         if rid:
             headers["X-Request-Id"] = rid
@@ -295,14 +296,23 @@ class Proxy:
         assert self._session is not None
         url = backend.url + request.rel_url.raw_path_qs
         t0 = time.monotonic()
+        sent = self._session.request(request.method, url, data=body, headers=headers,
+                                     timeout=timeout, allow_redirects=False)
         try:
-            resp = await self._session.request(request.method, url, data=body, headers=headers,
-                                               timeout=timeout, allow_redirects=False)
+            # a migratable stream answers its headers at once: a node that hangs first (no
+            # headers, no first token, no longer listed) is left for another
+            got = await migrating.unless_silent(self, backend, sent) if ledger is not None \
+                else await sent
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            log.warning("router_backend_unreachable", backend=backend.name, error=repr(e))
+            got, why = None, repr(e)
+        else:
+            why = "silent while no longer listed"
+        if got is None:
+            log.warning("router_backend_unreachable", backend=backend.name, error=why)
             self._source.mark_failed(backend.name)
             self.record(backend, "error")
             return None
+        resp = got
         try:
             out_headers = _forwardable(resp.headers)
             if resp.status in _RETRY_STATUS:
@@ -313,9 +323,13 @@ class Proxy:
             # Hold the client's headers until the backend's first bytes (or its end) arrive,
             # so a node that dies right after answering can still be replaced.
             try:
-                first = await resp.content.readany()
+                read = resp.content.readany()
+                first = await migrating.unless_silent(self, backend, read) \
+                    if ledger is not None else await read
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                log.warning("router_backend_failed_early", backend=backend.name, error=repr(e))
+                first, why = None, repr(e)
+            if first is None:
+                log.warning("router_backend_failed_early", backend=backend.name, error=why)
                 self._source.mark_failed(backend.name)
                 self.record(backend, "error")
                 return None

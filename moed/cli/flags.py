@@ -96,6 +96,8 @@ FLAGS: tuple[Flag, ...] = (
 SWITCHES: tuple[Flag, ...] = (
     Flag("--enable-prefix-caching", "engine.enable_prefix_caching",
          "reuse the KV blocks of a cached prompt prefix (on by default)"),
+    Flag("--batch-invariant", "model.batch_invariant",
+         "a row's result independent of its batch: native CPU kernels at every row count"),
 )
 
 # vLLM flags with no honest moed equivalent: refused with the reason, never ignored

@@ -57,7 +57,7 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
                          placement=None if ep is None else ep.placement,
                          quantization=m.quantization,
                          quantization_group_size=m.quantization_group_size,
-                         mtp=cfg.speculative.method == "mtp")
+                         mtp=cfg.speculative.method == "mtp", batch_invariant=m.batch_invariant)
     if ep is not None:
         ep.join()
         ep.attach(runner.model)     # the expert balancer, if parallel.eplb_interval_s

@@ -43,17 +43,18 @@ def build_plan(kv: KVCacheManager, chunks: Sequence[ScheduledChunk], preempted: 
     """The step's ForwardBatch from its chunks (taken before `update` advances them)."""
     if not chunks:
         return StepPlan((), None, 0, 0, tuple(preempted))
-    toks, starts, tables = [], [], []
+    toks, starts, tables, prompt = [], [], [], []
     n_decode = 0
     for c in chunks:
         r = c.request
         s = r.num_computed_tokens
         toks.append(r.token_ids[s:s + c.num_new_tokens] + list(c.draft))
         starts.append(s)
+        prompt.append(s + c.num_new_tokens <= r.num_prompt_tokens)
         tables.append(list(kv.block_table(r.request_id)))
         if c.num_new_tokens == 1 and c.sample and r.num_output_tokens > 0:
             n_decode += 1 + len(c.draft)
-    batch = ForwardBatch(toks, starts, tables)
+    batch = ForwardBatch(toks, starts, tables, prompt=tuple(prompt))
     return StepPlan(tuple(chunks), batch, batch.num_tokens - n_decode, n_decode,
                     tuple(preempted))
 

@@ -9,6 +9,10 @@ The runner returns fp32 logits of the rows `logit_rows` names, in order: the LAS
 every sequence, except that a sequence flagged in `all_logits` (prompt logprobs) contributes
 every new token's row; `sample_rows[i]` is where sequence i's last token landed. Without
 `all_logits` that is [B, vocab] with row i = sequence i.
+A sequence with one new token runs the decode attention path unless `prompt` flags it: one
+prompt token (a chunked prefill's last token, a prefix-cache hit's remainder) takes the
+prefill path, as the whole prompt would. The two kernels round differently, so otherwise a
+prompt's tokens would depend on where the step budget cut it (docs/migration.md).
 """
 from __future__ import annotations
 
@@ -21,12 +25,15 @@ class ForwardBatch:
     start_pos: list[int]            # tokens already in the KV cache per sequence
     block_tables: list[list[int]]   # physical KV block ids per sequence
     all_logits: tuple[bool, ...] = ()   # per sequence: logits of every new token (() = none)
+    prompt: tuple[bool, ...] = ()       # per sequence: its new tokens are prompt tokens (() = none)
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.start_pos) == len(self.block_tables)):
             raise ValueError("ForwardBatch fields must have one entry per sequence")
         if self.all_logits and len(self.all_logits) != len(self.token_ids):
             raise ValueError("ForwardBatch.all_logits must have one entry per sequence (or none)")
+        if self.prompt and len(self.prompt) != len(self.token_ids):
+            raise ValueError("ForwardBatch.prompt must have one entry per sequence (or none)")
 
     @property
     def num_seqs(self) -> int:
@@ -37,8 +44,14 @@ class ForwardBatch:
         return sum(len(t) for t in self.token_ids)
 
     @property
+    def decode_seqs(self) -> list[int]:
+        """Sequences whose one new token is a decode step's (not a prompt token)."""
+        return [i for i, t in enumerate(self.token_ids)
+                if len(t) == 1 and not (self.prompt and self.prompt[i])]
+
+    @property
     def is_decode_only(self) -> bool:
-        return all(len(t) == 1 for t in self.token_ids)
+        return len(self.decode_seqs) == len(self.token_ids)
 
     @property
     def logit_rows(self) -> list[int]:

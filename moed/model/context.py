@@ -17,6 +17,7 @@ import torch
 
 from moed.model.executor import ExpertExecutor, SlotExperts
 from moed.model.kernels import CpuKernels, cpu_kernels
+from moed.model.kernels.choice import native_only
 
 
 class ExpertPlacement(Protocol):
@@ -42,11 +43,26 @@ class ComputeContext:
 
     @classmethod
     def build(cls, device: torch.device | str, dtype: torch.dtype,
-              placement: ExpertPlacement | None = None) -> ComputeContext:
-        """The one decision: packing where oneDNN's bf16 works, the kernels where they load."""
+              placement: ExpertPlacement | None = None,
+              batch_invariant: bool = False) -> ComputeContext:
+        """The one decision: packing where oneDNN's bf16 works, the kernels where they load.
+        batch_invariant (model.batch_invariant): the native kernel at every row count; a
+        ValueError where a row's result would still depend on its batch (bf16 without the
+        native kernels: oneDNN then serves every matmul of more than 2 rows)."""
         device = torch.device(device)
         pack = can_pack(device, dtype)
-        return cls(device, dtype, pack, cpu_kernels() if pack else None, placement)
+        kernels = cpu_kernels() if pack else None
+        if batch_invariant:
+            if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(f"model.batch_invariant: measured for bf16 and float32 on CPU "
+                                 f"only, not {dtype} on {device}")
+            if dtype == torch.bfloat16 and kernels is None:
+                raise ValueError("model.batch_invariant in bf16 needs the native CPU kernels "
+                                 "(an AVX512-BF16 or AVX2 CPU, MOED_CPU_KERNELS not 0; "
+                                 "cpu_kernels_off says why they are off), or model.dtype "
+                                 "float32")
+            kernels = native_only(kernels) if kernels is not None else None
+        return cls(device, dtype, pack, kernels, placement)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

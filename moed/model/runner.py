@@ -85,7 +85,7 @@ class ModelRunner:
                  num_blocks: int, block_size: int, spec: ModelSpec | None = None,
                  weights: Weights | None = None, placement: ExpertPlacement | None = None,
                  quantization: str = "", quantization_group_size: int = 128,
-                 kv_dtype: str = "auto", mtp: bool = False) -> None:
+                 kv_dtype: str = "auto", mtp: bool = False, batch_invariant: bool = False) -> None:
         """placement: expert parallelism (moed.parallel.dispatch.RankPlacement): only this rank's
         expert slots are loaded, and every MoE layer dispatches over the group.
         quantization: model.quantization ("" = the checkpoint's own format, or none; fp8, int8,
@@ -94,7 +94,9 @@ class ModelRunner:
         kv_dtype: engine.kv_cache_dtype ("auto": the model's dtype; "fp8": float8 e4m3).
         mtp: also serve DeepSeek-V3's MTP layer (moed/model/mtp.py, forward_mtp): its weights and
         one more KV layer, which the layout id names; ValueError for a checkpoint without one
-        (or with expert parallelism, not built). Off: nothing of it is read or allocated."""
+        (or with expert parallelism, not built). Off: nothing of it is read or allocated.
+        batch_invariant: model.batch_invariant (ComputeContext.build; ValueError where it
+        cannot hold)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         t0 = time.monotonic()
@@ -109,7 +111,7 @@ class ModelRunner:
                              "the group's exchanges)")
         self.kv_layout: KVLayout = archs.kv_layout(self.spec, block_size, kv_cache_dtype(kv_dtype, self.dtype),
                                                    n_mtp)
-        self.ctx = ComputeContext.build(self.device, self.dtype, placement)
+        self.ctx = ComputeContext.build(self.device, self.dtype, placement, batch_invariant)
         own = weights is None
         self.quant_plan = quant_formats.plan(model_dir, quantization, quantization_group_size) if own \
             else quant_formats.Plan(None)

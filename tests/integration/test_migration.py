@@ -1,6 +1,7 @@
-"""Stream migration (issue 33) on real processes: router R + colocated nodes A, B, C and D on
+"""Stream migration (issue 33) on real processes: router R + colocated nodes A to E on
 127.0.0.1 (gossip, one cluster key). A drained node hands its streams over (item 2). Eight
-concurrent greedy streams (completions and chats); SIGKILL of the node serving one under way
+concurrent greedy streams (completions and chats); SIGSTOP of the node serving one under way
+(a hung node: silent, then declared dead by membership); SIGKILL of the node serving one
 (a completion stream, then a chat stream, each killing another node): every stream finishes
 with exactly the tokens of an undisturbed run, no error event, one [DONE], usage counted once,
 chat's role once, and moed_router_migrations_total moved. A continuation with a tenant key is
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(240)
 KEY_ENV = "CLUSTER_KEY_HEX"
 TENANT = "tenant-key-1"
 N, TOKENS = 8, 400
-NODES = ("A", "B", "C", "D")   # the drain test and each kill test take one; the last the last
+NODES = ("A", "B", "C", "D", "E")   # the drain, hang and kill tests take one; the last the last
 DRAIN_AFTER_S = 0.5
 ROUTER = """
 [server]
@@ -46,7 +47,7 @@ gossip_interval_ms = 50
 def cluster(tiny_qwen3, tmp_path_factory):
     d = tmp_path_factory.mktemp("migrate")
     key = os.urandom(32).hex()
-    g = {n: free_port() for n in ("A", "B", "C", "D", "R", "R0")}
+    g = {n: free_port() for n in (*NODES, "R", "R0")}
     common = {"MOED_MODEL_SERVED_NAME": "tiny", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "64",
               "MOED_CLUSTER_ENABLED": "true", "MOED_CLUSTER_KEY_ENV": KEY_ENV, KEY_ENV: key,
               "MOED_CLUSTER_SEEDS": f"127.0.0.1:{g['A']}",
@@ -128,6 +129,10 @@ class Stream(threading.Thread):
     def tokens(self) -> int:
         return sum(1 for e in self.events if e.startswith("{") and '"finish_reason"' in e)
 
+    def under_way(self) -> bool:
+        """Alive and well inside its tokens (the node has work left to move)."""
+        return self.is_alive() and 20 <= self.tokens() <= TOKENS // 2
+
     def result(self) -> dict:
         chunks = [json.loads(e) for e in self.events if e != "[DONE]"]
         errors = [c for c in chunks if "error" in c]
@@ -152,7 +157,7 @@ def _run(base: str, kill=None, chat: bool = False) -> list[dict]:
     for s in streams:
         s.start()
     if kill is not None:      # a stream of the kind asked for under way
-        _wait_until(lambda: any(s.tokens() >= 20 and s.is_alive() and
+        _wait_until(lambda: any(s.under_way() and
                                 ("messages" in s.body) == chat for s in streams),
                     30, "a stream has tokens")
         kill(streams)
@@ -172,7 +177,7 @@ def test_a_drained_node_hands_its_streams_over(cluster) -> None:
     drained: list[str] = []
 
     def drain(streams: list[Stream]) -> None:
-        live = [s for s in streams if s.is_alive() and s.tokens() >= 20]
+        live = [s for s in streams if s.under_way()]
         assert live, "every stream had already finished"
         drained.append(live[0].backend)
         status, _ = _post_admin(cluster[drained[0]])
@@ -190,6 +195,43 @@ def test_a_drained_node_hands_its_streams_over(cluster) -> None:
     lines = [x for x in r.log_records() if x.get("event") == "router_stream_migrated"
              and x["reason"] == "drain"]
     assert lines and all(x["from_node"] == drained[0] for x in lines)
+
+
+def test_the_streams_of_a_hung_node_move_once_membership_declares_it_dead(cluster) -> None:
+    """SIGSTOP of the node serving a stream: its connections stay open but silent, so only
+    the router's silence check (no byte for migrating.POLL_S while membership no longer lists
+    the node) can move them; they finish identical to the undisturbed run, within a bound."""
+    r = cluster["R"]
+    base = _run(r.url)
+    before = r.metrics().get('moed_router_migrations_total{reason="node_dead"}', 0)
+    hung: list[str] = []
+    t_stop: list[float] = []
+
+    def stop(streams: list[Stream]) -> None:
+        live = [s for s in streams if s.under_way()]
+        assert live, "every stream had already finished"
+        hung.append(live[0].backend)
+        cluster[hung[0]].proc.send_signal(signal.SIGSTOP)
+        t_stop.append(time.monotonic())
+
+    try:
+        got = _run(r.url, stop)
+        took = time.monotonic() - t_stop[0]
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):    # nothing stays stopped or running
+            if hung and cluster[hung[0]].alive:
+                cluster[hung[0]].proc.send_signal(sig)
+        if hung:
+            cluster[hung[0]].proc.wait(timeout=10)
+    for i, (a, b) in enumerate(zip(base, got)):
+        assert not b["errors"] and b["done"], (i, b["errors"])
+        assert b["text"] == a["text"] and b["usage"] == a["usage"], i
+    after = r.metrics().get('moed_router_migrations_total{reason="node_dead"}', 0)
+    assert after > before, "no stream moved off the hung node"
+    lines = [x for x in r.log_records() if x.get("event") == "router_stream_migrated"
+             and x["from_node"] == hung[0]]
+    assert lines and all(x["reason"] == "node_dead" for x in lines)
+    assert took < 30, f"the streams took {took:.1f} s to finish after the node hung"
 
 
 def _post_admin(srv) -> tuple[int, str]:
@@ -210,7 +252,7 @@ def test_streams_survive_a_node_killed_mid_way(cluster, chat: bool) -> None:
     killed: list[str] = []
 
     def kill(streams: list[Stream]) -> None:
-        live = [s for s in streams if s.is_alive() and s.tokens() >= 20
+        live = [s for s in streams if s.under_way()
                 and ("messages" in s.body) == chat]
         assert live, "every stream had already finished"
         victim = live[0].backend     # the node serving a stream under way (others queue there)

@@ -2,7 +2,11 @@
 in one gossip membership, a bounded load through the router, and `moed plan --watch`
 against the router's /cluster. The load fits one node, so after --in-stable intervals the
 planner's action hook drains the node with the least in-flight work (POST /admin/drain);
-every request succeeds, the drained node exits 0, and the planner holds at one node after."""
+every request succeeds, the drained node exits 0, and the planner holds at one node after.
+Long requests (streamed and not, far more tokens than the drain lasts) run on both nodes: the
+drained node hands its share to the router after server.drain_migrate_after_s (a stream
+continues elsewhere, a non-streamed request is resubmitted) and exits within that + 5 s, so
+scale-in does not wait for max_tokens; every long request ends with all its tokens."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -22,10 +26,13 @@ from moed_server import ADMIN_TOKEN, ROOT, ServerProcess, _wait_ready, free_port
 pytestmark = pytest.mark.timeout(300)
 
 KEY_ENV = "CLUSTER_KEY_HEX"
-COMMON = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "8",
+DRAIN_AFTER_S = 1.0
+LONG = 2000            # tokens of a long request (the context is 2048): ~10 s on 2 cores
+COMMON = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "32",
           "MOED_ENGINE_BLOCK_SIZE": "4", "MOED_MODEL_SERVED_NAME": "tiny",
           "MOED_TRANSFER_LOCAL_PREFILL_MAX_TOKENS": "100000",
-          "MOED_CLUSTER_LOAD_UPDATE_INTERVAL_MS": "200", "MOED_SERVER_SHUTDOWN_GRACE_S": "30"}
+          "MOED_CLUSTER_LOAD_UPDATE_INTERVAL_MS": "200", "MOED_SERVER_SHUTDOWN_GRACE_S": "30",
+          "MOED_SERVER_DRAIN_MIGRATE_AFTER_S": str(DRAIN_AFTER_S)}
 
 HOOK = '''import json, os, sys, urllib.request
 url = sys.argv[1]
@@ -104,9 +111,28 @@ def test_planner_drains_one_of_two_decode_nodes_without_losing_a_request(cluster
                 errors.append(repr(e))
             i += 1
 
-    pool = cf.ThreadPoolExecutor(2)
+    def long(w: int) -> tuple[str, int, str | None]:   # (backend, tokens, finish)
+        body = dict(model="tiny", prompt=[7 + w, 8, 9, 10], max_tokens=LONG, temperature=0,
+                    extra_body={"ignore_eos": True})
+        if w % 2 == 0:                                 # a stream: its tokens, then usage
+            n, finish = 0, None
+            with client.completions.with_streaming_response.create(
+                    stream=True, stream_options={"include_usage": True}, **body) as raw:
+                for c in raw.parse():
+                    if c.usage is not None:
+                        n = c.usage.completion_tokens
+                    if c.choices and c.choices[0].finish_reason:
+                        finish = c.choices[0].finish_reason
+                return raw.headers["x-moed-backend"], n, finish
+        raw = client.completions.with_raw_response.create(**body)
+        c = raw.parse()
+        return raw.headers["x-moed-backend"], c.usage.completion_tokens, \
+            c.choices[0].finish_reason
+
+    pool = cf.ThreadPoolExecutor(6)
     futures = [pool.submit(worker, w) for w in range(2)]
     _wait_until(lambda: {b for b, _ in results} == {"D1", "D2"}, 60, "load on both nodes")
+    longs = [pool.submit(long, w) for w in range(4)]      # placed by load: both nodes get some
 
     log = tmp_path / "drained.jsonl"
     (tmp_path / "hook.py").write_text(HOOK)
@@ -120,11 +146,15 @@ def test_planner_drains_one_of_two_decode_nodes_without_losing_a_request(cluster
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_until(lambda: log.exists() and log.read_text().strip(), 60, "the drain hook")
+        t_drain = time.monotonic()
         drained = json.loads(log.read_text().splitlines()[0])
         victim = cluster[drained["node"]]
         other = "D2" if drained["node"] == "D1" else "D1"
         assert drained["status"] == 202 and victim.url == drained["url"]
-        assert victim.proc.wait(60) == 0                         # drained, then exit 0
+        assert not any(f.done() for f in longs), [f.result() for f in longs if f.done()]
+        # drained, then exit 0 within drain_migrate_after_s + 5 s, long requests or not
+        assert victim.proc.wait(DRAIN_AFTER_S + 5) == 0
+        exit_s = time.monotonic() - t_drain
         n_at_exit = len(results)
         # the load carries on, on the other node alone
         _wait_until(lambda: len(results) >= n_at_exit + 6, 60, "requests after the drain")
@@ -133,6 +163,7 @@ def test_planner_drains_one_of_two_decode_nodes_without_losing_a_request(cluster
         stop.set()
         for f in futures:
             f.result(timeout=90)
+        done = [f.result(timeout=120) for f in longs]
         pool.shutdown()
         plan.send_signal(signal.SIGTERM)
         out, err = plan.communicate(timeout=30)
@@ -148,7 +179,12 @@ def test_planner_drains_one_of_two_decode_nodes_without_losing_a_request(cluster
     assert [n["name"] for n in actions[0]["drain"]] == [drained["node"]]
     assert decode[-1]["current"] == 1 and decode[-1]["action"] == "hold"
     assert len(log.read_text().splitlines()) == 1                 # one drain, never a second
-    events = [rec.get("event") for rec in victim.log_records()]
+    assert [(n, f) for _, n, f in done] == [(LONG, "length")] * 4     # every long one whole
+    records = victim.log_records()
+    events = [rec.get("event") for rec in records]
     assert "drain_requested" in events and "stopped" in events
+    handed = [rec["streams"] for rec in records if rec.get("event") == "drain_handed_off"]
+    assert handed and handed[0] >= 1, "the drained node held none of the long requests"
     print(f"\n{len(results)} requests, 0 lost; {drained['node']} drained with "
-          f"{drained['inflight']} in flight, exit 0\nplanner: {actions[0]['reason']}")
+          f"{drained['inflight']} in flight, {handed[0]} handed over, exit 0 after "
+          f"{exit_s:.1f} s\nplanner: {actions[0]['reason']}")

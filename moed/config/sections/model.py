@@ -28,9 +28,19 @@ class ModelConfig:
                                    "(quantization_config) or none")
     quantization_group_size: int = _f(128, bounds=(2, 1 << 16),
                                       doc="input columns per int4 scale (model.quantization int4)")
+    batch_invariant: bool = _f(False, doc="a row's result does not depend on the other rows of "
+                               "its step: every bf16 matmul on the native CPU kernel at every "
+                               "row count (no oneDNN class), so a migrated greedy stream is "
+                               "identical at any concurrency (docs/migration.md); costs the "
+                               "AMX speed-up of large batches and prefill")
 
     def __post_init__(self) -> None:
         _check_bounds("model", self)
+        if self.batch_invariant and (self.quantization or self.dtype == "float16"
+                                     or self.device.startswith("cuda")):
+            raise ConfigError("model.batch_invariant: measured for bf16 (native CPU kernels) "
+                              "and float32 weights on CPU only; not with model.quantization, "
+                              "dtype float16 or a CUDA device")
         _choice("model.dtype", self.dtype, MODEL_DTYPES)
         _choice("model.tool_parser", self.tool_parser, TOOL_PARSERS)
         _choice("model.quantization", self.quantization, QUANTIZATIONS)

@@ -24,9 +24,10 @@ class ServerConfig:
     shutdown_grace_s: float = _f(30.0, live=True, bounds=(0, 86400),
                                  doc="drain: in-flight requests get this long")
     drain_migrate_after_s: float = _f(5.0, live=True, bounds=(0, 86400),
-                                      doc="drain: after this long (at most the grace) streams "
+                                      doc="drain: after this long (at most the grace) requests "
                                       "relayed by a router with migration on end here and "
-                                      "continue on another node (docs/migration.md); 0 = off")
+                                      "continue (streams) or are resubmitted on another node "
+                                      "(docs/migration.md); 0 = off")
     api_keys_file: str = _f("", live=True, doc="one key per line; empty with api_keys_env = no auth")
     api_keys_env: str = _f("", live=True, doc="env var holding comma-separated keys")
     admin_token_file: str = _f("", live=True)

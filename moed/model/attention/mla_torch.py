@@ -41,7 +41,7 @@ class TorchMLABackend(mla.MLABackend):
         table_t = pg.table_tensor(dev)
         self.write = pg.token_blocks(table_t, positions, bs) * bs + positions % bs
         row_of = list(accumulate(q_lens, initial=0))
-        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        dec = batch.decode_seqs                  # one prompt token is a prefill (batch.py)
         self.dec_all = len(dec) == len(q_lens)
         self.dec_rows = torch.tensor([row_of[i] for i in dec], dtype=torch.long, device=dev) if dec else None
         if dec:
@@ -55,7 +55,7 @@ class TorchMLABackend(mla.MLABackend):
             self.dec_shape = (len(dec), length)
         self.prefills: list[_Prefill] = []
         for i, n in enumerate(q_lens):
-            if n == 1:
+            if i in dec:
                 continue
             start, rows, mask = batch.start_pos[i], None, None
             if start > 0:      # chunked prefill / prefix hit: attend over the cached history too

@@ -71,7 +71,7 @@ class TorchBackend(AttentionBackend):
         self.write_v = self.write_k + self.v_rows
 
         row_of = list(accumulate(q_lens, initial=0))                       # first row per sequence
-        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        dec = batch.decode_seqs                  # one prompt token is a prefill (batch.py)
         self.has_dec, self.dec_all = bool(dec), len(dec) == len(q_lens)
         self.dec_rows: torch.Tensor | None = None
         if dec:
@@ -105,8 +105,9 @@ class TorchBackend(AttentionBackend):
     def _plan_prefills(self, batch: ForwardBatch, q_lens: list[int], row_of: list[int],
                        table_t: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
+        dec = set(batch.decode_seqs)
         for i, n in enumerate(q_lens):
-            if n == 1:
+            if i in dec:
                 continue
             start = batch.start_pos[i]
             k_rows = mask = None

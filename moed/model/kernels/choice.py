@@ -21,6 +21,7 @@ kernel only: a class served by oneDNN agrees to an ulp.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import json
@@ -31,12 +32,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import structlog
 import torch
 
 log = structlog.get_logger(__name__)
+K = TypeVar("K")
 
 # Upper bound of each row class (inclusive; the last is open): 1, 2-8, 9-64, 65-512, >512.
 ROW_CLASSES: tuple[int | None, ...] = (1, 8, 64, 512, None)
@@ -98,6 +100,26 @@ class LinearChoice:
 
 
 NATIVE_ONLY = LinearChoice((False,) * len(ROW_CLASSES))
+
+
+class NativeOnly:
+    """model.batch_invariant's chooser: the native kernel for every shape at every row count.
+    Its per-row sum does not depend on the row count or the thread split (threads split the
+    columns, never K), where oneDNN's bf16 GEMM sums in another order than the native kernel:
+    a row's logits would change with the class its step's row count falls in."""
+
+    def __call__(self, n: int, k: int) -> LinearChoice:
+        return NATIVE_ONLY
+
+    def chosen(self) -> list[LinearChoice]:
+        return [NATIVE_ONLY]
+
+
+def native_only(kernels: K) -> K:
+    """The same kernels (CpuKernels) with NativeOnly as their chooser (model.batch_invariant)."""
+    pinned = copy.copy(kernels)
+    pinned.choose = NativeOnly()        # type: ignore[attr-defined]
+    return pinned
 
 
 def decide(native_s: Sequence[float | None], onednn_s: Sequence[float | None],

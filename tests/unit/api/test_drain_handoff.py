@@ -1,6 +1,7 @@
 """Drain hands streams over (issue 33 item 2): after server.drain_migrate_after_s a draining
 node ends each stream a router relays for migration (X-Moed-Migratable) with one server_error
-event, code handed_off, and no [DONE]; a client's own stream runs on to its end."""
+event, code handed_off, and no [DONE] (a non-streamed request: a 503 handed_off before any
+byte); a client's own request runs on to its end."""
 from __future__ import annotations
 
 import asyncio
@@ -48,3 +49,29 @@ async def test_a_drain_hands_back_only_the_router_relayed_streams() -> None:
     assert direct[-1] == "[DONE]" and not any(e.startswith('{"error"') for e in direct)
     assert sum(1 for e in direct if '"text"' in e) == 60      # ran to its end
     assert not app.state.handoffs                             # nothing left registered
+
+
+async def test_a_drain_hands_back_a_relayed_non_streamed_request_with_a_503() -> None:
+    async def post(url: str, headers: dict) -> tuple[int, dict]:
+        body = {"prompt": [1, 2, 3], "max_tokens": 60}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+                return r.status, await r.json()
+
+    engine = FakeEngine(step_s=0.02)
+    async with running_app(engine, server={"drain_migrate_after_s": 0.2,
+                                           "shutdown_grace_s": 10}) as (app, url, _):
+        relayed = asyncio.create_task(post(url, {MIGRATABLE: "1"}))
+        direct = asyncio.create_task(post(url, {}))
+        for _ in range(200):
+            if len(app.state.handoffs) == 1 and app.state.inflight == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(app.state.handoffs) == 1, "only the relayed request may be handed back"
+        drain = asyncio.create_task(app.drain())
+        (s1, b1), (s2, b2) = await asyncio.wait_for(asyncio.gather(relayed, direct), 20)
+        await asyncio.wait_for(drain, 20)
+    assert s1 == 503 and b1["error"]["type"] == "server_error"
+    assert b1["error"]["code"] == "handed_off"
+    assert s2 == 200 and b2["usage"]["completion_tokens"] == 60      # ran to its end
+    assert not app.state.handoffs

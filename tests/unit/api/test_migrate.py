@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moed.api.migrate import (TRANSITIONS, EventSplitter, Ledger, StreamPhase, eligible,
-                              error_event, server_side)
+                              error_event, non_streamed, server_side)
 
 
 def _ev(obj: dict) -> bytes:
@@ -39,6 +39,16 @@ def test_eligible_streams_are_single_choice_without_tools() -> None:
     assert eligible("/v1/embeddings", _ev(ok)) is None
     assert eligible("/v1/completions", b"{not json") is None
     assert eligible("/v1/completions", _ev({**ok, "prompt": [1, 2]}))   # token ids: one prompt
+
+
+def test_non_streamed_generation_requests_may_be_handed_back() -> None:
+    for ok in ({"prompt": "hi"}, {"prompt": "hi", "stream": False, "n": 3},
+               {"messages": [], "tools": [{}]}):
+        assert non_streamed("/v1/completions", _ev(ok)), ok
+    assert not non_streamed("/v1/completions", _ev({"prompt": "hi", "stream": True}))
+    assert not non_streamed("/v1/embeddings", _ev({"input": "hi"}))
+    assert not non_streamed("/v1/completions", b"{not json")
+    assert not non_streamed("/v1/completions", b"[1]")
 
 
 def test_ids_are_recorded_and_stripped_unless_the_client_asked() -> None:

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from moed.api.backends import StaticBackends
+from moed.api.generate import MIGRATABLE
 from moed.api.middleware import request_context
 from moed.api.proxy import Proxy
 from moed.config import load
@@ -47,6 +48,9 @@ class Node:
         self.always = always            # continuations too
         self.how = how                  # cut | error (a server_error event) | stall (unready)
         self.ready = 200
+        self.then: Node | None = None   # stall: this node turns ready instead
+        self.hand_back = [0]            # non-streamed: answer this many with a drain's 503
+        self.migratable: list[bool] = []    # per non-streamed request: the router's header
         self.continued: list[dict] = []
         self.signed: list[bool] = []
         app = web.Application()
@@ -60,6 +64,18 @@ class Node:
 
     async def _fresh(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if not body.get("stream"):
+            self.migratable.append(request.headers.get(MIGRATABLE) == "1")
+            if self.hand_back[0] and self.migratable[-1]:    # as a real node: only then
+                self.hand_back[0] -= 1
+                return web.json_response({"error": {"type": "server_error",
+                                                    "code": "handed_off"}}, status=503)
+            return web.json_response({"choices": [{"index": 0, "text": "whole"}]})
+        if self.how == "hang":            # no headers either (SIGSTOP before it answered)
+            self.ready = 503
+            if self.then is not None:
+                self.then.ready = 200
+            await asyncio.sleep(30)
         return await self._stream(request, 0, bool(body.get("return_token_ids")), self.die_after)
 
     async def _continue(self, request: web.Request) -> web.StreamResponse:
@@ -81,6 +97,8 @@ class Node:
                 return resp
             if die_after is not None and n == die_after and self.how == "stall":
                 self.ready = 503          # membership / the health poll drops it; no byte more
+                if self.then is not None:
+                    self.then.ready = 200
                 await asyncio.sleep(30)
             if die_after is not None and n == die_after:
                 await resp.write(b'data: {"id": "cut')          # an event cut in half
@@ -225,3 +243,39 @@ async def test_a_node_dying_after_the_last_token_is_closed_by_the_router(router)
     assert usage == [{"prompt_tokens": 3, "completion_tokens": TOKENS,
                       "total_tokens": 3 + TOKENS}]
     assert not a.continued and not b.continued               # nothing left to continue
+
+
+@pytest.mark.parametrize("limit", [3, 0])
+async def test_a_non_streamed_request_a_draining_node_hands_back_is_resubmitted(router, limit
+                                                                              ) -> None:
+    """Drain (issue 33 item 2): the router marks a non-streamed request as movable too; a
+    draining node answers it 503 handed_off before any byte, and the router resubmits it to
+    the other node. With migration_limit 0 the router does not ask for that."""
+    a, b = Node(), Node()
+    a.hand_back = b.hand_back = [1]         # shared: whichever is picked first hands it back
+    url = await router(a, b, limit=limit)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 9},
+                          headers={MIGRATABLE: "1"}) as r:     # a client's own is dropped
+            status, body = r.status, await r.json()
+    if limit:
+        assert status == 200 and body["choices"][0]["text"] == "whole"
+        assert a.migratable == b.migratable == [True]         # one each: moved once
+    else:
+        assert status == 200 and a.migratable + b.migratable == [False]   # never handed back
+
+
+@pytest.mark.parametrize("how", ["stall", "hang"])
+async def test_a_node_silent_before_its_first_token_is_left_for_another(router, how) -> None:
+    """A stream's node hangs after its headers before any event (stall: SIGSTOP with a stream
+    queued there) or before its headers (hang): once the node is no longer listed the router
+    resubmits the request elsewhere instead of waiting for the total timeout."""
+    a, b = Node(die_after=0, how=how), Node()
+    b.ready, a.then = 503, b                # a is picked; b turns ready when a hangs
+    url = await router(a, b)
+    events = await asyncio.wait_for(_stream(url), 10)
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e
+                                              for e in events)
+    assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == "".join(
+        f"t{i} " for i in range(TOKENS))
+    assert not a.continued and not b.continued              # nothing was sent: a fresh retry

@@ -388,6 +388,12 @@ def test_prefix_caching_switch_maps_to_the_engine_field():
         _cfg("/m", "--role", "router", "--no-enable-prefix-caching")
 
 
+def test_batch_invariant_switch_maps_to_the_model_field():
+    assert _cfg("/m").model.batch_invariant is False
+    assert _cfg("/m", "--batch-invariant").model.batch_invariant is True
+    assert _cfg("/m", "--batch-invariant", "--no-batch-invariant").model.batch_invariant is False
+
+
 def test_serve_refuses_pasted_vllm_flags_before_loading_anything(tmp_path):
     """The issue's line, through the real CLI: one line naming the flag, exit 2, at once."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}

@@ -204,3 +204,16 @@ def test_scheduler_and_kv_manager_do_not_import_torch():
     code = ("import sys, moed.engine.scheduler, moed.kvcache.manager; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_batch_flags_prompt_chunks_so_a_one_token_one_is_not_decoded():
+    """A prompt's one-token chunk (a budget cut, a prefix hit's remainder) takes the prefill
+    attention path as the whole prompt does (moed.model.batch); decode steps are unflagged."""
+    s, r = _sched(budget=4)
+    a = _req("a", list(range(1, 10)))                  # 9 tokens: chunks 4, 4, then 1
+    s.add(a)
+    plans = _run(s, r)
+    flags = [(len(p.batch.token_ids[0]), p.batch.prompt[0]) for p in plans]
+    assert flags[:3] == [(4, True), (4, True), (1, True)]
+    assert flags[3:] and all(f == (1, False) for f in flags[3:])
+    assert plans[2].batch.decode_seqs == [] and plans[3].batch.is_decode_only

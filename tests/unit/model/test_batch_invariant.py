@@ -1,0 +1,95 @@
+"""A row's result independent of its batch (docs/migration.md, "Identical at any concurrency"):
+model.batch_invariant puts every bf16 matmul on the native kernel at every row count, and a
+prompt's one-token chunk takes the prefill attention path as the whole prompt does; combos
+where it cannot hold are refused."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from moed.config import ConfigError, load
+from moed.model import context as ctx_mod
+from moed.model.batch import ForwardBatch
+from moed.model.context import ComputeContext
+from moed.model.kernels import cpu_flags_ok
+from moed.model.runner import ModelRunner
+
+needs_kernels = pytest.mark.skipif(not (cpu_flags_ok() and (shutil.which("cc") or
+                                                            shutil.which("gcc"))),
+                                   reason="CPU runs no native kernel variant, or no C compiler")
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [3 + (i * 37 + k * 11) % 4000 for k in range(n)]
+
+
+def test_a_one_token_prompt_chunk_is_not_a_decode_row() -> None:
+    b = ForwardBatch([[5], [6], [7, 8]], [9, 3, 0], [[0], [1], [2]], prompt=(False, True, True))
+    assert b.decode_seqs == [0] and not b.is_decode_only
+    assert ForwardBatch([[5], [6]], [9, 3], [[0], [1]]).is_decode_only     # unflagged: decode
+    with pytest.raises(ValueError):
+        ForwardBatch([[5]], [0], [[0]], prompt=(True, False))
+
+
+@pytest.mark.parametrize("over", [{"model": {"batch_invariant": True, "quantization": "int8"}},
+                                  {"model": {"batch_invariant": True, "dtype": "float16"}},
+                                  {"model": {"batch_invariant": True},
+                                   "speculative": {"method": "ngram"}}])
+def test_settings_where_it_cannot_hold_are_refused(over: dict) -> None:
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        load(environ={}, overrides={"model": {"path": "/m", **over.pop("model")}, **over})
+
+
+def test_the_env_var_sets_it() -> None:
+    cfg = load(environ={"MOED_MODEL_BATCH_INVARIANT": "true", "MOED_MODEL_PATH": "/m"})
+    assert cfg.model.batch_invariant is True
+
+
+def test_bf16_without_the_native_kernels_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(ctx_mod, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(ctx_mod, "can_pack", lambda d, t: True)
+    with pytest.raises(ValueError, match="needs the native CPU kernels"):
+        ComputeContext.build("cpu", torch.bfloat16, batch_invariant=True)
+    assert ComputeContext.build("cpu", torch.float32, batch_invariant=True).kernels is None
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_qwen3) -> ModelRunner:
+    return ModelRunner(tiny_qwen3, dtype="bfloat16", num_blocks=512, block_size=16,
+                       batch_invariant=True)
+
+
+@needs_kernels
+def test_every_row_class_is_the_native_kernel(runner) -> None:
+    assert runner.ctx.kernels is not None
+    assert all(not c.any_onednn for c in runner.ctx.kernels.choose.chosen())
+    for n in (1, 8, 64, 512, 1024):
+        assert not runner.ctx.kernels.choose(4096, 256).use_onednn(n)
+
+
+@needs_kernels
+def test_a_prompt_prefilled_with_company_equals_it_alone(runner) -> None:
+    """12 prompts of 12-23 tokens in one step (~200 rows) vs each alone (12-23 rows): other
+    row classes, the same last-token logits bit for bit."""
+    prompts = [_prompt(i, 12 + i) for i in range(12)]
+    tables = [list(range(2 * i, 2 * i + 2)) for i in range(12)]
+    together = runner.forward(ForwardBatch(prompts, [0] * 12, tables))
+    for i, p in enumerate(prompts):
+        alone = runner.forward(ForwardBatch([p], [0], [tables[i]]))
+        assert torch.equal(alone[0], together[i]), i
+
+
+@needs_kernels
+def test_a_prompt_cut_into_chunks_equals_it_whole(runner) -> None:
+    """37 tokens in chunks of 4 end with a one-token chunk: flagged as prompt it takes the
+    prefill path, and the logits and every layer's KV are the whole prompt's."""
+    p, table = _prompt(1, 37), list(range(40, 43))
+    whole = runner.forward(ForwardBatch([p], [0], [table]))
+    kv_whole = runner.kv_cache[:, table].clone()      # [layers, blocks, ...]
+    runner.kv_cache[:, table] = 0
+    for s in range(0, len(p), 4):
+        out = runner.forward(ForwardBatch([p[s:s + 4]], [s], [table], prompt=(True,)))
+    assert torch.equal(out, whole)
+    assert torch.equal(runner.kv_cache[:, table], kv_whole)
