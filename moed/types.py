@@ -109,6 +109,8 @@ class SamplingParams:
     # server.prefix_cache_isolation = "api_key", both folded in by moed.api): only requests with
     # the same salt share cached blocks (moed.kvcache.pool.salt_root); "" = no salt
     cache_salt: str = ""
+    # vLLM's: lower runs first (the scheduler seats by it and preempts the largest first)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

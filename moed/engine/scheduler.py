@@ -10,7 +10,11 @@ The scheduler owns the queues and makes every change to them; a step policy
 and acting through the step's draft (`_Draft`). Running requests catch up first: when the KV
 pool cannot hold their tokens, the most recently admitted is preempted (recompute: blocks
 freed, back to the front of WAITING) — possibly the request itself; a lone request always
-fits (generation stops at the pool's capacity, finish "length"). Waiting ones are admitted
+fits (generation stops at the pool's capacity, finish "length"). Priority (vLLM's
+`priority`, lower first) orders both queues: WAITING by (priority, arrival; a preempted request
+at the front of its priority), RUNNING by (priority, seating), so the policies serve the most
+urgent first and the victim of a preemption, RUNNING's last, is the least urgent request, the
+most recently seated among those. Waiting ones are admitted
 after, only if nothing was preempted: cached prefix blocks count as computed, a prompt the
 whole pool can never hold finishes with an error, a remote-KV one parks until its KV arrives
 (moed.engine.parking, `complete_remote_prefill`), one whose next blocks sit in the KV tiers
@@ -31,7 +35,7 @@ from moed.engine.parking import RemoteKVParking
 from moed.engine.plan import ScheduledChunk, StepPlan, build_plan, token_event, top_row
 from moed.engine.policies import CostPolicy, StepPolicy, StepTimeBudget, TokenPolicy
 from moed.engine.request import Request
-from moed.engine.seating import take_blocks
+from moed.engine.seating import insert_by_priority, take_blocks
 from moed.engine.tier_admission import TierAdmission
 from moed.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 from moed.kvcache.tiers import TieredCache
@@ -189,7 +193,7 @@ class Scheduler:
         # lone request always fits and preemption can never loop.
         req.max_model_len = ContextRule(req.max_model_len, self._kv.capacity_tokens).limit
         self._requests[req.request_id] = req
-        self._waiting.append(req)
+        insert_by_priority(self._waiting, req, front=False)
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         """Finish a request in any live state and free its blocks."""
@@ -256,7 +260,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.set_state(RequestState.WAITING)
-        self._waiting.appendleft(req)
+        insert_by_priority(self._waiting, req, front=True)
         self._num_preemptions += 1
 
     # ---- results ---------------------------------------------------------------------------
@@ -325,7 +329,7 @@ class Scheduler:
         """The prefill node wrote the prompt's KV and sampled its first token: start decoding."""
         req = self._parking.unpark(request_id)
         req.set_state(RequestState.RUNNING)
-        self._running.append(req)
+        insert_by_priority(self._running, req, front=False)
         lp = () if logprob is None or not req.params.logprobs else (float(logprob),)
         return self.accept_token(req, first_token_id, lp, top_row(req, top_logprobs))
 
@@ -340,7 +344,7 @@ class Scheduler:
         if req is None:
             return False
         req.set_state(RequestState.RUNNING)
-        self._running.append(req)
+        insert_by_priority(self._running, req, front=False)
         return True
 
 
@@ -405,7 +409,7 @@ class _Draft:
         take_blocks(s.kv, req, hit, hit.num_tokens + n, RequestState.RUNNING,
                     count_cached=req.num_preemptions == 0)
         _scheduled(req)
-        s._running.append(req)
+        insert_by_priority(s._running, req, front=False)
         self.chunks.append(ScheduledChunk(req, n, req.num_computed_tokens + n == req.num_tokens))
         return True
 
@@ -443,3 +447,4 @@ def _scheduled(req: Request) -> None:
     """A request leaves WAITING with KV blocks: its queue time ends the first time."""
     if req.first_scheduled_time is None:
         req.first_scheduled_time = time.monotonic()
+

@@ -1,6 +1,9 @@
 """A waiting request takes its KV blocks: the one step that seating, remote-KV parking and
-tier loads share (moed.engine.scheduler, parking, tier_admission)."""
+tier loads share (moed.engine.scheduler, parking, tier_admission); and the priority order the
+scheduler keeps its queues in."""
 from __future__ import annotations
+
+from collections import deque
 
 from moed.engine.request import Request
 from moed.kvcache.manager import Allocation, KVCacheManager, PrefixHit
@@ -19,3 +22,19 @@ def take_blocks(kv: KVCacheManager, req: Request, hit: PrefixHit, num_tokens: in
     req.num_computed_tokens = alloc.num_cached_tokens
     req.set_state(state)
     return alloc
+
+
+def insert_by_priority(queue: deque[Request] | list[Request], req: Request, *,
+                       front: bool) -> None:
+    """Put `req` into WAITING or RUNNING in priority order (lower first): after every request
+    of its priority, or with `front` (a preempted request) before them. O(queue); the common
+    case, one priority, appends in O(1)."""
+    p = req.params.priority
+    if not front and (not queue or queue[-1].params.priority <= p):
+        queue.append(req)
+        return
+    for i, other in enumerate(queue):
+        if other.params.priority > p or (front and other.params.priority == p):
+            queue.insert(i, req)
+            return
+    queue.append(req)

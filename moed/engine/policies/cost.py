@@ -2,8 +2,9 @@
 prompt chunks that fit it (moed.balance.step_time; docs/balance.md).
 
 Decodes first (preempting as the token policy does when KV runs out); remote-KV requests park
-in arrival order; then prompts, under way or waiting, get the chunks
-`moed.balance.step_time.choose` picks for the step's time. The token policy runs instead while
+in (priority, arrival) order; then prompts, under way or waiting, get the chunks
+`moed.balance.step_time.choose` picks for the step's time, one priority after the other, most
+urgent first (a less urgent priority gets what is left, `_by_priority`). The token policy runs instead while
 the model is unfitted, and after an empty draft (e.g. partial prompts fill the KV pool: that
 path preempts).
 """
@@ -12,8 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from moed.balance.step_time import Buckets, Item, choose, chunk_budget, step_budget, whole_budget
-from moed.balance.cost import AdvertisedCost, CostModel, bucket_of, max_chunk, shape_of
+from moed.balance.step_time import (Buckets, Item, Pick, choose, chunk_budget, step_budget,
+                                    whole_budget)
+from moed.balance.cost import (AdvertisedCost, CostModel, StepShape, add_chunk, bucket_of,
+                               max_chunk, shape_of)
 from moed.config import BalanceConfig
 from moed.engine.policies.base import SchedulerView, StepDraft, StepPolicy
 from moed.engine.policies.tokens import TokenPolicy
@@ -75,12 +78,8 @@ class CostPolicy:
         base = shape_of(decodes, view.experts)
         has_decodes = bool(decodes)
         step_s = step_budget(has_decodes, tb.itl_target_s, tb.prefill_step_s)
-        picks = choose(items, base, cost.coefficients,
-                       chunk_budget(has_decodes, tb.itl_target_s, tb.prefill_step_s),
-                       tb.buckets, max_partial=tb.max_partial,
-                       max_tokens=view.max_num_batched_tokens - len(decodes), max_new=seats,
-                       min_tokens=kv.block_size, experts=view.experts,
-                       whole_s=whole_budget(has_decodes, step_s, min(tb.buckets.ttft_targets_s)))
+        picks = _by_priority(view, items, base, cost, tb, has_decodes, step_s,
+                             view.max_num_batched_tokens - len(decodes), seats)
         planned = list(decodes)
         for p in picks:
             req = view.requests[p.key]
@@ -124,6 +123,36 @@ class CostPolicy:
         chunk = max_chunk(coef, base, 0, view.max_num_batched_tokens, budget, view.experts)
         return AdvertisedCost(coef, edges, tuple(toks), tuple(reqs), share,
                               chunk or view.kv.block_size)
+
+
+def _by_priority(view: SchedulerView, items: list[Item], base: StepShape, cost: CostModel,
+                 tb: StepTimeBudget, has_decodes: bool, step_s: float, max_tokens: int,
+                 seats: int) -> list[Pick]:
+    """`choose` per priority, most urgent first (vLLM's `priority`, lower first): a less
+    urgent priority's prompts get only what the more urgent ones left of the step's chunk
+    budget (not the longer whole-prompt budget), and no forced progress: a batch flood never
+    lengthens an interactive prompt's step."""
+    prio = {it.key: view.requests[it.key].params.priority for it in items}
+    picks: list[Pick] = []
+    shape, partial = base, 0
+    budget = chunk_budget(has_decodes, tb.itl_target_s, tb.prefill_step_s)
+    whole = whole_budget(has_decodes, step_s, min(tb.buckets.ttft_targets_s))
+    for level in sorted(set(prio.values())):
+        group = [it for it in items if prio[it.key] == level]
+        got = choose(group, shape, cost.coefficients, budget, tb.buckets,
+                     max_partial=max(tb.max_partial - partial, 0), max_tokens=max_tokens,
+                     max_new=seats, min_tokens=view.kv.block_size, experts=view.experts,
+                     whole_s=budget if picks else whole, progress=not picks)
+        starts = {it.key: it for it in group}
+        for p in got:
+            it = starts[p.key]
+            shape = add_chunk(shape, it.start, p.num_tokens, view.experts)
+            max_tokens -= p.num_tokens
+            seats -= not it.partial
+        partial += sum(1 for it in group if it.partial) + sum(
+            1 for p in got if not starts[p.key].partial and p.num_tokens < starts[p.key].remaining)
+        picks += got
+    return picks
 
 
 def _drafts(view: SchedulerView, step: StepDraft, cost: CostModel, decoding: list[Request],
