@@ -252,6 +252,8 @@ class EngineStats:
     prefix_cache_hits: int = 0          # cumulative prompt tokens found
     steps: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # (priority, requests) of the waiting ones (incl. remote KV), most urgent first
+    waiting_by_priority: tuple[tuple[int, int], ...] = ()
 
 
 # How a migrated request's already-sent tokens are recomputed on its new node
