@@ -91,13 +91,12 @@ def order(items: Sequence[Item], coef: Coefficients, buckets: Buckets) -> list[I
 def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s: float,
            buckets: Buckets, *, max_partial: int, max_tokens: int, max_new: int = 1 << 30,
            min_tokens: int = 16, experts: ExpertShape | None = None,
-           whole_s: float = 0.0, progress: bool = True) -> list[Pick]:
+           whole_s: float = 0.0) -> list[Pick]:
     """This step's prefill chunks, in priority order. `base` = the step's decodes (always
     run); `max_tokens` = the hard cap on prefill tokens (activation memory); `max_new` = how
     many items that are not `partial` may start (free sequence seats). `budget_s` bounds the
     step for chunks (`chunk_budget`), `whole_s` for whole prompts and urgent ones
-    (`whole_budget`; below `budget_s`: `budget_s`). `progress`: when nothing fits, the head
-    still gets `min_tokens` (False: nothing; the caller filled the step with other work)."""
+    (`whole_budget`; below `budget_s`: `budget_s`)."""
     whole_s = max(whole_s, budget_s)
     picks: list[Pick] = []
     shape, left, new = base, max_tokens, 0
@@ -179,7 +178,7 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
         fill(urgent, whole_s, chunks=True, urgent_pass=True)
     fill(ranked, whole_s, chunks=False)       # prompts that finish this step first
     fill(srf, budget_s, chunks=True)          # then progress for the rest
-    if not picks and max_tokens > 0 and progress:
+    if not picks and max_tokens > 0:
         head = next((it for it in ranked
                      if it.partial or (max_new > 0 and (
                          partials < max_partial or it.remaining <= min(min_tokens, max_tokens)))),

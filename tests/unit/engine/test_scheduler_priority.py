@@ -157,3 +157,19 @@ def test_cost_policy_gives_the_urgent_prompt_the_step_before_shorter_batch_promp
         s.update(plan, [t for c, t in zip(plan.chunks, r.greedy(plan.batch)) if c.sample])
     assert not s.has_unfinished() and s.kv.num_used_blocks == 0
     assert all(q.finish_reason is FinishReason.LENGTH for q in [*batch, inter])
+
+
+# ---- what the engine reports (the gossiped load's per-priority queue) -----------------------
+
+def test_engine_stats_count_waiting_requests_by_priority():
+    import dataclasses as dc
+
+    from moed.config import EngineConfig
+    from moed.engine.engine import Engine
+
+    eng = Engine(FakeRunner(64, 4), None, EngineConfig(max_num_batched_tokens=16, max_num_seqs=1,
+                                                       block_size=4), max_model_len=256)
+    params = [dc.replace(GREEDY, priority=p) for p in (10, 10, 0, 10)]
+    for i, p in enumerate(params):     # not started: the adds wait in the inbox
+        eng.add_request(f"r{i}", [1, 2, 3], p)
+    assert eng.stats().waiting_by_priority == ((0, 1), (10, 3))
