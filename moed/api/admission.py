@@ -9,8 +9,8 @@ even when the engine preempts. Pure bookkeeping: no I/O, no engine calls, single
 Priority (vLLM's, lower first; moed/api/priority.py): when an arrival does not fit, it may
 displace pending requests of a strictly less urgent priority (`displace`, pure): the least
 urgent first, the newest first within a priority, each HTTP request (its n tickets) whole, and
-only a request none of whose choices has a first token (it has sent nothing: its client gets a
-429, never a broken stream). Their tickets are released at once and their `on_displaced` is
+only a request that gave an `on_displaced` (its response has not started: the caller says so)
+none of whose choices has a first token (its client gets a 429, never a broken stream). Their tickets are released at once and their `on_displaced` is
 called; the arrival is admitted. When displacing every eligible request would still not make
 room, nothing is displaced and the arrival gets the 429.
 """
@@ -132,12 +132,13 @@ class Admission:
                   on_displaced: Callable[[], None] | None = None
                   ) -> tuple[Verdict, list[Ticket]]:
         """-> (verdict, the tickets). `on_displaced` is called if this request is displaced
-        later (its tickets are released by then); `displaced` counts the displacements."""
+        later (its tickets are released by then); None: it may not be displaced.
+        `displaced` counts the displacements."""
         v = self.check(len(prompt_lens), sum(prompt_lens))
         if v is not Verdict.ADMIT:
             queued = [Queued(seq, g.priority, len(g.tickets),
                              sum(t.prompt_tokens for t in g.tickets))
-                      for seq, g in self._groups.items()]
+                      for seq, g in self._groups.items() if g.on_displaced is not None]
             victims = displace(queued, self._load(), priority, len(prompt_lens),
                                sum(prompt_lens), self.limits)
             if victims is None:

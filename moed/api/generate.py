@@ -178,8 +178,10 @@ class Generation:
                  prompt_ids: list[list[int]], request_id: str, retry_after_s: int,
                  timeout_s: float | None = None, cont: Continuation | None = None,
                  handoffs: set | None = None,
-                 classes: Mapping[str, int] | None = None) -> None:
-        """classes: [priority]'s class -> value (the metrics' priority_class label)."""
+                 classes: Mapping[str, int] | None = None, displaceable: bool = False) -> None:
+        """classes: [priority]'s class -> value (the metrics' priority_class label);
+        displaceable: a more urgent arrival may take this request's admission place until its
+        first token (its response has not started; see moed.api.openai)."""
         self.engine = engine
         self._handoffs = handoffs    # drain hands this stream to its router (ServerState's)
         self.cont = cont             # a migrated stream's continuation (n = 1)
@@ -200,11 +202,12 @@ class Generation:
                               f"this server takes at most {admission.max_waiting} per request",
                               "n" if req.n > 1 else "prompt")
         self.classes = classes or {}
+        self.displaceable = displaceable
         self.klass = class_label(req.priority or 0, self.classes)
         self._queue: asyncio.Queue[tuple[Choice, TokenEvent | BaseException]] = asyncio.Queue()
         reject_early(engine, lens, timeout_s)
         tickets = admit(admission, lens, retry_after_s, req.priority or 0, self.klass,
-                        self._displaced)
+                        self._displaced if displaceable else None)
         self.choices = [
             Choice(index=pi * req.n + c, prompt_index=pi, prompt_ids=p,
                    engine_id=f"{request_id}-{pi}-{c}", ticket=tickets[pi * req.n + c])

@@ -204,6 +204,14 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def displaceable(req: GenerationRequest, state: ServerState) -> bool:
+    """May a more urgent arrival displace this request before its first token (a 429)? A
+    response sent whole, yes; a stream only when something more urgent can arrive (a class
+    more urgent than its priority): its headers then wait for its first token, so a displaced
+    stream has sent nothing. A stream of the most urgent class gets its headers at once."""
+    return not req.stream or (req.priority or 0) > min(state.config.priority.values.values())
+
+
 async def _serve(request: web.Request, chat: bool, cont: Continuation | None = None
                  ) -> web.StreamResponse:
     state = request.app[STATE]
@@ -242,7 +250,8 @@ async def _serve(request: web.Request, chat: bool, cont: Continuation | None = N
                          state.config.admission.retry_after_s,
                          timeout_s=state.config.server.request_timeout_s, cont=cont,
                          handoffs=state.handoffs if req.stream and MIGRATABLE in request.headers
-                         else None, classes=state.config.priority.values)
+                         else None, classes=state.config.priority.values,
+                         displaceable=displaceable(req, state))
         trace.record("admission", t_admit, trace.now_ns(), sequences=len(gen.choices))
         fmt = Formatter(req, engine.tokenizer, state.model_name, gen)
         if cont:
@@ -285,12 +294,14 @@ async def _stream(request: web.Request, gen: Generation, fmt: Formatter,
 
 async def _stream_events(request: web.Request, gen: Generation, fmt: Formatter,
                          timeout: float, state: ServerState) -> web.StreamResponse:
-    # The headers go with the first event, not before: until then the request may still be
-    # displaced by a more urgent one (moed.api.admission), which its client gets as a real 429.
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no",   # proxies: do not buffer
                                        "X-Request-Id": request[REQUEST_ID]})
+    # A displaceable stream's headers go with its first event: until then a more urgent
+    # request may displace it (moed.api.admission), which its client gets as a plain 429.
+    if not gen.displaceable:
+        await resp.prepare(request)
     try:
         try:
             async with asyncio.timeout(timeout):

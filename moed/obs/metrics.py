@@ -160,8 +160,9 @@ REQUEST_TIMEOUTS = Counter("moed_request_timeouts", "Requests aborted by request
 # for a priority that is no class's value, so the series stay bounded whatever clients send
 PRIORITY_REQUESTS = Counter("moed_priority_requests",
                             "HTTP generation requests by priority class and admission outcome: "
-                            "admitted; rejected (429 at arrival); displaced (429 before its "
-                            "first token: a more urgent arrival took its place)",
+                            "admitted; rejected (429: over the admission bounds at "
+                            "arrival); displaced (429 before its first token: a more urgent "
+                            "arrival took its place)",
                             ["priority_class", "outcome"], registry=ENGINE)
 PRIORITY_TTFT = Histogram("moed_priority_time_to_first_token_seconds",
                           "Time from request arrival to the first generated token, by "

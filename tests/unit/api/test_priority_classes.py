@@ -129,3 +129,26 @@ def test_admission_displaces_pending_requests_and_calls_them_back():
         adm.release(tk)
         adm.release(tk)                            # idempotent
     assert adm.live == 1 and adm.pending == 1 and adm.pending_by_priority == {0: 1}
+
+
+def test_a_request_without_a_displacement_callback_is_never_displaced():
+    adm = Admission(max_waiting=1, max_queued_tokens=1000, max_running=8)
+    adm.try_admit([5], 10)                    # e.g. a stream whose headers went out already
+    v, _ = adm.try_admit([5], 0)
+    assert v is Verdict.TOO_MANY_WAITING and adm.displaced == 0
+
+
+def test_only_streams_something_more_urgent_can_displace_wait_for_their_first_token():
+    from types import SimpleNamespace
+
+    import dataclasses
+
+    from moed.api.openai import displaceable
+
+    state = SimpleNamespace(config=SimpleNamespace(priority=PriorityConfig()))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    stream = parse_request({**chat, "stream": True}, chat=True)
+    whole = parse_request(chat, chat=True)
+    assert displaceable(dataclasses.replace(whole, priority=0), state)     # sent whole: yes
+    assert not displaceable(dataclasses.replace(stream, priority=0), state)  # most urgent
+    assert displaceable(dataclasses.replace(stream, priority=10), state)
