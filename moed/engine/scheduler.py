@@ -5,21 +5,18 @@ output) and tokens *computed* (K/V in the cache); each step gives each request u
 `known - computed` new tokens. A decode is a 1-token catch-up, a prefill a large one,
 chunked when it does not fit the step. Pure Python, no torch.
 
-The scheduler owns the queues and makes every change to them; a step policy
-(moed.engine.policies, `balance.policy`) decides what a step holds, reading a read-only view
-and acting through the step's draft (`_Draft`). Running requests catch up first: when the KV
-pool cannot hold their tokens, the most recently admitted is preempted (recompute: blocks
-freed, back to the front of WAITING) — possibly the request itself; a lone request always
-fits (generation stops at the pool's capacity, finish "length"). Priority (vLLM's
-`priority`, lower first) orders both queues: WAITING by (priority, arrival; a preempted request
-at the front of its priority), RUNNING by (priority, seating), so the policies serve the most
-urgent first and the victim of a preemption, RUNNING's last, is the least urgent request, the
-most recently seated among those. Waiting ones are admitted
-after, only if nothing was preempted: cached prefix blocks count as computed, a prompt the
-whole pool can never hold finishes with an error, a remote-KV one parks until its KV arrives
-(moed.engine.parking, `complete_remote_prefill`), one whose next blocks sit in the KV tiers
-may load them instead (moed.engine.tier_admission, `complete_tier_load`). Requests whose
-computed reaches known after the step sample a token (`update`).
+The scheduler owns the queues and makes every change to them; a step policy (moed.engine.policies,
+`balance.policy`) decides what a step holds, reading a read-only view and acting through the step's
+draft (`_Draft`). Running requests catch up first: when the KV pool cannot hold their tokens,
+RUNNING's last is preempted (recompute: blocks freed, back to WAITING) — possibly the request
+itself; a lone request always fits (generation stops at the pool's capacity, finish "length"). Both
+queues are in priority order (vLLM's `priority`, lower first; `insert_by_priority`), so that victim
+is the least urgent, most recently seated request; one is also preempted for the seat of a more
+urgent waiting one (`seat_victim`). Waiting ones are admitted after, only if nothing was preempted:
+cached prefix blocks count as computed, a prompt the pool can never hold finishes with an error, a
+remote-KV one parks until its KV arrives (moed.engine.parking), one whose next blocks sit in the KV
+tiers may load them instead (moed.engine.tier_admission). Requests whose computed reaches known
+after the step sample a token (`update`).
 """
 from __future__ import annotations
 
@@ -35,7 +32,7 @@ from moed.engine.parking import RemoteKVParking
 from moed.engine.plan import ScheduledChunk, StepPlan, build_plan, token_event, top_row
 from moed.engine.policies import CostPolicy, StepPolicy, StepTimeBudget, TokenPolicy
 from moed.engine.request import Request
-from moed.engine.seating import insert_by_priority, take_blocks
+from moed.engine.seating import insert_by_priority, seat_victim, take_blocks
 from moed.engine.tier_admission import TierAdmission
 from moed.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 from moed.kvcache.tiers import TieredCache
@@ -234,6 +231,9 @@ class Scheduler:
     def schedule(self) -> tuple[StepPlan, list[TokenEvent]]:
         """-> (this step's plan, events for requests finished while planning, e.g. errors)."""
         draft = _Draft(self)
+        victim = seat_victim(self._waiting, self._running, self.seated, self._max_num_seqs)
+        if victim is not None:     # every seat taken, a more urgent request waits for one
+            draft.preempted_ids.append(self._preempt(victim))
         self._policy.fill(self, draft)
         return build_plan(self._kv, draft.chunks, draft.preempted_ids), draft.events
 
@@ -253,7 +253,7 @@ class Scheduler:
                                                            self._max_num_batched_tokens)
         return tokens * self._recompute_s_per_token
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request) -> str:
         self._tiers.forget(req)         # re-admission decides (and logs) afresh
         self._running.remove(req)
         self._kv.free(req.request_id)
@@ -262,6 +262,7 @@ class Scheduler:
         req.set_state(RequestState.WAITING)
         insert_by_priority(self._waiting, req, front=True)
         self._num_preemptions += 1
+        return req.request_id
 
     # ---- results ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int],
@@ -375,8 +376,7 @@ class _Draft:
             if not preempt:
                 return False
             victim = s._running[-1]
-            s._preempt(victim)
-            self.preempted_ids.append(victim.request_id)
+            self.preempted_ids.append(s._preempt(victim))
             if victim is req:
                 return False
         s.kv.append_slots(req.request_id, end)

@@ -4,6 +4,7 @@ scheduler keeps its queues in."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from moed.engine.request import Request
 from moed.kvcache.manager import Allocation, KVCacheManager, PrefixHit
@@ -38,3 +39,18 @@ def insert_by_priority(queue: deque[Request] | list[Request], req: Request, *,
             queue.insert(i, req)
             return
     queue.append(req)
+
+
+def seat_victim(waiting: Sequence[Request], running: Sequence[Request], seated: int,
+                max_num_seqs: int) -> Request | None:
+    """The running request to preempt so the most urgent waiting one gets a seat: RUNNING's
+    last (the least urgent, most recently seated) when every seat is taken and the head of
+    WAITING is strictly more urgent; else None. One a step: the freed seat is taken the next
+    step (the policies admit nothing in a step that preempted), so a burst of urgent requests
+    takes two steps each, and an equal priority never preempts (no churn). Never the last
+    running request: the step would be empty and the loop would idle with work waiting (with
+    one seat, `max_num_seqs` 1, an urgent request waits for the seat to free)."""
+    if seated < max_num_seqs or not waiting or len(running) < 2:
+        return None
+    victim = running[-1]
+    return victim if waiting[0].params.priority < victim.params.priority else None

@@ -84,6 +84,41 @@ def test_kv_pressure_preempts_the_least_urgent_not_the_newest():
     assert batch.num_computed_tokens == 0 and s.waiting[0] is batch
 
 
+def test_a_more_urgent_arrival_takes_the_seat_of_the_least_urgent_running_request():
+    s, r = _sched(seqs=2)
+    b0, b1 = _req("b0", [1, 2, 3], priority=10), _req("b1", [4, 5, 6], priority=10)
+    s.add(b0)
+    s.add(b1)
+    plan, _ = s.schedule()
+    s.update(plan, r.greedy(plan.batch))                      # both batch requests decode
+    s.add(_req("twin", [7, 8, 9], priority=10))               # same priority: waits its turn
+    plan, _ = s.schedule()
+    assert plan.preempted == () and _ids(s.waiting) == ["twin"]
+    s.update(plan, r.greedy(plan.batch))
+    s.add(_req("inter", [9, 9, 9], priority=0))
+    plan, _ = s.schedule()                                    # b1: the last seated batch one
+    assert plan.preempted == ("b1",) and b1.state is RequestState.WAITING
+    assert [c.request.request_id for c in plan.chunks] == ["b0"]
+    assert _ids(s.waiting) == ["inter", "b1", "twin"]         # b1 first in its priority
+    s.update(plan, r.greedy(plan.batch))
+    plan, _ = s.schedule()                                    # the freed seat: inter's
+    assert plan.preempted == () and _ids(s.running) == ["inter", "b0"]
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        s.update(plan, [t for c, t in zip(plan.chunks, r.greedy(plan.batch)) if c.sample])
+        plan, _ = s.schedule()
+    assert not s.has_unfinished() and s.kv.num_used_blocks == 0
+    assert b1.output_token_ids == _expected_of(b1, 8) and b1.num_preemptions == 1
+
+
+def _expected_of(req, n):
+    seq = list(req.prompt_token_ids)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(req.prompt_token_ids):]
+
+
 def test_same_priority_keeps_the_lifo_victim():
     s, r = _sched(num_blocks=4, bs=2, budget=32)
     a, b = _req("a", [1, 2, 3, 4], 3), _req("b", [4, 5, 6, 7], 3)
@@ -173,3 +208,13 @@ def test_engine_stats_count_waiting_requests_by_priority():
     for i, p in enumerate(params):     # not started: the adds wait in the inbox
         eng.add_request(f"r{i}", [1, 2, 3], p)
     assert eng.stats().waiting_by_priority == ((0, 1), (10, 3))
+
+
+def test_the_last_running_request_keeps_its_seat_so_no_step_is_empty():
+    s, r = _sched(seqs=1)
+    s.add(_req("batch", [1, 2, 3], priority=10))
+    plan, _ = s.schedule()
+    s.update(plan, r.greedy(plan.batch))
+    s.add(_req("inter", [9, 9, 9], priority=0))
+    plan, _ = s.schedule()
+    assert plan.preempted == () and [c.request.request_id for c in plan.chunks] == ["batch"]
