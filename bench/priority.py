@@ -4,16 +4,18 @@ of one priority, what a node without priority classes does).
 
     .venv/bin/python bench/priority.py                       # the demo model, ~2.5 minutes
     .venv/bin/python bench/priority.py --phase-s 20 --interactive 1
+    .venv/bin/python bench/priority.py --max-num-seqs 8 --max-waiting 6   # seats and 429s
 
 One colocated `moed serve` (models/stdlib-ds3-tiny unless --model), two API keys: an
 interactive one (the default class) and a batch one (`batch`, in the key file). Each phase
 runs for --phase-s seconds: --interactive closed-loop interactive streams (a short prompt,
 --inter-tokens tokens), and in the flood phases --flood x as many closed-loop batch streams
 (longer prompts, more tokens). Every stream is an SSE request over aiohttp. Printed: the
-interactive TTFT p50/p99 per phase and the ratios flood/alone (acceptance: <= 1.5 with
-priority) and flood-without-priority/alone; the batch outcomes per flood phase: served, 429
-(refused at arrival or displaced before its first token) and failed mid-stream (an error event
-or a broken stream after a 200: must be 0). Results: bench/results/priority.json and .png.
+interactive TTFT p50/p99 per phase (n: served; not: refused or failed) and the ratios
+flood/alone (acceptance: <= 1.5 with priority) and flood-without-priority/alone; the batch
+outcomes per flood phase: served, 429 (refused at arrival or displaced before its first token)
+and failed mid-stream (an error event or a broken stream after a 200: must be 0). Results:
+bench/results/priority.json and .png (--out).
 """
 from __future__ import annotations
 
@@ -173,6 +175,12 @@ def main() -> int:
                     help="think time between one stream's interactive requests")
     ap.add_argument("--batch-prompt", type=int, default=128)
     ap.add_argument("--batch-tokens", type=int, default=96)
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="engine.max_num_seqs (0: conf/moed.toml's): fewer seats than streams "
+                    "makes the flood take seats an interactive request needs")
+    ap.add_argument("--max-waiting", type=int, default=0,
+                    help="admission.max_waiting_requests (0: conf/moed.toml's): a bound the "
+                    "flood reaches, so batch requests are refused or displaced (429)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/priority.json"))
     args = ap.parse_args()
 
@@ -181,7 +189,12 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="moed-bench-priority-"))
     keys = tmp / "api-keys"
     keys.write_text(f"{INTER_KEY}\n{BATCH_KEY} batch\n")
-    proc, url = start(args.model, keys, tmp / "server.log", {})
+    env = {}
+    if args.max_num_seqs:
+        env["MOED_ENGINE_MAX_NUM_SEQS"] = str(args.max_num_seqs)
+    if args.max_waiting:
+        env["MOED_ADMISSION_MAX_WAITING_REQUESTS"] = str(args.max_waiting)
+    proc, url = start(args.model, keys, tmp / "server.log", env)
     try:
         result: dict = {"load_before": load_average()}
         for name, key, seed in (("alone", None, 1), ("flood_priority", BATCH_KEY, 2),
@@ -200,12 +213,18 @@ def main() -> int:
     for name in ("alone", "flood_priority", "flood_no_priority"):
         t = result[name]["interactive"]["ttft_ms"]
         rows.append((name, t["p50"], t["p99"], t["p99"] / alone["p99"],
-                     result[name]["interactive"]["served"], result[name]["batch"]))
+                     result[name]["interactive"]["served"],
+                     result[name]["interactive"]["not_served"], result[name]["batch"]))
     print(f"\ninteractive TTFT, {args.interactive} stream(s); flood = {args.flood}x batch streams;"
-          f" load {result['load_before']} -> {result['load_after']}; {cpu_model()}")
-    print(f"{'phase':<20}{'p50 ms':>9}{'p99 ms':>9}{'p99/alone':>11}{'n':>6}  batch outcomes")
-    for name, p50, p99, ratio, n, b in rows:
-        print(f"{name:<20}{p50:9.1f}{p99:9.1f}{ratio:11.2f}{n:6d}  "
+          f" {env or 'conf/moed.toml limits'}; load {result['load_before']} -> "
+          f"{result['load_after']}; {cpu_model()}")
+    for name in ("flood_priority", "flood_no_priority"):
+        if result[name]["batch_429_codes"]:
+            print(f"{name}: 429 codes {result[name]['batch_429_codes']}")
+    print(f"{'phase':<20}{'p50 ms':>9}{'p99 ms':>9}{'p99/alone':>11}{'n':>6}{'not':>5}"
+          f"  batch outcomes")
+    for name, p50, p99, ratio, n, missed, b in rows:
+        print(f"{name:<20}{p50:9.1f}{p99:9.1f}{ratio:11.2f}{n:6d}{missed:5d}  "
               f"{b if name != 'alone' else ''}")
     result["ratio_p99_flood_priority"] = rows[1][3]
     result["ratio_p99_flood_no_priority"] = rows[2][3]
@@ -217,7 +236,8 @@ def main() -> int:
     print(f"\nresults: {out} and {out.with_suffix('.png')}")
     failed = result["flood_priority"]["batch"]["failed"]
     if failed:
-        print(f"batch requests failed mid-stream: {failed} {result['flood_priority']['batch_failures']}")
+        print(f"batch requests failed mid-stream: {failed} "
+              f"{result['flood_priority']['batch_failures']}")
     return 0
 
 
