@@ -43,7 +43,7 @@ from aiohttp import web
 
 from moed import __version__
 from moed.api import continuation, health, limits, openai
-from moed.api.auth import load_keys
+from moed.api.auth import load_keys, split_classes
 from moed.api.middleware import auth, read_body, request_context
 from moed.api.state import STATE, ServerState
 from moed.balance import capacity
@@ -220,6 +220,12 @@ def build_components(cfg: Config) -> list[Component]:
     return comps
 
 
+def api_keys(cfg: Config) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
+    """The tenant API keys and each key's priority class ("" = priority.default_class)."""
+    return split_classes(load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env),
+                         cfg.priority.values)
+
+
 class App:
     def __init__(self, cfg: Config, components: list[Component] | None = None, *,
                  config_path: str | None = None,
@@ -230,8 +236,8 @@ class App:
         self.node = node_name(cfg)
         self.components: list[Component] = (build_components(cfg) if components is None
                                              else list(components))
-        self.state = ServerState(config=cfg, api_keys=load_keys(cfg.server.api_keys_file,
-                                                                cfg.server.api_keys_env),
+        keys, classes = api_keys(cfg)
+        self.state = ServerState(config=cfg, api_keys=keys, key_classes=classes,
                                  metrics_tokens=load_keys(cfg.server.metrics_token_file,
                                                           cfg.server.metrics_token_env))
         # client_max_size is fixed here; request_context re-binds each request to the live
@@ -272,7 +278,7 @@ class App:
         """Adopt a (reloaded) config: limits, keys and timeouts apply to the next request."""
         self.config = cfg
         self.state.set_config(cfg)
-        self.state.api_keys = load_keys(cfg.server.api_keys_file, cfg.server.api_keys_env)
+        self.state.api_keys, self.state.key_classes = api_keys(cfg)
         self.state.metrics_tokens = load_keys(cfg.server.metrics_token_file,
                                               cfg.server.metrics_token_env)
 

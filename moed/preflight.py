@@ -84,7 +84,7 @@ def key_sources(cfg: Config) -> None:
     from moed.ops.daemon import load_key_source
 
     s = cfg.server
-    load_key_source(s.api_keys_file, s.api_keys_env, "api_keys")
+    load_key_source(s.api_keys_file, s.api_keys_env, "api_keys", cfg.priority.values)
     load_key_source(s.admin_token_file, s.admin_token_env, "admin_token")
     load_key_source(s.metrics_token_file, s.metrics_token_env, "metrics_token")
 

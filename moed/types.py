@@ -109,6 +109,8 @@ class SamplingParams:
     # server.prefix_cache_isolation = "api_key", both folded in by moed.api): only requests with
     # the same salt share cached blocks (moed.kvcache.pool.salt_root); "" = no salt
     cache_salt: str = ""
+    # vLLM's: lower runs first (the scheduler seats by it and preempts the largest first)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -250,6 +252,8 @@ class EngineStats:
     prefix_cache_hits: int = 0          # cumulative prompt tokens found
     steps: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # (priority, requests) of the waiting ones (incl. remote KV), most urgent first
+    waiting_by_priority: tuple[tuple[int, int], ...] = ()
 
 
 # How a migrated request's already-sent tokens are recomputed on its new node

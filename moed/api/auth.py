@@ -1,5 +1,9 @@
 """Optional Bearer API keys, read from a file (one per line) or an env var (comma-separated).
 
+A line of the key file (an entry of the variable) may name the key's priority class after
+the key, separated by white space (`sk-abc123 batch`, moed/api/priority.py): `split_classes`
+takes it off; a class that `[priority] classes` does not define is an error at load.
+
 No keys configured = no auth. Keys are compared with hmac.compare_digest against every key
 (no early exit), so timing does not reveal which key or prefix matched.
 
@@ -12,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from typing import Mapping
+from typing import Collection, Mapping
 
 from moed.api.errors import APIError
 from moed.safefile import FileRefused, read_regular_file
@@ -53,6 +57,37 @@ def load_keys(keys_file: str, keys_env: str, environ: Mapping[str, str] | None =
             raise AuthConfigError(f"server.api_keys_env: variable {keys_env} holds no keys")
         keys += from_env
     return tuple(k.encode() for k in keys)
+
+
+def split_classes(keys: tuple[bytes, ...], classes: Collection[str]
+                  ) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
+    """API key entries -> (the keys, each key's priority class or ""). The error names the
+    entry's position and the class, never the key."""
+    out, named = [], []
+    for i, entry in enumerate(keys):
+        parts = entry.split(None, 1)      # "<key>" or "<key> <class>"
+        key = parts[0] if parts else b""
+        cls_s = parts[1].strip().decode("utf-8", "replace") if len(parts) > 1 else ""
+        if cls_s and cls_s not in classes:
+            raise AuthConfigError(f"server.api_keys: key #{i + 1} names priority class "
+                                  f"{cls_s[:40]!r}, which [priority] classes does not define "
+                                  f"(known: {', '.join(classes)})")
+        if not key:
+            raise AuthConfigError(f"server.api_keys: key #{i + 1} is empty")
+        out.append(key)
+        named.append(cls_s)
+    return tuple(out), tuple(named)
+
+
+def key_class(presented: bytes, keys: tuple[bytes, ...], classes: tuple[str, ...]) -> str:
+    """The priority class of the key `presented` ("" when it names none or is unknown). Every
+    key is compared, as in key_matches."""
+    p = hashlib.sha256(presented).digest()
+    found = ""
+    for k, c in zip(keys, classes):
+        if hmac.compare_digest(p, hashlib.sha256(k).digest()):
+            found = c
+    return found
 
 
 def key_matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:

@@ -13,12 +13,13 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Mapping
 
 import structlog
 
 from moed.api.admission import Admission, Ticket, Verdict
 from moed.api.errors import APIError, bad_request
+from moed.api.priority import OTHER, class_label
 from moed.api.protocol import GenerationRequest, resolve_max_tokens
 from moed.api.tools import template_args
 from moed.balance import capacity
@@ -115,16 +116,42 @@ def reject_early(engine: EngineClient, prompt_lens: list[int], timeout_s: float 
                    code="predicted_ttft", headers={"Retry-After": str(retry)})
 
 
-def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int) -> list[Ticket]:
-    verdict, tickets = admission.try_admit(prompt_lens)
-    metrics.ADMISSION_PENDING.set(admission.pending)
-    metrics.ADMISSION_PENDING_TOKENS.set(admission.pending_tokens)
+def admit(admission: Admission, prompt_lens: list[int], retry_after_s: int,
+          priority: int = 0, klass: str = "", on_displaced: Callable[[], None] | None = None
+          ) -> list[Ticket]:
+    """Tickets for the request's engine requests, or 429. A priority arrival may displace
+    less urgent pending requests (moed.api.admission.displace); `klass` labels the metrics."""
+    before = admission.displaced
+    verdict, tickets = admission.try_admit(prompt_lens, priority, on_displaced)
+    gauges(admission)
     if verdict is not Verdict.ADMIT:
         metrics.ADMISSION_REJECTED.labels(verdict.value).inc()
+        metrics.PRIORITY_REQUESTS.labels(klass or OTHER, "rejected").inc()
         raise APIError(429, f"Server is at capacity ({verdict.value.replace('_', ' ')}); "
                             f"retry after {retry_after_s}s.",
                        code=verdict.value, headers={"Retry-After": str(retry_after_s)})
+    metrics.PRIORITY_REQUESTS.labels(klass or OTHER, "admitted").inc()
+    if admission.displaced > before:
+        log.info("admission_displaced", requests=admission.displaced - before,
+                 priority=priority)
     return tickets
+
+
+def gauges(admission: Admission, classes: Mapping[str, int] | None = None) -> None:
+    """The admission gauges; with `classes`, the per-class pending ones too."""
+    metrics.ADMISSION_PENDING.set(admission.pending)
+    metrics.ADMISSION_PENDING_TOKENS.set(admission.pending_tokens)
+    if classes is not None:
+        by = admission.pending_by_priority
+        for name, value in classes.items():
+            metrics.PRIORITY_PENDING.labels(name).set(by.get(value, 0))
+        known = set(classes.values())
+        metrics.PRIORITY_PENDING.labels(OTHER).set(
+            sum(n for p, n in by.items() if p not in known))
+
+
+class Displaced(Exception):
+    """A more urgent arrival took this request's admission place before its first token."""
 
 
 MIGRATABLE = "X-Moed-Migratable"    # set by a router that moves this request if it ends here
@@ -151,7 +178,11 @@ class Generation:
     def __init__(self, engine: EngineClient, admission: Admission, req: GenerationRequest,
                  prompt_ids: list[list[int]], request_id: str, retry_after_s: int,
                  timeout_s: float | None = None, cont: Continuation | None = None,
-                 handoffs: set | None = None) -> None:
+                 handoffs: set | None = None,
+                 classes: Mapping[str, int] | None = None, displaceable: bool = False) -> None:
+        """classes: [priority]'s class -> value (the metrics' priority_class label);
+        displaceable: a more urgent arrival may take this request's admission place until its
+        first token (its response has not started; see moed.api.openai)."""
         self.engine = engine
         self._handoffs = handoffs    # drain hands this stream to its router (ServerState's)
         self.cont = cont             # a migrated stream's continuation (n = 1)
@@ -171,13 +202,18 @@ class Generation:
             raise bad_request(f"{len(prompt_ids)} prompt(s) x n={req.n} = {len(lens)} sequences; "
                               f"this server takes at most {admission.max_waiting} per request",
                               "n" if req.n > 1 else "prompt")
+        self.classes = classes or {}
+        self.displaceable = displaceable
+        self.klass = class_label(req.priority or 0, self.classes)
+        self._queue: asyncio.Queue[tuple[Choice, TokenEvent | BaseException]] = asyncio.Queue()
         reject_early(engine, lens, timeout_s)
-        tickets = admit(admission, lens, retry_after_s)
+        tickets = admit(admission, lens, retry_after_s, req.priority or 0, self.klass,
+                        self._displaced if displaceable else None)
         self.choices = [
             Choice(index=pi * req.n + c, prompt_index=pi, prompt_ids=p,
                    engine_id=f"{request_id}-{pi}-{c}", ticket=tickets[pi * req.n + c])
             for pi, p in enumerate(prompt_ids) for c in range(req.n)]
-        self._queue: asyncio.Queue[tuple[Choice, TokenEvent | BaseException]] = asyncio.Queue()
+        gauges(admission, self.classes)
         self._pumps: list[asyncio.Task] = []
         if handoffs is not None:
             handoffs.add(self.hand_off)
@@ -238,6 +274,17 @@ class Generation:
                 ev = self._drop_replayed(ev)
                 if ev is None:
                     continue
+            if isinstance(ev, Displaced):
+                if not any(c.t_first is not None for c in self.choices):
+                    metrics.ADMISSION_REJECTED.labels("displaced").inc()
+                    metrics.PRIORITY_REQUESTS.labels(self.klass, "displaced").inc()
+                    raise APIError(429, "Server is at capacity: a more urgent request took "
+                                        f"this one's place; retry after {self.retry_after_s}s.",
+                                   code="displaced",
+                                   headers={"Retry-After": str(self.retry_after_s)})
+                # its first token was already on the way: it has been sent, so it goes on
+                log.warning("displace_after_first_token", request_id=self.request_id)
+                continue
             if isinstance(ev, HandOff):    # in-band event or a 503: the router moves it
                 raise APIError(503, "This node is draining; the stream continues on another.",
                                code="handed_off")
@@ -282,7 +329,9 @@ class Generation:
             if ch.t_first is None:
                 ch.t_first = now
                 m.ttft.observe(now - self.arrival)
+                metrics.PRIORITY_TTFT.labels(self.klass).observe(now - self.arrival)
                 self.admission.started(ch.ticket)
+                gauges(self.admission, self.classes)
             elif ch.t_last is not None:
                 gap = (now - ch.t_last) / len(ev.token_ids)
                 for _ in ev.token_ids:
@@ -301,6 +350,7 @@ class Generation:
             ch.finish_reason = reason
             ch.error = ev.error
             self.admission.release(ch.ticket)
+            gauges(self.admission, self.classes)
             m.e2e.observe(now - self.arrival)
             m.prompt_tokens.inc(len(ch.prompt_ids))
             m.request_prompt_tokens.observe(len(ch.prompt_ids))
@@ -336,6 +386,10 @@ class Generation:
                          **attrs)
             at = start
 
+    def _displaced(self) -> None:
+        """Admission displaced this request (its tickets are released): end it with a 429."""
+        self._queue.put_nowait((self.choices[0], Displaced()))
+
     def hand_off(self) -> None:
         """Drain: end this request with a server_error (a stream's in-band event, else a 503
         before any byte); its router continues or resubmits it elsewhere."""
@@ -356,5 +410,4 @@ class Generation:
             self.admission.release(ch.ticket)
         for t in self._pumps:
             t.cancel()
-        metrics.ADMISSION_PENDING.set(self.admission.pending)
-        metrics.ADMISSION_PENDING_TOKENS.set(self.admission.pending_tokens)
+        gauges(self.admission, self.classes)

@@ -36,7 +36,7 @@ from moed.api.admin import ADMIN
 from moed.api.auth import bearer_token, check_bearer, key_matches
 from moed.api.errors import APIError
 from moed.api.internal import require_operator
-from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE, ServerState
+from moed.api.state import FINISH, PRIORITY, REQUEST_ID, STATE, USAGE, ServerState
 from moed.obs import metrics, trace
 
 log = structlog.get_logger("moed.access")
@@ -157,10 +157,13 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                     span.error(err_kind or ("client_disconnect" if status == 499
                                             else f"http_{status}"))
             if not quiet:
+                prio = request.get(PRIORITY)      # generation requests: (priority, class)
                 log.info("access", method=request.method, path=request.path, status=status,
                          prompt_tokens=usage[0], completion_tokens=usage[1],
                          latency_ms=round(elapsed * 1000, 2), peer=request.remote,
-                         finish=request.get(FINISH))
+                         finish=request.get(FINISH),
+                         **({} if prio is None else {"priority": prio[0],
+                                                     "priority_class": prio[1]}))
 
 
 @web.middleware

@@ -25,122 +25,24 @@ from aiohttp import web
 
 from moed.api import tokens
 from moed.api.errors import APIError, bad_request
+from moed.api.auth import bearer_token
 from moed.api.generate import (MIGRATABLE, Choice, Continuation, Generation,
                               check_rough_length, encode_prompts)
+# the logprobs' shapes (the names stay importable from here)
+from moed.api.logprob_format import (TextOffsets, TopLogprobs, chat_logprobs,  # noqa: F401
+                                     completion_logprobs, echo_logprobs, join_logprobs,
+                                     vllm_prompt_logprobs)
+from moed.api.priority import for_request
 from moed.api.protocol import GenerationRequest, parse_request
 from moed.api.salt import tenant_tag
 from moed.api.tools import ChatOutput, bind
-from moed.api.state import FINISH, REQUEST_ID, STATE, USAGE, ServerState
+from moed.api.state import FINISH, PRIORITY, REQUEST_ID, STATE, USAGE, ServerState
 from moed.obs import metrics, trace
-from moed.types import PromptLogprob
 
 log = structlog.get_logger(__name__)
 
 
-# ---- response pieces (pure) ---------------------------------------------------------------
-
-def _token_str(tok: Any, tid: int) -> str:
-    return tok.decode([tid], skip_special_tokens=False)
-
-
-TopLogprobs = tuple[tuple[int, float], ...]      # one token's (token id, logprob), best first
-
-
-def _tops(ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> list[TopLogprobs]:
-    """The engine's top-N per token; a token without them (an engine that does not compute
-    them) lists the sampled token alone."""
-    return [tops[i] if i < len(tops) and tops[i] else ((t, lp),)
-            for i, (t, lp) in enumerate(zip(ids, lps))]
-
-
-class TextOffsets:
-    """Legacy `text_offset`s of a run of tokens: where each token's text starts in the returned
-    text, i.e. `start` + the length of what the tokens before it decode to. Incremental, so an
-    incomplete UTF-8 character adds nothing until its last byte and the offsets stay on the
-    returned text's characters (summing each token's own string would not: each half of a
-    character decodes to U+FFFD)."""
-
-    def __init__(self, tok: Any, start: int, context: list[int] | tuple[int, ...] = (),
-                 skip_special_tokens: bool = True) -> None:
-        from moed.model.tokenizer import IncrementalDetokenizer   # torch-free
-
-        # decoded as the engine decodes the text (skip_special_tokens: the request's)
-        self._detok = IncrementalDetokenizer(tok, context, skip_special_tokens)
-        self.pos = start
-
-    def take(self, ids: list[int]) -> list[int]:
-        out = []
-        for t in ids:
-            out.append(self.pos)
-            self.pos += len(self._detok.add(t))
-        return out
-
-
-def _top_dict(tok: Any, row: TopLogprobs) -> dict[str, float]:
-    """{token text: logprob}; two ids that decode to the same text keep the likelier one."""
-    d: dict[str, float] = {}
-    for t, v in row:
-        d.setdefault(_token_str(tok, t), v)
-    return d
-
-
-def completion_logprobs(tok: Any, ids: list[int], lps: list[float], top: int,
-                        offsets: list[int], tops: list[TopLogprobs] = ()) -> dict[str, Any]:
-    """Legacy completions logprobs: top_logprobs is one {token text: logprob} per token."""
-    top_lps = [_top_dict(tok, row) for row in _tops(ids, lps, list(tops))] if top > 0 else None
-    return {"tokens": [_token_str(tok, t) for t in ids], "token_logprobs": list(lps),
-            "top_logprobs": top_lps, "text_offset": offsets}
-
-
-def echo_logprobs(tok: Any, prompt_ids: list[int], plps: tuple[PromptLogprob, ...], top: int,
-                  offsets: list[int]) -> dict[str, Any]:
-    """The prompt's part of echo + logprobs (OpenAI's legacy API, vLLM): the first token has
-    no logprob (null, and null top_logprobs); the others have the engine's prompt logprobs."""
-    rest: list[PromptLogprob | None] = list(plps[:len(prompt_ids) - 1])
-    rest += [None] * (len(prompt_ids) - 1 - len(rest))   # an engine that computed none
-    entries = [None] + rest
-    return {"tokens": [_token_str(tok, t) for t in prompt_ids],
-            "token_logprobs": [None if e is None else e.logprob for e in entries],
-            "top_logprobs": None if top <= 0 else
-            [None if e is None else _top_dict(tok, e.top[:top]) for e in entries],
-            "text_offset": offsets}
-
-
-def vllm_prompt_logprobs(tok: Any, plps: tuple[PromptLogprob, ...], top: int
-                         ) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id:
-    {logprob, rank, decoded_token}} for the prompt token and the top `top` tokens."""
-    out: list[dict[str, dict[str, Any]] | None] = [None]
-    for e in plps:
-        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank,
-                               "decoded_token": _token_str(tok, e.token_id)}}
-        for k, (t, v) in enumerate(e.top[:top]):
-            d.setdefault(str(t), {"logprob": v, "rank": k + 1,
-                                  "decoded_token": _token_str(tok, t)})
-        out.append(d)
-    return out
-
-
-def _join(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
-    """Two legacy logprobs objects, one after the other."""
-    if b is None:
-        return a
-    return {k: None if a[k] is None else a[k] + b[k] for k in a}   # top_logprobs: both or none
-
-
-def _chat_entry(tok: Any, tid: int, lp: float) -> dict[str, Any]:
-    s = _token_str(tok, tid)
-    return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-
-def chat_logprobs(tok: Any, ids: list[int], lps: list[float], top: int,
-                  tops: list[TopLogprobs] = ()) -> dict[str, Any]:
-    content = []
-    for t, lp, row in zip(ids, lps, _tops(ids, lps, list(tops))):
-        tops_out = [_chat_entry(tok, i, v) for i, v in row] if top > 0 else []
-        content.append({**_chat_entry(tok, t, lp), "top_logprobs": tops_out})
-    return {"content": content}
-
+# ---- response pieces (pure; the logprobs: moed.api.logprob_format) ---------------------
 
 def usage_dict(gen: Generation) -> dict[str, Any]:
     """Exact token counts of the whole request (so far, while it streams)."""
@@ -179,7 +81,7 @@ class Formatter:
             return comp
         prompt = echo_logprobs(self.tok, ch.prompt_ids, ch.prompt_logprobs, self.req.logprobs,
                                TextOffsets(self.tok, 0).take(ch.prompt_ids))
-        return _join(prompt, comp)
+        return join_logprobs(prompt, comp)
 
     def _echo(self, ch: Choice) -> str:
         p = self.req.prompts[ch.prompt_index]
@@ -302,6 +204,14 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def displaceable(req: GenerationRequest, state: ServerState) -> bool:
+    """May a more urgent arrival displace this request before its first token (a 429)? A
+    response sent whole, yes; a stream only when something more urgent can arrive (a class
+    more urgent than its priority): its headers then wait for its first token, so a displaced
+    stream has sent nothing. A stream of the most urgent class gets its headers at once."""
+    return not req.stream or (req.priority or 0) > min(state.config.priority.values.values())
+
+
 async def _serve(request: web.Request, chat: bool, cont: Continuation | None = None
                  ) -> web.StreamResponse:
     state = request.app[STATE]
@@ -315,6 +225,11 @@ async def _serve(request: web.Request, chat: bool, cont: Continuation | None = N
                         request.headers.get("Authorization"))
     if tenant:
         req = dataclasses.replace(req, tenant=tenant)
+    token = bearer_token(request.headers.get("Authorization"))
+    priority, klass = for_request(req.priority, token, state.api_keys, state.key_classes,
+                                  state.config.priority, cont is not None)
+    request[PRIORITY] = (priority, klass)
+    req = dataclasses.replace(req, priority=priority)
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
                             f"'{state.model_name}'.", param="model", code="model_not_found")
@@ -334,7 +249,9 @@ async def _serve(request: web.Request, chat: bool, cont: Continuation | None = N
         gen = Generation(engine, state.admission, req, prompt_ids, rid,
                          state.config.admission.retry_after_s,
                          timeout_s=state.config.server.request_timeout_s, cont=cont,
-                         handoffs=state.handoffs if MIGRATABLE in request.headers else None)
+                         handoffs=state.handoffs if MIGRATABLE in request.headers else None,
+                         classes=state.config.priority.values,
+                         displaceable=displaceable(req, state))
         trace.record("admission", t_admit, trace.now_ns(), sequences=len(gen.choices))
         fmt = Formatter(req, engine.tokenizer, state.model_name, gen)
         if cont:
@@ -381,7 +298,10 @@ async def _stream_events(request: web.Request, gen: Generation, fmt: Formatter,
                                        "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no",   # proxies: do not buffer
                                        "X-Request-Id": request[REQUEST_ID]})
-    await resp.prepare(request)
+    # A displaceable stream's headers go with its first event: until then a more urgent
+    # request may displace it (moed.api.admission), which its client gets as a plain 429.
+    if not gen.displaceable:
+        await resp.prepare(request)
     try:
         try:
             async with asyncio.timeout(timeout):
@@ -392,19 +312,29 @@ async def _stream_events(request: web.Request, gen: Generation, fmt: Formatter,
                             ch.finish_reason, list(ev.top_logprobs))
                     body = await state.offload.run(fmt.chunk, *args) if fmt.heavy(ch) \
                         else fmt.chunk(*args)
+                    if not resp.prepared:
+                        await resp.prepare(request)
                     await resp.write(_sse(body))
         except TimeoutError:
             metrics.REQUEST_TIMEOUTS.inc()
             request[FINISH] = "timeout"
             await gen.close()            # abort now, not after a write to a stuck client
             err = APIError(408, f"Request timed out after {timeout:g}s.", code="timeout")
+            if not resp.prepared:
+                await resp.prepare(request)
             await _write_soon(resp, _sse(err.body()))
             return resp
         except APIError as e:     # headers are gone: report in-band, as OpenAI does
+            if not resp.prepared and e.code == "displaced":
+                raise             # nothing sent: a plain 429
             trace.mark_error(e.code or e.err_type, e.message)
             await gen.close()
+            if not resp.prepared:
+                await resp.prepare(request)
             await _write_soon(resp, _sse(e.body()))
             return resp
+        if not resp.prepared:
+            await resp.prepare(request)
         if gen.req.include_usage:
             await resp.write(_sse(fmt.usage_chunk()))
         await resp.write(b"data: [DONE]\n\n")

@@ -22,6 +22,7 @@ from moed.api.readers import (TOKEN_ID_LIMIT, Prompt, check_text, parse_messages
                               read_logit_bias, read_prompts, read_stop)
 from moed.api.salt import MAX_CLIENT_SALT, effective_salt
 from moed.api.structured import parse_structured
+from moed.config import PRIORITY_MAX, PRIORITY_MIN
 from moed.api.tools import TemplateArgs, ToolRequest, parse_template, parse_tools, spaces_refused
 from moed.types import ContextRule, GrammarSpec, SamplingParams
 
@@ -45,6 +46,8 @@ _COMMON_FIELDS = (
     "logit_bias", "logprobs", "echo", "prompt_logprobs",
     # vLLM's: only requests with the same salt share cached prefix blocks (moed.api.salt)
     "cache_salt",
+    # vLLM's: lower runs first; capped by the API key's class (moed.api.priority)
+    "priority",
     # refused or (being) implemented by structured outputs and tool calling
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend", "tools",
@@ -130,6 +133,9 @@ class GenerationRequest:
     spaces_between_special_tokens: bool = True   # false: only where special tokens are skipped
     cache_salt: str = ""                       # the client's (vLLM's field)
     tenant: str = ""                           # the key's tag under API-key isolation (moed.api.salt)
+    # vLLM's `priority` as sent (None: not sent); the handler resolves it against the key's
+    # class (moed.api.priority.resolve) before the engine sees it
+    priority: int | None = None
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Engine parameters for choice `choice`: seed + choice, wrapped within the seed range,
@@ -148,7 +154,8 @@ class GenerationRequest:
                               grammar=self.grammar,
                               prompt_logprobs=self.engine_prompt_logprobs,
                               skip_special_tokens=self.skip_special_tokens is not False,
-                              cache_salt=effective_salt(self.tenant, self.cache_salt))
+                              cache_salt=effective_salt(self.tenant, self.cache_salt),
+                              priority=self.priority or 0)
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -279,6 +286,7 @@ def parse_request(body: Any, *, chat: bool, vocab_size: int | None = None) -> Ge
         skip_special_tokens=_skip_special(body),
         spaces_between_special_tokens=read_bool(body, "spaces_between_special_tokens") is not False,
         cache_salt=_cache_salt(body),
+        priority=read_int(body, "priority", lo=PRIORITY_MIN, hi=PRIORITY_MAX),
     )
 
 

@@ -38,10 +38,13 @@ from multidict import CIMultiDict
 
 from moed.api import affinity, migrate, migrating
 from moed.api.backends import BackendSource, StaticBackends
+from moed.api.auth import bearer_token
 from moed.api.errors import APIError
 from moed.api.generate import MIGRATABLE
 from moed.api.middleware import request_id_of
+from moed.api.priority import routing_priority
 from moed.api.salt import effective_salt, tenant_tag
+from moed.api.state import STATE
 from moed.balance import canary
 from moed.balance.candidate import Candidate
 from moed.balance.canary import Side
@@ -132,7 +135,7 @@ class Proxy:
 
     def place(self, exclude: Iterable[str] = (), side: Side | None = None,
               pinned: bool = False, prefix: PromptPrefix | None = None,
-              prompt_tokens: int = 0) -> Placement:
+              prompt_tokens: int = 0, priority: int | None = None) -> Placement:
         """The next backend (moed.balance.router.place), on `side` when a canary is
         configured (see candidates_for: when the side has no untried node left, a retry goes
         to the other side unless pinned)."""
@@ -144,7 +147,7 @@ class Proxy:
             cands = canary.candidates_for(cands, self._config().canary.label, side, pinned)
         bc = self._config().balance
         limits = PlacementLimits(bc.affinity_weight, bc.router_max_waiting)
-        return place(cands, prefix or {}, prompt_tokens, limits, self._turn)
+        return place(cands, prefix or {}, prompt_tokens, limits, self._turn, priority)
 
     async def prompt_prefix(self, request: web.Request, body: bytes
                             ) -> tuple[PromptPrefix, int]:
@@ -208,7 +211,7 @@ class Proxy:
         body = await request.read()
         # a single-choice stream, relayed event by event so it may migrate (moed.api.migrate;
         # with router.migration_limit 0 it still ends in one whole error event)
-        ledger = None
+        ledger = req = None
         if request.method == "POST":
             req = migrate.eligible(request.path, body)
             if req is not None:
@@ -229,11 +232,15 @@ class Proxy:
                                         sock_connect=rc.connect_timeout_s)
         side, pinned = self.choose_side(request)
         prefix, prompt_tokens = await self.prompt_prefix(request, body)
+        state = request.app.get(STATE)      # the class queue it joins (balance.router)
+        priority = routing_priority(req, body, bearer_token(request.headers.get("Authorization")),
+                                    state.api_keys if state else (),
+                                    state.key_classes if state else (), self._config().priority)
         tried: list[str] = []
         last: tuple[int, bytes, CIMultiDict[str]] | None = None
         saturated = False
         for _ in range(rc.max_attempts):
-            placed = self.place(tried, side, pinned, prefix, prompt_tokens)
+            placed = self.place(tried, side, pinned, prefix, prompt_tokens, priority)
             backend = placed.node
             if backend is None:
                 saturated = placed.reason == "saturated"

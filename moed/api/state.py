@@ -30,6 +30,7 @@ class ServerState:
     config: Config
     engine: EngineClient | None = None    # None on the router role
     api_keys: tuple[bytes, ...] = ()
+    key_classes: tuple[str, ...] = ()     # each API key's priority class ("" = the default)
     metrics_tokens: tuple[bytes, ...] = ()   # server.metrics_token_file/_env: /metrics only
     ready: bool = False                   # /ready: started, model loaded, not draining
     draining: bool = False
@@ -93,4 +94,5 @@ STATE: web.AppKey[ServerState] = web.AppKey("moed_state", ServerState)
 # Per-request values the handlers leave for the access log (moed.api.middleware).
 REQUEST_ID = web.RequestKey("moed_request_id", str)
 USAGE = web.RequestKey("moed_usage", tuple)          # (prompt_tokens, completion_tokens)
+PRIORITY = web.RequestKey("moed_priority", tuple)    # (priority, its class label)
 FINISH = web.RequestKey("moed_finish", str)          # finish reasons, "client_disconnect", ...

@@ -12,6 +12,10 @@ block size) and, per candidate c:
     fraction_c  = overlap_c · block_size_c / prompt_tokens          (0..1: share already cached)
     pressure_c  = waiting_c + inflight_c    (reported queue + this router's own unanswered
                                              requests there, which cover the report's lag)
+    waiting_c   = the node's waiting requests no less urgent than this request (its
+                  `priority`, vLLM's, lower first; LoadVector.waiting_ahead): an interactive
+                  request does not count the batch flood queued behind it. A node that does
+                  not advertise priorities (the release before) counts all its waiting
     score_c     = pressure_c − affinity_weight · fraction_c
 
 and the lowest score wins (ties: fewer running, then round-robin by `turn`). So a node holding
@@ -36,7 +40,7 @@ REASONS = ("affinity", "overloaded", "load", "saturated", "none")
 
 
 def pick_backend(cands: Sequence[Candidate], exclude: Collection[str] = (),
-                 turn: int = 0) -> Candidate | None:
+                 turn: int = 0, priority: int | None = None) -> Candidate | None:
     """Least waiting requests (reported + this router's in flight: it covers the report's
     lag), then least running (ITL grows with the batch); remaining ties go round-robin by `turn`
     so equal nodes share the load."""
@@ -45,7 +49,13 @@ def pick_backend(cands: Sequence[Candidate], exclude: Collection[str] = (),
         return None
     n = len(left)
     order = {c.name: (i - turn) % n for i, c in enumerate(sorted(left, key=lambda c: c.name))}
-    return min(left, key=lambda c: (c.load.waiting + c.inflight, c.load.running, order[c.name]))
+    return min(left, key=lambda c: (pressure(c, priority), c.load.running, order[c.name]))
+
+
+def pressure(c: Candidate, priority: int | None = None) -> int:
+    """The queue a request of `priority` (None: any) joins at `c`: the waiting requests no
+    less urgent, plus this router's own requests there not yet answered."""
+    return c.load.waiting_ahead(priority) + c.inflight
 
 
 @dataclass(frozen=True)
@@ -78,8 +88,9 @@ def overlap_blocks(c: Candidate, prefix: PromptPrefix) -> int:
     return best
 
 
-def saturated(c: Candidate, prompt_tokens: int, overlap: int, limits: PlacementLimits) -> bool:
-    if limits.max_waiting > 0 and c.load.waiting + c.inflight >= limits.max_waiting:
+def saturated(c: Candidate, prompt_tokens: int, overlap: int, limits: PlacementLimits,
+              priority: int | None = None) -> bool:
+    if limits.max_waiting > 0 and pressure(c, priority) >= limits.max_waiting:
         return True
     bs = c.load.block_size
     if bs > 0 and prompt_tokens > 0:
@@ -89,14 +100,15 @@ def saturated(c: Candidate, prompt_tokens: int, overlap: int, limits: PlacementL
 
 
 def place(cands: Sequence[Candidate], prefix: PromptPrefix, prompt_tokens: int,
-          limits: PlacementLimits, turn: int = 0) -> Placement:
+          limits: PlacementLimits, turn: int = 0, priority: int | None = None) -> Placement:
     """The node for a request by the score in the module docstring; `prefix` empty (the
     router could not tokenize the prompt) leaves only the load terms. prompt_tokens 0 =
     unknown (no KV headroom check)."""
     if not cands:
         return Placement(None, "none")
     overlap = {c.name: overlap_blocks(c, prefix) for c in cands}
-    open_ = [c for c in cands if not saturated(c, prompt_tokens, overlap[c.name], limits)]
+    open_ = [c for c in cands
+             if not saturated(c, prompt_tokens, overlap[c.name], limits, priority)]
     if not open_:
         return Placement(None, "saturated")
     n = len(open_)
@@ -105,7 +117,7 @@ def place(cands: Sequence[Candidate], prefix: PromptPrefix, prompt_tokens: int,
 
     def score(c: Candidate) -> tuple[float, int, int]:
         frac = min(overlap[c.name] * c.load.block_size / total, 1.0) if prompt_tokens else 0.0
-        return (c.load.waiting + c.inflight - limits.affinity_weight * frac, c.load.running,
+        return (pressure(c, priority) - limits.affinity_weight * frac, c.load.running,
                 order[c.name])
 
     best = min(open_, key=score)

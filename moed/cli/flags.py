@@ -47,6 +47,10 @@ def _tool_parser(value: str) -> str:
     return TOOL_PARSER_ALIASES.get(value, value)
 
 
+def _comma_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag("--role", "server.role", "what this node does", choices=ROLES),
     Flag("--host", "server.host", "address the HTTP API listens on"),
@@ -90,6 +94,11 @@ FLAGS: tuple[Flag, ...] = (
          "hermes is qwen)", _tool_parser, metavar="NAME"),
     Flag("--vllm-metrics-path", "server.vllm_metrics_path", "also export the vLLM-named "
          "gauges routers scrape at this path (/metrics: in moed's own scrape)", metavar="PATH"),
+    Flag("--priority-classes", "priority.classes", "request priority classes, comma-separated "
+         "NAME=PRIORITY (lower runs first), e.g. interactive=0,batch=10", _comma_list,
+         metavar="LIST"),
+    Flag("--priority-default-class", "priority.default_class", "the class of a request whose "
+         "API key names none", metavar="NAME"),
 )
 
 # vLLM's on/off flags with a moed field of the same meaning: --X sets it, --no-X clears it

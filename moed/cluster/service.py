@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 from .clock import AsyncioScheduler
 from .members import SwimConfig
 from .state import (MAX_BUCKETS, MAX_DIGEST, MAX_QUEUED, PROTOCOL, ClusterView, LoadVector,
-                    MemberEvent, NodeMeta, digest_key, incompatible_counts)
+                    MemberEvent, NodeMeta, digest_key, fold_priorities, incompatible_counts)
 from .swim import Membership
 from .udp import UdpTransport, split_addr
 from .wire import Keyring, WireCodec
@@ -377,7 +377,9 @@ def load_of(engine: EngineClient, digest: PrefixDigest, digest_size: int,
                       free_kv_blocks=s.kv_blocks_free,
                       queued_prefill_tokens=s.queued_prompt_tokens,
                       block_size=0 if kv is None else kv.block_size,
-                      prefix_digest=digest.update(kv, digest_size), **fields)
+                      prefix_digest=digest.update(kv, digest_size),
+                      waiting_by_priority=fold_priorities(
+                          getattr(s, "waiting_by_priority", ())), **fields)
 
 
 _MESSAGE_KEYS = {"sent_packets": ("sent", "packet"), "recv_packets": ("received", "packet"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 
 class MemberState(enum.Enum):
@@ -58,6 +58,11 @@ def next_state(current: MemberState | None, event: Event) -> MemberState | None:
 MAX_BUCKETS = 8             # length buckets advertised (balance.bucket_edges + 1)
 MAX_DIGEST = 32             # prefix digest entries; 32 x 8 bytes = 344 base64 characters
 MAX_QUEUED = (1 << 32) - 1  # a queued-tokens or -requests value is advertised at most this
+# waiting requests by priority: two (priority, count) pairs fit the packet's last ~48 bytes
+# (interactive and batch exactly; more priorities folded into the second, see fold_priorities)
+MAX_PRIORITY_PAIRS = 2
+MAX_PRIORITY_COUNT = (1 << 20) - 1
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)   # vLLM's priority as moed takes it (int32)
 DIGEST_BYTES = 8            # each entry: the low 8 bytes of a block's chained prefix hash
 
 
@@ -97,6 +102,11 @@ class LoadVector:
                     decode step time, queue vs compute time of recent requests, predicted
                     TTFT of a new reference prompt, prompt tokens left under the TTFT SLO);
                     -1 (0 for capacity_tokens) = not measured or not advertised
+      waiting_by_priority
+                    the waiting requests by priority (vLLM's, lower first) as pairs
+                    (priority, requests), most urgent first, at most MAX_PRIORITY_PAIRS (the
+                    rest counted in the last pair): what a router weighs for a request of a
+                    given priority (`waiting_ahead`); () = not advertised
     """
     waiting: int = 0
     running: int = 0
@@ -116,13 +126,22 @@ class LoadVector:
     compute_s: float = -1.0
     predicted_ttft_s: float = -1.0
     capacity_tokens: int = 0
+    waiting_by_priority: tuple[tuple[int, int], ...] = ()
+
+    def waiting_ahead(self, priority: int | None) -> int:
+        """The waiting requests a new one of `priority` queues behind: those no less urgent
+        (all of them when the node does not advertise priorities or `priority` is None)."""
+        if priority is None or not self.waiting_by_priority:
+            return self.waiting
+        return sum(n for p, n in self.waiting_by_priority if p <= priority)
 
     def to_list(self) -> list[Any]:
         return [self.waiting, self.running, self.free_kv_blocks, self.queued_prefill_tokens,
                 list(self.bucket_edges), list(self.queued_tokens), list(self.queued_requests),
                 list(self.cost), self.prefill_share, self.chunk_tokens, self.block_size,
                 digest_text(self.prefix_digest), self.prefill_tps, self.decode_step_s,
-                self.queue_s, self.compute_s, self.predicted_ttft_s, self.capacity_tokens]
+                self.queue_s, self.compute_s, self.predicted_ttft_s, self.capacity_tokens,
+                [x for pair in self.waiting_by_priority for x in pair]]
 
     def to_dict(self) -> dict[str, Any]:
         return {"waiting": self.waiting, "running": self.running,
@@ -136,7 +155,19 @@ class LoadVector:
                 "prefill_tps": self.prefill_tps, "decode_step_s": self.decode_step_s,
                 "queue_s": self.queue_s, "compute_s": self.compute_s,
                 "predicted_ttft_s": self.predicted_ttft_s,
-                "capacity_tokens": self.capacity_tokens}
+                "capacity_tokens": self.capacity_tokens,
+                "waiting_by_priority": [list(p) for p in self.waiting_by_priority]}
+
+
+def fold_priorities(counts: Sequence[tuple[int, int]], limit: int = MAX_PRIORITY_PAIRS
+                    ) -> tuple[tuple[int, int], ...]:
+    """(priority, requests) pairs, most urgent first, at most `limit`, counts clamped: the
+    least urgent ones beyond it are counted in the last pair (under its priority: a router
+    then counts them ahead of a request of that priority, never behind it)."""
+    pairs = sorted((p, n) for p, n in counts if n > 0)
+    if len(pairs) > limit:
+        pairs = [*pairs[:limit - 1], (pairs[limit - 1][0], sum(n for _, n in pairs[limit - 1:]))]
+    return tuple((p, min(n, MAX_PRIORITY_COUNT)) for p, n in pairs)
 
 
 def digest_text(digest: tuple[int, ...]) -> str:

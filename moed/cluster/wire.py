@@ -33,7 +33,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from .state import (DIGEST_BYTES, MAX_BUCKETS, MAX_DIGEST, LoadVector, MemberState, NodeMeta,
+from .state import (DIGEST_BYTES, MAX_BUCKETS, MAX_DIGEST, MAX_PRIORITY_COUNT,
+                    MAX_PRIORITY_PAIRS, PRIORITY_RANGE, LoadVector, MemberState, NodeMeta,
                     digest_of_text)
 
 VERSION = 1
@@ -242,6 +243,17 @@ def _measured(v: Any) -> float:
     return -1.0 if type(v) in (int, float) and v == -1 else _float(v)
 
 
+def _priority_pairs(v: Any) -> tuple[tuple[int, int], ...]:
+    """[priority, count, priority, count, ...] (LoadVector.waiting_by_priority, flat)."""
+    lo, hi = PRIORITY_RANGE
+    pairs = tuple(zip(v[::2], v[1::2])) if type(v) is list and not len(v) % 2 else ()
+    if type(v) is not list or len(v) % 2 or len(v) > 2 * MAX_PRIORITY_PAIRS or any(
+            type(p) is not int or type(n) is not int or not lo <= p <= hi
+            or not 0 <= n <= MAX_PRIORITY_COUNT for p, n in pairs):
+        raise DecodeError("malformed", f"bad priority pairs {v!r:.40}")
+    return pairs
+
+
 # LoadVector after wire version 1's four integers (waiting, running, free_kv_blocks, queued
 # tokens), in order; each one a node of the release before does not send keeps its default
 _LOAD_TAIL: tuple[Callable[[Any], Any], ...] = (
@@ -251,7 +263,8 @@ _LOAD_TAIL: tuple[Callable[[Any], Any], ...] = (
     _float, _int, _int,                                          # prefill_share, chunk, block
     _digest,                                                     # prefix_digest
     # the capacity signals (moed.balance.capacity): tok/s, step, queue, compute, TTFT, tokens
-    *(_measured,) * 5, _int)
+    *(_measured,) * 5, _int,
+    _priority_pairs)                                             # waiting_by_priority
 
 
 def _ints_or_floats(v: Any) -> list:

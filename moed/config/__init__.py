@@ -27,20 +27,22 @@ from moed.config.sections import (ATTENTION_BACKENDS, BALANCE_POLICIES, CANARY_H
                                   KV_CACHE_DTYPES, KV_EVENT_FORMATS, KV_EVENT_PUBLISHERS,
                                   LABEL_CHARS, LOG_FORMATS, LOG_LEVELS, METRICS_ACCESS,
                                   MODEL_DTYPES, MS_DAY, MS_HOUR, PREFIX_CACHE_ISOLATION,
+                                  PRIORITY_MAX, PRIORITY_MIN,
                                   QUANTIZATIONS, ROLES, TOOL_PARSERS, AdmissionConfig,
                                   BalanceConfig, CanaryConfig, ClusterConfig, EngineConfig,
-                                  KVEventsConfig, ModelConfig, ParallelConfig, ReleaseConfig,
-                                  RouterConfig, ServerConfig, SpeculativeConfig,
-                                  StructuredConfig, TiersConfig, TraceConfig, TransferConfig)
+                                  KVEventsConfig, ModelConfig, ParallelConfig, PriorityConfig,
+                                  ReleaseConfig, RouterConfig, ServerConfig,
+                                  SpeculativeConfig, StructuredConfig, TiersConfig, TraceConfig,
+                                  TransferConfig)
 
 __all__ = [
     "ATTENTION_BACKENDS", "BALANCE_POLICIES", "CANARY_HEADER_CHARS", "CPU_ISA_VALUES", "INT64",
     "KV_CACHE_DTYPES", "KV_EVENT_FORMATS", "KV_EVENT_PUBLISHERS", "LABEL_CHARS", "LOG_FORMATS",
     "LOG_LEVELS", "MAX_CONFIG_BYTES", "METRICS_ACCESS", "MODEL_DTYPES", "MS_DAY", "MS_HOUR",
-    "OTHER_ENV", "PREFIX_CACHE_ISOLATION", "QUANTIZATIONS", "ROLES", "TOOL_PARSERS",
+    "OTHER_ENV", "PREFIX_CACHE_ISOLATION", "PRIORITY_MAX", "PRIORITY_MIN", "QUANTIZATIONS", "ROLES", "TOOL_PARSERS",
     "AdmissionConfig", "BalanceConfig", "CanaryConfig", "Change", "ClusterConfig", "Config",
     "ConfigError", "EngineConfig", "KVEventsConfig", "ModelConfig",
-    "ParallelConfig", "ReleaseConfig", "RouterConfig", "ServerConfig", "SpeculativeConfig",
+    "ParallelConfig", "PriorityConfig", "ReleaseConfig", "RouterConfig", "ServerConfig", "SpeculativeConfig",
     "StructuredConfig",
     "TiersConfig", "TraceConfig", "TransferConfig",
     "apply_live", "check_env", "diff", "env_fields", "env_name",

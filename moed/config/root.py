@@ -13,7 +13,8 @@ from typing import Any
 from moed.config import rules
 from moed.config.sections import (AdmissionConfig, BalanceConfig, CanaryConfig, ClusterConfig,
                                   EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
-                                  ReleaseConfig, RouterConfig, ServerConfig, SpeculativeConfig,
+                                  PriorityConfig, ReleaseConfig, RouterConfig, ServerConfig,
+                                  SpeculativeConfig,
                                   StructuredConfig, TiersConfig, TraceConfig, TransferConfig)
 
 
@@ -35,6 +36,7 @@ class Config:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    priority: PriorityConfig = field(default_factory=PriorityConfig)
 
     def __post_init__(self) -> None:
         rules.sections(self)

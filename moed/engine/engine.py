@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -238,7 +238,15 @@ class Engine(Boundary):
                                      "preemptions": float(s.num_preemptions),
                                      "waiting_tier_kv": float(len(s.loading)),
                                      **self.balance.extra(),
-                                     **({} if self.tiers is None else self.tiers.stats())})
+                                     **({} if self.tiers is None else self.tiers.stats())},
+            waiting_by_priority=self._waiting_by_priority())
+
+    def _waiting_by_priority(self) -> tuple[tuple[int, int], ...]:
+        s = self.scheduler
+        counts = Counter(r.params.priority for r in (*s.waiting, *s.remote.values()))
+        counts.update(c.request.params.priority for c in self._inbox
+                      if isinstance(c, AddRequest))
+        return tuple(sorted(counts.items()))
 
     def _pending_adds(self) -> int:
         return sum(1 for c in self._inbox if isinstance(c, AddRequest))

@@ -5,17 +5,18 @@ output) and tokens *computed* (K/V in the cache); each step gives each request u
 `known - computed` new tokens. A decode is a 1-token catch-up, a prefill a large one,
 chunked when it does not fit the step. Pure Python, no torch.
 
-The scheduler owns the queues and makes every change to them; a step policy
-(moed.engine.policies, `balance.policy`) decides what a step holds, reading a read-only view
-and acting through the step's draft (`_Draft`). Running requests catch up first: when the KV
-pool cannot hold their tokens, the most recently admitted is preempted (recompute: blocks
-freed, back to the front of WAITING) — possibly the request itself; a lone request always
-fits (generation stops at the pool's capacity, finish "length"). Waiting ones are admitted
-after, only if nothing was preempted: cached prefix blocks count as computed, a prompt the
-whole pool can never hold finishes with an error, a remote-KV one parks until its KV arrives
-(moed.engine.parking, `complete_remote_prefill`), one whose next blocks sit in the KV tiers
-may load them instead (moed.engine.tier_admission, `complete_tier_load`). Requests whose
-computed reaches known after the step sample a token (`update`).
+The scheduler owns the queues and makes every change to them; a step policy (moed.engine.policies,
+`balance.policy`) decides what a step holds, reading a read-only view and acting through the step's
+draft (`_Draft`). Running requests catch up first: when the KV pool cannot hold their tokens,
+RUNNING's last is preempted (recompute: blocks freed, back to WAITING) — possibly the request
+itself; a lone request always fits (generation stops at the pool's capacity, finish "length"). Both
+queues are in priority order (vLLM's `priority`, lower first; `insert_by_priority`), so that victim
+is the least urgent, most recently seated request; one is also preempted for the seat of a more
+urgent waiting one (`seat_victim`). Waiting ones are admitted after, only if nothing was preempted:
+cached prefix blocks count as computed, a prompt the pool can never hold finishes with an error, a
+remote-KV one parks until its KV arrives (moed.engine.parking), one whose next blocks sit in the KV
+tiers may load them instead (moed.engine.tier_admission). Requests whose computed reaches known
+after the step sample a token (`update`).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from moed.engine.parking import RemoteKVParking
 from moed.engine.plan import ScheduledChunk, StepPlan, build_plan, token_event, top_row
 from moed.engine.policies import CostPolicy, StepPolicy, StepTimeBudget, TokenPolicy
 from moed.engine.request import Request
-from moed.engine.seating import take_blocks
+from moed.engine.seating import insert_by_priority, seat_victim, take_blocks
 from moed.engine.tier_admission import TierAdmission
 from moed.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 from moed.kvcache.tiers import TieredCache
@@ -189,7 +190,7 @@ class Scheduler:
         # lone request always fits and preemption can never loop.
         req.max_model_len = ContextRule(req.max_model_len, self._kv.capacity_tokens).limit
         self._requests[req.request_id] = req
-        self._waiting.append(req)
+        insert_by_priority(self._waiting, req, front=False)
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         """Finish a request in any live state and free its blocks."""
@@ -230,6 +231,9 @@ class Scheduler:
     def schedule(self) -> tuple[StepPlan, list[TokenEvent]]:
         """-> (this step's plan, events for requests finished while planning, e.g. errors)."""
         draft = _Draft(self)
+        victim = seat_victim(self._waiting, self._running, self.seated, self._max_num_seqs)
+        if victim is not None:     # every seat taken, a more urgent request waits for one
+            draft.preempted_ids.append(self._preempt(victim))
         self._policy.fill(self, draft)
         return build_plan(self._kv, draft.chunks, draft.preempted_ids), draft.events
 
@@ -249,15 +253,16 @@ class Scheduler:
                                                            self._max_num_batched_tokens)
         return tokens * self._recompute_s_per_token
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request) -> str:
         self._tiers.forget(req)         # re-admission decides (and logs) afresh
         self._running.remove(req)
         self._kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.set_state(RequestState.WAITING)
-        self._waiting.appendleft(req)
+        insert_by_priority(self._waiting, req, front=True)
         self._num_preemptions += 1
+        return req.request_id
 
     # ---- results ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int],
@@ -325,7 +330,7 @@ class Scheduler:
         """The prefill node wrote the prompt's KV and sampled its first token: start decoding."""
         req = self._parking.unpark(request_id)
         req.set_state(RequestState.RUNNING)
-        self._running.append(req)
+        insert_by_priority(self._running, req, front=False)
         lp = () if logprob is None or not req.params.logprobs else (float(logprob),)
         return self.accept_token(req, first_token_id, lp, top_row(req, top_logprobs))
 
@@ -340,7 +345,7 @@ class Scheduler:
         if req is None:
             return False
         req.set_state(RequestState.RUNNING)
-        self._running.append(req)
+        insert_by_priority(self._running, req, front=False)
         return True
 
 
@@ -371,8 +376,7 @@ class _Draft:
             if not preempt:
                 return False
             victim = s._running[-1]
-            s._preempt(victim)
-            self.preempted_ids.append(victim.request_id)
+            self.preempted_ids.append(s._preempt(victim))
             if victim is req:
                 return False
         s.kv.append_slots(req.request_id, end)
@@ -405,7 +409,7 @@ class _Draft:
         take_blocks(s.kv, req, hit, hit.num_tokens + n, RequestState.RUNNING,
                     count_cached=req.num_preemptions == 0)
         _scheduled(req)
-        s._running.append(req)
+        insert_by_priority(s._running, req, front=False)
         self.chunks.append(ScheduledChunk(req, n, req.num_computed_tokens + n == req.num_tokens))
         return True
 
@@ -443,3 +447,4 @@ def _scheduled(req: Request) -> None:
     """A request leaves WAITING with KV blocks: its queue time ends the first time."""
     if req.first_scheduled_time is None:
         req.first_scheduled_time = time.monotonic()
+

@@ -156,6 +156,21 @@ CLIENT_DISCONNECTS = Counter("moed_client_disconnects",
                              "Requests aborted because the client went away", registry=ENGINE)
 REQUEST_TIMEOUTS = Counter("moed_request_timeouts", "Requests aborted by request_timeout_s",
                            registry=ENGINE)
+# per priority class (moed/api/priority.py): the label is a [priority] class name, or "other"
+# for a priority that is no class's value, so the series stay bounded whatever clients send
+PRIORITY_REQUESTS = Counter("moed_priority_requests",
+                            "HTTP generation requests by priority class and admission outcome: "
+                            "admitted; rejected (429: over the admission bounds at "
+                            "arrival); displaced (429 before its first token: a more urgent "
+                            "arrival took its place)",
+                            ["priority_class", "outcome"], registry=ENGINE)
+PRIORITY_TTFT = Histogram("moed_priority_time_to_first_token_seconds",
+                          "Time from request arrival to the first generated token, by "
+                          "priority class", ["priority_class"], buckets=_REQUEST_BUCKETS,
+                          registry=ENGINE)
+PRIORITY_PENDING = Gauge("moed_priority_pending_requests",
+                         "Admitted engine requests without a first token yet, by priority "
+                         "class", ["priority_class"], registry=ENGINE)
 ADMISSION_PENDING = Gauge("moed_admission_pending_requests",
                           "Admitted engine requests that have not produced a first token yet",
                           registry=ENGINE)

@@ -23,13 +23,13 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Protocol, runtime_checkable
 
 import structlog
 
 from moed import __version__
 from moed.api import admin
-from moed.api.auth import AuthConfigError, load_keys
+from moed.api.auth import AuthConfigError, load_keys, split_classes
 from moed.cluster.state import PROTOCOL
 from moed.config import Config, ConfigError, diff, from_dict, load
 from moed.engine.client import EngineClient
@@ -47,11 +47,14 @@ log = structlog.get_logger(__name__)
 
 
 
-def load_key_source(file: str, env: str, what: str) -> tuple[bytes, ...]:
+def load_key_source(file: str, env: str, what: str,
+                    classes: Collection[str] | None = None) -> tuple[bytes, ...]:
     """server.<what>_file / _env (api_keys, admin_token) read, or a one-line ConfigError
-    (moed.api.auth.load_keys reads only a regular file, without blocking)."""
+    (moed.api.auth.load_keys reads only a regular file, without blocking). With `classes`
+    (the API keys), each key's priority class must be one of them."""
     try:
-        return load_keys(file, env)
+        keys = load_keys(file, env)
+        return keys if classes is None else split_classes(keys, classes)[0]
     except AuthConfigError as e:
         raise ConfigError(str(e).replace("api_keys", what)) from None
     except UnicodeEncodeError:           # the variable's bytes were not UTF-8 (PEP 383)
@@ -201,7 +204,8 @@ class OpsComponent:
 
     def _prepare_auth(self, old: Config, new: Config) -> Commit:
         s = new.server
-        load_key_source(s.api_keys_file, s.api_keys_env, "api_keys")   # or the reload is invalid
+        load_key_source(s.api_keys_file, s.api_keys_env, "api_keys",   # or the reload is invalid
+                        new.priority.values)
         admin_tokens = load_key_source(s.admin_token_file, s.admin_token_env, "admin_token")
         load_key_source(s.metrics_token_file, s.metrics_token_env, "metrics_token")
 

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moed.config import PRIORITY_MAX, PRIORITY_MIN
 from moed.types import GrammarSpec, SamplingParams
 
 # Text fields (stop, skip_special_tokens) are not sent: the decode node detokenizes token one
@@ -91,6 +92,8 @@ def sampling_fields(p: SamplingParams) -> dict[str, Any]:
         d["cache_salt"] = p.cache_salt
     if p.grammar is not None:   # the first token obeys the request's grammar (structured outputs)
         d["grammar"] = {"kind": p.grammar.kind, "source": p.grammar.source}
+    if p.priority:      # the prefill node seats jobs by it too (a node before: ignored)
+        d["priority"] = p.priority
     return d
 
 
@@ -118,7 +121,8 @@ def first_token_params(d: dict[str, Any]) -> SamplingParams:
             repetition_penalty=float(d.get("repetition_penalty", 1.0)),
             min_p=float(d.get("min_p", 0.0)),
             logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
-            grammar=grammar, cache_salt=str(d.get("cache_salt", "")))
+            grammar=grammar, cache_salt=str(d.get("cache_salt", "")),
+            priority=_priority(d.get("priority", 0)))
     except (TypeError, ValueError, KeyError) as e:
         raise ProtocolError(f"bad sampling params: {e}") from None
 
@@ -153,3 +157,9 @@ class FirstToken:
 
 def line(event: str, **kw: Any) -> bytes:
     return json.dumps({"event": event, **kw}).encode() + b"\n"
+
+
+def _priority(v: Any) -> int:
+    if type(v) is not int or not PRIORITY_MIN <= v <= PRIORITY_MAX:
+        raise ValueError(f"priority {v!r:.40} is not an int32")
+    return v

@@ -5,7 +5,8 @@ One node serves the whole module; every test starts by reloading the baseline fi
 - an invalid file or an unreadable key file changes nothing and says why in one log line;
 - a restart-only change is reported and left as it was;
 - engine limits (max_num_seqs, max_num_batched_tokens) reach the running engine's scheduler;
-- API keys rotate live (the key file is re-read on every reload);
+- API keys rotate live (the key file is re-read on every reload), their priority classes too
+  (a class the config does not define: the reload is invalid);
 - a burst of SIGHUPs under streaming load: no failed request, no crash, no fd/thread growth.
 """
 from __future__ import annotations
@@ -215,6 +216,31 @@ async def test_api_keys_rotate_live(baseline) -> None:
     await node.client("k2").models.list()
     secrets = [json.dumps(r) for r in node.events("config_reloaded")]
     assert not any(str(node.keys) in s for s in secrets)          # key paths are redacted
+
+
+async def test_key_classes_reload_live(baseline) -> None:
+    """A key's priority class (docs/priority.md) is read on reload like the key; a class the
+    config does not define makes the reload invalid, and the keys in use stay."""
+    node = baseline
+    node.keys.write_text("k1\nk3 bulk\n")
+    after = await asyncio.to_thread(node.reload, "invalid")     # the file is read, then refused
+    assert "names priority class 'bulk'" in after["last_reload"]["error"]
+    rec = node.events("config_reload_rejected")[-1]
+    assert "names priority class 'bulk'" in rec["error"] and "k3" not in rec["error"]
+    with pytest.raises(openai.AuthenticationError):
+        await node.client("k3").models.list()                       # not adopted
+    node.write(extra='[priority]\nclasses = ["interactive=0", "bulk=20"]\n')
+    await asyncio.to_thread(node.reload, "applied")
+    with pytest.raises(openai.BadRequestError) as e:                # capped at its class
+        await node.client("k3").completions.create(model="tiny", prompt="x", max_tokens=1,
+                                                   extra_body={"priority": 0})
+    assert "priority" in str(e.value)
+    out = await node.client("k3").completions.create(model="tiny", prompt="x", max_tokens=1,
+                                                     extra_body={"priority": 25})
+    assert out.choices[0].finish_reason == "length"
+    node.keys.write_text("k1\n")                                   # back to the baseline
+    node.write()
+    await asyncio.to_thread(node.reload, "applied")
 
 
 def _fds_threads(pid: int) -> tuple[int, int]:

@@ -7,6 +7,8 @@ from moed.config.sections.kv import (KV_EVENT_FORMATS, KV_EVENT_PUBLISHERS, KVEv
 from moed.config.sections.model import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES,
                                         QUANTIZATIONS, TOOL_PARSERS, EngineConfig, ModelConfig,
                                         ParallelConfig, StructuredConfig)
+from moed.config.sections.priority import (MAX_CLASSES, PRIORITY_MAX, PRIORITY_MIN,
+                                           PriorityConfig, parse_classes)
 from moed.config.sections.release import (CANARY_HEADER_CHARS, LABEL_CHARS, CanaryConfig,
                                           ReleaseConfig)
 from moed.config.sections.server import (LOG_FORMATS, LOG_LEVELS, METRICS_ACCESS,
@@ -19,8 +21,9 @@ __all__ = [
     "KV_EVENT_FORMATS", "KV_EVENT_PUBLISHERS", "LABEL_CHARS", "LOG_FORMATS", "LOG_LEVELS",
     "METRICS_ACCESS", "MODEL_DTYPES", "MS_DAY", "MS_HOUR", "PREFIX_CACHE_ISOLATION",
     "QUANTIZATIONS", "ROLES", "SPEC_METHODS", "TOOL_PARSERS",
+    "MAX_CLASSES", "PRIORITY_MAX", "PRIORITY_MIN", "parse_classes",
     "AdmissionConfig", "BalanceConfig", "CanaryConfig", "ClusterConfig", "EngineConfig",
-    "KVEventsConfig", "ModelConfig", "ParallelConfig", "ReleaseConfig", "RouterConfig",
+    "KVEventsConfig", "ModelConfig", "ParallelConfig", "PriorityConfig", "ReleaseConfig", "RouterConfig",
     "ServerConfig", "SpeculativeConfig", "StructuredConfig", "TiersConfig", "TraceConfig",
     "TransferConfig",
 ]

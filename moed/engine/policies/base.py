@@ -31,9 +31,9 @@ class KVView(Protocol):
 class SchedulerView(Protocol):
     """The scheduler's state, read-only (moed.engine.scheduler.Scheduler)."""
     @property
-    def waiting(self) -> Sequence[Request]: ...         # arrival order (preempted first)
+    def waiting(self) -> Sequence[Request]: ...   # priority, then arrival (preempted first)
     @property
-    def running(self) -> Sequence[Request]: ...         # admission order
+    def running(self) -> Sequence[Request]: ...   # priority, then admission order
     @property
     def requests(self) -> Mapping[str, Request]: ...    # every live request by id
     @property
@@ -62,8 +62,8 @@ class StepDraft(Protocol):
 
     def extend(self, req: Request, n: int, *, preempt: bool) -> bool:
         """A running request's next `n` tokens. When the KV pool cannot hold them: with
-        `preempt`, the most recently admitted running requests go back to WAITING until it
-        can (possibly `req` itself); without, nothing happens. -> whether `req` got them."""
+        `preempt`, the last of RUNNING (the least urgent priority, most recently admitted
+        first) go back to WAITING until it can (possibly `req` itself); without, nothing happens. -> whether `req` got them."""
         ...
 
     def speculate(self, req: Request, room: int) -> int:

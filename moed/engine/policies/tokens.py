@@ -1,9 +1,10 @@
 """balance.policy = "tokens": vLLM's shape under a token budget (also the cost policy's
 fallback while its model is unfitted).
 
-Running requests in admission order get their catch-up (a decode's one token, a prompt's next
-chunk), preempting the most recently admitted when the KV pool runs out; then, if nothing was
-preempted, waiting requests in arrival order while `max_num_batched_tokens`, `max_num_seqs`
+Running requests in (priority, admission) order get their catch-up (a decode's one token, a
+prompt's next chunk), preempting the last of them (least urgent, most recently admitted) when
+the KV pool runs out; then, if nothing was preempted, waiting requests in (priority, arrival)
+order while `max_num_batched_tokens`, `max_num_seqs`
 and the KV pool allow (cached prefix blocks count as computed). Last, speculative decoding's
 drafts take what the budget has left, decoding requests in admission order, at most k each:
 a guess never pushes a decode or a prompt chunk out of the step.

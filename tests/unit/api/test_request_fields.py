@@ -38,9 +38,12 @@ SKIP = "tests/unit/api/test_skip_special.py"
 MISTRAL_HTTP = "tests/integration/test_tool_calling_mistral.py"
 
 ISOLATION = "tests/integration/test_tenant_isolation.py"
+PRIORITY_HTTP = "tests/integration/test_priority.py"
 
 # fields of both endpoints
 _BOTH: dict[str, tuple[str, ...]] = {
+    "priority": (f"{PRIORITY_HTTP}::test_priority_orders_seating_and_sheds_batch_first",
+                 "tests/unit/api/test_priority_classes.py::test_the_field_is_an_integer_in_int32"),
     "cache_salt": (f"{ISOLATION}::test_a_tenants_cached_prompt_is_no_hit_for_another",),
     "model": (f"{SERVER}::test_bad_input_is_4xx_openai_shaped[payload10-404-model]",
               f"{OPENAI}::test_models_and_completion"),

@@ -108,6 +108,8 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to flags
     "--tool-call-parser": ("hermes", "qwen"),          # vLLM's name for the Qwen format
     "--vllm-metrics-path": ("/metrics/vllm", "/metrics/vllm"),
     "--kv-cache-dtype": ("fp8_e4m3", "fp8_e4m3"),
+    "--priority-classes": ("interactive=0, batch=20", ("interactive=0", "batch=20")),
+    "--priority-default-class": ("batch", "batch"),
 }
 
 

@@ -45,6 +45,15 @@ def test_first_token_params_keep_blocks_and_match_sampling() -> None:
         first_token_params({"temperature": "hot"})
 
 
+def test_the_requests_priority_reaches_the_prefill_node() -> None:
+    assert first_token_params(sampling_fields(SamplingParams(priority=10))).priority == 10
+    assert "priority" not in sampling_fields(SamplingParams())      # a node before: unchanged
+    assert first_token_params(sampling_fields(SamplingParams())).priority == 0
+    for bad in ("10", 1.5, 1 << 31, True):
+        with pytest.raises(ProtocolError, match="priority"):
+            first_token_params({"priority": bad})
+
+
 def test_the_cache_salt_travels_with_the_job() -> None:
     """The prefill node's own prefix cache is salted as the decode node's (moed.api.salt)."""
     assert first_token_params(sampling_fields(SamplingParams(cache_salt="k\x1fs"))).cache_salt \
