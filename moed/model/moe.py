@@ -170,6 +170,16 @@ class LocalExperts(ExpertExecutor):
             return [t for w in self.quant for t in w[slot].tensors()]
         return [lin.weight for lin in self.experts[slot]]
 
+    def slot_format(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[torch.Tensor]:
+        """One expert's plain weights (gate_up [2I, H] gate half first, down [H, I], the compute
+        dtype) in this executor's slot layout, what load_slot takes: the kernels' packing where
+        they are kept (pure: the cold-expert store calls it off the step thread)."""
+        if self.quant is not None:
+            raise ValueError("quantized expert slots take quantized weights")
+        if self.gate_up_p is not None:
+            return [CpuKernels.pack(gate_up), CpuKernels.pack(down)]
+        return [gate_up, down]
+
     def load_slot(self, slot: int, weights: list[torch.Tensor]) -> None:
         """Overwrite slot `slot` with another expert's weights (slot_weights' shapes), in place,
         at a step boundary; oneDNN copies are re-packed from the new plain weights."""
