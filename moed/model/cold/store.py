@@ -6,10 +6,12 @@ order in which a token's k outputs are summed is the all-resident one), the load
 `local_slots` (the first S experts of each MoE layer), and each MoE layer's executor is a
 `ColdExperts` over its S resident slots. Per layer call:
 
-  route (unchanged) -> the experts needed -> rounds of at most S (policy.rounds) -> a miss is
-  read into the coldest slot not needed now, the step waiting (counted, timed) -> the rows of
-  each round run through the slots (LocalExperts.run_grouped, the kernels EP=1 uses) -> each
-  token's k outputs combined as the all-resident path combines them (executor.combine).
+  route (unchanged) -> the experts needed -> the resident ones run first, then the misses in
+  rounds of the stream slots (policy.rounds, stream_slots): a miss is read into the coldest
+  slot that holds none of the layer's hottest experts nor one of its round, the step waiting
+  (counted, timed) -> the rows of each round run through the slots (LocalExperts.run_grouped,
+  the kernels EP=1 uses) -> each token's k outputs combined as the all-resident path combines
+  them (executor.combine).
 
 A row's expert output does not depend on which other rows share its call (what makes an EP
 group equal one process bit for bit), so the output equals the all-resident run's.
@@ -53,8 +55,10 @@ class ColdSettings:
 @dataclass
 class ColdStats:
     """Counters since start (the metrics advance with them; tests and the bench read them)."""
-    hits: int = 0
-    misses: int = 0
+    hits: int = 0                   # expert reads (an expert run by a layer call) resident
+    misses: int = 0                 # ... read from disk first
+    hit_rows: int = 0               # token-expert choices whose expert was resident
+    miss_rows: int = 0
     miss_stall_s: float = 0.0
     miss_bytes: int = 0
     promoted_bytes: int = 0
@@ -148,10 +152,12 @@ class ExpertStore:
                 metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("promote").inc(self.expert_bytes)
 
     # ---- accounting -----------------------------------------------------------------------
-    def count(self, hits: int, misses: int, stall_s: float) -> None:
+    def count(self, hits: int, misses: int, stall_s: float, hit_rows: int, rows: int) -> None:
         st = self.stats
         st.hits += hits
         st.misses += misses
+        st.hit_rows += hit_rows
+        st.miss_rows += rows - hit_rows
         st.miss_stall_s += stall_s
         st.miss_bytes += misses * self.expert_bytes
         metrics.EXPERT_WEIGHT_HITS.inc(hits)
@@ -226,18 +232,20 @@ class ColdExperts(ExpertExecutor):
         self._set(slot, expert)
         return True
 
-    def _ensure(self, group: list[int]) -> tuple[int, float]:
-        """Every expert of `group` resident -> (misses read, seconds waited)."""
+    def _ensure(self, group: list[int], protect: set[int]) -> tuple[int, float]:
+        """Every expert of `group` resident, never evicting one of `protect` -> (misses read,
+        seconds waited)."""
         misses, waited = 0, 0.0
-        keep = set(group)
+        keep = set(group) | protect
+        heat = self.heat_list()
         for e in group:
             if int(self.slot_of[e]) >= 0:
                 continue
-            slot = policy.victim(self.expert_in, self.heat_list(), keep)
+            slot = policy.victim(self.expert_in, heat, keep)
             self._set(slot, -1)
             t0 = time.perf_counter()
             gate_up, down = self.store.read_now(self.layer, e)
-            self.local.load_slot(slot, self.local.slot_format(gate_up, down))
+            self.local.load_slot(slot, self.local.slot_format(gate_up, down), repack=False)
             waited += time.perf_counter() - t0
             self._set(slot, e)
             misses += 1
@@ -255,10 +263,13 @@ class ColdExperts(ExpertExecutor):
         resident = (self.slot_of >= 0).tolist()
         ys = x.new_empty((t * k, h))
         hits = sum(1 for e in needed if resident[e])
+        hit_rows = int(counts[self.slot_of >= 0].sum())
         misses, stall = 0, 0.0
+        stream = policy.stream_slots(self.store.slots)
+        protect = policy.hottest(self.expert_in, self.heat_list(), self.store.slots - stream)
         try:
-            for group in policy.rounds(needed, resident, self.store.slots):
-                m, w = self._ensure(group)
+            for group in policy.rounds(needed, resident, stream):
+                m, w = self._ensure(group, protect)
                 misses, stall = misses + m, stall + w
                 in_group = torch.zeros_like(counts, dtype=torch.bool)
                 in_group[group] = True
@@ -272,5 +283,5 @@ class ColdExperts(ExpertExecutor):
             metrics.EXPERT_WEIGHT_READ_FAILURES.labels("miss").inc()
             raise
         finally:
-            self.store.count(hits, misses, stall)
+            self.store.count(hits, misses, stall, hit_rows, t * k)
         return combine(ys.view(t, k, h), routing.weights, routing.physical, mode)

@@ -27,10 +27,19 @@ def test_slots_per_layer_budget():
         policy.slots_per_layer(399, 100, 4, 8)
 
 
-def test_rounds_put_resident_experts_first_and_fit_the_slots():
+def test_rounds_run_resident_experts_first_then_misses_through_the_stream_slots():
     resident = [False, True, False, True, False, False]
     assert policy.rounds([0, 1, 2, 3, 4], resident, 2) == [[1, 3], [0, 2], [4]]
     assert policy.rounds([0, 2], resident, 3) == [[0, 2]]
+    assert policy.rounds([1, 3], resident, 1) == [[1, 3]]
+    assert [policy.stream_slots(s) for s in (1, 2, 7, 8, 40)] == [1, 1, 1, 2, 10]
+
+
+def test_hottest_are_protected():
+    heat = [5.0, 1.0, 3.0, 0.5, 9.0]
+    assert policy.hottest([0, 1, 2, 3, -1], heat, 2) == {0, 2}
+    assert policy.hottest([3, -1], heat, 5) == {3}
+    assert policy.hottest([0, 1], heat, 0) == set()
 
 
 def test_victim_prefers_empty_then_coldest_not_kept():
@@ -56,15 +65,19 @@ def _runner(ck, dtype, cold=None):
 
 
 def _steps(r: ModelRunner, decode_steps: int = 10) -> list[torch.Tensor]:
-    """Two prompts prefilled together, then both decoded greedily: each step's logits."""
+    """Two prompts prefilled together, then both decoded greedily, and midway a third prompt
+    prefilled alone (many rows per expert again, after slots changed): each step's logits."""
     prompts = [[5, 17, 33, 2, 9, 100, 7], [40, 41, 3, 3, 250, 12, 1, 90, 66, 4, 8]]
     tables = [[0, 1, 2], [3, 4, 5]]
     start, toks, out = [0, 0], prompts, []
-    for _ in range(decode_steps + 1):
+    for i in range(decode_steps + 1):
         logits = r.forward(ForwardBatch(token_ids=toks, start_pos=list(start), block_tables=tables))
         out.append(logits.clone())
         start = [s + len(t) for s, t in zip(start, toks)]
         toks = [[int(x)] for x in logits.argmax(-1)]
+        if i == decode_steps // 2:
+            third = [[(7 * j + 3) % 500 + 1 for j in range(40)]]
+            out.append(r.forward(ForwardBatch(token_ids=third, start_pos=[0], block_tables=[[8, 9, 10]])).clone())
     return out
 
 
