@@ -14,11 +14,11 @@ class ExpertsConfig:
                              "split evenly over the MoE layers; the others are read from the "
                              "checkpoint's safetensors files when routed to (0 = all resident; "
                              "more than the model's expert bytes = all)")
-    move_bytes_per_step: int = _f(64 << 20, bounds=(0, 1 << 50),
+    move_bytes_per_step: int = _f(16 << 20, bounds=(0, 1 << 50),
                                   doc="bytes of hot experts promoted from disk between two "
                                   "steps (read ahead on a background thread; at least one "
                                   "expert; 0 = only misses load experts)")
-    heat_half_life_steps: float = _f(32.0, bounds=(1.0, 1e6),
+    heat_half_life_steps: float = _f(8.0, bounds=(1.0, 1e6),
                                      doc="steps over which an expert's routed-token count "
                                      "(its heat) halves")
 

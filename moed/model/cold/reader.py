@@ -109,11 +109,14 @@ class ExpertIndex:
         down = torch.empty((h, i), dtype=self.dtype)
         for role, dst in (("gate", gate_up[:i]), ("up", gate_up[i:]), ("down", down)):
             ext = self.where[(layer, expert, role)]
-            dst.copy_(self._pread(ext, layer, expert))
+            if ext.dtype == self.dtype and tuple(dst.shape) == ext.shape:
+                self._pread(ext, layer, expert, dst.view(-1).view(torch.uint8))   # no cast: in place
+            else:
+                dst.copy_(self._pread(ext, layer, expert))
         return gate_up, down
 
-    def _pread(self, ext: Extent, layer: int, expert: int) -> torch.Tensor:
-        raw = torch.empty(ext.nbytes, dtype=torch.uint8)
+    def _pread(self, ext: Extent, layer: int, expert: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        raw = torch.empty(ext.nbytes, dtype=torch.uint8) if into is None else into
         view, got = memoryview(raw.numpy()), 0
         try:
             while got < ext.nbytes:

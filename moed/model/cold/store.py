@@ -105,14 +105,16 @@ class ExpertStore:
         return layer
 
     # ---- reads ----------------------------------------------------------------------------
-    def read_now(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A miss: the expert's weights, the step waiting (at most READ_TIMEOUT_S)."""
-        fut = self._miss_pool.submit(self.index.read, layer, expert)
+    def read_now(self, layer: int, experts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A round's misses: their weights, the step waiting (at most READ_TIMEOUT_S). One hand-off
+        to the reader thread per round, not per expert: on a busy machine each wake-up of
+        another thread can cost a scheduler slice."""
+        fut = self._miss_pool.submit(lambda: [self.index.read(layer, e) for e in experts])
         try:
             return fut.result(timeout=READ_TIMEOUT_S)
         except FutureTimeout:
             raise ExpertReadError(f"expert weights could not be read from disk within "
-                                  f"{READ_TIMEOUT_S:.0f} s (layer {layer}, expert {expert})") from None
+                                  f"{READ_TIMEOUT_S:.0f} s (layer {layer})") from None
 
     def _read_ahead(self, pos: int, expert: int) -> list[torch.Tensor]:
         layer = self.layers[pos]
@@ -228,28 +230,26 @@ class ColdExperts(ExpertExecutor):
             return False
         slot = policy.victim(self.expert_in, heat, set())
         self._set(slot, -1)             # empty while written: a failure leaves no stale expert
-        self.local.load_slot(slot, weights)
+        self.local.load_slot(slot, weights, repack=False)
         self._set(slot, expert)
         return True
 
     def _ensure(self, group: list[int], protect: set[int]) -> tuple[int, float]:
         """Every expert of `group` resident, never evicting one of `protect` -> (misses read,
         seconds waited)."""
-        misses, waited = 0, 0.0
+        misses = [e for e in group if int(self.slot_of[e]) < 0]
+        if not misses:
+            return 0, 0.0
+        t0 = time.perf_counter()
+        weights = self.store.read_now(self.layer, misses)
         keep = set(group) | protect
         heat = self.heat_list()
-        for e in group:
-            if int(self.slot_of[e]) >= 0:
-                continue
+        for e, (gate_up, down) in zip(misses, weights):
             slot = policy.victim(self.expert_in, heat, keep)
-            self._set(slot, -1)
-            t0 = time.perf_counter()
-            gate_up, down = self.store.read_now(self.layer, e)
+            self._set(slot, -1)             # empty while written
             self.local.load_slot(slot, self.local.slot_format(gate_up, down), repack=False)
-            waited += time.perf_counter() - t0
             self._set(slot, e)
-            misses += 1
-        return misses, waited
+        return len(misses), time.perf_counter() - t0
 
     def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
         t, k = routing.physical.shape
