@@ -16,8 +16,9 @@ redrawn (the hot set changes at once), and the per-step hit rate shows how fast 
 follows. The router's logits otherwise come from the model, so this is a real forward pass
 under that skew, not a replay.
 
-Per run: one prefill of `batch` prompts of `prompt` tokens (prefill tok/s), then `steps` decode
-steps of the batch (decode tok/s). The runners of one trace (one per share) live side by side
+Per run: `prefills` prefills of `batch` prompts of `prompt` tokens (prefill tok/s from their
+median), then `steps` decode steps of the batch (decode tok/s from the median step; the mean
+is in the JSON). The runners of one trace (one per share) live side by side
 and take their steps in turn, the order rotating, so a busy machine's noise falls on all alike. The greedy tokens of every run are compared with the
 all-resident run of the same trace (they must be equal). Hit rate: expert reads (an expert run
 by a layer call) that found it resident; rows: the same weighted by the tokens routed.
@@ -34,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -123,13 +125,14 @@ class Run:
         self.step_s: list[float] = []
         self.hit_series: list[float] = []
         self.row_series: list[float] = []
-        self.prefill_s = 0.0
+        self.prefill_s: list[float] = []
 
-    def prefill(self) -> None:
-        ps = prompts(self.a.batch, self.a.prompt, self.r.spec.vocab_size, 3)
+    def prefill(self, seed: int) -> None:
+        """One prefill of the batch (over the same blocks: the last one's prompts are decoded)."""
+        ps = prompts(self.a.batch, self.a.prompt, self.r.spec.vocab_size, seed)
         t0 = time.perf_counter()
         logits = self.r.forward(ForwardBatch(token_ids=ps, start_pos=[0] * len(ps), block_tables=self.tables))
-        self.prefill_s = time.perf_counter() - t0
+        self.prefill_s.append(time.perf_counter() - t0)
         self.toks = [[int(x)] for x in logits.argmax(-1)]
 
     def step(self, drift_now: bool) -> None:
@@ -152,9 +155,12 @@ class Run:
 
     def result(self, trace: str) -> dict:
         a, half = self.a, self.a.steps // 2
-        res = {"share": self.share, "trace": trace, "prefill_tok_s": a.batch * a.prompt / self.prefill_s,
-               "decode_tok_s": a.batch * a.steps / sum(self.step_s),
-               "decode_tok_s_second_half": a.batch * (a.steps - half) / sum(self.step_s[half:]),
+        # medians: a busy machine's bursts hit single steps; the mean is also kept
+        res = {"share": self.share, "trace": trace,
+               "prefill_tok_s": a.batch * a.prompt / statistics.median(self.prefill_s),
+               "decode_tok_s": a.batch / statistics.median(self.step_s),
+               "decode_tok_s_mean": a.batch * a.steps / sum(self.step_s),
+               "decode_tok_s_second_half": a.batch / statistics.median(self.step_s[half:]),
                "tokens": self.out, "resident_expert_bytes": self.r.resident_expert_bytes(),
                "total_expert_bytes": self.total}
         store = self.r.cold
@@ -174,8 +180,9 @@ def run_trace(ck: Path, shares: list[float], trace: str, beta: float, a: argpars
     """Every share's runner through one trace, interleaved step by step (the order rotating),
     so a busy machine's noise falls on all of them alike."""
     runs = [Run(ck, s, beta, a, total) for s in shares]
-    for i in range(len(runs)):
-        runs[(i + 1) % len(runs)].prefill()
+    for rep in range(a.prefills):
+        for i in range(len(runs)):
+            runs[(i + rep) % len(runs)].prefill(10 + rep)
     for step in range(a.steps):
         for i in range(len(runs)):
             runs[(i + step) % len(runs)].step(trace == "drift" and step == a.steps // 2)
@@ -225,6 +232,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--prefills", type=int, default=3, help="prefills of the batch per runner (timed)")
     ap.add_argument("--zipf", type=float, default=1.2)
     ap.add_argument("--move-mb", type=int, default=4, help="experts.move_bytes_per_step in MiB")
     ap.add_argument("--half-life", type=float, default=8.0, help="experts.heat_half_life_steps")
@@ -274,6 +282,7 @@ def main() -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": MODEL, "batch": a.batch, "prompt": a.prompt, "steps": a.steps, "zipf": a.zipf,
+            "prefills": a.prefills,
             "beta": beta, "top30_share_measured": got, "top30_share_zipf": target,
             "move_mb_per_step": a.move_mb, "half_life_steps": a.half_life,
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
