@@ -152,3 +152,27 @@ def test_removed_file_still_reads_truncated_file_fails_cleanly(tiny_qwen3, tmp_p
                 gate_up, down = cold.cold.index.read(layer.layer, e)        # the intact copy
                 want = layer.local.slot_format(gate_up, down)
                 assert all(torch.equal(a, b) for a, b in zip(layer.local.slot_weights(slot), want))
+
+
+def test_mover_promotes_the_hottest_between_steps_and_keeps_slots_whole(tiny_qwen3):
+    import time
+    full = _runner(tiny_qwen3, "bfloat16")
+    r = _runner(tiny_qwen3, "bfloat16", ColdSettings(_budget(full, 0.3), 1 << 30, 2.0))
+    store = r.cold
+    layer = store.layers[1]
+    cold_expert = next(e for e in range(store.spec.num_experts) if e not in layer.expert_in)
+    layer.window[cold_expert] = 1000            # as if the last step routed 1000 tokens to it
+    deadline = time.monotonic() + 10
+    while int(layer.slot_of[cold_expert]) < 0:  # queued, read on the background thread, installed
+        assert time.monotonic() < deadline, "the hot expert was never promoted"
+        store.between_steps()
+        time.sleep(0.01)
+    assert store.stats.promoted_bytes >= store.expert_bytes
+    slot = int(layer.slot_of[cold_expert])
+    want = layer.local.slot_format(*store.index.read(layer.layer, cold_expert))
+    assert all(torch.equal(a, b) for a, b in zip(layer.local.slot_weights(slot), want))
+    # a cooled-off layer promotes nothing: no churn between equals
+    before = store.stats.promoted_bytes
+    for _ in range(5):
+        store.between_steps()
+    assert store.stats.promoted_bytes == before
