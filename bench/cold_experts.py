@@ -23,9 +23,9 @@ and take their steps in turn, the order rotating, so a busy machine's noise fall
 all-resident run of the same trace (they must be equal). Hit rate: expert reads (an expert run
 by a layer call) that found it resident; rows: the same weighted by the tokens routed.
 
-Not measured here: llama.cpp with mmap under a cgroup memory.max (no llama.cpp build on this
-machine, and the container cannot create cgroups); RSS under a cap. The node's own accounting
-(resident bytes of expert slots) is what the JSON reports.
+Not measured here: llama.cpp with mmap under the same cap (no llama.cpp build on this machine).
+`--rss SHARE` runs one share alone and prints the process's RSS: run it in a memory cgroup to
+see what fits under a cap (docs/cold-experts.md has the commands and the figures).
 
 Prints a table; writes bench/results/cold_experts.json and bench/results/cold_experts.png.
 """
@@ -226,6 +226,20 @@ def plot(results: list[dict], path: Path, a: argparse.Namespace) -> None:
     fig.savefig(path, dpi=110)
 
 
+def rss_run(ck: Path, share: float, a: argparse.Namespace, total: int) -> None:
+    """--rss SHARE: one runner through the Zipf trace alone, then this process's RSS (run it
+    once per share, each in a fresh process, under a cgroup memory cap to see what fits)."""
+    r = Run(ck, share, a.rss_beta, a, total)
+    for rep in range(a.prefills):
+        r.prefill(10 + rep)
+    for _ in range(a.steps):
+        r.step(False)
+    st = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
+    print(json.dumps({"share": share, "resident_expert_mib": r.r.resident_expert_bytes() >> 20,
+                      "total_expert_mib": total >> 20, "vm_rss": st["VmRSS"].strip(),
+                      "vm_hwm": st["VmHWM"].strip(), "last_tokens": r.out[-1]}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shares", default="1,0.75,0.5,0.3,0.25")
@@ -239,14 +253,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cold_experts.json"))
+    ap.add_argument("--rss", type=float, default=None, help="only: one share through the Zipf "
+                    "trace, then print this process's RSS (see rss_run)")
+    ap.add_argument("--rss-beta", type=float, default=0.04, help="--rss: the routing bias scale "
+                    "(the calibrated one of a full run)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     ck = checkpoint(cache)
+    moe = MODEL["num_layers"] - MODEL["first_k_dense_replace"]
+    total = MODEL["num_experts"] * moe * 3 * MODEL["hidden_size"] * MODEL["moe_intermediate_size"] * 2
+    if a.rss is not None:
+        rss_run(ck, a.rss, a, total)
+        return
     full = ModelRunner(ck, dtype="bfloat16", device="cpu", num_blocks=a.batch * 8 + 8, block_size=BLOCK)
-    total = full.resident_expert_bytes()
+    assert full.resident_expert_bytes() == total
     beta, got, target = calibrate(full, a.zipf, a)
     del full
     print(f"routing skew: beta {beta}: top 30% of experts take {got:.1%} of token-choices "
