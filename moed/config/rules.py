@@ -137,10 +137,6 @@ def experts(cfg: NodeSettings) -> None:
     if cfg.model.device not in ("auto", "cpu"):
         raise ConfigError(f"experts.resident_bytes: the cold-expert store runs on CPU nodes only "
                           f"so far (model.device is {cfg.model.device!r})")
-    if cfg.model.quantization:
-        raise ConfigError(f"experts.resident_bytes with model.quantization "
-                          f"{cfg.model.quantization!r} is not built yet (the disk tier reads "
-                          f"plain bf16/fp32 expert weights)")
 
 
 def tiers_need_prefix_caching(engine: EngineConfig, tiers: TiersConfig) -> None:

@@ -38,7 +38,8 @@ from moed.model.experts_route import split_over_replicas
 from moed.model.kernels import CpuKernels
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
 from moed.model.layers import Linear
-from moed.model.quant.weight import QuantWeight
+from moed.model.quant.quantize import quantize
+from moed.model.quant.weight import QuantWeight, cat_rows
 from moed.model.spec import ModelSpec
 
 log = structlog.get_logger(__name__)
@@ -175,10 +176,14 @@ class LocalExperts(ExpertExecutor):
 
     def slot_format(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[torch.Tensor]:
         """One expert's plain weights (gate_up [2I, H] gate half first, down [H, I], the compute
-        dtype) in this executor's slot layout, what load_slot takes: the kernels' packing where
-        they are kept (pure: the cold-expert store calls it off the step thread)."""
-        if self.quant is not None:
-            raise ValueError("quantized expert slots take quantized weights")
+        dtype; quantized slots: the checkpoint's dtype) in this executor's slot layout, what
+        load_slot takes: the kernels' packing where they are kept, or the quantized parts
+        (pure: the cold-expert store calls it off the step thread)."""
+        if self.quant is not None:      # quantized as the loader quantizes: each checkpoint matrix
+            half = gate_up.shape[0] // 2
+            gu, dn = self.quant
+            parts = [quantize(gate_up[:half], gu.fmt, gu.group), quantize(gate_up[half:], gu.fmt, gu.group)]
+            return cat_rows(parts).tensors() + quantize(down, dn.fmt, dn.group).tensors()
         if self.gate_up_p is not None:
             return [CpuKernels.pack(gate_up), CpuKernels.pack(down)]
         return [gate_up, down]

@@ -52,8 +52,9 @@ _ROLES = ("gate", "up", "down")
 class ExpertIndex:
     """(layer, expert) -> its gate, up and down Extents; reads them into plain tensors."""
 
-    def __init__(self, model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype) -> None:
-        self.spec, self.dtype = spec, dtype
+    def __init__(self, model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype | None) -> None:
+        """dtype: what read() returns; None: the checkpoint's own (quantized at load from it)."""
+        self.spec = spec
         self.paths = checkpoint_files(Path(model_dir))
         rules = compile_rules(archs.get(spec.arch).weight_names)
         self.where: dict[tuple[int, int, str], Extent] = {}
@@ -62,6 +63,8 @@ class ExpertIndex:
                 for key, st in read_index(f).items():
                     self._add(rules, n, key, st.offset, st.dtype, st.shape)
         self._check()
+        layer0 = next(i for i in range(spec.num_layers) if i not in spec.dense_layers)
+        self.dtype = dtype if dtype is not None else self.where[(layer0, 0, "gate")].dtype
         self.fds = [os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) for p in self.paths]
 
     def _add(self, rules: tuple, n: int, key: str, offset: int, dtype: torch.dtype,

@@ -71,11 +71,13 @@ class ExpertStore:
 
     name = "cold experts"
 
-    def __init__(self, spec: ModelSpec, index: ExpertIndex, settings: ColdSettings) -> None:
+    def __init__(self, spec: ModelSpec, index: ExpertIndex, settings: ColdSettings,
+                 expert_bytes: int | None = None) -> None:
+        """expert_bytes: one expert's bytes in a slot (quantized experts); default the index's."""
         self.spec, self.index, self.settings = spec, index, settings
         self.num_physical = spec.num_experts
         self.moe_layers = [i for i in range(spec.num_layers) if i not in spec.dense_layers]
-        self.expert_bytes = index.expert_bytes()
+        self.expert_bytes = expert_bytes or index.expert_bytes()
         self.slots = policy.slots_per_layer(settings.resident_bytes, self.expert_bytes,
                                             len(self.moe_layers), spec.num_experts)
         self.decay = 0.5 ** (1.0 / settings.heat_half_life_steps)

@@ -176,3 +176,21 @@ def test_mover_promotes_the_hottest_between_steps_and_keeps_slots_whole(tiny_qwe
     for _ in range(5):
         store.between_steps()
     assert store.stats.promoted_bytes == before
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_online_quantized_experts_at_thirty_percent_equal_all_resident(tiny_qwen3, fmt):
+    """model.quantization: a slot holds the quantized parts (data, scales) the loader makes, each
+    checkpoint matrix quantized from the file's dtype; those bytes are what the budget counts."""
+    def runner(cold=None):
+        return ModelRunner(tiny_qwen3, dtype="bfloat16", device="cpu", num_blocks=64, block_size=BLOCK,
+                           quantization=fmt, quantization_group_size=32, cold=cold)
+    full = runner()
+    want = _steps(full, 6)
+    budget = _budget(full, 0.30)
+    cold = runner(ColdSettings(budget, 1 << 30, 4.0))
+    assert cold.cold is not None and cold.resident_expert_bytes() <= budget
+    assert cold.cold.expert_bytes * cold.spec.num_experts * len(cold.cold.moe_layers) == full.resident_expert_bytes()
+    got = _steps(cold, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert cold.cold.stats.misses > 0
