@@ -90,6 +90,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--ep-rank", "parallel.ep_rank", "this process's rank in the group", int, metavar="R"),
     Flag("--ep-init", "parallel.ep_init", "rank 0's rendezvous, tcp://host:port",
          metavar="URL"),
+    Flag("--experts-resident-bytes", "experts.resident_bytes", "bytes of routed-expert "
+         "weights kept resident; the rest are read from the checkpoint when routed to (0 = all)",
+         int, metavar="BYTES"),
+    Flag("--experts-move-bytes-per-step", "experts.move_bytes_per_step", "bytes of hot "
+         "experts promoted from disk between two steps", int, metavar="BYTES"),
+    Flag("--experts-heat-half-life", "experts.heat_half_life_steps", "steps over which an "
+         "expert's heat halves", float, metavar="STEPS"),
     Flag("--tool-call-parser", "model.tool_parser", "format of the model's tool calls (vLLM's "
          "hermes is qwen)", _tool_parser, metavar="NAME"),
     Flag("--vllm-metrics-path", "server.vllm_metrics_path", "also export the vLLM-named "

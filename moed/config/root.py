@@ -12,7 +12,7 @@ from typing import Any
 
 from moed.config import rules
 from moed.config.sections import (AdmissionConfig, BalanceConfig, CanaryConfig, ClusterConfig,
-                                  EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
+                                  EngineConfig, ExpertsConfig, KVEventsConfig, ModelConfig, ParallelConfig,
                                   PriorityConfig, ReleaseConfig, RouterConfig, ServerConfig,
                                   SpeculativeConfig,
                                   StructuredConfig, TiersConfig, TraceConfig, TransferConfig)
@@ -31,6 +31,7 @@ class Config:
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)

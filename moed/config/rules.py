@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from moed.config.schema import ConfigError
-from moed.config.sections import (CanaryConfig, ClusterConfig, EngineConfig, KVEventsConfig,
+from moed.config.sections import (CanaryConfig, ClusterConfig, EngineConfig, ExpertsConfig,
+                                  KVEventsConfig,
                                   ModelConfig, ParallelConfig, ServerConfig, SpeculativeConfig,
                                   StructuredConfig, TiersConfig)
 
@@ -40,6 +41,8 @@ class NodeSettings(Protocol):
     def structured(self) -> StructuredConfig: ...
     @property
     def speculative(self) -> SpeculativeConfig: ...
+    @property
+    def experts(self) -> ExpertsConfig: ...
 
 
 def sections(cfg: NodeSettings) -> None:
@@ -87,6 +90,7 @@ def sections(cfg: NodeSettings) -> None:
         raise ConfigError("model.batch_invariant: not with speculative decoding (a verified "
                           "token is computed as a prefill row, and whether a step drafts "
                           "depends on its batch) or parallel.ep_size > 1 (not measured)")
+    experts(cfg)
     if cfg.server.role == "router" and cfg.canary.share > 0 and not cfg.canary.label:
         raise ConfigError("canary.share: a share needs canary.label (the canary's version "
                           "label)")
@@ -119,6 +123,24 @@ def speculative(cfg: NodeSettings) -> None:
         raise ConfigError(f"speculative.method {sp.method}: not supported with "
                           f"parallel.ep_size {cfg.parallel.ep_size} > 1 (the ranks' "
                           f"verify steps are not agreed yet)")
+
+
+def experts(cfg: NodeSettings) -> None:
+    """[experts] against the node: what the cold-expert store (moed/model/cold) is built for."""
+    if not cfg.experts.tiered:
+        return
+    if cfg.server.role == "router":
+        raise ConfigError("experts.resident_bytes: a router holds no model")
+    if cfg.parallel.ep_size > 1:
+        raise ConfigError(f"experts.resident_bytes with parallel.ep_size {cfg.parallel.ep_size} > 1 "
+                          f"is not built yet (each rank would tier its own slots); use one or "
+                          f"the other")
+    if cfg.speculative.method == "mtp":
+        raise ConfigError("experts.resident_bytes with speculative.method mtp is not built yet "
+                          "(the MTP layer's experts are not tiered)")
+    if cfg.model.device not in ("auto", "cpu"):
+        raise ConfigError(f"experts.resident_bytes: the cold-expert store runs on CPU nodes only "
+                          f"so far (model.device is {cfg.model.device!r})")
 
 
 def tiers_need_prefix_caching(engine: EngineConfig, tiers: TiersConfig) -> None:

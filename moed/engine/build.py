@@ -13,6 +13,7 @@ from moed.config import Config, TiersConfig
 
 if TYPE_CHECKING:
     from moed.engine.engine import Engine
+    from moed.model.cold import ColdSettings
     from moed.kvcache.events import KVEventRecorder
     from moed.kvcache.tiers import TieredCache
 
@@ -57,7 +58,8 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
                          placement=None if ep is None else ep.placement,
                          quantization=m.quantization,
                          quantization_group_size=m.quantization_group_size,
-                         mtp=cfg.speculative.method == "mtp", batch_invariant=m.batch_invariant)
+                         mtp=cfg.speculative.method == "mtp", batch_invariant=m.batch_invariant,
+                         cold=cold_settings(cfg))
     if ep is not None:
         ep.join()
         ep.attach(runner.model)     # the expert balancer, if parallel.eplb_interval_s
@@ -76,6 +78,15 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
              max_concurrency_at_max_len=round(tokens / engine.max_model_len, 2),
              max_num_seqs=e.max_num_seqs)
     return engine
+
+
+def cold_settings(cfg: Config) -> ColdSettings | None:
+    """[experts] as the runner takes it (moed/model/cold); None: every expert resident."""
+    x = cfg.experts
+    if not x.tiered:
+        return None
+    from moed.model.cold import ColdSettings
+    return ColdSettings(x.resident_bytes, x.move_bytes_per_step, x.heat_half_life_steps)
 
 
 def make_tiers(engine: Engine, t: TiersConfig | None) -> TieredCache | None:

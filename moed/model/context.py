@@ -24,8 +24,11 @@ class ExpertPlacement(Protocol):
     """Expert parallelism as the model sees it (moed.parallel.dispatch.RankPlacement): this rank
     holds `local_slots` (the logical expert of each local slot, what the loader loads) of
     `num_physical` slots in the group; `executor` wraps the local experts into the one that
-    dispatches tokens to the ranks of their slots and combines the results."""
+    dispatches tokens to the ranks of their slots and combines the results. The cold-expert
+    store (moed/model/cold) is the other placement: all experts, `local_slots` resident, the
+    rest read from disk by its executor. `name` says which (logs: what the native step lacks)."""
     num_physical: int
+    name: str
 
     @property
     def local_slots(self) -> tuple[int, ...]: ...

@@ -72,7 +72,7 @@ def unsupported(model: MoEDecoder, backend: object, kv_cache: torch.Tensor) -> s
     if not isinstance(backend, TorchBackend) or backend.kernels is None:
         return f"attention backend {getattr(backend, 'name', '?')} without the kernels"
     if model.ctx.placement is not None:
-        return "expert parallelism"
+        return model.ctx.placement.name
     if not kv_cache.is_contiguous() or kv_cache.dtype != torch.bfloat16:
         return "kv cache layout"
     for i, layer in enumerate(model.layers):

@@ -10,6 +10,8 @@ import them without importing one another.
   ExpertExecutor  runs routed tokens through their experts and combines the results
   SlotExperts   what an EP executor needs of this rank's local experts: rows grouped by slot
                 in, their expert outputs out (moe.LocalExperts gives it)
+  combine       each token's k expert outputs weighted and summed in EP=1's order (the EP
+                executor and the cold-expert store, moed/model/cold, both end with it)
 """
 from __future__ import annotations
 
@@ -53,3 +55,23 @@ class SlotExperts(Protocol):
         """Rows grouped by local slot (per_slot [S] rows each, in slot order) -> their expert
         outputs, unweighted, in the same order, computed as EP=1's path for `mode` does."""
         ...
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, logical: torch.Tensor, mode: MoEMode) -> torch.Tensor:
+    """Each token's k expert outputs y [T, k, H] weighted (in y's dtype) and summed as EP=1
+    sums them: TORCH with one token in top-k order in y's dtype (LocalExperts._single_token);
+    else by ascending expert in fp32, rounded once (moed_moe_bf16's scatter; torch's CPU
+    index_add_ also accumulates bf16 in fp32, measured bitwise equal)."""
+    t, k, h = y.shape
+    c = y * weights.unsqueeze(-1)
+    if mode == MoEMode.TORCH and t == 1:
+        out = c[:, 0]
+        for j in range(1, k):
+            out = out + c[:, j]
+        return out
+    idx = torch.argsort(logical, dim=1, stable=True)
+    cs = c.gather(1, idx.unsqueeze(-1).expand(t, k, h))
+    acc = torch.zeros((t, h), dtype=torch.float32, device=y.device)
+    for j in range(k):
+        acc += cs[:, j].float()
+    return acc.to(y.dtype)

@@ -66,6 +66,14 @@ class Linear:
             # get here): -2% decode step at batch 8 and 32 vs a 1-row layout, prefill no slower.
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
 
+    def uses_onednn(self, rows: int) -> bool:
+        """Whether a call with this many rows reads the oneDNN-packed copy."""
+        if self.packed is None:
+            return False
+        if self.kpacked is not None:
+            return self.choice is not None and self.choice.use_onednn(rows)
+        return rows > self.gemv_rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kpacked is not None:
             if self.choice is None or not self.choice.use_onednn(x.shape[0]):

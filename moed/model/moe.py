@@ -38,7 +38,8 @@ from moed.model.experts_route import split_over_replicas
 from moed.model.kernels import CpuKernels
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
 from moed.model.layers import Linear
-from moed.model.quant.weight import QuantWeight
+from moed.model.quant.quantize import quantize
+from moed.model.quant.weight import QuantWeight, cat_rows
 from moed.model.spec import ModelSpec
 
 log = structlog.get_logger(__name__)
@@ -125,6 +126,9 @@ class LocalExperts(ExpertExecutor):
         else:
             self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
                             for e in range(self.num_physical)]
+        # slots loaded without their oneDNN copies re-packed (load_slot(repack=False)): packed
+        # again the first time a call would read those copies
+        self.stale: set[int] = set()
 
     def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
         """The torch path (mode is for EP executors; the fused path is MoELayer's one call)."""
@@ -155,7 +159,7 @@ class LocalExperts(ExpertExecutor):
         for e, n in enumerate(counts):           # one pass per touched expert, never per token
             if n == 0:
                 continue
-            gate_up, down = self.experts[e]
+            gate_up, down = self._expert(e, n)
             g, u = gate_up(xs[start:start + n]).chunk(2, dim=-1)
             ys.append(down(F.silu(g) * u))
             start += n
@@ -170,24 +174,54 @@ class LocalExperts(ExpertExecutor):
             return [t for w in self.quant for t in w[slot].tensors()]
         return [lin.weight for lin in self.experts[slot]]
 
-    def load_slot(self, slot: int, weights: list[torch.Tensor]) -> None:
+    def slot_format(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[torch.Tensor]:
+        """One expert's plain weights (gate_up [2I, H] gate half first, down [H, I], the compute
+        dtype; quantized slots: the checkpoint's dtype) in this executor's slot layout, what
+        load_slot takes: the kernels' packing where they are kept, or the quantized parts
+        (pure: the cold-expert store calls it off the step thread)."""
+        if self.quant is not None:      # quantized as the loader quantizes: each checkpoint matrix
+            half = gate_up.shape[0] // 2
+            gu, dn = self.quant
+            parts = [quantize(gate_up[:half], gu.fmt, gu.group), quantize(gate_up[half:], gu.fmt, gu.group)]
+            return cat_rows(parts).tensors() + quantize(down, dn.fmt, dn.group).tensors()
+        if self.gate_up_p is not None:
+            return [CpuKernels.pack(gate_up), CpuKernels.pack(down)]
+        return [gate_up, down]
+
+    def load_slot(self, slot: int, weights: list[torch.Tensor], repack: bool = True) -> None:
         """Overwrite slot `slot` with another expert's weights (slot_weights' shapes), in place,
-        at a step boundary; oneDNN copies are re-packed from the new plain weights."""
+        at a step boundary; oneDNN copies are re-packed from the new plain weights now, or with
+        repack=False the first time a call reads them (the cold-expert store's misses: most of
+        their calls are 1-2 rows, which never read them; the re-pack is ~2/3 of a miss)."""
         if self.quant is not None:      # the experts' Linears are views of these slots
             for dst, src in zip(self.slot_weights(slot), weights, strict=True):
                 dst.copy_(src)
             return
-        for dst, src, lin in zip(self.slot_weights(slot), weights, self.experts[slot], strict=True):
+        for dst, src in zip(self.slot_weights(slot), weights, strict=True):
             dst.copy_(src)
+        self.stale.add(slot)
+        if repack:
+            self._repack(slot)
+
+    def _repack(self, slot: int) -> None:
+        for dst, lin in zip(self.slot_weights(slot), self.experts[slot], strict=True):
             if lin.packed is not None:   # with kernels, the plain weight comes back from dst
                 plain = lin.weight if lin.weight is not None else lin.kernels.unpack(dst, lin.out_features)
                 lin.packed = torch.ops.mkldnn._reorder_linear_weight(plain, ONEDNN_ROWS_HINT)
+        self.stale.discard(slot)
+
+    def _expert(self, e: int, rows: int) -> tuple[Linear, Linear]:
+        """Slot e's two Linears for a call of `rows` rows, its oneDNN copies fresh if it reads them."""
+        pair = self.experts[e]
+        if self.stale and e in self.stale and (pair[0].uses_onednn(rows) or pair[1].uses_onednn(rows)):
+            self._repack(e)
+        return pair
 
     def _single_token(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Batch-1 decode: no sort/scatter, just the k experts in turn (~10% less MoE time)."""
         weights, out = routing.weights, None
         for j, e in enumerate(routing.physical[0].tolist()):
-            gate_up, down = self.experts[e]
+            gate_up, down = self._expert(e, 1)
             g, u = gate_up(x).chunk(2, dim=-1)
             y = down(F.silu(g) * u) * weights[:, j:j + 1]
             out = y if out is None else out + y

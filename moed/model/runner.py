@@ -21,6 +21,7 @@ import torch
 from moed.model import archs
 from moed.model.attention.registry import get_backend
 from moed.model.batch import ForwardBatch
+from moed.model.cold import ColdSettings, ExpertStore, cold_store
 from moed.model.context import ComputeContext, ExpertPlacement
 from moed.model.decode_step import NativeDecodeStep
 from moed.model.kernels.choice import by_class
@@ -85,7 +86,8 @@ class ModelRunner:
                  num_blocks: int, block_size: int, spec: ModelSpec | None = None,
                  weights: Weights | None = None, placement: ExpertPlacement | None = None,
                  quantization: str = "", quantization_group_size: int = 128,
-                 kv_dtype: str = "auto", mtp: bool = False, batch_invariant: bool = False) -> None:
+                 kv_dtype: str = "auto", mtp: bool = False, batch_invariant: bool = False,
+                 cold: ColdSettings | None = None) -> None:
         """placement: expert parallelism (moed.parallel.dispatch.RankPlacement): only this rank's
         expert slots are loaded, and every MoE layer dispatches over the group.
         quantization: model.quantization ("" = the checkpoint's own format, or none; fp8, int8,
@@ -96,7 +98,10 @@ class ModelRunner:
         one more KV layer, which the layout id names; ValueError for a checkpoint without one
         (or with expert parallelism, not built). Off: nothing of it is read or allocated.
         batch_invariant: model.batch_invariant (ComputeContext.build; ValueError where it
-        cannot hold)."""
+        cannot hold).
+        cold: [experts] with a resident budget (moed/model/cold): only that share of the routed
+        experts is loaded, the others are read from the checkpoint when routed to; None or a
+        budget that holds every expert: all resident, no store."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         t0 = time.monotonic()
@@ -111,10 +116,14 @@ class ModelRunner:
                              "the group's exchanges)")
         self.kv_layout: KVLayout = archs.kv_layout(self.spec, block_size, kv_cache_dtype(kv_dtype, self.dtype),
                                                    n_mtp)
-        self.ctx = ComputeContext.build(self.device, self.dtype, placement, batch_invariant)
         own = weights is None
         self.quant_plan = quant_formats.plan(model_dir, quantization, quantization_group_size) if own \
             else quant_formats.Plan(None)
+        self.cold: ExpertStore | None = None if cold is None or not own else \
+            cold_store(model_dir, self.spec, self.dtype, self.device, cold, placement, n_mtp, self.quant_plan)
+        if self.cold is not None:
+            placement = self.cold
+        self.ctx = ComputeContext.build(self.device, self.dtype, placement, batch_invariant)
         if own:
             weights = load_weights(model_dir, self.spec, self.dtype, self.device,
                                    None if placement is None else placement.local_slots, self.quant_plan, mtp)
@@ -201,6 +210,8 @@ class ModelRunner:
         model dtype, rows in the batch's token order): what forward_mtp takes. The logits are the
         same either way; the native decode step (GQA models) does not give it and steps aside."""
         self._check(batch)
+        if self.cold is not None:       # between steps: heat, read-ahead installs (cold/store.py)
+            self.cold.between_steps()
         if not hidden and self.native_decode is not None and self.native_decode.serves(batch):
             return self.native_decode(batch)
         input_ids, positions, max_pos, rows = self._inputs(batch)

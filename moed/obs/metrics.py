@@ -356,6 +356,24 @@ EP_EXPERT_SLOTS = Gauge("moed_ep_expert_slots", "Expert slots this rank holds pe
                         "and how many of them are redundant (replicas; after a rebalance the "
                         "mean over MoE layers)", ["kind"],
                         registry=ENGINE)
+# Cold experts (moed/model/cold): routed-expert weights kept resident by heat, the rest on disk.
+EXPERT_WEIGHT_HITS = Counter("moed_expert_weight_hits", "Expert reads (an expert run by an MoE "
+                             "layer in a step) whose weights were resident", registry=ENGINE)
+EXPERT_WEIGHT_MISSES = Counter("moed_expert_weight_misses", "Expert reads whose weights had to "
+                               "be read from disk first, the step waiting", registry=ENGINE)
+EXPERT_WEIGHT_RESIDENT_BYTES = Gauge("moed_expert_weight_resident_bytes", "Routed-expert weight "
+                                     "bytes per tier: resident (held in the kernels' layout), "
+                                     "staged (read ahead, not installed yet), disk (the rest, in "
+                                     "the checkpoint)", ["tier"], registry=ENGINE)
+EXPERT_WEIGHT_MOVED_BYTES = Counter("moed_expert_weight_moved_bytes", "Expert-weight bytes "
+                                    "brought into resident slots: miss (read while a step "
+                                    "waited) or promote (read ahead, installed between steps)",
+                                    ["kind"], registry=ENGINE)
+EXPERT_WEIGHT_MISS_STALL = Counter("moed_expert_weight_miss_stall_seconds", "Seconds steps "
+                                   "waited for expert weights read on a miss", registry=ENGINE)
+EXPERT_WEIGHT_READ_FAILURES = Counter("moed_expert_weight_read_failures", "Expert-weight reads "
+                                      "that failed (miss: the step's requests failed; promote: "
+                                      "dropped)", ["kind"], registry=ENGINE)
 EPLB_BALANCEDNESS = Gauge("moed_eplb_balancedness", "Per MoE layer, at the last expert-balancer "
                           "decision: mean / max rank load under the group's load window, for the "
                           "map in use then (before) and the map chosen (after); 1 = even",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moed.model.executor import ExpertExecutor, MoEMode, Routing, SlotExperts
+from moed.model.executor import ExpertExecutor, MoEMode, Routing, SlotExperts, combine
 from moed.parallel.group import GroupFailed
 from moed.parallel.layout import EPLayout
 
@@ -53,6 +53,7 @@ class RankPlacement:
     rank: int
     device: torch.device
     stats: EPStats = field(default_factory=EPStats)
+    name: str = "expert parallelism"
 
     @property
     def num_physical(self) -> int:
@@ -154,22 +155,3 @@ class DistributedExperts(ExpertExecutor):
             out[order] = self.local.run_grouped(xr.index_select(0, order), per_slot, MoEMode(mode))
         return out
 
-
-def combine(y: torch.Tensor, weights: torch.Tensor, logical: torch.Tensor, mode: MoEMode) -> torch.Tensor:
-    """Each token's k expert outputs y [T, k, H] weighted (in y's dtype) and summed as EP=1
-    sums them: TORCH with one token in top-k order in y's dtype (LocalExperts._single_token);
-    else by ascending expert in fp32, rounded once (moed_moe_bf16's scatter; torch's CPU
-    index_add_ also accumulates bf16 in fp32, measured bitwise equal)."""
-    t, k, h = y.shape
-    c = y * weights.unsqueeze(-1)
-    if mode == MoEMode.TORCH and t == 1:
-        out = c[:, 0]
-        for j in range(1, k):
-            out = out + c[:, j]
-        return out
-    idx = torch.argsort(logical, dim=1, stable=True)
-    cs = c.gather(1, idx.unsqueeze(-1).expand(t, k, h))
-    acc = torch.zeros((t, h), dtype=torch.float32, device=y.device)
-    for j in range(k):
-        acc += cs[:, j].float()
-    return acc.to(y.dtype)

@@ -2,6 +2,7 @@
 (bounds, choices, formats) when built. Rules across sections: moed/config/rules.py."""
 from moed.config.sections.cluster import (BALANCE_POLICIES, MS_DAY, MS_HOUR, BalanceConfig,
                                           ClusterConfig, RouterConfig, TransferConfig)
+from moed.config.sections.experts import ExpertsConfig
 from moed.config.sections.kv import (KV_EVENT_FORMATS, KV_EVENT_PUBLISHERS, KVEventsConfig,
                                      TiersConfig)
 from moed.config.sections.model import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES,
@@ -23,6 +24,7 @@ __all__ = [
     "QUANTIZATIONS", "ROLES", "SPEC_METHODS", "TOOL_PARSERS",
     "MAX_CLASSES", "PRIORITY_MAX", "PRIORITY_MIN", "parse_classes",
     "AdmissionConfig", "BalanceConfig", "CanaryConfig", "ClusterConfig", "EngineConfig",
+    "ExpertsConfig",
     "KVEventsConfig", "ModelConfig", "ParallelConfig", "PriorityConfig", "ReleaseConfig", "RouterConfig",
     "ServerConfig", "SpeculativeConfig", "StructuredConfig", "TiersConfig", "TraceConfig",
     "TransferConfig",

@@ -129,3 +129,25 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
         .speculative.enabled
     assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1") \
         .speculative.method == "mtp"
+
+
+def test_experts_budget_from_env_toml_and_what_it_refuses(tmp_path: Path) -> None:
+    env = {"MOED_MODEL_PATH": "/m", "MOED_EXPERTS_RESIDENT_BYTES": "1000000",
+           "MOED_EXPERTS_MOVE_BYTES_PER_STEP": "0"}
+    x = config.load(environ=env).experts
+    assert (x.resident_bytes, x.move_bytes_per_step, x.tiered) == (1000000, 0, True)
+    assert not config.load(environ={"MOED_MODEL_PATH": "/m"}).experts.tiered
+    assert config.load(environ={**env, "MOED_MODEL_QUANTIZATION": "int8"}).experts.tiered
+    p = tmp_path / "m.toml"
+    p.write_text("[experts]\nresident_bytse = 5\n")          # misspelt key
+    with pytest.raises(ConfigError, match="resident_bytse"):
+        config.load(p, environ={"MOED_MODEL_PATH": "/m"})
+    with pytest.raises(ConfigError, match="experts.heat_half_life_steps"):
+        config.load(environ={**env, "MOED_EXPERTS_HEAT_HALF_LIFE_STEPS": "0.5"})
+    for extra, match in (({"MOED_PARALLEL_EP_SIZE": "2", "MOED_PARALLEL_EP_INIT": "tcp://h:1"},
+                          "parallel.ep_size 2"),
+                         ({"MOED_SPECULATIVE_METHOD": "mtp", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "1"},
+                          "speculative.method mtp"),
+                         ({"MOED_MODEL_DEVICE": "cuda"}, "CPU nodes only")):
+        with pytest.raises(ConfigError, match=match):
+            config.load(environ={**env, **extra})

@@ -1,0 +1,68 @@
+"""Cold experts: routed-expert weights kept resident by measured heat, the rest read from the
+checkpoint's safetensors files when a step routes to them (docs/cold-experts.md).
+
+  policy.py   the decisions, pure: slots per layer from the byte budget, rounds of a layer
+              call, the victim slot, which experts to read ahead
+  reader.py   the disk tier: (layer, expert) -> its matrices' byte ranges; pread into buffers
+  store.py    ExpertStore (the model's ExpertPlacement) and ColdExperts (a layer's executor):
+              misses, heat, the between-steps mover, the counters and metrics
+
+`cold_store` is the one entry: the runner calls it with `[experts]`'s settings.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+import torch
+
+from moed.model.cold.reader import ExpertIndex, ExpertReadError
+from moed.model.cold.store import ColdSettings, ColdStats, ExpertStore
+from moed.model.context import ExpertPlacement
+from moed.model.quant.formats import Plan
+from moed.model.spec import ModelSpec
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["ColdSettings", "ColdStats", "ExpertIndex", "ExpertReadError", "ExpertStore", "cold_store"]
+
+
+def quantized_expert_bytes(spec: ModelSpec, plan: Plan) -> int:
+    """One expert's bytes quantized online (data, scales), groups as the loader chooses them."""
+    from moed.model.quant.quantize import quantize
+    i, h = spec.moe_intermediate_size, spec.hidden_size
+
+    def size(rows: int, cols: int) -> int:
+        group = 128 if plan.online == "fp8" else cols if plan.online == "int8" else plan.group_size
+        return quantize(torch.zeros((rows, cols)), plan.online, group).nbytes
+    return 2 * size(i, h) + size(h, i)
+
+
+def cold_store(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+               settings: ColdSettings, placement: ExpertPlacement | None, mtp_layers: int,
+               plan: Plan) -> ExpertStore | None:
+    """The store for a resident budget, or None when the budget holds every expert (today's
+    path, untouched); ValueError for what is not built yet, or a budget under the minimum."""
+    if settings.resident_bytes <= 0:
+        return None
+    what = ("expert parallelism" if placement is not None else
+            f"device {device}" if device.type != "cpu" else
+            "the MTP layer" if mtp_layers else
+            f"a quantized checkpoint ({plan.fmt})" if plan.checkpoint is not None else
+            f"model type {spec.arch} without routed experts" if spec.num_experts < 2 else None)
+    if what is not None:
+        raise ValueError(f"experts.resident_bytes with {what} is not built yet (the cold-expert "
+                         f"store tiers a CPU node's own experts, plain or quantized at load)")
+    if plan.online:     # slots hold what the loader makes: each matrix quantized from the file's dtype
+        index = ExpertIndex(model_dir, spec, None)
+        store = ExpertStore(spec, index, settings, quantized_expert_bytes(spec, plan))
+    else:
+        store = ExpertStore(spec, ExpertIndex(model_dir, spec, dtype), settings)
+    if store.slots >= spec.num_experts:
+        log.info("cold_experts_off", reason="experts.resident_bytes holds every expert",
+                 resident_bytes=settings.resident_bytes,
+                 expert_bytes_total=store.expert_bytes * spec.num_experts * len(store.moe_layers))
+        store.close()
+        return None
+    log.info("cold_experts_on", **store.describe())
+    return store

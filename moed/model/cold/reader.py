@@ -1,0 +1,143 @@
+"""The disk tier: one routed expert's weights read from the checkpoint's own safetensors files.
+
+At start the files' headers are read once (the loader's `read_index`, so the same names, the
+same checks) into an index (MoE layer, expert) -> where its gate, up and down matrices lie:
+per-expert tensors, or an expert's slice of a fused [E, ...] tensor. A read is `os.preadv`
+into a private buffer, not a mapping: mapped pages would count in this process's RSS until
+dropped, and a budget on resident bytes is the point. The page cache still keeps what was read
+(the kernel reclaims it first under a cgroup's memory.max).
+
+Each file stays open from the index on: a file removed after start is still read (the open
+descriptor holds it), so output stays correct. A read that comes back short (the file was
+truncated) or fails (EIO) raises ExpertReadError with a message fit for a client; the path and
+the OS error go to the log only.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from moed.model import archs
+from moed.model.loader import checkpoint_files, compile_rules
+from moed.model.safetensors_file import Mapped, WeightError, read_index
+from moed.model.spec import ModelSpec
+
+log = structlog.get_logger(__name__)
+
+
+class ExpertReadError(RuntimeError):
+    """An expert's weights could not be read from disk; str() is safe to show a client."""
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One matrix of one expert in a checkpoint file: bytes [offset, offset + nbytes)."""
+    file: int                   # index into ExpertIndex.paths
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+_ROLES = ("gate", "up", "down")
+
+
+class ExpertIndex:
+    """(layer, expert) -> its gate, up and down Extents; reads them into plain tensors."""
+
+    def __init__(self, model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype | None) -> None:
+        """dtype: what read() returns; None: the checkpoint's own (quantized at load from it)."""
+        self.spec = spec
+        self.paths = checkpoint_files(Path(model_dir))
+        rules = compile_rules(archs.get(spec.arch).weight_names)
+        self.where: dict[tuple[int, int, str], Extent] = {}
+        for n, path in enumerate(self.paths):
+            with Mapped(path) as f:
+                for key, st in read_index(f).items():
+                    self._add(rules, n, key, st.offset, st.dtype, st.shape)
+        self._check()
+        layer0 = next(i for i in range(spec.num_layers) if i not in spec.dense_layers)
+        self.dtype = dtype if dtype is not None else self.where[(layer0, 0, "gate")].dtype
+        self.fds = [os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) for p in self.paths]
+
+    def _add(self, rules: tuple, n: int, key: str, offset: int, dtype: torch.dtype,
+             shape: tuple[int, ...]) -> None:
+        for pat, kind in rules:
+            m = pat.match(key)
+            if m is None:
+                continue
+            if not kind.startswith(("expert.", "fused.")):
+                return
+            layer = int(m.group(1))
+            if kind.startswith("expert."):
+                self.where[(layer, int(m.groups()[1]), kind.split(".")[1])] = Extent(n, offset, dtype, shape)
+            elif kind in ("fused.gate_up", "fused.down"):
+                per = shape[1:]
+                step = torch.Size(per).numel() * dtype.itemsize
+                for e in range(shape[0]):
+                    if kind == "fused.down":
+                        self.where[(layer, e, "down")] = Extent(n, offset + e * step, dtype, per)
+                    else:       # [2I, H], gate half first: two halves of one contiguous run
+                        half = (per[0] // 2, per[1])
+                        hb = step // 2
+                        self.where[(layer, e, "gate")] = Extent(n, offset + e * step, dtype, half)
+                        self.where[(layer, e, "up")] = Extent(n, offset + e * step + hb, dtype, half)
+            return
+
+    def _check(self) -> None:
+        s = self.spec
+        missing = [(i, e, r) for i in range(s.num_layers) if i not in s.dense_layers
+                   for e in range(s.num_experts) for r in _ROLES if (i, e, r) not in self.where]
+        if missing:
+            raise WeightError(f"cold experts: the checkpoint lacks per-expert tensors for "
+                              f"{len(missing)} (layer, expert, matrix), e.g. {missing[:3]}")
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights in the compute dtype (what a resident slot holds)."""
+        i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
+        return 3 * i * h * self.dtype.itemsize
+
+    def read(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H] gate half first, down [H, I]) of one expert in the compute dtype,
+        cast as the loader casts them; ExpertReadError when the files cannot give them."""
+        i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
+        gate_up = torch.empty((2 * i, h), dtype=self.dtype)
+        down = torch.empty((h, i), dtype=self.dtype)
+        for role, dst in (("gate", gate_up[:i]), ("up", gate_up[i:]), ("down", down)):
+            ext = self.where[(layer, expert, role)]
+            if ext.dtype == self.dtype and tuple(dst.shape) == ext.shape:
+                self._pread(ext, layer, expert, dst.view(-1).view(torch.uint8))   # no cast: in place
+            else:
+                dst.copy_(self._pread(ext, layer, expert))
+        return gate_up, down
+
+    def _pread(self, ext: Extent, layer: int, expert: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        raw = torch.empty(ext.nbytes, dtype=torch.uint8) if into is None else into
+        view, got = memoryview(raw.numpy()), 0
+        try:
+            while got < ext.nbytes:
+                n = os.preadv(self.fds[ext.file], [view[got:]], ext.offset + got)
+                if n == 0:
+                    raise OSError(f"short read: {got} of {ext.nbytes} bytes (file truncated?)")
+                got += n
+        except OSError as e:
+            log.error("expert_read_failed", layer=layer, expert=expert, path=str(self.paths[ext.file]),
+                      offset=ext.offset, nbytes=ext.nbytes, error=str(e))
+            raise ExpertReadError(f"expert weights could not be read from disk (layer {layer}, "
+                                  f"expert {expert})") from None
+        return raw.view(ext.dtype).view(ext.shape)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []

@@ -1,0 +1,289 @@
+"""ExpertStore: routed experts kept resident by heat, the others read from disk when routed to.
+
+The store is the model's ExpertPlacement (moed/model/context.py, the seam expert parallelism
+uses too): the router's physical expert ids stay the logical ones (an identity map, so the
+order in which a token's k outputs are summed is the all-resident one), the loader loads only
+`local_slots` (the first S experts of each MoE layer), and each MoE layer's executor is a
+`ColdExperts` over its S resident slots. Per layer call:
+
+  route (unchanged) -> the experts needed -> the resident ones run first, then the misses in
+  rounds of the stream slots (policy.rounds, stream_slots): a miss is read into the coldest
+  slot that holds none of the layer's hottest experts nor one of its round, the step waiting
+  (counted, timed) -> the rows of each round run through the slots (LocalExperts.run_grouped,
+  the kernels EP=1 uses) -> each token's k outputs combined as the all-resident path combines
+  them (executor.combine).
+
+A row's expert output does not depend on which other rows share its call (what makes an EP
+group equal one process bit for bit), so the output equals the all-resident run's.
+
+Between steps (`between_steps`, called by the runner before each forward, on the step thread,
+so no layer reads a slot while it changes): every layer's heat decays and takes the step's
+counts; experts read ahead on the background thread are installed into the coldest slots
+under `move_bytes_per_step`; then the hottest non-resident experts (policy.promotions) are
+queued for reading ahead. Reads go into private buffers, so a slot is only ever written on the
+step thread. Miss reads go through their own thread, waited for with a timeout.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from moed.model.cold import policy
+from moed.model.cold.reader import ExpertIndex, ExpertReadError
+from moed.model.executor import ExpertExecutor, MoEMode, Routing, SlotExperts, combine
+from moed.model.moe import LocalExperts
+from moed.model.spec import ModelSpec
+from moed.obs import metrics
+
+log = structlog.get_logger(__name__)
+
+READ_TIMEOUT_S = 30.0       # a miss read longer than this fails its step (a hung disk)
+
+
+@dataclass(frozen=True)
+class ColdSettings:
+    resident_bytes: int             # experts.resident_bytes (> 0 here)
+    move_bytes_per_step: int        # experts.move_bytes_per_step
+    heat_half_life_steps: float     # experts.heat_half_life_steps
+
+
+@dataclass
+class ColdStats:
+    """Counters since start (the metrics advance with them; tests and the bench read them)."""
+    hits: int = 0                   # expert reads (an expert run by a layer call) resident
+    misses: int = 0                 # ... read from disk first
+    hit_rows: int = 0               # token-expert choices whose expert was resident
+    miss_rows: int = 0
+    miss_stall_s: float = 0.0
+    miss_bytes: int = 0
+    promoted_bytes: int = 0
+    read_failures: int = 0
+
+
+class ExpertStore:
+    """The model's cold-expert placement: one ColdExperts per MoE layer, the shared reader,
+    heat and mover (see the module docstring)."""
+
+    name = "cold experts"
+
+    def __init__(self, spec: ModelSpec, index: ExpertIndex, settings: ColdSettings,
+                 expert_bytes: int | None = None) -> None:
+        """expert_bytes: one expert's bytes in a slot (quantized experts); default the index's."""
+        self.spec, self.index, self.settings = spec, index, settings
+        self.num_physical = spec.num_experts
+        self.moe_layers = [i for i in range(spec.num_layers) if i not in spec.dense_layers]
+        self.expert_bytes = expert_bytes or index.expert_bytes()
+        self.slots = policy.slots_per_layer(settings.resident_bytes, self.expert_bytes,
+                                            len(self.moe_layers), spec.num_experts)
+        self.decay = 0.5 ** (1.0 / settings.heat_half_life_steps)
+        self.per_step = max(1, settings.move_bytes_per_step // self.expert_bytes) \
+            if settings.move_bytes_per_step else 0
+        self.layers: list[ColdExperts] = []
+        self.stats = ColdStats()
+        self._miss_pool = ThreadPoolExecutor(1, thread_name_prefix="moed-expert-miss")
+        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="moed-expert-ahead")
+        self._ahead: dict[tuple[int, int], Future] = {}     # (layer position, expert) -> read
+
+    # ---- ExpertPlacement ------------------------------------------------------------------
+    @property
+    def local_slots(self) -> tuple[int, ...]:
+        return tuple(range(self.slots))
+
+    def expert_map(self) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.spec.num_experts
+        return torch.arange(e, dtype=torch.long).unsqueeze(1), torch.ones(e, dtype=torch.long)
+
+    def executor(self, local: SlotExperts) -> ExpertExecutor:
+        """The next MoE layer's executor (the model builds its layers in order)."""
+        if not isinstance(local, LocalExperts):
+            raise TypeError(f"cold experts load slots of LocalExperts, not {type(local).__name__}")
+        layer = ColdExperts(self, len(self.layers), self.moe_layers[len(self.layers)], local)
+        self.layers.append(layer)
+        return layer
+
+    # ---- reads ----------------------------------------------------------------------------
+    def read_now(self, layer: int, experts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A round's misses: their weights, the step waiting (at most READ_TIMEOUT_S). One hand-off
+        to the reader thread per round, not per expert: on a busy machine each wake-up of
+        another thread can cost a scheduler slice."""
+        fut = self._miss_pool.submit(lambda: [self.index.read(layer, e) for e in experts])
+        try:
+            return fut.result(timeout=READ_TIMEOUT_S)
+        except FutureTimeout:
+            raise ExpertReadError(f"expert weights could not be read from disk within "
+                                  f"{READ_TIMEOUT_S:.0f} s (layer {layer})") from None
+
+    def _read_ahead(self, pos: int, expert: int) -> list[torch.Tensor]:
+        layer = self.layers[pos]
+        gate_up, down = self.index.read(layer.layer, expert)
+        return layer.local.slot_format(gate_up, down)
+
+    # ---- between steps --------------------------------------------------------------------
+    def between_steps(self) -> None:
+        """Heat, then installs of finished read-aheads, then new read-aheads (step thread)."""
+        for layer in self.layers:
+            layer.cool(self.decay)
+        self._install_ready()
+        if self.per_step:
+            limit = 2 * self.per_step - len(self._ahead)    # in flight + staged, bounded
+            busy = set(self._ahead)
+            for pos, e in policy.promotions([ly.heat_list() for ly in self.layers],
+                                            [ly.expert_in for ly in self.layers], busy, limit):
+                self._ahead[(pos, e)] = self._ahead_pool.submit(self._read_ahead, pos, e)
+        self.publish()
+
+    def _install_ready(self) -> None:
+        budget = self.per_step
+        for key in [k for k, f in self._ahead.items() if f.done()]:
+            if budget <= 0:
+                break
+            fut = self._ahead.pop(key)
+            pos, e = key
+            try:
+                weights = fut.result(timeout=0)
+            except ExpertReadError:
+                self.stats.read_failures += 1
+                metrics.EXPERT_WEIGHT_READ_FAILURES.labels("promote").inc()
+                continue
+            if self.layers[pos].promote(e, weights):
+                budget -= 1
+                self.stats.promoted_bytes += self.expert_bytes
+                metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("promote").inc(self.expert_bytes)
+
+    # ---- accounting -----------------------------------------------------------------------
+    def count(self, hits: int, misses: int, stall_s: float, hit_rows: int, rows: int) -> None:
+        st = self.stats
+        st.hits += hits
+        st.misses += misses
+        st.hit_rows += hit_rows
+        st.miss_rows += rows - hit_rows
+        st.miss_stall_s += stall_s
+        st.miss_bytes += misses * self.expert_bytes
+        metrics.EXPERT_WEIGHT_HITS.inc(hits)
+        if misses:
+            metrics.EXPERT_WEIGHT_MISSES.inc(misses)
+            metrics.EXPERT_WEIGHT_MISS_STALL.inc(stall_s)
+            metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("miss").inc(misses * self.expert_bytes)
+
+    def resident_bytes(self) -> int:
+        return self.slots * len(self.moe_layers) * self.expert_bytes
+
+    def publish(self) -> None:
+        total = self.spec.num_experts * len(self.moe_layers) * self.expert_bytes
+        staged = sum(1 for f in self._ahead.values() if f.done()) * self.expert_bytes
+        metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("resident").set(self.resident_bytes())
+        metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("staged").set(staged)
+        metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("disk").set(total - self.resident_bytes())
+
+    def describe(self) -> dict[str, object]:
+        """For the start log line."""
+        return {"slots_per_layer": self.slots, "experts": self.spec.num_experts,
+                "moe_layers": len(self.moe_layers), "expert_bytes": self.expert_bytes,
+                "resident_bytes": self.resident_bytes(),
+                "resident_share": round(self.slots / max(self.spec.num_experts, 1), 3),
+                "move_experts_per_step": self.per_step,
+                "heat_half_life_steps": self.settings.heat_half_life_steps}
+
+    def close(self) -> None:
+        self._miss_pool.shutdown(wait=False, cancel_futures=True)
+        self._ahead_pool.shutdown(wait=False, cancel_futures=True)
+        self.index.close()
+
+
+class ColdExperts(ExpertExecutor):
+    """One MoE layer's resident slots: which expert each holds, the experts' heat, and the
+    call that runs routed rows through them, reading misses first."""
+
+    def __init__(self, store: ExpertStore, pos: int, layer: int, local: LocalExperts) -> None:
+        self.store, self.pos, self.layer, self.local = store, pos, layer, local
+        n, s = store.spec.num_experts, store.slots
+        self.expert_in = list(range(s))                 # slot -> expert (-1 empty)
+        self.slot_of = torch.full((n,), -1, dtype=torch.long)
+        self.slot_of[:s] = torch.arange(s)
+        self.heat = torch.zeros(n, dtype=torch.float64)
+        self.window = torch.zeros(n, dtype=torch.long)  # routed tokens since the last cool()
+
+    def heat_list(self) -> list[float]:
+        return self.heat.tolist()
+
+    def cool(self, decay: float) -> None:
+        self.heat.mul_(decay).add_(self.window)
+        self.window.zero_()
+
+    def _set(self, slot: int, expert: int) -> None:
+        old = self.expert_in[slot]
+        if old >= 0:
+            self.slot_of[old] = -1
+        self.expert_in[slot] = expert
+        if expert >= 0:
+            self.slot_of[expert] = slot
+
+    def promote(self, expert: int, weights: list[torch.Tensor]) -> bool:
+        """Install a read-ahead expert into the coldest slot, if it is still worth it."""
+        if int(self.slot_of[expert]) >= 0:
+            return False
+        heat = self.heat_list()
+        if heat[expert] <= policy.coldest(self.expert_in, heat):
+            return False
+        slot = policy.victim(self.expert_in, heat, set())
+        self._set(slot, -1)             # empty while written: a failure leaves no stale expert
+        self.local.load_slot(slot, weights, repack=False)
+        self._set(slot, expert)
+        return True
+
+    def _ensure(self, group: list[int], protect: set[int]) -> tuple[int, float]:
+        """Every expert of `group` resident, never evicting one of `protect` -> (misses read,
+        seconds waited)."""
+        misses = [e for e in group if int(self.slot_of[e]) < 0]
+        if not misses:
+            return 0, 0.0
+        t0 = time.perf_counter()
+        weights = self.store.read_now(self.layer, misses)
+        keep = set(group) | protect
+        heat = self.heat_list()
+        for e, (gate_up, down) in zip(misses, weights):
+            slot = policy.victim(self.expert_in, heat, keep)
+            self._set(slot, -1)             # empty while written
+            self.local.load_slot(slot, self.local.slot_format(gate_up, down), repack=False)
+            self._set(slot, e)
+        return len(misses), time.perf_counter() - t0
+
+    def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
+        t, k = routing.physical.shape
+        h = x.shape[1]
+        if t == 0:
+            return x.new_empty((0, h))
+        phys = routing.physical.reshape(-1)
+        counts = torch.bincount(phys, minlength=self.slot_of.shape[0])
+        self.window += counts
+        needed = torch.nonzero(counts).squeeze(1).tolist()
+        resident = (self.slot_of >= 0).tolist()
+        ys = x.new_empty((t * k, h))
+        hits = sum(1 for e in needed if resident[e])
+        hit_rows = int(counts[self.slot_of >= 0].sum())
+        misses, stall = 0, 0.0
+        stream = policy.stream_slots(self.store.slots)
+        protect = policy.hottest(self.expert_in, self.heat_list(), self.store.slots - stream)
+        try:
+            for group in policy.rounds(needed, resident, stream):
+                m, w = self._ensure(group, protect)
+                misses, stall = misses + m, stall + w
+                in_group = torch.zeros_like(counts, dtype=torch.bool)
+                in_group[group] = True
+                rows = torch.nonzero(in_group[phys]).squeeze(1)         # flat order
+                slot = self.slot_of[phys[rows]]
+                order = rows[torch.argsort(slot, stable=True)]          # grouped by slot
+                per_slot = torch.bincount(self.slot_of[phys[order]], minlength=self.store.slots)
+                ys[order] = self.local.run_grouped(x.index_select(0, order // k), per_slot, mode)
+        except ExpertReadError:
+            self.store.stats.read_failures += 1
+            metrics.EXPERT_WEIGHT_READ_FAILURES.labels("miss").inc()
+            raise
+        finally:
+            self.store.count(hits, misses, stall, hit_rows, t * k)
+        return combine(ys.view(t, k, h), routing.weights, routing.physical, mode)
