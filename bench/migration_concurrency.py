@@ -11,6 +11,11 @@ matplotlib).
 
     .venv/bin/python bench/migration_concurrency.py [--streams 40] [--tokens 256]
         [--setups colocated,pd] [--dtypes float32,bfloat16,bfloat16-inv] [--model DIR]
+        [--signal kill|term] [--drain-after 1.0]
+
+`--signal term` is acceptance 2 instead (e.g. `--streams 10 --tokens 2000 --signal term`): the
+node gets SIGTERM, hands its streams to the router after server.drain_migrate_after_s
+(`--drain-after`), and the table gains how long it took to exit.
 """
 from __future__ import annotations
 
@@ -59,14 +64,16 @@ def _serve(name: str, role: str, model: str | None, env: dict[str, str], log: Pa
     return proc, f"http://127.0.0.1:{port}"
 
 
-def start(setup: str, dtype: str, model: str, logs: Path) -> dict[str, tuple]:
+def start(setup: str, dtype: str, model: str, logs: Path, drain_after_s: float = 5.0
+          ) -> dict[str, tuple]:
     g = {n: _port() for n in ("R", "A", "B", "P")}
     seed = f"127.0.0.1:{g['A']}"
     common = {"MOED_CLUSTER_ENABLED": "true", "MOED_CLUSTER_SEEDS": seed,
               "MOED_CLUSTER_PROBE_INTERVAL_MS": "200", "MOED_CLUSTER_GOSSIP_INTERVAL_MS": "50"}
     node = {**common, "MOED_MODEL_DTYPE": dtype.removesuffix("-inv"),
             "MOED_MODEL_BATCH_INVARIANT": str(dtype.endswith("-inv")).lower(),
-            "MOED_ENGINE_KV_CACHE_MEMORY_MB": "128"}
+            "MOED_ENGINE_KV_CACHE_MEMORY_MB": "128",
+            "MOED_SERVER_DRAIN_MIGRATE_AFTER_S": str(drain_after_s)}
     roles = {"A": "colocated", "B": "colocated"} if setup == "colocated" else \
         {"A": "decode", "B": "decode", "P": "prefill"}
     nodes = {}
@@ -143,7 +150,7 @@ def migrations(url: str) -> float:
 
 
 def cell(setup: str, dtype: str, a: argparse.Namespace, logs: Path) -> dict:
-    nodes = start(setup, dtype, a.model, logs)
+    nodes = start(setup, dtype, a.model, logs, a.drain_after)
     router = nodes["R"][1]
     try:
         base = run(router, a.streams, a.tokens)
@@ -151,6 +158,16 @@ def cell(setup: str, dtype: str, a: argparse.Namespace, logs: Path) -> dict:
         before = migrations(router)
         at = random.Random(a.seed).randint(16, a.tokens // 2)
         killed: list[str] = []
+        sig = signal.SIGKILL if a.signal == "kill" else signal.SIGTERM
+        t_sig: list[float] = []
+        exited: list[float] = []
+
+        def watch(proc: subprocess.Popen) -> None:    # when the signalled node's process ends
+            try:
+                proc.wait(120)
+                exited.append(time.monotonic())
+            except subprocess.TimeoutExpired:
+                pass
 
         def kill(streams: list[Stream]) -> None:
             deadline = time.monotonic() + 120
@@ -158,12 +175,18 @@ def cell(setup: str, dtype: str, a: argparse.Namespace, logs: Path) -> dict:
                 live = [s for s in streams if s.is_alive() and len(s.ids) >= at and s.backend]
                 if live:
                     killed.append(live[0].backend)
-                    nodes[killed[0]][0].send_signal(signal.SIGKILL)
+                    nodes[killed[0]][0].send_signal(sig)
+                    t_sig.append(time.monotonic())
+                    threading.Thread(target=watch, args=(nodes[killed[0]][0],), daemon=True).start()
                     return
                 time.sleep(0.005)
 
         got = run(router, a.streams, a.tokens, kill)
         moved = migrations(router) - before
+        if killed:
+            nodes[killed[0]][0].wait(60)
+            time.sleep(0.1)
+        exit_s = exited[0] - t_sig[0] if exited and t_sig else None
     finally:
         for proc, _ in nodes.values():
             if proc.poll() is None:
@@ -176,6 +199,7 @@ def cell(setup: str, dtype: str, a: argparse.Namespace, logs: Path) -> dict:
     full = [len(s.ids) == a.tokens and s.done and not s.errors for s in base]
     return {"setup": setup, "dtype": dtype, "streams": a.streams, "tokens": a.tokens,
             "killed": killed[0] if killed else None, "killed_at_tokens": at,
+            "signal": a.signal, "drain_after_s": a.drain_after, "exit_s": exit_s,
             "undisturbed_whole": sum(full),
             "peer_identical": sum(p.ids == b.ids for p, b in zip(peer, base)),
             "killed_identical": sum(g.ids == b.ids and g.done and not g.errors
@@ -214,6 +238,10 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16,bfloat16-inv")
     ap.add_argument("--model", help="checkpoint (default: the tiny random qwen3_moe)")
     ap.add_argument("--seed", type=int, help="the kill moment's draw (default: random)")
+    ap.add_argument("--signal", choices=("kill", "term"), default="kill",
+                    help="SIGKILL (acceptance 1) or SIGTERM: a drain that hands streams over")
+    ap.add_argument("--drain-after", type=float, default=5.0,
+                    help="server.drain_migrate_after_s of the nodes (seconds)")
     ap.add_argument("--out", type=Path,
                     default=ROOT / "bench" / "results" / "migration_concurrency.json")
     a = ap.parse_args()
@@ -232,7 +260,9 @@ def main() -> int:
             print(f"{setup:10} {dtype:9} {r['peer_identical']:>13}/{a.streams} "
                   f"{r['killed_identical']:>15}/{a.streams} {r['killed_errors']:>6} "
                   f"{r['migrations']:>5.0f}  {r['killed']} at ~{r['killed_at_tokens']} tokens "
-                  f"({r['served_by_killed']} streams there)", flush=True)
+                  f"({r['served_by_killed']} streams there)"
+                  + (f"; exited {r['exit_s']:.1f} s after SIGTERM" if r["exit_s"] is not None
+                     and a.signal == "term" else ""), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     png = plot(rows, a.out.with_suffix(".png"))
     a.out.write_text(json.dumps({"bench": "migration_concurrency", "cpu": cpu_model(),
