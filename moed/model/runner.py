@@ -207,7 +207,8 @@ class ModelRunner:
         return self.model(input_ids, positions, max_pos, rows, self.backend, self.kv_cache)
 
     @torch.inference_mode()
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
+                    kv_only: bool = False) -> torch.Tensor | None:
         """DeepSeek-V3's MTP layer (moed/model/mtp.py; built with mtp=True): fp32 logits of
         `batch.logit_rows`, each predicting the token two past its position.
 
@@ -215,7 +216,8 @@ class ModelRunner:
         token shifted by one: token_ids[i][j] is the token at position start_pos[i] + j + 1
         (mtp.mtp_inputs builds it from the main batch). hidden [batch.num_tokens, H]: the main
         model's hidden states at those positions (forward(..., hidden=True)), in that order.
-        The MTP layer's KV entries of those positions are written (its KV layer, same blocks)."""
+        The MTP layer's KV entries of those positions are written (its KV layer, same blocks).
+        kv_only: those entries only (the same numbers; no attention, MoE or head) -> None."""
         if self.mtp is None:
             raise RuntimeError("forward_mtp: this runner was built without mtp=True")
         self._check(batch)
@@ -223,8 +225,11 @@ class ModelRunner:
             raise ValueError(f"forward_mtp: hidden {tuple(hidden.shape)}, expected "
                              f"({batch.num_tokens}, {self.spec.hidden_size})")
         input_ids, positions, max_pos, rows = self._inputs(batch)
-        return self.mtp(hidden.to(self.device, self.dtype), input_ids, positions, max_pos, rows, self.model.rotary,
-                        self.backend, self.kv_cache[self.spec.num_layers])
+        hidden, kv = hidden.to(self.device, self.dtype), self.kv_cache[self.spec.num_layers]
+        if kv_only:
+            self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary, self.backend, kv)
+            return None
+        return self.mtp(hidden, input_ids, positions, max_pos, rows, self.model.rotary, self.backend, kv)
 
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
         """logits.argmax(-1) where the step that returned these logits computed it already (the
