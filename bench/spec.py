@@ -86,8 +86,8 @@ def timed(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[in
 def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) -> dict:
     prompts = prompts_for(model_dir, workload, batch)
     engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new) for m in ["plain", *methods]}
-    for e in engines.values():        # warm-up: kernels, allocator, first steps
-        timed(e, prompts, 4)
+    for e in engines.values():  # warm-up: kernels, allocator, and the per-step switch's classes
+        timed(e, prompts, a.new)
     tok_s: dict[str, list[float]] = {m: [] for m in engines}
     drafted = {m: 0.0 for m in engines}
     accepted = {m: 0.0 for m in engines}

@@ -15,8 +15,8 @@ Each class runs the arm with the higher rate. Every EXPLORE_EVERY decisions it r
 other for EXPLORE_RUN steps in a row (a run, not one step: an MTP draft is made one step
 before it is verified, so the first step of a draft run has none), so a loser that has become
 the winner (the batch's prompts turned repetitive, the machine got quieter) is found again
-within a few hundred steps. A new class first runs each arm for MIN_SAMPLES steps, drafts
-first. The decision is `decide` and the measurement `observe`, pure; `StepGate` holds the
+within a few hundred steps. A new class first runs each arm for MIN_SAMPLES measured steps,
+drafts first. The decision is `decide` and the measurement `observe`, pure; `StepGate` holds the
 classes' states for the engine (one writer: the step loop).
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ EMA_WEIGHT = 0.2
 MIN_SAMPLES = 4
 EXPLORE_EVERY = 64
 EXPLORE_RUN = 4
+SPIKE = 4.0
 
 
 class Why(enum.Enum):
@@ -55,6 +56,7 @@ class ClassState:
     plain: Arm = field(default_factory=Arm)
     decisions: int = 0      # the exploration clock: decisions taken after warm-up
     explored: bool = False  # the arm the current exploration run measures (the loser at its start)
+    last: bool | None = None    # the arm of the last step observed
 
 
 def size_class(rows: int) -> int:
@@ -78,13 +80,19 @@ def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
 
 
 def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassState:
-    """The class after one measured step of arm `drafted` that emitted `tokens` in `seconds`.
-    An arm's first sample sets its averages; later ones move them by EMA_WEIGHT."""
+    """The class after one step of arm `drafted` that emitted `tokens` in `seconds`. The first
+    step after a switch of arms is not measured (the switch's cost is neither arm's: an MTP
+    draft is made a step before it is verified, so a draft run's first step has none). An
+    arm's first sample sets its averages; later ones move them by EMA_WEIGHT, each step's
+    seconds capped at SPIKE times the average (a step slowed by another process on the cores
+    must not decide alone)."""
+    if s.last is not None and drafted != s.last:
+        return replace(s, last=drafted)
     a = s.draft if drafted else s.plain
     w = 1.0 if a.samples == 0 else EMA_WEIGHT
-    a = Arm((1 - w) * a.tokens + w * tokens, (1 - w) * a.seconds + w * max(seconds, 0.0),
-            a.samples + 1)
-    return replace(s, draft=a) if drafted else replace(s, plain=a)
+    sec = max(seconds, 0.0) if a.samples == 0 else min(max(seconds, 0.0), SPIKE * a.seconds)
+    a = Arm((1 - w) * a.tokens + w * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
+    return replace(s, draft=a, last=True) if drafted else replace(s, plain=a, last=False)
 
 
 class StepGate:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
-from moed.engine.drafts.gate import (EXPLORE_EVERY, EXPLORE_RUN, MIN_SAMPLES, ClassState,
-                                     StepGate, Why, decide, observe, size_class)
+from moed.engine.drafts.gate import (EMA_WEIGHT, EXPLORE_EVERY, EXPLORE_RUN, MIN_SAMPLES, SPIKE,
+                                     ClassState, StepGate, Why, decide, observe, size_class)
 from moed.engine.engine import Engine
 from moed.model.batch import ForwardBatch
 from moed.model.runner import ModelRunner
@@ -45,22 +45,32 @@ def test_size_classes_are_powers_of_two():
 def test_warmup_measures_both_arms_drafts_first_then_the_winner_runs():
     s = ClassState()
     seen = []
-    for _ in range(2 * MIN_SAMPLES):
+    while decide(s)[1] is Why.WARMUP:
         draft, why, s = decide(s)
-        assert why is Why.WARMUP
         seen.append(draft)
         s = observe(s, draft, 3 if draft else 1, 1.0)       # drafts: 3 tokens a second
-    assert seen == [True] * MIN_SAMPLES + [False] * MIN_SAMPLES
+    # the first step after the switch is not measured
+    assert seen == [True] * MIN_SAMPLES + [False] * (MIN_SAMPLES + 1)
+    assert (s.draft.samples, s.plain.samples) == (MIN_SAMPLES, MIN_SAMPLES)
     assert decide(s)[:2] == (True, Why.WINNER)
     s = observe(s, False, 20, 1.0)      # the plain arm now measures faster
     assert s.plain.rate > s.draft.rate
     assert decide(s)[:2] == (False, Why.WINNER)
 
 
+def test_a_spike_moves_an_arm_at_most_by_the_cap():
+    s = ClassState()
+    for _ in range(MIN_SAMPLES):
+        s = observe(s, True, 2, 1.0)
+    s = observe(s, True, 2, 1000.0)     # one step stalled by another process
+    assert s.draft.seconds == pytest.approx((1 - EMA_WEIGHT) + EMA_WEIGHT * SPIKE)
+
+
 def test_the_loser_is_explored_in_runs_and_never_otherwise():
-    s, arms = _run_gate(ClassState(), 2 * MIN_SAMPLES + 4 * EXPLORE_EVERY,
+    warmup = 2 * MIN_SAMPLES + 1        # + the unmeasured first step after the switch
+    s, arms = _run_gate(ClassState(), warmup + 4 * EXPLORE_EVERY,
                         lambda d: (1, 2.0) if d else (1, 1.0))      # drafts always lose
-    after = arms[2 * MIN_SAMPLES:]
+    after = arms[warmup:]
     assert sum(after) == 4 * EXPLORE_RUN            # only the exploration runs draft
     runs = "".join("d" if a else "." for a in after).split(".")
     assert sorted(len(r) for r in runs if r) == [EXPLORE_RUN] * 4
