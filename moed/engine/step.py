@@ -338,7 +338,8 @@ class StepCore:
         g = self._gate_step
         if g is not None and plan.num_prefill_tokens == 0:  # a decode step: the switch learns
             self._gate.observe(g[0], g[1], emitted(len(toks), ver or {}), self._clock() - g[2])
-        self.balance.observe(plan.batch, fwd_s)     # the cost model learns from every step
+        self.balance.observe(plan.batch, fwd_s,     # the cost model learns from every step
+                             [len(c.draft) for c in plan.chunks] if ver else ())
         if self.tiers is not None:
             self.tiers.observe_step(time.perf_counter() - t0)
         if self._on_progress:

@@ -284,7 +284,7 @@ EXPERT_IMBALANCE = Gauge("moed_expert_imbalance",
 COST_COEFFICIENT = Gauge("moed_cost_model_coefficient",
                          "Fitted step-time coefficient, seconds per unit of its term: overhead "
                          "(per step), prefill_tokens, attention_pairs, decode_seqs, "
-                         "experts_touched, prefill_context", ["term"], registry=ENGINE)
+                         "experts_touched, prefill_context, verified_positions", ["term"], registry=ENGINE)
 COST_ERROR = Gauge("moed_cost_model_error_ratio",
                    "|predicted - measured| / measured step time over the last 1024 steps",
                    ["stat"], registry=ENGINE)
