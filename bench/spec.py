@@ -3,15 +3,19 @@ at batch 1, 4 and 16 on the trained demo model, one run (issue 32).
 
     .venv/bin/python bench/spec.py [--model models/stdlib-ds3-tiny] [--batches 1,4,16]
                                    [--methods ngram,mtp] [--new 64] [--repeats 3] [--threads 2]
+                                   [--prompts 8]
 
 Workloads (greedy, the prompts cut from the demo model's held-out split, split.json):
   edit      edit-style: a held-out window W (96 tokens), a line "# the same again:", then W's
             first 16 tokens; the continuation is a copy of W, ngram's case (rewrite this code,
             repeat it with a change)
   heldout   a held-out window's first 128 tokens, continued: plain code, nothing to copy
-For each (workload, batch) the same prompts run through a plain engine and one engine per
-method, alternated `--repeats` times; decode tok/s = the tokens after the first over the time
-`--new` tokens took minus the time one token took (the prefill), median of the repeats. The
+For each (workload, batch) the same max(batch, --prompts) prompts run, `batch` at a time
+(max_num_seqs), through a plain engine and one engine per method, alternated `--repeats`
+times, after one warm-up run each (kernels, and the per-step switch's first measurements);
+decode tok/s = the tokens after the first over the time `--new` tokens took minus the time
+one token took (the prefill), median of the repeats. Batch 1 runs several prompts one after
+the other: how often a prompt's own text repeats varies a lot between prompts. The
 acceptance rate is accepted / drafted tokens from the moed_spec_decode_* counters. The ratio
 is the method's median over the plain engine's, from the same run. Outputs equal to the plain
 engine's are counted too (bf16: a step's batch shape may move a near tie, docs/speculative.md).
@@ -84,10 +88,11 @@ def timed(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[in
 
 
 def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) -> dict:
-    prompts = prompts_for(model_dir, workload, batch)
+    prompts = prompts_for(model_dir, workload, max(batch, a.prompts))
+    n = len(prompts)
     engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new) for m in ["plain", *methods]}
-    for e in engines.values():        # warm-up: kernels, allocator, first steps
-        timed(e, prompts, 4)
+    for e in engines.values():  # warm-up: kernels, allocator, and the per-step switch's classes
+        timed(e, prompts, a.new)
     tok_s: dict[str, list[float]] = {m: [] for m in engines}
     drafted = {m: 0.0 for m in engines}
     accepted = {m: 0.0 for m in engines}
@@ -103,7 +108,7 @@ def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) 
             drafted[m] += d1 - d0
             accepted[m] += a1 - a0
             outputs[m] = out
-            tok_s[m].append(batch * (a.new - 1) / max(tn - t1, 1e-9))
+            tok_s[m].append(n * (a.new - 1) / max(tn - t1, 1e-9))
     plain = statistics.median(tok_s["plain"])
     row = {"workload": workload, "batch": batch, "plain_tok_s": plain, "plain_rounds": tok_s["plain"]}
     for m in methods:
@@ -111,7 +116,7 @@ def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) 
         same = sum(o == p for o, p in zip(outputs[m], outputs["plain"]))
         row[m] = {"tok_s": med, "rounds": tok_s[m], "ratio": med / plain,
                   "acceptance": accepted[m] / drafted[m] if drafted[m] else None,
-                  "draft_tokens": drafted[m], "outputs_equal_plain": f"{same}/{batch}"}
+                  "draft_tokens": drafted[m], "outputs_equal_plain": f"{same}/{n}"}
     return row
 
 
@@ -149,6 +154,7 @@ def main() -> int:
     ap.add_argument("--workloads", default="edit,heldout")
     ap.add_argument("--new", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8, help="at least this many prompts a cell")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec.json")
@@ -178,7 +184,8 @@ def main() -> int:
     png = plot(rows, methods, a.out.with_suffix(".png"))
     a.out.write_text(json.dumps({"bench": "spec", "cpu": cpu_model(), "threads": a.threads,
                                  "model": str(a.model), "dtype": a.dtype, "new": a.new,
-                                 "repeats": a.repeats, "load_average": load_average(),
+                                 "repeats": a.repeats, "prompts": a.prompts,
+                                 "load_average": load_average(),
                                  "rows": rows, "png": png}, indent=1))
     print(f"saved {a.out} ({png})")
     return 0

@@ -3,7 +3,7 @@
 Glossary
     chunk       (start, n, decode): n new tokens of one sequence whose first `start` tokens are
                 already in the KV cache; `decode` when it is a one-token catch-up of a request
-                that is generating
+                that is generating (n > 1: its known token + n - 1 speculative drafts)
     StepShape   a step's features: prefill tokens, attention pairs, decode sequences, experts
     pairs       Σ over chunks of n·start + n(n+1)/2: the (query, key) pairs causal attention
                 computes — the term that makes a long context expensive
@@ -11,7 +11,7 @@ Glossary
                 decode sequence, per expert-fraction touched)
 
     t(step) = c0 + c1·prefill_tokens + c2·pairs + c3·decode_seqs + c4·experts_touched
-              + c5·prefill_context
+              + c5·prefill_context + c6·verified_positions
 
 `prefill_context` is Σ start over the prefill chunks: the cached tokens each chunk reads
 whatever its size. Measured on the bench preset (torch attention backend): a 33-token chunk
@@ -20,11 +20,15 @@ priced it at 0.12 s, and the budget chopped long prompts into small chunks that 
 `experts_touched` is the expected share of a layer's experts that the step's tokens reach,
 1 − (1 − k/E)^T for T tokens routed to top-k of E experts (uniform routing): a small batch
 touches few experts and costs less per token than the linear term alone says (0 on a dense
-model). Measured on the bench preset, 2 threads: 256 new tokens take 0.12 s at context 0 and
+model). `verified_positions` are speculative decoding's draft positions (Σ n − 1 over decode
+chunks): a draft is verified beside its request's decode, reads the same history, and costs
+neither a prompt token nor a prompt chunk's context read (the decode's own context is already
+priced); its own term lets the cost policy give drafts only what the ITL target has left.
+Measured on the bench preset, 2 threads: 256 new tokens take 0.12 s at context 0 and
 0.40 s at context 3840, about 2.9e-7 s per pair; 16 decodes take 36 ms.
 
 The fit is least squares with forgetting (recursive: exponentially weighted sufficient
-statistics updated per step, `ewls_update`; solved per step, `solve_nonneg`, 6 unknowns) on
+statistics updated per step, `ewls_update`; solved per step, `solve_nonneg`, 7 unknowns) on
 relative error: each row is divided by its measured time, so a 10 ms decode step weighs as
 much as a 1 s prefill (the scheduler budgets both); once fitted, by √(predicted · measured)
 (≈ the log error: symmetric, not biased low on noisy steps), and a step more than 50% off
@@ -46,10 +50,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 FEATURES = ("overhead", "prefill_tokens", "attention_pairs", "decode_seqs", "experts_touched",
-            "prefill_context")
+            "prefill_context", "verified_positions")
 # Internal units keep the RLS matrix well conditioned (features of order 1): kilo-tokens,
-# mega-pairs, tens of sequences.
-_SCALE = (1.0, 1e-3, 1e-6, 0.1, 1.0, 1e-4)
+# mega-pairs, tens of sequences, tens of draft positions.
+_SCALE = (1.0, 1e-3, 1e-6, 0.1, 1.0, 1e-4, 0.1)
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,11 @@ class StepShape:
     decode_seqs: int = 0
     experts_touched: float = 0.0
     prefill_context: int = 0        # Σ start over prefill chunks: cached tokens they read
+    verified_positions: int = 0     # speculative drafts verified beside their decodes
 
     def raw(self) -> tuple[float, ...]:
         return (1.0, self.prefill_tokens, self.attention_pairs, self.decode_seqs,
-                self.experts_touched, self.prefill_context)
+                self.experts_touched, self.prefill_context, self.verified_positions)
 
     def features(self) -> tuple[float, ...]:
         return tuple(x * s for x, s in zip(self.raw(), _SCALE))
@@ -87,27 +92,29 @@ def chunk_pairs(start: int, n: int) -> float:
 
 def shape_of(chunks: Iterable[tuple[int, int, bool]], experts: ExpertShape | None = None
              ) -> StepShape:
-    """chunks: (start, n, decode) per sequence in the step."""
-    prefill = decode = context = 0
+    """chunks: (start, n, decode) per sequence in the step (a decode of n > 1: n - 1 drafts)."""
+    prefill = decode = context = verified = 0
     pairs = 0.0
     for start, n, is_decode in chunks:
         pairs += chunk_pairs(start, n)
         if is_decode:
             decode += 1
+            verified += n - 1
         else:
             prefill += n
             context += start
-    touched = experts.touched(prefill + decode) if experts is not None else 0.0
-    return StepShape(prefill, pairs, decode, touched, context)
+    touched = experts.touched(prefill + decode + verified) if experts is not None else 0.0
+    return StepShape(prefill, pairs, decode, touched, context, verified)
 
 
 def add_chunk(shape: StepShape, start: int, n: int, experts: ExpertShape | None = None
               ) -> StepShape:
     """`shape` with one more prefill chunk."""
     tokens = shape.prefill_tokens + n
-    touched = experts.touched(tokens + shape.decode_seqs) if experts is not None else 0.0
+    touched = experts.touched(tokens + shape.decode_seqs + shape.verified_positions) \
+        if experts is not None else 0.0
     return StepShape(tokens, shape.attention_pairs + chunk_pairs(start, n), shape.decode_seqs,
-                     touched, shape.prefill_context + start)
+                     touched, shape.prefill_context + start, shape.verified_positions)
 
 
 @dataclass(frozen=True)
@@ -120,10 +127,11 @@ class Coefficients:
     per_decode_s: float = 0.0
     per_expert_s: float = 0.0
     per_context_s: float = 0.0
+    per_verified_s: float = 0.0
 
     def as_tuple(self) -> tuple[float, ...]:
         return (self.overhead_s, self.per_token_s, self.per_pair_s, self.per_decode_s,
-                self.per_expert_s, self.per_context_s)
+                self.per_expert_s, self.per_context_s, self.per_verified_s)
 
     @classmethod
     def from_scaled(cls, theta: Sequence[float]) -> Coefficients:

@@ -89,8 +89,9 @@ def advertised_of(load: LoadVector) -> AdvertisedCost | None:
     AdvertisedCost; None when it advertises none (no fitted model, a node of the release
     before) or the fields do not agree with each other."""
     n = len(load.bucket_edges) + 1
-    # one term fewer: a node from before `prefill_context` (its coefficient reads as 0)
-    if len(load.cost) not in (len(FEATURES) - 1, len(FEATURES)) or len(load.queued_tokens) != n \
+    # fewer terms: a node from before `prefill_context` or `verified_positions` (they read as 0)
+    if len(load.cost) not in (len(FEATURES) - 2, len(FEATURES) - 1, len(FEATURES)) \
+            or len(load.queued_tokens) != n \
             or len(load.queued_requests) != n:
         return None
     return AdvertisedCost(Coefficients(*load.cost), tuple(load.bucket_edges),

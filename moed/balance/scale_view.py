@@ -74,7 +74,8 @@ def snapshot_of(cluster: Mapping[str, Any], t: float) -> Snapshot:
         load = m.get("load") if isinstance(m.get("load"), dict) else {}
         cost = load.get("cost") or ()
         coef = (Coefficients(*(float(c) for c in cost))
-                if isinstance(cost, list) and len(cost) == len(FEATURES) else None)
+                if isinstance(cost, list) and len(FEATURES) - 2 <= len(cost) <= len(FEATURES)
+                else None)      # fewer terms: a node of a release before the last ones (0)
         reqs = load.get("queued_requests") or ()
         out.append(NodeLoad(
             name=str(m.get("name", "")), role=str(m["role"]), state=str(m.get("state", "")),

@@ -8,6 +8,7 @@ pass's measured time; `apply` swaps the scheduler's step policy (call it at a st
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -38,12 +39,15 @@ class EngineBalance:
         scheduler.use_cost_model(self.cost, shape)
         scheduler.set_policy(from_config(cfg))
 
-    def observe(self, batch: Any, seconds: float) -> None:
-        """One executed step: its ForwardBatch (a 1-token chunk counts as a decode) and the
+    def observe(self, batch: Any, seconds: float, drafts: Sequence[int] = ()) -> None:
+        """One executed step: its ForwardBatch (a 1-token chunk counts as a decode, and so does
+        a chunk with drafts[i] > 0 speculative drafts: a decode plus verified positions) and the
         forward + sample time."""
         if batch is None:
             return
-        chunks = ((s, len(t), len(t) == 1) for s, t in zip(batch.start_pos, batch.token_ids))
+        drafts = drafts or [0] * batch.num_seqs
+        chunks = ((s, len(t), len(t) == 1 or d > 0)
+                  for s, t, d in zip(batch.start_pos, batch.token_ids, drafts))
         self.cost.observe(shape_of(chunks, self.scheduler.experts), seconds)
 
     def apply(self, cfg: BalanceConfig) -> None:

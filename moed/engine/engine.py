@@ -57,6 +57,7 @@ from moed.engine.build import build_engine, make_kv_events, make_tiers
 from moed.engine.client import Listeners, Unsubscribe
 from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary, Command,
                                   CompleteRemotePrefill, ReleaseKV)
+from moed.engine.drafts.gate import StepGate
 from moed.engine.drafts.propose import SpecSettings
 from moed.engine.drivers import GroupDriver, ServeDriver, generate, serve, serve_group
 from moed.engine.masks import MaskPool
@@ -116,6 +117,8 @@ class Engine(Boundary):
         spec_s = None if speculative is None else SpecSettings.from_config(speculative)
         self.scheduler.set_speculation(spec_s)
         self._mtp = spec_s is not None and spec_s.method == "mtp"
+        self._gate = StepGate() if spec_s is not None and spec_s.adaptive else None
+        self._gate_step, self._clock = None, time.perf_counter
         log_spec_start(spec_s)
         # the prefill balancer: cost model fed below from each step, time budget (None: tokens)
         self.balance = EngineBalance(self.scheduler, spec, balance)

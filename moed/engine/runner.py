@@ -21,7 +21,8 @@ class StepRunner(Protocol):
     kv_cache: Any
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor: ...
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
+                    kv_only: bool = False) -> torch.Tensor | None: ...
     def forward_empty(self) -> None: ...
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None: ...
     def expert_load(self) -> torch.Tensor | None: ...
@@ -51,7 +52,8 @@ class RunnerDefaults:
     def forward_empty(self) -> None:
         raise RuntimeError("this runner is not part of an expert-parallel group")
 
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
+                    kv_only: bool = False) -> torch.Tensor | None:
         raise RuntimeError("this runner has no MTP layer")
 
     def kv_region(self) -> KVRegion:

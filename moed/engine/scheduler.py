@@ -68,6 +68,7 @@ class Scheduler:
         self._recompute_s_per_token = recompute_s_per_token
         self._num_preemptions = 0
         self._spec: SpecSettings | None = None      # speculative decoding: off
+        self.drafting = True    # this step may draft (the step loop's per-step switch sets it)
 
     # ---- set up (the engine's builder and reloads; at a step boundary) ---------------------
     def set_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -147,8 +148,9 @@ class Scheduler:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """k, the most draft tokens a request verifies a step (0: no speculation)."""
-        return 0 if self._spec is None else self._spec.k
+        """k, the most draft tokens a request verifies a step (0: no speculation, or not in
+        this step: the per-step switch, moed.engine.drafts.gate, said plain)."""
+        return 0 if self._spec is None or not self.drafting else self._spec.k
 
     @property
     def max_num_seqs(self) -> int:
@@ -388,7 +390,7 @@ class _Draft:
         s = self._s
         at = self._extended.get(req.request_id)
         last = None if at is None else self.chunks[at]
-        if s._spec is None or last is None or last.draft or not last.sample:
+        if not s.num_speculative_tokens or last is None or last.draft or not last.sample:
             return 0
         draft = propose(s._spec, req, min(room, draft_room(req, s._spec.k)))
         # never preempt for a guess: cut it to the room of the blocks held and free now

@@ -8,6 +8,10 @@ min_tokens' bans, seeds and logprobs are exactly those of plain decoding. The sc
 appends the emitted tokens through the normal stop checks and rolls back the KV of the rejected
 ones (Scheduler._apply_verified).
 
+Whether a step may draft at all is the per-step switch's (moed.engine.drafts.gate, measured
+per batch-size class); the step loop asks it before scheduling and tells it each decode step's
+emitted tokens and seconds (`gate_rows`, `emitted`), and `STEPS` counts its decisions.
+
 A step with drafts is not decode-only (k + 1 tokens in a row), so the runner's native decode
 step (1-token rows only) steps aside for it and the layered path runs it; said once at start.
 """
@@ -40,12 +44,15 @@ class SpecOut:
 
 
 def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Sequence[int],
-               sampled: Sequence[int] | None, verified: dict[str, Verified]) -> dict[str, int]:
+               sampled: Sequence[int] | None, verified: dict[str, Verified],
+               drafting: bool = True) -> dict[str, int]:
     """The MTP step after a main step (docs/models.md, "The MTP layer"): every position the
     main step kept, each with the token after it (the next prompt token, the sampled one, or
     for a drafting chunk the accepted drafts then the emitted token: keep = accepted + 1), so
     the MTP layer's KV covers every computed position; its last row per sequence is the greedy
-    draft for the position after the next known token. -> that draft per sampling request."""
+    draft for the position after the next known token. -> that draft per sampling request.
+    drafting False (the per-step switch said plain, moed.engine.drafts.gate): the MTP layer
+    writes its KV entries only, a tenth of its time, and drafts nothing for the next step."""
     batch = plan.batch
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
     next_ids, keep = [], []
@@ -59,8 +66,11 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
             next_ids.append(tok[i] if c.sample else r.token_ids[r.num_computed_tokens + n])
             keep.append(n)
     mb, rows = mtp_inputs(batch, next_ids, keep)
-    logits = runner.forward_mtp(mb, hidden.index_select(0, torch.tensor(rows,
-                                                                        device=hidden.device)))
+    if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
+        hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+    logits = runner.forward_mtp(mb, hidden, kv_only=not drafting)
+    if logits is None:
+        return {}
     best = logits.argmax(-1).tolist()
     return {c.request.request_id: best[i] for i, c in enumerate(plan.chunks) if c.sample}
 
@@ -76,6 +86,17 @@ def verify_rows(logits: torch.Tensor, last: Sequence[int], chunks: Sequence[Sche
     reqs = [DraftRow(sample_row(chunks[i].request), chunks[i].draft,
                      chunks[i].request.num_output_tokens) for i in idx]
     return {chunks[i].request.request_id: v for i, v in zip(idx, verify(rows, reqs))}
+
+
+def gate_rows(running: Sequence[Request]) -> int:
+    """The decoding rows a step is about to have: the per-step switch's batch-size class."""
+    return sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1
+               and r.num_output_tokens > 0)
+
+
+def emitted(sampled: int, verified: dict[str, Verified]) -> int:
+    """Tokens a step emitted: one per sampled row, each verification's run."""
+    return sampled + sum(len(v.token_ids) for v in verified.values())
 
 
 def record(chunks: Sequence[ScheduledChunk], verified: dict[str, Verified]) -> None:
@@ -97,6 +118,7 @@ def log_start(spec: SpecSettings | None) -> None:
         return
     log.info("speculative_decoding", method=spec.method, num_speculative_tokens=spec.k,
              prompt_lookup_min=spec.n_min, prompt_lookup_max=spec.n_max,
+             adaptive="measured per batch-size class" if spec.adaptive else "off",
              grammar_rows="not speculated (one token a step)",
              native_decode="steps with drafts take the layered path (the native decode "
                            "step, where it runs, serves 1-token rows only)")

@@ -33,7 +33,8 @@ from moed.engine.resume import force
 from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
-from moed.engine.speculate import SpecOut, mtp_drafts, verify_rows
+from moed.engine.drafts.gate import StepGate
+from moed.engine.speculate import SpecOut, emitted, gate_rows, mtp_drafts, verify_rows
 from moed.engine.speculate import record as record_spec
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
@@ -108,6 +109,9 @@ class StepCore:
     _load_pending: bool
     _executor: ThreadPoolExecutor | None
     _mtp: bool          # speculative decoding with the MTP layer: forward with hidden states
+    _gate: StepGate | None      # speculation's per-step switch (None: off, or not adaptive)
+    _gate_step: tuple[int, bool, float] | None  # this step's (decoding rows, may draft, start)
+    _clock: Callable[[], float]     # the switch's clock (time.perf_counter; tests inject one)
 
     def _apply_commands(self) -> None:
         raise NotImplementedError
@@ -219,7 +223,15 @@ class StepCore:
     def _schedule(self) -> StepPlan | None:
         if not self.scheduler.has_work():
             return None
-        plan, events = self.scheduler.schedule()
+        s, gate = self.scheduler, self._gate
+        self._gate_step = None
+        if gate is not None:    # may this step draft: measured per batch-size class
+            rows = gate_rows(s.running)
+            s.drafting, why = gate.choose(rows) if rows else (True, None)
+            if why is not None:
+                self._gate_step = (rows, s.drafting, self._clock())
+                metrics.SPEC_STEPS.labels("draft" if s.drafting else "plain", why.value).inc()
+        plan, events = s.schedule()
         self._publish(events)
         return None if plan.empty else plan
 
@@ -279,7 +291,8 @@ class StepCore:
         if hid is None:
             return SpecOut(ver)
         return SpecOut(ver, mtp_drafts(self.runner, plan, hid, idx,
-                                       None if res is None else res.token_ids, ver))
+                                       None if res is None else res.token_ids, ver,
+                                       self.scheduler.drafting))
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params
@@ -322,7 +335,11 @@ class StepCore:
                 c.request.grammar = None        # counted once
         self._publish(events)
         self.steps += 1
-        self.balance.observe(plan.batch, fwd_s)     # the cost model learns from every step
+        g = self._gate_step
+        if g is not None and plan.num_prefill_tokens == 0:  # a decode step: the switch learns
+            self._gate.observe(g[0], g[1], emitted(len(toks), ver or {}), self._clock() - g[2])
+        self.balance.observe(plan.batch, fwd_s,     # the cost model learns from every step
+                             [len(c.draft) for c in plan.chunks] if ver else ())
         if self.tiers is not None:
             self.tiers.observe_step(time.perf_counter() - t0)
         if self._on_progress:

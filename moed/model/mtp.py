@@ -1,7 +1,8 @@
 """DeepSeek-V3's multi-token-prediction (MTP) layer, served as a draft model.
 
-Built by ModelRunner(mtp=True) and run by `ModelRunner.forward_mtp`; the engine does not use it
-yet (speculative decoding wires it). The definition is moed/dev/train/mtp.py's MTPModule (what the
+Built by ModelRunner(mtp=True) and run by `ModelRunner.forward_mtp` (or, in a step that makes
+no draft, `forward_mtp(kv_only=True)`: its KV entries only); the engine drafts with it
+(speculative.method mtp, moed/engine/speculate.py). The definition is moed/dev/train/mtp.py's MTPModule (what the
 demo model was trained with; vLLM's deepseek_mtp computes the same): the MTP entry at sequence
 position i combines the main model's hidden state h_i, taken AFTER the final norm, with the
 embedding of token i+1, and predicts token i+2:
@@ -95,15 +96,29 @@ class MTPLayer:
         log.info("mtp_layer_ready", layer=i, shared_embed=layer.shared.embed, shared_head=layer.shared.head)
         return layer
 
+    def _input(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        e, _ = add_rms_norm(self.embed.index_select(0, next_ids), None, self.enorm, self.eps, self.kernels)
+        h, _ = add_rms_norm(hidden, None, self.hnorm, self.eps, self.kernels)
+        return self.eh_proj(torch.cat((e, h), dim=-1))
+
+    def write_kv(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                 max_pos: int, rotary: Rotary, backend: AttentionBackend, kv_layer: torch.Tensor) -> None:
+        """__call__'s KV entries only (the same numbers): its input, the layer's input norm and
+        latent projection, no attention, MoE or head. What a step that makes no draft runs, so
+        the MTP layer's KV still covers every position when drafting resumes (~1/10 of the
+        full layer's time on the demo model)."""
+        b = self.block
+        x, _ = add_rms_norm(self._input(hidden, next_ids), None, b.input_norm, b.eps, b.kernels)
+        cos, sin = rotary.tables(positions, max_pos)
+        b.attn.write_kv(x, cos, sin, backend, kv_layer)
+
     def __call__(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
                  rows: torch.Tensor, rotary: Rotary, backend: AttentionBackend,
                  kv_layer: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] (the main model's, after its final norm), next_ids / positions [T]
         (token i+1 at position i) -> fp32 logits [len(rows), vocab] of the rows asked for; the
         T entries are cached in kv_layer (the backend planned this batch's positions)."""
-        e, _ = add_rms_norm(self.embed.index_select(0, next_ids), None, self.enorm, self.eps, self.kernels)
-        h, _ = add_rms_norm(hidden, None, self.hnorm, self.eps, self.kernels)
-        x = self.eh_proj(torch.cat((e, h), dim=-1))
+        x = self._input(hidden, next_ids)
         cos, sin = rotary.tables(positions, max_pos)
         h, delta = self.block(x, None, cos, sin, backend, kv_layer)
         x, _ = add_rms_norm(h.index_select(0, rows), delta.index_select(0, rows), self.head_norm, self.eps,

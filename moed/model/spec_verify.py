@@ -115,10 +115,13 @@ def verify(logits: torch.Tensor, reqs: Sequence[DraftRow]) -> list[Verified]:
         if d.draft_probs is not None and tuple(d.draft_probs.shape) != (len(d.draft), vocab):
             raise ValueError(f"draft_probs {tuple(d.draft_probs.shape)} for a draft of "
                              f"{len(d.draft)}: need ({len(d.draft)}, {vocab})")
+    raw = logits.float()
+    if all(_bare_greedy(d) for d in reqs):  # nothing changes a row: its argmax decides
+        got = _greedy(argmax_rows(raw).tolist(), reqs)
+        return [Verified(a, tuple(d.draft[:a]) + (t,)) for d, (a, t) in zip(reqs, got)]
     starts = [0]
     for n in sizes[:-1]:
         starts.append(starts[-1] + n)
-    raw = logits.float()
     rows = [r for d in reqs for r in position_rows(d)]
     processed = process_logits(raw, rows)
     accepted, last = [0] * len(reqs), [0] * len(reqs)
@@ -137,6 +140,16 @@ def verify(logits: torch.Tensor, reqs: Sequence[DraftRow]) -> list[Verified]:
     emitted = [tuple(d.draft[:a]) + (t,) for d, a, t in zip(reqs, accepted, last)]
     lps, tops = _logprobs(raw, rows, reqs, starts, emitted)
     return [Verified(a, e, lp, tp) for a, e, lp, tp in zip(accepted, emitted, lps, tops)]
+
+
+def _bare_greedy(d: DraftRow) -> bool:
+    """A greedy row that no processing changes at any of its positions (no grammar, penalty,
+    logit_bias or banned id: min_tokens' bans hold at position i only while they hold at 0)
+    and that wants no logprobs: `verify` takes the raw rows' argmax, ~0.1 ms less a step at
+    batch 1 than building k + 1 SampleRows and processing them."""
+    r, p = d.row, d.row.params
+    return p.greedy and r.grammar is None and not p.penalized and not r.banned_ids \
+        and not p.logprobs and not p.top_logprobs
 
 
 def _greedy(best: list[int], reqs: Sequence[DraftRow]) -> list[tuple[int, int]]:

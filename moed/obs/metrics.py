@@ -277,6 +277,9 @@ SPEC_ACCEPTED = Counter("moed_spec_decode_num_accepted_tokens", "Draft tokens ac
 SPEC_ACCEPTED_POS = Counter("moed_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
                             "accepted by their position in the draft (0 = the first)",
                             ["position"], registry=ENGINE)
+SPEC_STEPS = Counter("moed_spec_decode_steps", "Decode steps by the per-step switch's decision "
+                     "(draft: the step may draft, plain: it may not) and its reason (warmup, "
+                     "winner, explore)", ["decision", "reason"], registry=ENGINE)
 MODEL_INFO = Info("moed_model", "The loaded model: architecture, dtype, device, attention backend, "
                   "whether the native CPU kernels run (cpu_kernels on/off) and the weights' "
                   "quantization (fp8/int8/int4/none)", registry=ENGINE)
@@ -296,7 +299,7 @@ EXPERT_IMBALANCE = Gauge("moed_expert_imbalance",
 COST_COEFFICIENT = Gauge("moed_cost_model_coefficient",
                          "Fitted step-time coefficient, seconds per unit of its term: overhead "
                          "(per step), prefill_tokens, attention_pairs, decode_seqs, "
-                         "experts_touched, prefill_context", ["term"], registry=ENGINE)
+                         "experts_touched, prefill_context, verified_positions", ["term"], registry=ENGINE)
 COST_ERROR = Gauge("moed_cost_model_error_ratio",
                    "|predicted - measured| / measured step time over the last 1024 steps",
                    ["stat"], registry=ENGINE)

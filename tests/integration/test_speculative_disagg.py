@@ -16,8 +16,11 @@ pytestmark = pytest.mark.timeout(240)
 COMMON = {"MOED_MODEL_DTYPE": "float32", "MOED_ENGINE_KV_CACHE_MEMORY_MB": "8",
           "MOED_ENGINE_BLOCK_SIZE": "4", "MOED_ENGINE_MAX_NUM_BATCHED_TOKENS": "16",
           "MOED_MODEL_SERVED_NAME": "tiny"}
+# the per-step switch off: every step may draft (this test is about the decode node's drafts;
+# with the switch, a random model whose drafts lose stops drafting after its warm-up)
 SPEC = {"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "3",
-        "MOED_SPECULATIVE_PROMPT_LOOKUP_MIN": "1", "MOED_SPECULATIVE_PROMPT_LOOKUP_MAX": "3"}
+        "MOED_SPECULATIVE_PROMPT_LOOKUP_MIN": "1", "MOED_SPECULATIVE_PROMPT_LOOKUP_MAX": "3",
+        "MOED_SPECULATIVE_ADAPTIVE": "false"}
 
 
 def test_decode_node_speculates_after_remote_prefill(tiny_qwen3, tmp_path_factory):

@@ -54,7 +54,8 @@ def test_greedy_equal_with_and_without_speculation(tiny_qwen3, tmp_path_factory)
     assert drafts > 0 and m.get("moed_spec_decode_num_drafts_total", 0) > 0
     assert 0 < m.get("moed_spec_decode_num_accepted_tokens_total", 0) < drafts
     assert len(starts) == 1 and starts[0]["method"] == "ngram" \
-        and starts[0]["num_speculative_tokens"] == 3
+        and starts[0]["num_speculative_tokens"] == 3 \
+        and starts[0]["adaptive"] == "measured per batch-size class"
 
 
 @pytest.mark.parametrize("bad,says", [

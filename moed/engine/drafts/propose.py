@@ -40,6 +40,7 @@ class SpecSettings:
     k: int                  # num_speculative_tokens
     n_min: int              # prompt_lookup_min
     n_max: int              # prompt_lookup_max
+    adaptive: bool = True   # the measured per-step switch (moed.engine.drafts.gate)
 
     @classmethod
     def from_config(cls, c: SpeculativeConfig) -> SpecSettings | None:
@@ -49,7 +50,7 @@ class SpecSettings:
         if c.method not in ("ngram", "mtp"):
             raise ValueError(f"speculative.method {c.method!r} is not served by the engine")
         return cls(c.method, c.num_speculative_tokens, c.prompt_lookup_min,
-                   c.prompt_lookup_max)
+                   c.prompt_lookup_max, c.adaptive)
 
 
 EMA_WEIGHT = 0.3

@@ -163,11 +163,11 @@ def _drafts(view: SchedulerView, step: StepDraft, cost: CostModel, decoding: lis
         start = planned[j][0]
         for d in range(min(view.num_speculative_tokens,
                            view.max_num_batched_tokens - tokens), 0, -1):
-            trial = [*planned[:j], (start, 1 + d, False), *planned[j + 1:]]
+            trial = [*planned[:j], (start, 1 + d, True), *planned[j + 1:]]
             if coef.predict(shape_of(trial, view.experts)) <= step_s:
                 got = step.speculate(req, d)
-                if got:     # k + 1 positions cost as a prompt chunk does
-                    planned[j] = (start, 1 + got, False)
+                if got:     # a decode with `got` verified positions (cost.verified_positions)
+                    planned[j] = (start, 1 + got, True)
                     tokens += got
                 break
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from moed.model.attention.base import AttentionBackend
 from moed.model.context import ComputeContext
-from moed.model.kv_layout import KVLayout
+from moed.model.kv_layout import KVLayout, write_rows
 from moed.model.layers import Linear, Rotary, apply_rotary, rms_norm
 from moed.model.quant.weight import QuantWeight
 from moed.model.spec import ModelSpec
@@ -171,6 +171,11 @@ class MLABackend(AttentionBackend):
                 kv_layer: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{self.name} MLA backend: the MLA block calls forward_mla, not forward")
 
+    def write_latent(self, c_kv: torch.Tensor, k_rope: torch.Tensor, kv_layer: torch.Tensor) -> None:
+        """Only the new tokens' [c_kv | k_rope] into the planned rows (`self.write`, which
+        both backends' plan() sets), no attention: MLAAttention.write_kv."""
+        write_rows(kv_layer.view(-1, kv_layer.shape[-1]), self.write, torch.cat((c_kv, k_rope), dim=-1))
+
     @abstractmethod
     def forward_mla(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
                     k_rope: torch.Tensor, kv_layer: torch.Tensor, w_uk: torch.Tensor,
@@ -234,6 +239,14 @@ class MLAAttention:
         self.w_uk_abs = self.w_uk.float() if cpu_half else self.w_uk
         self.w_uv_abs = self.w_uv.float() if cpu_half else self.w_uv
         self.o = lin("o_proj")
+
+    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 backend: MLABackend, kv_layer: torch.Tensor) -> None:
+        """The cache entries __call__ writes for x's tokens, and nothing else (no query, no
+        attention, no output): for a layer whose output the step does not need."""
+        lat = self.kv_a(x)
+        c_kv = rms_norm(lat[:, :self.r], self.kv_a_norm, self.eps)
+        backend.write_latent(c_kv, apply_rotary(lat[:, None, self.r:], cos, sin)[:, 0], kv_layer)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backend: MLABackend, kv_layer: torch.Tensor) -> torch.Tensor:

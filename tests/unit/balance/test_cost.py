@@ -9,12 +9,14 @@ from moed.balance.cost import (AdvertisedCost, Coefficients, CostModel, ExpertSh
                                shape_of)
 
 TRUE = Coefficients(overhead_s=0.004, per_token_s=4.5e-4, per_pair_s=2.9e-7,
-                    per_decode_s=1.5e-3, per_expert_s=0.003, per_context_s=4e-5)
+                    per_decode_s=1.5e-3, per_expert_s=0.003, per_context_s=4e-5,
+                    per_verified_s=2e-4)
 EXPERTS = ExpertShape(16, 2)
 
 
 def _random_step(rng: random.Random) -> StepShape:
-    chunks = [(rng.randrange(0, 2000), 1, True) for _ in range(rng.randrange(0, 24))]
+    chunks = [(rng.randrange(0, 2000), 1 + rng.choice((0, 0, rng.randrange(1, 5))), True)
+              for _ in range(rng.randrange(0, 24))]        # some decodes verify drafts
     for _ in range(rng.randrange(0, 3)):
         chunks.append((rng.randrange(0, 4000), rng.randrange(2, 2048), False))
     if not chunks:
@@ -28,6 +30,13 @@ def test_chunk_pairs_are_causal_attention_pairs():
     assert chunk_pairs(10, 2) == 11 + 12
     # chunking does not change the pairs of a whole prompt
     assert chunk_pairs(0, 300) == chunk_pairs(0, 100) + chunk_pairs(100, 100) + chunk_pairs(200, 100)
+
+
+def test_a_decode_with_drafts_is_a_decode_plus_verified_positions():
+    s = shape_of([(100, 4, True), (50, 1, True), (0, 8, False)], EXPERTS)
+    assert (s.decode_seqs, s.verified_positions, s.prefill_tokens, s.prefill_context) == (2, 3, 8, 0)
+    assert s.attention_pairs == chunk_pairs(100, 4) + chunk_pairs(50, 1) + chunk_pairs(0, 8)
+    assert s.experts_touched == EXPERTS.touched(2 + 3 + 8)
 
 
 def test_experts_touched_saturates():
@@ -44,7 +53,8 @@ def test_fit_recovers_known_coefficients_with_noise():
         shape = _random_step(rng)
         model.observe(shape, TRUE.predict(shape) * (1 + rng.gauss(0, 0.03)))
     got = model.coefficients
-    for name in ("overhead_s", "per_token_s", "per_pair_s", "per_decode_s", "per_context_s"):
+    for name in ("overhead_s", "per_token_s", "per_pair_s", "per_decode_s", "per_context_s",
+                 "per_verified_s"):
         assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
     med, p90 = model.error_quantiles()
     assert med < 0.05 and p90 < 0.1                  # about the noise

@@ -256,6 +256,9 @@ def test_speculative_config_takes_vllm_json_and_refuses_other_keys(capsys):
     sp = _cfg("/m", "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 3}') \
         .speculative
     assert (sp.prompt_lookup_min, sp.prompt_lookup_max) == (3, 3)
+    assert sp.adaptive      # moed's one key beyond vLLM's, on by default
+    assert not _cfg("/m", "--speculative-config", '{"method": "ngram", "adaptive": false}') \
+        .speculative.adaptive
     assert not _cfg("/m").speculative.enabled
     for bad, says in (('{"method": "ngram", "draft_tensor_parallel_size": 1}',
                        "draft_tensor_parallel_size is not supported"),

@@ -103,7 +103,9 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
               MOED_SPECULATIVE_PROMPT_LOOKUP_MIN="2", MOED_SPECULATIVE_PROMPT_LOOKUP_MAX="3")
     sp = on.speculative
     assert (sp.method, sp.num_speculative_tokens, sp.prompt_lookup_min,
-            sp.prompt_lookup_max) == ("ngram", 4, 2, 3)
+            sp.prompt_lookup_max, sp.adaptive) == ("ngram", 4, 2, 3, True)
+    assert not _cfg(MOED_SPECULATIVE_METHOD="ngram",
+                    MOED_SPECULATIVE_ADAPTIVE="false").speculative.adaptive
     for env, says in (
             ({"MOED_SPECULATIVE_METHOD": "eagle"}, "speculative.method: 'eagle' is not one of"),
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "9"},

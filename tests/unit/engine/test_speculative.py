@@ -23,8 +23,10 @@ from moed.types import FinishReason, SamplingParams
 torch.set_num_threads(1)
 
 BS = 4
+# the per-step switch off: these tests are about what a drafting step does, and compare runs
+# step by step (the switch decides from measured times; test_speculative_gate.py tests it)
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
-                          prompt_lookup_max=3)
+                          prompt_lookup_max=3, adaptive=False)
 ARCHS = {
     "qwen3_moe": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4,
                       moe_intermediate_size=32),

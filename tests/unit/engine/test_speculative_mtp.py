@@ -22,7 +22,8 @@ torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "models" / "stdlib-ds3-tiny"
-MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+# the per-step switch off (as in test_speculative.py): every step may draft
+MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=1, adaptive=False)
 SNIPPETS = [
     "def {a}(x, y):\n    return x + y\n\n\ndef {b}(x, y):\n    return x - y\n\n\ndef {c}(x, y):\n",
     "import {a}\nimport {b}\nimport {c}\nimport {a}\nimport",

@@ -222,3 +222,29 @@ def test_a_request_whose_drafts_are_rejected_stops_drafting() -> None:
         seq.append(next_token(seq))
     assert req.token_ids == seq
     assert 0 < drafts <= 16, (drafts, steps)     # ~200 chances without the pause
+
+
+def test_the_cost_policy_gives_drafts_what_the_itl_target_leaves() -> None:
+    """Verified positions are their own cost term: 2 decodes at 1 ms each + 1 ms overhead
+    leave 17 ms of the 20 ms ITL target; at 4 ms a verified position, 4 drafts fit (the
+    first request takes k = 3, the second 1), at 20 ms none. Priced as prompt tokens of the
+    old model they would cost nothing here (per_token_s 0)."""
+    for per_verified, want in ((0.004, 4), (0.02, 0)):
+        coef = Coefficients(overhead_s=0.001, per_decode_s=0.001, per_verified_s=per_verified)
+        kv = KVCacheManager(64, 4)
+        s = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64, policy=CostPolicy(TB),
+                      cost=CostModel(min_samples=0, prior=coef))
+        s.set_speculation(SpecSettings("ngram", K, 1, 3))
+        runner = FakeRunner(64, 4)
+        for i in range(2):
+            s.add(Request(str(i), [i + 1, 2, 3], SamplingParams(max_tokens=12, temperature=0.0)))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(scheduler_mod, "propose", lambda sp, req, room: (5,) * room)
+            for _ in range(3):          # the prompts, then both decoding
+                plan, _ = s.schedule()
+                nxt = runner.greedy(plan.batch)
+                if any(c.draft for c in plan.chunks) or want == 0 and plan.num_prefill_tokens == 0:
+                    break
+                s.update(plan, [nxt[i] for i, c in enumerate(plan.chunks) if c.sample])
+        assert plan.num_prefill_tokens == 0 and len(plan.chunks) == 2
+        assert [len(c.draft) for c in plan.chunks] == ([3, 1] if want else [0, 0])

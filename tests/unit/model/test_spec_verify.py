@@ -240,7 +240,9 @@ GREEDY = [SamplingParams(temperature=0.0),
                          presence_penalty=0.5, logit_bias=((4, 2.0),)),
           # EOS (3) the favourite once allowed: a ban held too long or lifted too early shows
           SamplingParams(temperature=0.0, min_tokens=6, stop_token_ids=(9,),
-                         logit_bias=((3, 4.0),))]
+                         logit_bias=((3, 4.0),)),
+          # bans only: processed rows while short, verify's bare argmax once min_tokens is met
+          SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=(9,))]
 
 
 @pytest.mark.parametrize("seed", range(8))

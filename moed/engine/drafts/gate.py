@@ -1,0 +1,112 @@
+"""The per-step switch: whether a step's decoding requests may draft at all (no torch).
+
+Drafts pay where a step is bound by reading the weights (one more position is nearly free)
+and lose where it is bound by compute or by per-row overhead (batch 16 on the 2-core Xeon:
+ngram 0.78x, mtp 0.59x with most drafts accepted). Which one a step is depends on the batch,
+the model and the machine, so the switch measures instead of predicting:
+
+    class       the step's decoding rows in power-of-two classes: 1, 2, 3-4, 5-8, 9-16, ...
+    arm         "draft" (the step may draft) or "plain" (it may not)
+    rate        emitted tokens per second of the arm's steps in the class: EMAs of tokens and
+                of seconds (weight EMA_WEIGHT), their ratio; only steps without a prompt chunk
+                are measured (a chunk's time is neither arm's)
+
+Each class runs the arm with the higher rate. Every EXPLORE_EVERY decisions it runs the
+other for EXPLORE_RUN steps in a row (a run, not one step: an MTP draft is made one step
+before it is verified, so the first step of a draft run has none), so a loser that has become
+the winner (the batch's prompts turned repetitive, the machine got quieter) is found again
+within a few hundred steps. A new class first runs each arm for MIN_SAMPLES measured steps,
+drafts first. The decision is `decide` and the measurement `observe`, pure; `StepGate` holds the
+classes' states for the engine (one writer: the step loop).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+EMA_WEIGHT = 0.2
+MIN_SAMPLES = 4
+EXPLORE_EVERY = 64
+EXPLORE_RUN = 4
+SPIKE = 4.0
+
+
+class Why(enum.Enum):
+    """Why a step drafts or not (the label of moed_spec_decode_steps_total's `decision`)."""
+    WARMUP = "warmup"       # the class has too few samples of an arm: measuring it
+    WINNER = "winner"       # the arm with the higher measured rate
+    EXPLORE = "explore"     # the loser's periodic run
+
+
+@dataclass(frozen=True)
+class Arm:
+    tokens: float = 0.0     # EMA of emitted tokens per measured step
+    seconds: float = 0.0    # EMA of seconds per measured step
+    samples: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Emitted tokens per second (0 before any sample)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ClassState:
+    draft: Arm = field(default_factory=Arm)
+    plain: Arm = field(default_factory=Arm)
+    decisions: int = 0      # the exploration clock: decisions taken after warm-up
+    explored: bool = False  # the arm the current exploration run measures (the loser at its start)
+    last: bool | None = None    # the arm of the last step observed
+
+
+def size_class(rows: int) -> int:
+    """The power-of-two class of a step with `rows` decoding rows: 1 -> 0, 2 -> 1, 3-4 -> 2,
+    5-8 -> 3, ... (0 rows counts as 1)."""
+    return max(rows - 1, 0).bit_length()
+
+
+def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
+    """(draft this step?, why, the state with its clock advanced)."""
+    if s.draft.samples < MIN_SAMPLES:
+        return True, Why.WARMUP, s
+    if s.plain.samples < MIN_SAMPLES:
+        return False, Why.WARMUP, s
+    winner = s.draft.rate >= s.plain.rate
+    phase = s.decisions % EXPLORE_EVERY - (EXPLORE_EVERY - EXPLORE_RUN)
+    if phase < 0:
+        return winner, Why.WINNER, replace(s, decisions=s.decisions + 1)
+    arm = not winner if phase == 0 else s.explored      # one arm for the whole run
+    return arm, Why.EXPLORE, replace(s, decisions=s.decisions + 1, explored=arm)
+
+
+def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassState:
+    """The class after one step of arm `drafted` that emitted `tokens` in `seconds`. The first
+    step after a switch of arms is not measured (the switch's cost is neither arm's: an MTP
+    draft is made a step before it is verified, so a draft run's first step has none). An
+    arm's first sample sets its averages; later ones move them by EMA_WEIGHT, each step's
+    seconds capped at SPIKE times the average (a step slowed by another process on the cores
+    must not decide alone)."""
+    if s.last is not None and drafted != s.last:
+        return replace(s, last=drafted)
+    a = s.draft if drafted else s.plain
+    w = 1.0 if a.samples == 0 else EMA_WEIGHT
+    sec = max(seconds, 0.0) if a.samples == 0 else min(max(seconds, 0.0), SPIKE * a.seconds)
+    a = Arm((1 - w) * a.tokens + w * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
+    return replace(s, draft=a, last=True) if drafted else replace(s, plain=a, last=False)
+
+
+class StepGate:
+    """The classes' states, decided and measured by the step loop."""
+
+    def __init__(self) -> None:
+        self.classes: dict[int, ClassState] = {}
+
+    def choose(self, rows: int) -> tuple[bool, Why]:
+        """Whether a step with `rows` decoding rows may draft, and why."""
+        c = size_class(rows)
+        draft, why, self.classes[c] = decide(self.classes.get(c, ClassState()))
+        return draft, why
+
+    def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        c = size_class(rows)
+        self.classes[c] = observe(self.classes.get(c, ClassState()), drafted, tokens, seconds)

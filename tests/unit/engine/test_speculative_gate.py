@@ -1,0 +1,220 @@
+"""Speculation's per-step switch (moed/engine/drafts/gate.py): the pure decision (warm-up,
+winner, exploration, recovery when the loser becomes the winner) and, wired into the engine
+with a fake clock whose step times make drafts lose or win, that a losing batch ends up mostly
+not drafting and a winning one mostly drafting, with greedy output equal to plain decoding;
+with the MTP layer, steps that do not draft write its KV only, and the KV it writes is the
+full layer's."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from moed.config import EngineConfig, SpeculativeConfig
+from moed.engine.drafts.gate import (EMA_WEIGHT, EXPLORE_EVERY, EXPLORE_RUN, MIN_SAMPLES, SPIKE,
+                                     ClassState, StepGate, Why, decide, observe, size_class)
+from moed.engine.engine import Engine
+from moed.model.batch import ForwardBatch
+from moed.model.runner import ModelRunner
+from moed.model.tokenizer import Tokenizer
+from moed.obs import metrics
+from moed.types import SamplingParams
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _run_gate(state: ClassState, steps: int, cost) -> tuple[ClassState, list[bool]]:
+    """`steps` decisions of one class; cost(draft) -> (tokens, seconds) of that step."""
+    arms = []
+    for _ in range(steps):
+        draft, _, state = decide(state)
+        arms.append(draft)
+        state = observe(state, draft, *cost(draft))
+    return state, arms
+
+
+def test_size_classes_are_powers_of_two():
+    assert [size_class(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17)] == \
+        [0, 0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_warmup_measures_both_arms_drafts_first_then_the_winner_runs():
+    s = ClassState()
+    seen = []
+    while decide(s)[1] is Why.WARMUP:
+        draft, why, s = decide(s)
+        seen.append(draft)
+        s = observe(s, draft, 3 if draft else 1, 1.0)       # drafts: 3 tokens a second
+    # the first step after the switch is not measured
+    assert seen == [True] * MIN_SAMPLES + [False] * (MIN_SAMPLES + 1)
+    assert (s.draft.samples, s.plain.samples) == (MIN_SAMPLES, MIN_SAMPLES)
+    assert decide(s)[:2] == (True, Why.WINNER)
+    s = observe(s, False, 20, 1.0)      # the plain arm now measures faster
+    assert s.plain.rate > s.draft.rate
+    assert decide(s)[:2] == (False, Why.WINNER)
+
+
+def test_a_spike_moves_an_arm_at_most_by_the_cap():
+    s = ClassState()
+    for _ in range(MIN_SAMPLES):
+        s = observe(s, True, 2, 1.0)
+    s = observe(s, True, 2, 1000.0)     # one step stalled by another process
+    assert s.draft.seconds == pytest.approx((1 - EMA_WEIGHT) + EMA_WEIGHT * SPIKE)
+
+
+def test_the_loser_is_explored_in_runs_and_never_otherwise():
+    warmup = 2 * MIN_SAMPLES + 1        # + the unmeasured first step after the switch
+    s, arms = _run_gate(ClassState(), warmup + 4 * EXPLORE_EVERY,
+                        lambda d: (1, 2.0) if d else (1, 1.0))      # drafts always lose
+    after = arms[warmup:]
+    assert sum(after) == 4 * EXPLORE_RUN            # only the exploration runs draft
+    runs = "".join("d" if a else "." for a in after).split(".")
+    assert sorted(len(r) for r in runs if r) == [EXPLORE_RUN] * 4
+
+
+def test_recovers_when_the_losing_arm_becomes_the_winner():
+    s, arms = _run_gate(ClassState(), 300, lambda d: (1, 2.0) if d else (1, 1.0))
+    assert sum(arms[-200:]) <= 4 * EXPLORE_RUN
+    # the batch's text turns repetitive: a drafting step now emits 4 tokens in 2 s
+    s, arms = _run_gate(s, 3 * EXPLORE_EVERY, lambda d: (4, 2.0) if d else (1, 1.0))
+    first = arms.index(True)
+    assert all(arms[first:first + EXPLORE_RUN + 8])     # the exploration run, then it wins
+    rest = arms[first + EXPLORE_RUN:]
+    assert rest.count(False) <= EXPLORE_RUN * (len(rest) // EXPLORE_EVERY + 1)  # plain explored
+    assert s.draft.rate > s.plain.rate
+
+
+def test_classes_are_measured_apart():
+    g = StepGate()
+    for _ in range(3 * MIN_SAMPLES + 10):
+        for rows, draft_wins in ((1, True), (16, False)):
+            d, _ = g.choose(rows)
+            g.observe(rows, d, 2 if d and draft_wins else 1, 2.0 if d and not draft_wins else 1.0)
+    assert g.choose(1) == (True, Why.WINNER)
+    assert g.choose(16) == (False, Why.WINNER)
+
+
+# ---- wired into the engine, with a fake clock ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(make_checkpoint):
+    return make_checkpoint("qwen3_moe", "tiny", 3, hidden_size=64, num_layers=2, num_heads=4,
+                           num_kv_heads=2, num_experts=4, moe_intermediate_size=32)
+
+
+def _engine(d, spec=None, mtp=False) -> Engine:
+    r = ModelRunner(d, dtype="float32", device="cpu", attention_backend="torch",
+                    num_blocks=512, block_size=4, mtp=mtp)
+    cfg = EngineConfig(block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    return Engine(r, Tokenizer.from_dir(d), cfg, speculative=spec)
+
+
+def _timed(e: Engine, per_draft_position: float) -> list[int]:
+    """A fake clock advanced by each forward pass: 1 per sequence, `per_draft_position` per
+    position past a sequence's first. -> the list the drafting steps' draft counts go to."""
+    now = [0.0]
+    drafts: list[int] = []
+    fwd = e.runner.forward
+
+    def forward(batch: ForwardBatch, **kw):
+        extra = batch.num_tokens - batch.num_seqs
+        now[0] += batch.num_seqs + per_draft_position * extra
+        if extra and all(len(t) <= 4 for t in batch.token_ids):
+            drafts.append(extra)
+        return fwd(batch, **kw)
+    e.runner.forward = forward
+    e._clock = lambda: now[0]
+    return drafts
+
+
+def _decisions() -> dict[str, float]:
+    return {d: sum(metrics.SPEC_STEPS.labels(d, w.value)._value.get() for w in Why)
+            for d in ("draft", "plain")}
+
+
+PROMPTS = [[5, 6, 7, 8, 9] * 4 + [5, 6], [11, 12, 13] * 6, [20, 21, 22, 23] * 5, [30, 31] * 8]
+PARAMS = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+ADAPTIVE = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                             prompt_lookup_max=3)
+
+
+@pytest.mark.parametrize("per_draft_position,drafts_win", [(2.0, False), (0.0, True)])
+def test_a_batch_whose_drafts_lose_mostly_stops_drafting(ckpt, per_draft_position, drafts_win):
+    plain = _engine(ckpt).generate(PROMPTS, PARAMS)
+    e = _engine(ckpt, ADAPTIVE)
+    drafting_steps = _timed(e, per_draft_position)
+    before = _decisions()
+    assert e.generate(PROMPTS, PARAMS) == plain
+    after = _decisions()
+    draft, total = after["draft"] - before["draft"], sum(after.values()) - sum(before.values())
+    assert total >= 100
+    if drafts_win:
+        assert draft > 0.8 * total, (draft, total)
+    else:   # warm-up and the exploration runs only
+        assert draft <= 2 * MIN_SAMPLES + EXPLORE_RUN * (total // EXPLORE_EVERY + 1), (draft, total)
+        assert len(drafting_steps) <= draft
+    off = _engine(ckpt, SpeculativeConfig(**{**ADAPTIVE.__dict__, "adaptive": False}))
+    drafting_off = _timed(off, per_draft_position)
+    assert off.generate(PROMPTS, PARAMS) == plain
+    if not drafts_win:      # without the switch nearly every step drafts
+        assert len(drafting_steps) < len(drafting_off) / 4
+
+
+def _tiny_with_mtp(make_checkpoint, tmp_path_factory) -> Path:
+    spec = importlib.util.spec_from_file_location(
+        "moed_test_mtp_helpers_gate", ROOT / "tests" / "unit" / "model" / "test_mtp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = make_checkpoint("deepseek_v3", hidden_size=64, num_layers=2, num_heads=4,
+                           num_experts=8, moe_intermediate_size=32, vocab_size=512,
+                           max_position_embeddings=128, dtype="float32")
+    return mod._with_mtp(base, tmp_path_factory.mktemp("mtp") / "m", own_copies=False)[0]
+
+
+def test_mtp_kv_only_writes_the_full_layers_kv(make_checkpoint, tmp_path_factory):
+    d = _tiny_with_mtp(make_checkpoint, tmp_path_factory)
+    runs = []
+    for kv_only in (False, True):
+        r = ModelRunner(d, dtype="float32", device="cpu", num_blocks=16, block_size=4, mtp=True)
+        b = ForwardBatch([[3, 9, 27, 81, 243, 7, 21], [5, 25, 125]], [0, 0], [[0, 1], [2]])
+        _, hid = r.forward(b, hidden=True)
+        mb = ForwardBatch([[9, 27, 81, 243, 7, 21, 63], [25, 125, 11]], [0, 0], [[0, 1], [2]])
+        out = r.forward_mtp(mb, hid, kv_only=kv_only)
+        assert (out is None) == kv_only
+        runs.append(r.kv_cache[r.spec.num_layers][:3].clone())
+    assert torch.equal(runs[0], runs[1]) and runs[0].abs().sum() > 0
+
+
+def test_mtp_with_the_switch_equals_plain_and_drafts_after_kv_only_steps(make_checkpoint,
+                                                                        tmp_path_factory):
+    """A switch that alternates runs of 6 plain (KV-only MTP) and 6 drafting steps: greedy
+    output equals plain decoding, and drafting resumes after each plain run."""
+    d = _tiny_with_mtp(make_checkpoint, tmp_path_factory)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 30, (6,), generator=gen)]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want = _engine(d).generate(prompts, params)
+    e = _engine(d, SpeculativeConfig(method="mtp", num_speculative_tokens=1), mtp=True)
+    n = [0]
+
+    def alternate(rows: int):
+        n[0] += 1
+        return (n[0] // 6) % 2 == 1, Why.EXPLORE
+    e._gate.choose = alternate
+    kv_only = []
+    fwd_mtp = e.runner.forward_mtp
+
+    def spy(batch, hidden, kv_only_=False, **kw):
+        kv_only.append(kw.get("kv_only", kv_only_))
+        return fwd_mtp(batch, hidden, **kw)
+    e.runner.forward_mtp = spy
+    d0 = metrics.SPEC_DRAFTS._value.get()
+    assert e.generate(prompts, params) == want
+    assert any(kv_only) and not all(kv_only)
+    assert metrics.SPEC_DRAFTS._value.get() - d0 > 0
+    assert e.kv.num_used_blocks == 0
