@@ -148,8 +148,7 @@ class Scheduler:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """k, the most draft tokens a request verifies a step (0: no speculation, or not in
-        this step: the per-step switch, moed.engine.drafts.gate, said plain)."""
+        """k, the most draft tokens a request verifies a step (0: none, or the step switch's plain)."""
         return 0 if self._spec is None or not self.drafting else self._spec.k
 
     @property
@@ -240,8 +239,7 @@ class Scheduler:
         return build_plan(self._kv, draft.chunks, draft.preempted_ids), draft.events
 
     def advertised(self) -> AdvertisedCost | None:
-        """This node's prefill cost state (what it would advertise; what early rejection
-        predicts from). None unless the cost policy runs with a fitted model."""
+        """This node's prefill cost state (advertised; early rejection's): None unless cost-fitted."""
         p = self._policy
         return p.advertised(self) if isinstance(p, CostPolicy) else None
 
