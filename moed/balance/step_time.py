@@ -109,7 +109,9 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
     # a slow machine: a budget below what the smallest step costs would let no chunk fit
     # (every step then gave the least-slack prompt min_tokens); chunks get at least the
     # smallest step's time again (floor_budget), so their own work is worth its fixed cost
-    budget_s = max(budget_s, floor_budget(coef, base, min(min_tokens, max_tokens), experts))
+    floor_s = floor_budget(coef, base, min(min_tokens, max_tokens), experts)
+    floored = floor_s > budget_s     # the machine is slower than the budgets
+    budget_s = max(budget_s, floor_s)
     whole_s = max(whole_s, budget_s)
     picks: list[Pick] = []
     shape, left, new = base, max_tokens, 0
@@ -140,6 +142,8 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
             partials += 1
         new += not it.partial
         picks.append(Pick(it.key, n))
+        if n == it.remaining:
+            firsts.append(buckets.target(it.total))
         shape = add_chunk(shape, it.start, n, experts)
         left -= n
         taken.add(it.key)
@@ -161,12 +165,13 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
                                                                                budget_s)
                 if whole(it, lim):
                     take(it, it.remaining)
-                    firsts.append(buckets.target(it.total))
                 continue
-            if not urgent_pass and firsts and buckets.target(it.total) > min(firsts) \
-                    and slack(it, coef, buckets) > 0:
+            if firsts and buckets.target(it.total) > min(firsts) and (floored or (
+                    not urgent_pass and slack(it, coef, buckets) > 0)):
                 continue    # the step gives a shorter-target prompt its first token: no
-                #             delay for it from one not predicted to miss its own target
+                #             delay for it from one not predicted to miss its own target —
+                #             nor from any, on a machine slower than the budgets (every
+                #             prompt misses there; a chunk rode each short's step: p99 2x)
             n = fit(it, limit_s)
             if not n and urgent_pass and it.partial and not picks:
                 n = amortized(it)       # urgent, alone in the step, its context outgrew it

@@ -99,3 +99,14 @@ def test_slow_shorts_keep_their_ttft_while_a_long_prompt_runs():
     assert worst_alone < 1.5                 # ~ a step and a half: they run whole
     assert worst <= 2.0 * worst_alone        # at most one long chunk's step ahead
     assert flood["L"] < 60
+
+
+def test_slow_first_token_step_takes_no_long_chunk():
+    """On a machine slower than the budgets every long prompt is predicted to miss its
+    target, so the slack exception let its chunk ride each short's first-token step (AVX2
+    emulated: short TTFT p99 2.05x with the flood); there it never does."""
+    items = [Item("L", 512, 2488, 3000, 6.0, True), Item("s", 0, 64, 64, 0.9)]
+    assert _choose(items, StepShape()) == [Pick("s", 64)]
+    assert _choose(items, shape_of([(80, 1, True)] * 4)) == [Pick("s", 64)]
+    # a fast machine keeps the exception: a long prompt past its target still rides along
+    assert {p.key for p in _choose(items, StepShape(), FAST)} == {"s", "L"}
