@@ -2,6 +2,11 @@
 
     .venv/bin/python bench/balance.py [--preset bench|tiny] [--duration 24] [--util 0.6]
 
+A slow CPU (issue 30 item 6: an AVX2 machine on torch's bf16 path), emulated: --slowdown 6
+(each forward sleeps 5x its own time) with a fixed trace of the issue's shape, e.g.
+--short-rate 0.5 --long-every 20 --short-tokens 64,64 --long-tokens 3000,3000 --itl-ms 100
+--long-target-ms 2000 (the daemon's defaults).
+
 Trace (seeded, open loop, scaled to this machine): short requests (128-256 prompt tokens, 16
 generated) arrive as a Poisson stream; with the flood, a long prompt (bench: 2500-3000 tokens,
 tiny: 1500-1900; 4 generated) also arrives every `--long-every` seconds. By default both rates
@@ -60,7 +65,9 @@ LONG = {"bench": (2500, 3000), "tiny": (1500, 1900)}   # tiny's context is 2048 
 
 
 def make_trace(duration: float, short_rate: float, long_every: float, flood: bool, seed: int,
-               long_range: tuple[int, int] = LONG["bench"]) -> list[tuple[float, str, int, int]]:
+               long_range: tuple[int, int] = LONG["bench"],
+               short_range: tuple[int, int] = (128, 256), short_new: int = 16
+               ) -> list[tuple[float, str, int, int]]:
     """(arrival s, kind, prompt tokens, max tokens), sorted. The shorts are the same with and
     without the flood (same seed)."""
     rng = random.Random(seed)
@@ -69,7 +76,7 @@ def make_trace(duration: float, short_rate: float, long_every: float, flood: boo
         t += rng.expovariate(short_rate)
         if t >= duration:
             break
-        out.append((t, "short", rng.randint(128, 256), 16))
+        out.append((t, "short", rng.randint(*short_range), short_new))
     if flood:
         lr = random.Random(seed + 1)
         t = 0.5
@@ -86,7 +93,24 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(p / 100 * len(s) + 0.5)) - 1))]
 
 
-def measure_demand(runner: ModelRunner, vocab: int, long_len: int) -> tuple[float, float]:
+def slow_down(runner: ModelRunner, factor: float) -> None:
+    """Emulate a CPU `factor` times slower (--slowdown): each forward sleeps (factor - 1) x
+    its own time, inside the step the engine times, so the cost model, the budgets and the
+    trace all see the slow machine; the sleep leaves the shared cores to others."""
+    if factor <= 1:
+        return
+    forward = runner.forward
+
+    def slow(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        time.sleep((factor - 1) * (time.perf_counter() - t0))
+        return out
+    runner.forward = slow
+
+
+def measure_demand(runner: ModelRunner, vocab: int, long_len: int, short_len: int = 192,
+                   short_new: int = 16) -> tuple[float, float]:
     """Seconds of node time one short and one long request cost, measured (fixed-2048): the
     prefill alone, plus the decode steps' share at a batch of 8."""
     eng = Engine(runner, None, EngineConfig(block_size=16, enable_prefix_caching=False,
@@ -104,7 +128,8 @@ def measure_demand(runner: ModelRunner, vocab: int, long_len: int) -> tuple[floa
     timed([ids(64)], 2)                                           # warm-up
     batch = [ids(32) for _ in range(8)]
     step8 = (timed(batch, 17) - timed([ids(32) for _ in range(8)], 1)) / 16
-    return timed([ids(192)], 1) + 16 * step8 / 8, timed([ids(long_len)], 1) + 4 * step8 / 8
+    return (timed([ids(short_len)], 1) + short_new * step8 / 8,
+            timed([ids(long_len)], 1) + 4 * step8 / 8)
 
 
 def build(runner: ModelRunner, name: str, args: argparse.Namespace) -> Engine:
@@ -236,6 +261,14 @@ def main() -> int:
     ap.add_argument("--calibration-steps", type=int, default=39,
                     help="cost policy: balance.calibration_steps (three rounds of the "
                     "calibration's shapes: 13 steps on 2 shared cores left fits off by 2-4x)")
+    ap.add_argument("--short-tokens", default="128,256",
+                    help="short prompts' length range (the issue's slow-CPU case: 64,64)")
+    ap.add_argument("--short-new", type=int, default=16, help="tokens generated per short")
+    ap.add_argument("--long-tokens", default="",
+                    help="long prompts' length range (default: the preset's; e.g. 3000,3000)")
+    ap.add_argument("--slowdown", type=float, default=1.0,
+                    help="emulate a CPU this many times slower: every forward sleeps "
+                    "(x - 1) times its own time (an AVX2 machine on the torch path)")
     ap.add_argument("--drain", type=float, default=60.0, help="s allowed after the trace")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -258,17 +291,23 @@ def main() -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     runner = ModelRunner(model_dir, dtype="bfloat16", device="cpu", attention_backend="torch",
                          num_blocks=4096, block_size=16)
+    slow_down(runner, a.slowdown)
+    short_range = tuple(int(x) for x in a.short_tokens.split(","))
+    long_range = (tuple(int(x) for x in a.long_tokens.split(",")) if a.long_tokens
+                  else LONG[a.preset])
     names = [n for n in SCHEDULERS if not a.only or n in a.only.split(",")]
     if not a.short_rate or not a.long_every:     # scale the trace to this machine, now
-        short_s, long_s = measure_demand(runner, vocab, sum(LONG[a.preset]) // 2)
+        short_s, long_s = measure_demand(runner, vocab, sum(long_range) // 2,
+                                         sum(short_range) // 2, a.short_new)
         a.short_rate = a.short_rate or a.util * (1 - a.long_share) / short_s
         a.long_every = a.long_every or long_s / (a.util * a.long_share)
         print(f"calibrated: a short request ~{short_s:.2f}s of work, a long one ~{long_s:.2f}s; "
               f"trace at {a.util:.0%} busy: {a.short_rate:.2f} shorts/s, a long prompt every "
               f"{a.long_every:.1f}s", flush=True)
     traces = {f: make_trace(a.duration, a.short_rate, a.long_every, f == "flood", a.seed,
-                            LONG[a.preset]) for f in ("alone", "flood")}
-    print(f"{a.arch} {a.preset} preset, bf16, {torch.get_num_threads()} threads; trace {a.duration:.0f}s: "
+                            long_range, short_range, a.short_new) for f in ("alone", "flood")}
+    print(f"{a.arch} {a.preset} preset, bf16, {torch.get_num_threads()} threads, slowdown "
+          f"{a.slowdown:g}x; trace {a.duration:.0f}s: "
           f"{sum(k == 'short' for _, k, _, _ in traces['flood'])} shorts, "
           f"{sum(k == 'long' for _, k, _, _ in traces['flood'])} long prompts (flood); "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)

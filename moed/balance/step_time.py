@@ -18,15 +18,24 @@ this is shortest-remaining-first across buckets; age lowers the slack (aging). T
 filled in two passes: first, in that order, the prompts that complete within what is left
 (their first token comes this step) and the *urgent* ones (waited past their own bucket's
 target: from then on they no longer yield; while one waits, the others — whole prompts,
-then chunks — take at most half the step's prefill time before it, URGENT_SHARE); then
-everything else gets chunks of what remains, shortest remaining first. So a long prompt that can only make progress never holds back a short one that
-could finish — measured: a plain one-pass fill let a long prompt predicted to miss its own
-target (least slack) take every step, and the shorts behind it waited 12 s — and its own
-wait is still bounded: it runs on the leftovers, and past its target it goes first. Each
-item gets the largest chunk the cost model says still fits (`moed.balance.cost.max_chunk`);
-at most `max_partial` prompts are under way at once (a new one starts only if it completes
-this step or a slot is free). When nothing fits (a budget below one chunk's overhead), the
-head still gets `min_tokens`, so progress never stops.
+then chunks — take at most half the step's prefill time before it, URGENT_SHARE; among
+themselves shortest remaining first); then everything else gets chunks of what remains,
+shortest remaining first. So a long prompt that can only make progress never holds back a
+short one that could finish — measured: a plain one-pass fill let a long prompt predicted
+to miss its own target (least slack) take every step, and the shorts behind it waited 12 s —
+and its own wait is still bounded: it runs on the leftovers, and past its target on at
+least half of each step that non-urgent prompts share with it. Each item gets the largest
+chunk the cost model says still fits (`moed.balance.cost.max_chunk`); at most `max_partial`
+prompts are under way at once (a new one starts only if it completes this step or a slot is
+free).
+
+A machine too slow for the budgets (issue 30 item 6: an AVX2 CPU on torch's bf16 path, a
+step's fixed cost above the 125 ms prefill step and the 100 ms ITL target): no chunk fitted,
+each step gave the head of the slack order — the long prompt, its slack the most negative —
+`min_tokens`, and shorts, all past their target, queued behind it by slack. The budgets are
+floored at `floor_budget` (the smallest step's time again: chunks sized from the fitted step
+time), and urgent prompts go shortest remaining first. When still nothing fits (a token
+cap), the head, shortest remaining first, gets `min_tokens`, so progress never stops.
 """
 from __future__ import annotations
 
@@ -97,6 +106,12 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
     many items that are not `partial` may start (free sequence seats). `budget_s` bounds the
     step for chunks (`chunk_budget`), `whole_s` for whole prompts and urgent ones
     (`whole_budget`; below `budget_s`: `budget_s`)."""
+    # a slow machine: a budget below what the smallest step costs would let no chunk fit
+    # (every step then gave the least-slack prompt min_tokens); chunks get at least the
+    # smallest step's time again (floor_budget), so their own work is worth its fixed cost
+    floor_s = floor_budget(coef, base, min(min_tokens, max_tokens), experts)
+    floored = floor_s > budget_s     # the machine is slower than the budgets
+    budget_s = max(budget_s, floor_s)
     whole_s = max(whole_s, budget_s)
     picks: list[Pick] = []
     shape, left, new = base, max_tokens, 0
@@ -127,6 +142,8 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
             partials += 1
         new += not it.partial
         picks.append(Pick(it.key, n))
+        if n == it.remaining:
+            firsts.append(buckets.target(it.total))
         shape = add_chunk(shape, it.start, n, experts)
         left -= n
         taken.add(it.key)
@@ -148,12 +165,13 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
                                                                                budget_s)
                 if whole(it, lim):
                     take(it, it.remaining)
-                    firsts.append(buckets.target(it.total))
                 continue
-            if not urgent_pass and firsts and buckets.target(it.total) > min(firsts) \
-                    and slack(it, coef, buckets) > 0:
+            if firsts and buckets.target(it.total) > min(firsts) and (floored or (
+                    not urgent_pass and slack(it, coef, buckets) > 0)):
                 continue    # the step gives a shorter-target prompt its first token: no
-                #             delay for it from one not predicted to miss its own target
+                #             delay for it from one not predicted to miss its own target —
+                #             nor from any, on a machine slower than the budgets (every
+                #             prompt misses there; a chunk rode each short's step: p99 2x)
             n = fit(it, limit_s)
             if not n and urgent_pass and it.partial and not picks:
                 n = amortized(it)       # urgent, alone in the step, its context outgrew it
@@ -163,11 +181,14 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
     taken: set[str] = set()
     firsts: list[float] = []        # TTFT targets of the prompts completed whole this step
     shortest = min(buckets.ttft_targets_s)
-    urgent = [it for it in ranked if it.age_s >= buckets.target(it.total)]
-    # the rest, shortest remaining first (ordered by slack, a long prompt predicted to miss
-    # its target anyway would starve shorts that need two steps)
-    srf = sorted((it for it in ranked if it.age_s < buckets.target(it.total)),
-                 key=lambda it: (coef.prefill_seconds(it.remaining, it.start), -it.age_s, it.key))
+    # shortest remaining first (ordered by slack, a long prompt predicted to miss its target
+    # anyway would starve shorts that need two steps), for the urgent ones too: past its
+    # target a prompt has no slack left to protect, and on a machine too slow for the
+    # targets every prompt is past it — by slack the longest would go first, every step
+    by_rest = sorted(ranked, key=lambda it: (coef.prefill_seconds(it.remaining, it.start),
+                                             -it.age_s, it.key))
+    urgent = [it for it in by_rest if it.age_s >= buckets.target(it.total)]
+    srf = [it for it in by_rest if it.age_s < buckets.target(it.total)]
     if urgent:
         # first at most 1 - URGENT_SHARE of the prefill time for the others (whole prompts,
         # then chunks), then the urgent ones, so neither side stalls the other
@@ -179,7 +200,7 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
     fill(ranked, whole_s, chunks=False)       # prompts that finish this step first
     fill(srf, budget_s, chunks=True)          # then progress for the rest
     if not picks and max_tokens > 0:
-        head = next((it for it in ranked
+        head = next((it for it in by_rest
                      if it.partial or (max_new > 0 and (
                          partials < max_partial or it.remaining <= min(min_tokens, max_tokens)))),
                     None)
@@ -187,6 +208,21 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
             n = amortized(head) if head.partial else 0
             picks.append(Pick(head.key, n or min(head.remaining, min_tokens, max_tokens)))
     return picks
+
+
+def floor_budget(coef: Coefficients, base: StepShape, min_tokens: int,
+                 experts: ExpertShape | None = None) -> float:
+    """The least time a step with chunks is given: the predicted step of `base` plus one
+    `min_tokens` chunk, plus that of a lone `min_tokens` chunk again (the chunks' work at
+    least the fixed cost of a step; the decodes in `base` counted once, so their ITL grows by
+    one small step at most, not twice). On a fast machine far below the ITL / prefill-step
+    budgets; on one whose step overhead alone exceeds them (an AVX2 CPU on the torch path:
+    0.4 s a step against a 125 ms budget) it is what sizes the chunks — from the fitted step
+    time."""
+    if min_tokens <= 0:
+        return 0.0
+    return (coef.predict(add_chunk(base, 0, min_tokens, experts))
+            + coef.predict(add_chunk(StepShape(), 0, min_tokens, experts)))
 
 
 def ttft_deadline(target_s: float, over_target: float, timeout_s: float | None) -> float:

@@ -3,7 +3,7 @@ cost model, bounded partial prefills, no starvation either way."""
 import pytest
 
 from moed.balance.step_time import URGENT_SHARE, Buckets, Item, Pick, choose, order, slack, \
-    chunk_budget, step_budget, ttft_deadline, whole_budget
+    chunk_budget, floor_budget, step_budget, ttft_deadline, whole_budget
 from moed.balance.cost import Coefficients, StepShape, add_chunk, shape_of
 
 # a fast node (GPU-like): 50k prompt tokens/s, attention showing at long contexts
@@ -146,10 +146,14 @@ def test_seats_limit_new_prompts():
 
 
 def test_progress_when_not_even_one_token_fits():
+    """A budget below the decodes' own time: the chunk gets the floor (floor_budget: the
+    smallest step's time again), not min_tokens a step (issue 30 item 6, a slow CPU)."""
     items = [Item("a", 0, 1000, 1000, 0.0)]
     picks = choose(items, DECODES, FAST, FAST.predict(DECODES) / 2, BUCKETS, max_partial=4,
                    max_tokens=4096, min_tokens=16)
-    assert picks == [Pick("a", 16)]
+    assert len(picks) == 1 and picks[0].key == "a" and 16 < picks[0].num_tokens < 1000
+    assert FAST.predict(add_chunk(DECODES, 0, picks[0].num_tokens)) <= \
+        floor_budget(FAST, DECODES, 16) + 1e-12
 
 
 def test_budget_and_deadline():
