@@ -18,8 +18,14 @@ A stream's phases (StreamPhase; TRANSITIONS is the one place they change):
 The router asks every node for token ids (vLLM's `return_token_ids`) and strips them from
 what the client sees unless the client asked for them itself. Events are forwarded whole (an
 event cut by the failure never reaches the client), so the recorded token ids are exactly
-the client's. Only single-choice streams (n = 1, one prompt, no tool calling) migrate;
+the client's. Streams of one prompt without tool calling migrate (best_of unset or 1);
 `eligible` says why not for the others, which end as before with one server_error event.
+
+n > 1: the ledger keeps each choice's sent ids and finish apart (`outputs`, `done`). After a
+failure the unfinished choices continue one after another, each as its own n = 1
+continuation (`current`: the choice being continued; its events are re-indexed to it, its
+usage chunk and [DONE] dropped), seeded as the node seeds choice i (`choice_seed`). When the
+last one finishes the router ends the stream itself (`closing`: one usage chunk, [DONE]).
 """
 from __future__ import annotations
 
@@ -29,6 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MIGRATABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
+SEED_MIN = -(1 << 63)          # moed.api.protocol's seed range (choice i's seed wraps in it)
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed the node gives choice `choice` of a request seeded `seed` (as
+    moed.api.protocol's per-choice parameters): its n = 1 continuation is seeded with it."""
+    return None if seed is None else (seed + choice - SEED_MIN) % (1 << 64) + SEED_MIN
 
 
 class StreamPhase(enum.Enum):
@@ -66,8 +79,12 @@ def eligible(path: str, body: bytes) -> dict[str, Any] | None:
         return None
     if not isinstance(req, dict) or req.get("stream") is not True:
         return None
-    if req.get("n", 1) != 1 or req.get("best_of") not in (None, 1) or req.get("tools"):
+    n = req.get("n", 1)
+    if type(n) is not int or n < 1 or req.get("best_of") not in (None, 1) or req.get("tools"):
         return None
+    opts = req.get("stream_options")
+    if n > 1 and isinstance(opts, dict) and opts.get("continuous_usage_stats"):
+        return None          # per-chunk usage of n > 1 is not rebuilt across continuations
     prompt = req.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         return None          # several prompts: several choices
@@ -96,10 +113,12 @@ class Ledger:
     client_ids: bool                       # the client asked for token ids itself
     phase: StreamPhase = StreamPhase.RELAYING
     prompt_ids: list[int] | None = None
-    output_ids: list[int] = field(default_factory=list)
+    outputs: dict[int, list[int]] = field(default_factory=dict)   # choice → ids sent
+    done: set[int] = field(default_factory=set)         # choices whose finish was relayed
+    current: int | None = None   # n > 1: the choice the node streams alone (None: all)
+    ended: bool = False          # the node sent [DONE]
     first_id: str | None = None            # the first chunk's id and created: kept across nodes
     created: int | None = None
-    finished: bool = False                 # a finish_reason was relayed
     handed_off: bool = False               # the last node's error: it was draining
     migrations: int = 0
 
@@ -107,6 +126,24 @@ class Ledger:
     def open(cls, path: str, request: dict[str, Any]) -> Ledger:
         return cls(request, path.endswith("/chat/completions"),
                    bool(request.get("return_token_ids")))
+
+    @property
+    def n(self) -> int:
+        return self.request.get("n", 1)
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The ids sent of the choice continued next (n = 1: the one choice)."""
+        return self.outputs.setdefault(self.current or 0, [])
+
+    @property
+    def finished(self) -> bool:
+        """Every choice's finish_reason was relayed."""
+        return len(self.done) >= self.n
+
+    def pending(self) -> int | None:
+        """The lowest choice not yet finished, or None."""
+        return next((i for i in range(self.n) if i not in self.done), None)
 
     def to(self, new: StreamPhase) -> None:
         if new not in TRANSITIONS[self.phase]:
@@ -122,8 +159,15 @@ class Ledger:
         event with the prompt's ids, else the original request again ('fresh')."""
         if self.prompt_ids is None:
             return "fresh", self.backend_body()
+        req = {**self.request, "return_token_ids": True}
+        if self.n > 1:
+            if self.current is None or self.current in self.done:
+                self.current = self.pending()
+            req["n"] = 1
+            if req.get("seed") is not None:
+                req["seed"] = choice_seed(req["seed"], self.current)
         return "continue", json.dumps({
-            "request": {**self.request, "return_token_ids": True},
+            "request": req,
             "prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids,
             "replay": replay}).encode()
 
@@ -131,6 +175,9 @@ class Ledger:
         """One SSE event's data (after 'data: ') → (what the client gets, or None to drop it;
         whether it is a server-side error that should migrate instead)."""
         if data.strip() == b"[DONE]":
+            self.ended = True
+            if self.current is not None:
+                return None, False       # one choice's continuation: the router closes
             if self.phase is StreamPhase.RELAYING:
                 self.to(StreamPhase.DONE)
             return b"[DONE]", False
@@ -140,6 +187,8 @@ class Ledger:
             return data, False                        # not ours to judge: pass it on
         if not isinstance(obj, dict):
             return data, False
+        if self.current is not None and "usage" in obj and not obj.get("choices"):
+            return None, False           # one choice's usage: `closing` counts them all
         if "error" in obj:
             err = obj["error"]
             self.handed_off = isinstance(err, dict) and err.get("code") == "handed_off"
@@ -159,23 +208,27 @@ class Ledger:
         for ch in obj.get("choices") or ():
             if not isinstance(ch, dict):
                 continue
+            if self.current is not None:
+                ch["index"] = self.current
+            idx = ch.get("index", 0)
             p = ch.get("prompt_token_ids") if self.client_ids \
                 else ch.pop("prompt_token_ids", None)
             if isinstance(p, list) and self.prompt_ids is None:
                 self.prompt_ids = p                   # completions: on the first choice
             ids = ch.get("token_ids") if self.client_ids else ch.pop("token_ids", None)
             if isinstance(ids, list):
-                self.output_ids.extend(ids)
+                self.outputs.setdefault(idx, []).extend(ids)
             if ch.get("finish_reason") is not None:
-                self.finished = True
+                self.done.add(idx)
 
     def closing(self) -> list[bytes]:
         """The node died after the last token's chunk (finish_reason relayed) but before its
-        usage chunk / [DONE]: the router ends the stream itself, with the exact counts."""
+        usage chunk / [DONE], or the last choice's continuation ended (n > 1): the router
+        ends the stream itself, with the exact counts (the prompt once, every choice's ids)."""
         out: list[bytes] = []
         opts = self.request.get("stream_options") or {}
         if isinstance(opts, dict) and opts.get("include_usage") and self.prompt_ids is not None:
-            p, c = len(self.prompt_ids), len(self.output_ids)
+            p, c = len(self.prompt_ids), sum(map(len, self.outputs.values()))
             out.append(json.dumps({
                 "id": self.first_id, "created": self.created, "model": self.request.get("model"),
                 "object": "chat.completion.chunk" if self.chat else "text_completion",

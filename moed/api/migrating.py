@@ -12,6 +12,10 @@ Lifecycle of one relayed stream (the ledger's phases, moed.api.migrate.StreamPha
   [DONE] → DONE. A finish already relayed when the node died: the router closes the stream
     itself (usage when asked, [DONE]). router.migration_limit resubmissions spent, no node left,
     or a node refusing the continuation → FAILED: one server_error event, no [DONE].
+  n > 1: the failure moves the lowest unfinished choice (one migration, counted); when its
+    continuation's [DONE] comes, the next unfinished choice goes the same way (not counted:
+    it is the same failure's), on any node it has not failed on; after the last one the
+    router closes the stream (usage of every choice when asked, [DONE]).
 A hung node (SIGSTOP) keeps its sockets open: only "silent while no longer listed" sees it,
 so every wait on a node here — headers, first bytes, the next bytes — goes through that check
 (`unless_silent`, and the relay's own poll).
@@ -81,7 +85,7 @@ async def _relay_one(proxy: Proxy, out: web.StreamResponse, resp: aiohttp.Client
                         return Reason.DRAIN if ledger.handed_off else Reason.ERROR_EVENT
                     if client is not None:
                         await _send(out, client)
-                    if ledger.phase is StreamPhase.DONE:
+                    if ledger.phase is StreamPhase.DONE or ledger.ended:
                         proxy.record(backend, "ok", *timing.figures())
                         return None
                 if not chunk:
@@ -115,11 +119,20 @@ async def relay(proxy: Proxy, request: web.Request, out: web.StreamResponse,
     try:
         while True:
             reason = await _relay_one(proxy, out, resp, first, ledger, backend, t0)
-            if reason is None:
+            count = True
+            if reason is None and ledger.current is not None:    # one choice's continuation
+                ledger.ended = False                    # ended: close, or the next choice
+                if ledger.current not in ledger.done:
+                    reason = Reason.CONNECTION          # [DONE] before its finish
+                else:                                   # not a migration; the node is fine
+                    count = False
+                    tried = [t for t in tried if t != backend.name]
+            if reason is None and count:
                 await out.write_eof()
                 return
-            proxy.record(backend, "error")
-            if reason not in (Reason.ERROR_EVENT, Reason.DRAIN):
+            if count:
+                proxy.record(backend, "error")
+            if count and reason not in (Reason.ERROR_EVENT, Reason.DRAIN):
                 proxy.mark_failed(backend.name)
             if own is not None:
                 own.close()
@@ -131,8 +144,8 @@ async def relay(proxy: Proxy, request: web.Request, out: web.StreamResponse,
                 await out.write_eof()
                 return
             ledger.to(StreamPhase.MIGRATING)
-            moved = await _resubmit(proxy, request, ledger, tried, headers, timeout, limit,
-                                    backend.name, reason)
+            moved = await _resubmit(proxy, request, ledger, tried, headers, timeout,
+                                    limit if count else None, backend.name, reason)
             if moved is None:
                 ledger.to(StreamPhase.FAILED)
                 metrics.ROUTER_REQUESTS.labels(result="failed_mid_stream").inc()
@@ -149,14 +162,16 @@ async def relay(proxy: Proxy, request: web.Request, out: web.StreamResponse,
 
 
 async def _resubmit(proxy: Proxy, request: web.Request, ledger: Ledger, tried: list[str],
-                    headers: CIMultiDict[str], timeout: aiohttp.ClientTimeout, limit: int,
-                    failed: str, reason: Reason
+                    headers: CIMultiDict[str], timeout: aiohttp.ClientTimeout,
+                    limit: int | None, failed: str, reason: Reason | None
                     ) -> tuple[Candidate, aiohttp.ClientResponse, bytes, float] | None:
     """The next node streaming this request's continuation, or None (limit, no node, or every
-    node refused it). Each attempt counts against router.migration_limit."""
+    node refused it). Each attempt counts against router.migration_limit; limit None: the
+    next choice of an n > 1 stream after one finished (not a migration: its attempts are
+    bounded by the nodes not yet tried)."""
     signer = proxy.signer()
     rid = headers.get("X-Request-Id", "")
-    while ledger.migrations < limit:
+    while limit is None or ledger.migrations < limit:
         kind, body = ledger.resubmission(proxy.replay())
         if kind == "continue" and signer is None:
             log.error("router_migration_unsigned", request_id=rid,
@@ -166,7 +181,7 @@ async def _resubmit(proxy: Proxy, request: web.Request, ledger: Ledger, tried: l
         if backend is None:
             return None
         tried.append(backend.name)
-        ledger.migrations += 1
+        ledger.migrations += limit is not None
         path = (CONTINUE + request.path) if kind == "continue" else request.path
         h = CIMultiDict(headers)
         if kind == "continue":
@@ -198,9 +213,11 @@ async def _resubmit(proxy: Proxy, request: web.Request, ledger: Ledger, tried: l
                         status=resp.status)
             resp.close()
             continue
-        metrics.ROUTER_MIGRATIONS.labels(reason=reason.value).inc()
+        if reason is not None and limit is not None:
+            metrics.ROUTER_MIGRATIONS.labels(reason=reason.value).inc()
         log.info("router_stream_migrated", request_id=rid, from_node=failed, to_node=backend.name,
-                 reason=reason.value, tokens_sent=len(ledger.output_ids), kind=kind,
-                 migration=ledger.migrations, connect_s=round(time.monotonic() - t0, 3))
+                 reason=reason.value if reason is not None else "next_choice", tokens_sent=len(ledger.output_ids), kind=kind,
+                 choice=ledger.current, migration=ledger.migrations,
+                 connect_s=round(time.monotonic() - t0, 3))
         return backend, resp, first, t0
     return None

@@ -2,7 +2,8 @@
 127.0.0.1 (gossip, one cluster key). A drained node hands its streams over (item 2). Eight
 concurrent greedy streams (completions and chats); SIGSTOP of the node serving one under way
 (a hung node: silent, then declared dead by membership); SIGKILL of the node serving one
-(a completion stream, then a chat stream, each killing another node): every stream finishes
+(a completion stream, then a chat stream, then an n = 2 completion stream, each killing
+another node): every stream finishes
 with exactly the tokens of an undisturbed run, no error event, one [DONE], usage counted once,
 chat's role once, and moed_router_migrations_total moved. A continuation with a tenant key is
 refused; with router.migration_limit = 0 (router R0) a killed node ends the stream with one
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 KEY_ENV = "CLUSTER_KEY_HEX"
 TENANT = "tenant-key-1"
 N, TOKENS = 8, 400
-NODES = ("A", "B", "C", "D", "E")   # the drain, hang and kill tests take one; the last the last
+NODES = ("A", "B", "C", "D", "E", "F")  # drain, hang and kill tests take one; the last the last
 DRAIN_AFTER_S = 0.1
 ROUTER = """
 [server]
@@ -288,6 +289,61 @@ def test_streams_survive_a_node_killed_mid_way(cluster, chat: bool) -> None:
     assert lines and all(x["request_id"] and x["to_node"] != killed[0] for x in lines)
     assert any(x["kind"] == "continue" and x["tokens_sent"] >= 20 for x in lines)
     assert time.monotonic() - t0 < 60
+
+
+def _choices(s: Stream) -> dict[int, dict]:
+    """An n > 1 stream's events by choice index: token ids, finishes."""
+    out: dict[int, dict] = {}
+    for e in s.events:
+        if e == "[DONE]":
+            continue
+        for c in json.loads(e).get("choices") or ():
+            got = out.setdefault(c["index"], {"ids": [], "finish": []})
+            got["ids"] += c.get("token_ids", [])
+            if c["finish_reason"]:
+                got["finish"].append(c["finish_reason"])
+    return out
+
+
+def test_an_n2_stream_survives_its_node_killed_mid_way(cluster) -> None:
+    """n = 2 (issue 33): each unfinished choice continues alone elsewhere (at max_num_seqs 1
+    the node runs choice 0 then choice 1, so the kill lands in choice 0: choice 0 continues
+    with its 40-odd ids, then choice 1 from none); the client gets each choice's greedy token
+    ids exactly as undisturbed, under its own index, one usage (the prompt once) and one
+    [DONE], no error."""
+    r, t0 = cluster["R"], time.monotonic()
+    body = {**_body(0, ids=True), "n": 2, "max_tokens": 150}
+
+    def run(kill: bool) -> Stream:
+        s = Stream(r.url, body)
+        s.start()
+        if kill:
+            _wait_until(lambda: s.tokens() >= 40 or not s.is_alive(), 30, "tokens", 0.002)
+            assert s.is_alive(), "the stream finished before the kill"
+            cluster[s.backend].proc.send_signal(signal.SIGKILL)
+        s.join(60)
+        assert not s.is_alive() and s.error is None, repr(s.error)
+        return s
+
+    base, got = run(False), run(True)
+    assert got.backend in NODES and not cluster[got.backend].alive
+    for s in (base, got):
+        assert s.events[-1] == "[DONE]" and s.events.count("[DONE]") == 1
+        assert not any('"error"' in e for e in s.events)
+    a, b = _choices(base), _choices(got)
+    assert sorted(b) == [0, 1]
+    for i in (0, 1):
+        assert b[i]["ids"] == a[i]["ids"] and len(b[i]["ids"]) == 150, i
+        assert b[i]["finish"] == ["length"], i
+    usage = [json.loads(e)["usage"] for e in got.events
+             if e.startswith("{") and json.loads(e).get("usage")]
+    base_usage = [json.loads(e)["usage"] for e in base.events
+                  if e.startswith("{") and json.loads(e).get("usage")]
+    assert usage == base_usage and usage[0]["completion_tokens"] == 300
+    lines = [x for x in r.log_records() if x.get("event") == "router_stream_migrated"
+             and x["from_node"] == got.backend]
+    assert lines and lines[0]["kind"] == "continue" and lines[0]["tokens_sent"] >= 20
+    assert time.monotonic() - t0 < 15
 
 
 def test_a_continuation_with_a_tenant_key_is_refused(cluster) -> None:

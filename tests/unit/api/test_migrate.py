@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from moed.api.migrate import (TRANSITIONS, EventSplitter, Ledger, StreamPhase, eligible,
-                              error_event, non_streamed, server_side)
+from moed.api.migrate import (TRANSITIONS, EventSplitter, Ledger, StreamPhase, choice_seed,
+                              eligible, error_event, non_streamed, server_side)
+from moed.api.protocol import SEED_MAX, SEED_MIN, parse_request
 
 
 def _ev(obj: dict) -> bytes:
@@ -29,12 +30,14 @@ def _chunk(i: int, *, first: bool = False, chat: bool = False, cid: str = "cmpl-
     return _ev(body)
 
 
-def test_eligible_streams_are_single_choice_without_tools() -> None:
+def test_eligible_streams_are_one_prompt_without_tools() -> None:
     ok = {"prompt": "hi", "stream": True}
     assert eligible("/v1/completions", _ev(ok)) == ok
     assert eligible("/v1/chat/completions", _ev({"messages": [], "stream": True}))
-    for bad in ({"prompt": "hi"}, {**ok, "n": 2}, {**ok, "best_of": 3}, {**ok, "tools": [{}]},
-                {**ok, "prompt": ["a", "b"]}):
+    assert eligible("/v1/completions", _ev({**ok, "n": 2, "best_of": 1}))
+    for bad in ({"prompt": "hi"}, {**ok, "best_of": 3}, {**ok, "tools": [{}]},
+                {**ok, "prompt": ["a", "b"]}, {**ok, "n": "2"},
+                {**ok, "n": 2, "stream_options": {"continuous_usage_stats": True}}):
         assert eligible("/v1/completions", _ev(bad)) is None, bad
     assert eligible("/v1/embeddings", _ev(ok)) is None
     assert eligible("/v1/completions", b"{not json") is None
@@ -128,3 +131,62 @@ def test_events_are_framed_whole_and_a_cut_one_is_held() -> None:
     assert sp.feed(b"data: {\"a\":1}\n\ndata: {\"b\"") == [b'{"a":1}']
     assert sp.feed(b":2}\n\n: comment\n\ndata: [DONE]\n\n") == [b'{"b":2}', b"[DONE]"]
     assert sp.feed(b"data: cut") == []
+
+
+def _c(i: int, index: int, *, first: bool = False, finish: str | None = None) -> bytes:
+    c: dict = {"index": index, "text": f"c{index}t{i}", "finish_reason": finish,
+               "token_ids": [100 * (index + 1) + i]}
+    if first:
+        c["prompt_token_ids"] = [1, 2]
+    return _ev({"id": "cmpl-1", "created": 5, "choices": [c]})
+
+
+def test_choice_seeds_are_the_nodes_per_choice_seeds() -> None:
+    base = {"prompt": "hi", "n": 3}
+    for seed in (None, 0, 41, SEED_MAX, SEED_MIN):
+        parsed = parse_request({**base, "seed": seed} if seed is not None else base,
+                               chat=False)              # the node's own derivation
+        for i in range(3):
+            assert choice_seed(seed, i) == parsed.sampling_params(8, i).seed
+            # the continuation's n = 1 request seeded so gets that seed again as its choice 0
+            assert choice_seed(choice_seed(seed, i), 0) == choice_seed(seed, i)
+
+
+def test_n2_choices_are_kept_apart_and_each_unfinished_one_continues_alone() -> None:
+    req = {"prompt": "hi", "stream": True, "n": 2, "seed": 9,
+           "stream_options": {"include_usage": True}}
+    led = Ledger.open("/v1/completions", req)
+    for data in (_c(0, 0, first=True), _c(0, 1, first=True), _c(1, 0, finish="stop"),
+                 _c(1, 1)):
+        out, failed = led.relay(data)
+        assert not failed and json.loads(out)["choices"][0]["index"] in (0, 1)
+    assert led.outputs == {0: [100, 101], 1: [200, 201]} and led.done == {0}
+    assert not led.finished and led.pending() == 1
+    kind, body = led.resubmission()
+    cont = json.loads(body)
+    assert kind == "continue" and led.current == 1       # the finished choice 0 is not resent
+    assert cont["request"]["n"] == 1 and cont["request"]["seed"] == choice_seed(9, 1)
+    assert cont["output_token_ids"] == [200, 201] and cont["prompt_token_ids"] == [1, 2]
+    # the continuation's events: re-indexed to choice 1, its usage and [DONE] dropped
+    out, _ = led.relay(_ev({"id": "cmpl-9", "created": 7, "choices": [
+        {"index": 0, "text": "c1t2", "finish_reason": "length", "token_ids": [202]}]}))
+    got = json.loads(out)
+    assert got["choices"][0]["index"] == 1 and got["id"] == "cmpl-1" and got["created"] == 5
+    assert led.relay(_ev({"id": "x", "choices": [], "usage": {"prompt_tokens": 2}})) == (
+        None, False)
+    assert led.relay(b"[DONE]") == (None, False) and led.ended
+    assert led.phase is StreamPhase.RELAYING and led.finished
+    usage, done = led.closing()
+    assert json.loads(usage)["usage"] == {"prompt_tokens": 2, "completion_tokens": 5,
+                                          "total_tokens": 7}
+    assert done == b"[DONE]"
+
+
+def test_n2_without_a_seed_or_ids_yet_resubmits_fresh_or_unseeded() -> None:
+    led = Ledger.open("/v1/completions", {"prompt": "hi", "stream": True, "n": 2})
+    assert led.resubmission()[0] == "fresh" and led.current is None   # nothing sent yet
+    led.relay(_c(0, 1, first=True))
+    kind, body = led.resubmission()
+    cont = json.loads(body)
+    assert kind == "continue" and led.current == 0 and cont["output_token_ids"] == []
+    assert "seed" not in cont["request"] and cont["request"]["n"] == 1

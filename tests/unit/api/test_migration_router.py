@@ -26,11 +26,18 @@ PROMPT_IDS = [1, 2, 3]
 TOKENS = 6
 
 
-def _chunk(i: int, first: bool, ids: bool) -> bytes:
-    c = {"index": 0, "text": f"t{i} ", "logprobs": None,
+SEED = 7                # n = 2 tests: choice c's continuation comes seeded SEED + c
+
+
+def _text(choice: int, i: int) -> str:
+    return f"t{i} " if not choice else f"c{choice}t{i} "
+
+
+def _chunk(i: int, first: bool, ids: bool, choice: int = 0, index: int = 0) -> bytes:
+    c = {"index": index, "text": _text(choice, i), "logprobs": None,
          "finish_reason": "length" if i == TOKENS - 1 else None}
     if ids:
-        c["token_ids"] = [100 + i]
+        c["token_ids"] = [100 + 10 * choice + i]
         if first:
             c["prompt_token_ids"] = PROMPT_IDS
     body = {"id": f"cmpl-{id(c)}", "object": "text_completion", "created": 1, "model": "m",
@@ -76,19 +83,40 @@ class Node:
             if self.then is not None:
                 self.then.ready = 200
             await asyncio.sleep(30)
+        if body.get("n", 1) > 1:
+            return await self._stream_n(request, body)
         return await self._stream(request, 0, bool(body.get("return_token_ids")), self.die_after)
+
+    async def _stream_n(self, request: web.Request, body: dict) -> web.StreamResponse:
+        """n choices interleaved token by token; cut after `die_after` events when set."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        events = [_chunk(i, i == 0, True, c, c) for i in range(TOKENS) for c in range(body["n"])]
+        for k, ev in enumerate(events):
+            if k == self.die_after:
+                await resp.write(b'data: {"id": "cut')
+                request.transport.close()
+                return resp
+            await resp.write(ev)
+            await asyncio.sleep(0.002)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
     async def _continue(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.continued.append(body)
         self.signed.append("X-Test-Signed" in request.headers and   # + the tenant's salt
                            request.headers.get("Authorization") == "Bearer tenant")
+        req = body["request"]
+        choice = req["seed"] - SEED if "seed" in req else 0
         return await self._stream(request, len(body["output_token_ids"]),
-                                  bool(body["request"].get("return_token_ids")),
-                                  self.die_after if self.always else None)
+                                  bool(req.get("return_token_ids")),
+                                  self.die_after if self.always else None, choice,
+                                  (req.get("stream_options") or {}).get("include_usage"))
 
     async def _stream(self, request: web.Request, start: int, ids: bool,
-                      die_after: int | None) -> web.StreamResponse:
+                      die_after: int | None, choice: int = 0, usage: bool = False
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for n, i in enumerate(range(start, TOKENS)):
@@ -104,11 +132,15 @@ class Node:
                 await resp.write(b'data: {"id": "cut')          # an event cut in half
                 request.transport.close()
                 return resp
-            await resp.write(_chunk(i, i == 0, ids))
+            await resp.write(_chunk(i, i == 0, ids, choice))
             await asyncio.sleep(0.005)
         if die_after is not None and die_after >= TOKENS - start:   # after the finish chunk
             request.transport.close()
             return resp
+        if usage:                   # as a node's continuation: the sent tokens count too
+            await resp.write(b"data: " + json.dumps({"id": "x", "choices": [], "usage": {
+                "prompt_tokens": 3, "completion_tokens": TOKENS,
+                "total_tokens": 3 + TOKENS}}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -279,3 +311,35 @@ async def test_a_node_silent_before_its_first_token_is_left_for_another(router, 
     assert "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict)) == "".join(
         f"t{i} " for i in range(TOKENS))
     assert not a.continued and not b.continued              # nothing was sent: a fresh retry
+
+
+@pytest.mark.parametrize("die_after", [5, 7, 11])
+async def test_an_n2_stream_whose_node_dies_continues_each_unfinished_choice(router, die_after
+                                                                           ) -> None:
+    """n = 2 (issue 33): the node dies after `die_after` interleaved events (11: choice 0 has
+    finished, choice 1 has one token left); each unfinished choice continues alone, seeded as
+    the node seeds that choice, re-indexed, and the router ends with one usage chunk (the
+    prompt once, both choices' tokens) and one [DONE]."""
+    a, b = Node(die_after=die_after), Node(die_after=die_after)
+    url = await router(a, b, limit=1)         # one failure moving two choices: one migration
+    before = _migrations()
+    events = await _stream(url, n=2, seed=SEED, stream_options={"include_usage": True})
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert not any("error" in c for c in chunks)
+    for c in (0, 1):
+        assert "".join(ch["text"] for e in chunks for ch in e["choices"] if ch["index"] == c
+                       ) == "".join(_text(c, i) for i in range(TOKENS))
+    finishes = [ch["index"] for e in chunks for ch in e["choices"] if ch["finish_reason"]]
+    assert sorted(finishes) == [0, 1]
+    assert [e["usage"] for e in chunks if e.get("usage")] == [
+        {"prompt_tokens": 3, "completion_tokens": 2 * TOKENS, "total_tokens": 3 + 2 * TOKENS}]
+    assert len({e["id"] for e in chunks}) == 1
+    conts = a.continued + b.continued
+    sent = {0: (die_after + 1) // 2, 1: die_after // 2}
+    moved = [c for c in (0, 1) if sent[c] < TOKENS]
+    assert [x["request"]["seed"] - SEED for x in conts] == moved
+    assert all(x["request"]["n"] == 1 for x in conts)
+    assert [x["output_token_ids"] for x in conts] == [
+        [100 + 10 * c + i for i in range(sent[c])] for c in moved]
+    assert _migrations() == before + 1
