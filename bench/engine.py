@@ -291,6 +291,21 @@ def plot(batches: list[int], summary: dict, path: Path, title: str) -> str:
     return str(path)
 
 
+def bench_prompts(model_dir: Path, batches: list[int], prompt: int, long: int
+                  ) -> tuple[dict[int | str, list[list[int]]], str]:
+    """The same seeded random prompts for every engine: per batch size b, the first b of a pool
+    of `prompt`-token prompts; with `long`, one prompt of that many tokens under the job
+    "1 x {long}". -> (prompts by job, the long job's name)."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, vocab, (max(batches), prompt), generator=g).tolist()
+    prompts: dict[int | str, list[list[int]]] = {b: pool[:b] for b in batches}
+    long_job = f"1 x {long}"
+    if long:
+        prompts[long_job] = torch.randint(0, vocab, (1, long), generator=g).tolist()
+    return prompts, long_job
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
@@ -311,13 +326,7 @@ def main() -> int:
         torch.set_num_threads(a.threads)
     model_dir = _checkpoint(a.arch, Path(a.cache))
     batches = [int(x) for x in a.batches.split(",")]
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    pool = torch.randint(0, vocab, (max(batches), a.prompt), generator=g).tolist()
-    prompts: dict[int | str, list[list[int]]] = {b: pool[:b] for b in batches}
-    long_job = f"1 x {a.long}"
-    if a.long:
-        prompts[long_job] = torch.randint(0, vocab, (1, a.long), generator=g).tolist()
+    prompts, long_job = bench_prompts(model_dir, batches, a.prompt, a.long)
     cpu = cpu_model()
     print(f"{a.arch} bench preset, bf16, prompt {a.prompt}, {a.new} new tokens, "
           f"{torch.get_num_threads()} torch threads, {a.repeats} rounds\nCPU: {cpu}", flush=True)

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine import HFSide, MoedSide, _checkpoint, measure, plot, print_table  # noqa: E402
+from engine import HFSide, MoedSide, _checkpoint, bench_prompts, measure, plot, print_table  # noqa: E402
 from ceiling import flops_per_token  # noqa: E402
 from common import load_average  # noqa: E402
 
@@ -64,13 +64,7 @@ def main() -> int:
     gpu = torch.cuda.get_device_name()
     model_dir = _checkpoint(a.arch, Path(a.cache))
     batches = [int(x) for x in a.batches.split(",")]
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    pool = torch.randint(0, vocab, (max(batches), a.prompt), generator=g).tolist()
-    prompts: dict[int | str, list[list[int]]] = {b: pool[:b] for b in batches}
-    long_job = f"1 x {a.long}"
-    if a.long:
-        prompts[long_job] = torch.randint(0, vocab, (1, a.long), generator=g).tolist()
+    prompts, long_job = bench_prompts(model_dir, batches, a.prompt, a.long)
     kv_tokens = max(max(batches) * (a.prompt + a.new), a.long + 2)
     sides, left_out = [], {}
     if importlib.util.find_spec("flashinfer") is not None:
