@@ -119,10 +119,8 @@ def speculative(cfg: NodeSettings) -> None:
         raise ConfigError(f"speculative.method {sp.method}: speculation runs where tokens "
                           f"are decoded (colocated or decode nodes), not on a "
                           f"{cfg.server.role} node")
-    if cfg.parallel.ep_size > 1:
-        raise ConfigError(f"speculative.method {sp.method}: not supported with "
-                          f"parallel.ep_size {cfg.parallel.ep_size} > 1 (the ranks' "
-                          f"verify steps are not agreed yet)")
+    # parallel.ep_size > 1 is served: drafts change only a rank's row counts, and the MTP
+    # layer's MoE exchange is agreed each step (moed.parallel.agree)
 
 
 def experts(cfg: NodeSettings) -> None:

@@ -45,14 +45,16 @@ class SpecOut:
 
 def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Sequence[int],
                sampled: Sequence[int] | None, verified: dict[str, Verified],
-               drafting: bool = True) -> dict[str, int]:
+               drafting: bool = True, exchange: bool = False) -> dict[str, int]:
     """The MTP step after a main step (docs/models.md, "The MTP layer"): every position the
     main step kept, each with the token after it (the next prompt token, the sampled one, or
     for a drafting chunk the accepted drafts then the emitted token: keep = accepted + 1), so
     the MTP layer's KV covers every computed position; its last row per sequence is the greedy
     draft for the position after the next known token. -> that draft per sampling request.
     drafting False (the per-step switch said plain, moed.engine.drafts.gate): the MTP layer
-    writes its KV entries only, a tenth of its time, and drafts nothing for the next step."""
+    writes its KV entries only, a tenth of its time, and drafts nothing for the next step;
+    exchange (expert parallelism): and joins the layer's MoE exchange with no rows, since a
+    peer rank runs the layer in full this step (moed.parallel.agree)."""
     batch = plan.batch
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
     next_ids, keep = [], []
@@ -68,7 +70,7 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
     mb, rows = mtp_inputs(batch, next_ids, keep)
     if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
         hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-    logits = runner.forward_mtp(mb, hidden, kv_only=not drafting)
+    logits = runner.forward_mtp(mb, hidden, kv_only=not drafting, exchange=exchange)
     if logits is None:
         return {}
     best = logits.argmax(-1).tolist()

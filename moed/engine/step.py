@@ -70,6 +70,9 @@ class Go(enum.Enum):
 class StepDriver(Protocol):
     """What one driver of `StepCore.step` decides (moed.engine.drivers has the three)."""
     reads_expert_load: bool     # the serving loops read the runner's expert load between steps
+    # this step also joins the MTP layer's MoE exchange with no rows: a peer runs that layer
+    # in full and this rank does not (expert parallelism, moed.parallel.agree.Verdict.join_mtp)
+    join_mtp: bool
 
     def leaving(self) -> bool:
         """Schedule nothing this step (the loop is stopping)."""
@@ -150,12 +153,12 @@ class StepCore:
         if driver.reads_expert_load:
             self._load_pending = True
         if plan is None:                # Go.EMPTY: the group steps, this rank has no rows
-            await driver.call(self.runner.forward_empty)
+            await driver.call(self.runner.forward_empty, driver.join_mtp)
             driver.after_forward()
             await driver.between_steps()
             return Go.STEP
         try:
-            res, fwd_s, plps, spec = await driver.call(self._execute, plan)
+            res, fwd_s, plps, spec = await driver.call(self._execute, plan, driver.join_mtp)
         except Exception as e:
             if not driver.contain(plan, e):
                 raise
@@ -235,9 +238,14 @@ class StepCore:
         self._publish(events)
         return None if plan.empty else plan
 
-    def _execute(self, plan: StepPlan) -> Executed:
+    def _mtp_full(self, plan: StepPlan | None) -> bool:
+        """Whether this step runs the MTP layer in full, its MoE included (a step that may not
+        draft writes its KV entries only): what a rank tells its group (GroupDriver.agree)."""
+        return self._mtp and plan is not None and self.scheduler.drafting
+
+    def _execute(self, plan: StepPlan, join_mtp: bool = False) -> Executed:
         """Runs in the executor thread: forward + sample (+ the prompt logprobs of the chunks
-        that ask). Reads the plan, mutates nothing else."""
+        that ask). Reads the plan, mutates nothing else. join_mtp: StepDriver.join_mtp."""
         t0 = time.perf_counter()
         asks = [_prompt_positions(c) for c in plan.chunks]
         batch = plan.batch
@@ -269,7 +277,8 @@ class StepCore:
             logits = logits[last]
         idx = [i for i, c in enumerate(plan.chunks) if c.sample and not c.draft]
         if not idx:
-            return None, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, None, ver)
+            return (None, time.perf_counter() - t0, plps,
+                    self._spec_out(plan, hid, idx, None, ver, join_mtp))
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
         masks: dict[str, Any] = {}
@@ -283,16 +292,16 @@ class StepCore:
         # the step's own argmax, if it has one (None: the sampler computes it)
         argmax = self.runner.argmax_of(out) if logits is out else None
         res = sample(logits, rows, argmax)
-        return res, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, res, ver)
+        return res, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, res, ver, join_mtp)
 
     def _spec_out(self, plan: StepPlan, hid: Any, idx: list[int], res: SampleResult | None,
-                  ver: dict[str, Verified]) -> SpecOut:
+                  ver: dict[str, Verified], join_mtp: bool = False) -> SpecOut:
         """The drafts' verifications and, with the MTP layer, its drafts for the next step."""
         if hid is None:
             return SpecOut(ver)
         return SpecOut(ver, mtp_drafts(self.runner, plan, hid, idx,
                                        None if res is None else res.token_ids, ver,
-                                       self.scheduler.drafting))
+                                       self._mtp_full(plan), exchange=join_mtp))
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params

@@ -120,9 +120,7 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "prefill"},
              "speculation runs where tokens are decoded"),
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "router"},
-             "not on a router node"),
-            ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_PARALLEL_EP_SIZE": "2",
-              "MOED_PARALLEL_EP_INIT": "tcp://127.0.0.1:9"}, "parallel.ep_size 2 > 1")):
+             "not on a router node")):
         with pytest.raises(ConfigError, match=says):
             _cfg(**env)
     # off: the draft settings are not applied, so they are not checked across fields
@@ -131,6 +129,11 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
         .speculative.enabled
     assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1") \
         .speculative.method == "mtp"
+    # an expert-parallel group speculates, both methods (the ranks agree the MTP exchange)
+    ep = {"MOED_PARALLEL_EP_SIZE": "2", "MOED_PARALLEL_EP_INIT": "tcp://127.0.0.1:9"}
+    assert _cfg(MOED_SPECULATIVE_METHOD="ngram", **ep).parallel.ep_size == 2
+    assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1",
+                **ep).speculative.method == "mtp"
 
 
 def test_experts_budget_from_env_toml_and_what_it_refuses(tmp_path: Path) -> None:
