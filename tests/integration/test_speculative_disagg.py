@@ -36,19 +36,25 @@ def test_decode_node_speculates_after_remote_prefill(tiny_qwen3, tmp_path_factor
              "D": ("decode", None, {"MOED_TRANSFER_PREFILL_PEERS": f"http://127.0.0.1:{p}",
                                     "MOED_TRANSFER_LOCAL_PREFILL_MAX_TOKENS": "0", **SPEC})}
     rnd = random.Random(3)
-    prompts = []
-    for n in (8, 12, 20, 30):
+    prompts = []    # 50: repetitive (prompt lookup finds its n-grams), most past a 16-token
+    for n in [3, 5, 8, 12, 20, 30] * 7:     # chunk, the last 8 repeated (prefix hits)
         base = [rnd.randrange(3, 400) for _ in range(n)]
         prompts.append(base + base + base[:3])
+    prompts += prompts[:8]
     with started_together(specs, tiny_qwen3, tmp_path_factory.mktemp("specpd"), COMMON) as s:
         c, d = (openai.OpenAI(base_url=s[k].url + "/v1", api_key="x", max_retries=0, timeout=60)
                 for k in ("C", "D"))
-        for prompt in prompts:
-            kw = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                      extra_body={"return_token_ids": True, "ignore_eos": True})
-            want = c.completions.create(**kw).choices[0]
-            got = d.completions.create(**kw).choices[0]
-            assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+
+        def run(client, prompt):
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                          temperature=0, extra_body={"return_token_ids": True,
+                                                                     "ignore_eos": True})
+            return r.choices[0].token_ids, r.choices[0].finish_reason
+
+        with ThreadPoolExecutor(8) as pool:
+            want = list(pool.map(lambda q: run(c, q), prompts))
+            got = list(pool.map(lambda q: run(d, q), prompts))
+        assert got == want
         m = s["D"].metrics()
         jobs = s["P"].metrics().get('moed_transfer_jobs_total{result="done",role="prefill"}', 0)
     drafts = m.get("moed_spec_decode_num_draft_tokens_total", 0)
