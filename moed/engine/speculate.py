@@ -18,7 +18,7 @@ step (1-token rows only) steps aside for it and the layered path runs it; said o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 import torch
@@ -31,6 +31,7 @@ from moed.model.mtp import mtp_inputs
 from moed.model.sampler import SampleRow
 from moed.model.spec_verify import DraftRow, Verified, verify
 from moed.obs import metrics
+from moed.types import TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +76,17 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         return {}
     best = logits.argmax(-1).tolist()
     return {c.request.request_id: best[i] for i, c in enumerate(plan.chunks) if c.sample}
+
+
+def with_first_drafts(events: list[TokenEvent], chunks: Sequence[ScheduledChunk],
+                      drafts: dict[str, int]) -> list[TokenEvent]:
+    """A prefill-only request's token event with the MTP layer's draft for the position after
+    that token: a prefill node sends it on with the token (moed.roles.prefill), so the decode
+    node's first step drafts too."""
+    first = {c.request.request_id for c in chunks if c.request.prefill_only}
+    return [replace(ev, draft=drafts[ev.request_id])
+            if ev.request_id in first and ev.request_id in drafts and ev.token_ids else ev
+            for ev in events]
 
 
 def verify_rows(logits: torch.Tensor, last: Sequence[int], chunks: Sequence[ScheduledChunk],

@@ -34,7 +34,8 @@ from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
 from moed.engine.drafts.gate import StepGate
-from moed.engine.speculate import SpecOut, emitted, gate_rows, mtp_drafts, verify_rows
+from moed.engine.speculate import (SpecOut, emitted, gate_rows, mtp_drafts, verify_rows,
+                                   with_first_drafts)
 from moed.engine.speculate import record as record_spec
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
@@ -241,7 +242,9 @@ class StepCore:
     def _mtp_full(self, plan: StepPlan | None) -> bool:
         """Whether this step runs the MTP layer in full, its MoE included (a step that may not
         draft writes its KV entries only): what a rank tells its group (GroupDriver.agree)."""
-        return self._mtp and plan is not None and self.scheduler.drafting
+        # no row samples (prompt chunks only, a prefill node's): nothing to draft, KV suffices
+        return self._mtp and plan is not None and self.scheduler.drafting \
+            and any(c.sample for c in plan.chunks)
 
     def _execute(self, plan: StepPlan, join_mtp: bool = False) -> Executed:
         """Runs in the executor thread: forward + sample (+ the prompt logprobs of the chunks
@@ -331,6 +334,7 @@ class StepCore:
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
                                        None if res is None else res.top_logprobs, ver)
         if spec is not None and spec.mtp:   # for the position after the tokens known now
+            events = with_first_drafts(events, plan.chunks, spec.mtp)
             for c in plan.chunks:
                 r = c.request
                 if r.request_id in spec.mtp and not r.finished:
