@@ -329,7 +329,12 @@ def compare(rounds: list[dict], batches: list[int], lengths: list[int]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp build directory")
+    ap.add_argument("--llama-cpp", type=Path, help="llama.cpp build directory")
+    ap.add_argument("--vllm", metavar="PY", help="a Python with vLLM's CPU build: also compare "
+                    "serving (bench/serve_peers.py) at --serve-concurrency")
+    ap.add_argument("--serve-concurrency", default="1,8,32")
+    ap.add_argument("--serve-requests", type=int, default=4, help="requests per concurrency x c "
+                                                                  "(at least 8)")
     ap.add_argument("--llama-cpp-src", type=Path, help="its source tree (default: found above)")
     ap.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
     ap.add_argument("--batches", default="1,8,32")
@@ -346,6 +351,13 @@ def main() -> int:
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--out", help="JSON (default bench/results/peers[-QUANT].json)")
     a = ap.parse_args()
+    if not a.llama_cpp and not a.vllm:
+        ap.error("give --llama-cpp DIR, --vllm PY, or both")
+    if a.vllm and a.quant != "bf16":
+        ap.error("--vllm: the serving comparison runs bf16 (vLLM's CPU backend serves the "
+                 "checkpoint as it is); drop --quant")
+    if not a.llama_cpp:
+        return serve_only(a)
     batches = [int(x) for x in a.batches.split(",")]
     lengths = [int(x) for x in a.prefill.split(",")]
     build = a.llama_cpp.expanduser().resolve()
@@ -439,6 +451,7 @@ def main() -> int:
           + " of the bf16 matmul ceiling")
     print(f"RSS after load: moed {moed_rss / 2**20:.0f} MiB (KV for the bench only), "
           f"llama.cpp peak {llama_rss / 2**20:.0f} MiB (-c {ctx})")
+    serving = serve_table(a, model_dir) if a.vllm else None
     out_path = Path(a.out or ROOT / "bench" / "results" /
                     ("peers.json" if a.quant == "bf16" else f"peers-{a.quant}.json"))
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -446,10 +459,43 @@ def main() -> int:
         "bench": "peers", "model_dir": str(model_dir), "threads": a.threads, "cpu": cpu,
         "gguf": str(gguf), "llama_cpp": str(build), "commands": {"decode": cmd_tg, "prefill": cmd_pp},
         "quant": a.quant, "llama_type": qtype, "isa": isa, "roofline": roof,
-        "llama_repack": repack[0],
+        "llama_repack": repack[0], "serving": serving,
         "prompt_len": a.prompt, "new_tokens": a.new, "table": table, "rounds": rounds,
         "rss_bytes": {"moed_after_load": moed_rss, "llama_cpp_peak": llama_rss},
         "load_average": load_average()}, indent=2, default=str))
+    print(f"saved {out_path}")
+    return 0
+
+
+def serve_table(a, model_dir: Path) -> dict:  # noqa: ANN001
+    """The serving comparison against vLLM (bench/serve_peers.py), printed as a table."""
+    import serve_peers
+    cs = [int(x) for x in a.serve_concurrency.split(",")]
+    print(f"\nserving: prompt {a.prompt}, {a.new} out, {a.threads} threads; load "
+          f"{load_average()[0]:.2f}", flush=True)
+    res = serve_peers.compare(model_dir, a.vllm, cs, a.prompt, a.new, a.threads, a.serve_requests)
+    print(f"\n{'concurrency':<12} {'moed tok/s':>10} {'vLLM tok/s':>10} {'ratio':>6} | "
+          f"{'moed TTFT p50':>13} {'vLLM':>8} {'ratio':>6} | failed moed / vLLM")
+    for c in cs:
+        m, v, r = res["moed"][c], res["vllm"][c], res["ratio"][c]
+        print(f"{c:<12} {m['output_tok_s']:10.1f} {v['output_tok_s']:10.1f} "
+              f"{r['output_tok_s']:6.2f} | {m['ttft_ms']['p50']:11.0f}ms {v['ttft_ms']['p50']:6.0f}ms "
+              f"{r['ttft_p50']:6.2f} | {r['moed_failed']} / {r['vllm_failed']}")
+    return res
+
+
+def serve_only(a) -> int:  # noqa: ANN001
+    """--vllm without --llama-cpp: the serving comparison alone."""
+    import engine as eb
+    model_dir = a.model or eb._checkpoint(a.arch, Path(a.cache))
+    print(f"{model_dir.name}, bf16; CPU: {cpu_model()}; ISA: {' '.join(isa_flags())}", flush=True)
+    serving = serve_table(a, model_dir)
+    out_path = Path(a.out or ROOT / "bench" / "results" / "peers-serve.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"bench": "peers-serve", "model_dir": str(model_dir),
+                                    "cpu": cpu_model(), "isa": isa_flags(), "threads": a.threads,
+                                    "serving": serving, "load_average": load_average()},
+                                   indent=2, default=str))
     print(f"saved {out_path}")
     return 0
 
