@@ -111,12 +111,15 @@ class _Job:
 
     def run(self, deadline: float) -> None:
         m = self.matcher
+        # the copy is taken, and the matcher read, before mask 0 is marked done: once it is,
+        # a collect past the deadline returns and the loop may advance the request's matcher
+        c = m.copy() if self.draft else None
         m.fill(self.out, 0)
         self.first_at = time.monotonic()
-        self.done = 1
-        if not self.draft or m.failed or m.stopped:
+        if c is None or m.failed or m.stopped:
+            self.done = 1
             return
-        c = m.copy()
+        self.done = 1
         for j, t in enumerate(self.draft):
             # past the deadline, refused (validated when proposed: should not be) or a limit
             # hit on a drafted path: the draft ends here, the request does not
