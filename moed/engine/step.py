@@ -256,8 +256,9 @@ class StepCore:
             # rows that do not ask (nor draft) pay nothing: the batch stays as planned
             batch = replace(batch, all_logits=tuple(bool(a) or bool(c.draft)
                                                     for a, c in zip(asks, plan.chunks)))
-        gram = [c.request for c in plan.chunks if c.sample and c.request.grammar is not None]
-        pending = self._masks.start([r.grammar for r in gram]) if gram else None
+        gram = [c for c in plan.chunks if c.sample and c.request.grammar is not None]
+        pending = self._masks.start([c.request.grammar for c in gram],  # + a mask a draft
+                                    [c.draft for c in gram]) if gram else None
         hid = None
         if self._mtp:       # the MTP layer drafts from every row's hidden state (after sampling)
             logits, hid = self.runner.forward(batch, hidden=True)
@@ -266,6 +267,12 @@ class StepCore:
             logits = out = self.runner.forward(batch)
         plps: PromptLPs = {}
         ver: dict[str, Verified] = {}
+        masks: dict[str, Any] = {}      # by request id: int32 [1 + drafts masked, words]
+        if pending is not None:
+            got, failed = pending.collect()
+            masks = {c.request.request_id: m for c, m in zip(gram, got)}
+            for j, why in failed.items():
+                self._grammar_failed[gram[j].request.request_id] = why
         if batch.all_logits:
             last = batch.sample_rows
             for i, (c, pos) in enumerate(zip(plan.chunks, asks)):
@@ -276,7 +283,7 @@ class StepCore:
                         logits[base + pos.start:base + pos.stop],
                         r.prompt_token_ids[pos.start + 1:pos.stop + 1],
                         r.params.prompt_logprobs or 0)
-            ver = verify_rows(logits, last, plan.chunks, self._sample_row)
+            ver = verify_rows(logits, last, plan.chunks, self._sample_row, masks)
             logits = logits[last]
         idx = [i for i, c in enumerate(plan.chunks) if c.sample and not c.draft]
         if not idx:
@@ -284,14 +291,9 @@ class StepCore:
                     self._spec_out(plan, hid, idx, None, ver, join_mtp))
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
-        masks: dict[str, Any] = {}
-        if pending is not None:
-            got, failed = pending.collect()
-            masks = {r.request_id: m for r, m in zip(gram, got)}
-            for j, why in failed.items():
-                self._grammar_failed[gram[j].request_id] = why
         reqs = [plan.chunks[i].request for i in idx]
-        rows = [self._sample_row(r, masks.get(r.request_id)) for r in reqs]
+        rows = [self._sample_row(r, masks[r.request_id][0] if r.request_id in masks else None)
+                for r in reqs]
         # the step's own argmax, if it has one (None: the sampler computes it)
         argmax = self.runner.argmax_of(out) if logits is out else None
         res = sample(logits, rows, argmax)
