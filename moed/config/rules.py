@@ -99,15 +99,19 @@ def sections(cfg: NodeSettings) -> None:
                           "static router.backends do not say which version they run")
 
 
+MTP_MAX_K = 4     # chained drafts of one MTP layer, as vLLM's and SGLang's examples use 1-3
+
+
 def speculative(cfg: NodeSettings) -> None:
     """[speculative] against the node: drafts are verified where tokens are decoded."""
     sp = cfg.speculative
     if not sp.enabled:
         return
-    if sp.method == "mtp" and sp.num_speculative_tokens != 1:
+    if sp.method == "mtp" and sp.num_speculative_tokens > MTP_MAX_K:
         raise ConfigError(f"speculative.num_speculative_tokens {sp.num_speculative_tokens} "
-                          f"with method mtp: one MTP layer is served, it drafts 1 token a step "
-                          f"(set it to 1)")
+                          f"with method mtp: the one MTP layer is chained for k > 1, at most "
+                          f"{MTP_MAX_K} (each chained draft costs a pass of the layer and is "
+                          f"accepted less often than the one before)")
     if sp.method == "mtp" and cfg.server.role == "decode":
         raise ConfigError("speculative.method mtp on a decode node: the MTP layer needs the "
                           "prompt's hidden states and its own KV, which a prefill node does not "

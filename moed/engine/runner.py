@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from moed.model.kv_layout import KVLayout
@@ -23,6 +25,8 @@ class StepRunner(Protocol):
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
     def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
                     kv_only: bool = False) -> torch.Tensor | None: ...
+    def draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
+                  depth: Sequence[int]) -> list[list[int]]: ...
     def forward_empty(self) -> None: ...
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None: ...
     def expert_load(self) -> torch.Tensor | None: ...
@@ -54,6 +58,10 @@ class RunnerDefaults:
 
     def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
                     kv_only: bool = False) -> torch.Tensor | None:
+        raise RuntimeError("this runner has no MTP layer")
+
+    def draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
+                  depth: Sequence[int]) -> list[list[int]]:
         raise RuntimeError("this runner has no MTP layer")
 
     def kv_region(self) -> KVRegion:

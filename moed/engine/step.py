@@ -292,6 +292,7 @@ class StepCore:
             return SpecOut(ver)
         return SpecOut(ver, mtp_drafts(self.runner, plan, hid, idx,
                                        None if res is None else res.token_ids, ver,
+                                       self.scheduler.num_speculative_tokens,
                                        self.scheduler.drafting))
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:

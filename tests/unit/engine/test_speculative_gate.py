@@ -207,12 +207,12 @@ def test_mtp_with_the_switch_equals_plain_and_drafts_after_kv_only_steps(make_ch
         return (n[0] // 6) % 2 == 1, Why.EXPLORE
     e._gate.choose = alternate
     kv_only = []
-    fwd_mtp = e.runner.forward_mtp
+    draft_mtp = e.runner.draft_mtp
 
-    def spy(batch, hidden, kv_only_=False, **kw):
-        kv_only.append(kw.get("kv_only", kv_only_))
-        return fwd_mtp(batch, hidden, **kw)
-    e.runner.forward_mtp = spy
+    def spy(batch, hidden, depth):
+        kv_only.append(not any(depth))
+        return draft_mtp(batch, hidden, depth)
+    e.runner.draft_mtp = spy
     d0 = metrics.SPEC_DRAFTS._value.get()
     assert e.generate(prompts, params) == want
     assert any(kv_only) and not all(kv_only)
