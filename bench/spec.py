@@ -3,7 +3,7 @@ at batch 1, 4 and 16 on the trained demo model, one run (issue 32).
 
     .venv/bin/python bench/spec.py [--model models/stdlib-ds3-tiny] [--batches 1,4,16]
                                    [--methods ngram,mtp] [--new 64] [--repeats 3] [--threads 2]
-                                   [--prompts 8] [--mtp-k 1]
+                                   [--prompts 8] [--mtp-k 1] [--clock wall|cpu]
 
 Workloads (greedy, the prompts cut from the demo model's held-out split, split.json):
   edit      edit-style: a held-out window W (96 tokens), a line "# the same again:", then W's
@@ -89,12 +89,15 @@ def position_counters() -> dict[str, float]:
     return {**out, "drafts": metrics.SPEC_DRAFTS._value.get()}
 
 
+CLOCK = time.perf_counter      # --clock cpu: time.process_time
+
+
 def timed(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
     from moed.types import SamplingParams
 
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    return time.perf_counter() - t0, out
+    return CLOCK() - t0, out
 
 
 def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) -> dict:
@@ -173,11 +176,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8, help="at least this many prompts a cell")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the process's CPU seconds instead of wall seconds (with --threads "
+                         "1, a shared machine's other load barely moves it; indicative only)")
     ap.add_argument("--mtp-k", type=int, default=1, help="mtp's num_speculative_tokens (1..4, "
                     "chained past the first)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec.json")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     import structlog
     import logging
     import torch
@@ -186,7 +194,7 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     methods = [m for m in a.methods.split(",") if m]
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs, {a.threads} threads, load {load_average()}; "
-          f"{a.model.name}, {a.dtype}, {a.new} tokens, median of {a.repeats}", flush=True)
+          f"{a.model.name}, {a.dtype}, {a.new} tokens, median of {a.repeats}, {a.clock} clock", flush=True)
     rows = []
     for w in [x for x in a.workloads.split(",") if x]:
         for b in [int(x) for x in a.batches.split(",")]:
@@ -206,7 +214,7 @@ def main() -> int:
     a.out.write_text(json.dumps({"bench": "spec", "cpu": cpu_model(), "threads": a.threads,
                                  "model": str(a.model), "dtype": a.dtype, "new": a.new,
                                  "repeats": a.repeats, "prompts": a.prompts, "mtp_k": a.mtp_k,
-                                 "load_average": load_average(),
+                                 "load_average": load_average(), "clock": a.clock,
                                  "rows": rows, "png": png}, indent=1))
     print(f"saved {a.out} ({png})")
     return 0
