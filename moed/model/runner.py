@@ -267,9 +267,10 @@ class ModelRunner:
         if self.mtp is None:
             raise RuntimeError("draft_mtp: this runner was built without mtp=True")
         self._check(batch)
-        if len(depth) != batch.num_seqs or tuple(hidden.shape) != (batch.num_tokens, self.spec.hidden_size):
+        n = batch.num_tokens
+        if len(depth) != batch.num_seqs or tuple(hidden.shape) != (n, self.spec.hidden_size):
             raise ValueError(f"draft_mtp: {len(depth)} depths, hidden {tuple(hidden.shape)} for "
-                             f"{batch.num_seqs} sequences of {batch.num_tokens} tokens")
+                             f"{batch.num_seqs} sequences of {n} tokens")
         last = [s + len(t) - 1 for s, t in zip(batch.start_pos, batch.token_ids)]
         for i, d in enumerate(depth):
             if d > 1 and last[i] + d - 1 >= len(batch.block_tables[i]) * self.block_size:
@@ -279,7 +280,7 @@ class ModelRunner:
         hidden, kv = hidden.to(self.device, self.dtype), self.kv_cache[self.spec.num_layers]
         q = [i for i, d in enumerate(depth) if d > 0]
         out: list[list[int]] = [[] for _ in depth]
-        if len(q) == batch.num_tokens:      # one row each, all drafting: one pass, as forward_mtp
+        if len(q) == n:      # one row each, all drafting: one pass, as forward_mtp
             x, ent = self.mtp._input(hidden, input_ids), None
         else:
             x, ent = self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary,
