@@ -3,7 +3,7 @@ at batch 1, 4 and 16 on the trained demo model, one run (issue 32).
 
     .venv/bin/python bench/spec.py [--model models/stdlib-ds3-tiny] [--batches 1,4,16]
                                    [--methods ngram,mtp] [--new 64] [--repeats 3] [--threads 2]
-                                   [--prompts 8]
+                                   [--prompts 8] [--mtp-k 1] [--clock wall|cpu]
 
 Workloads (greedy, the prompts cut from the demo model's held-out split, split.json):
   edit      edit-style: a held-out window W (96 tokens), a line "# the same again:", then W's
@@ -17,7 +17,8 @@ decode tok/s = the tokens after the first over the time `--new` tokens took minu
 one token took (the prefill), median of the repeats. Batch 1 runs several prompts one after
 the other: how often a prompt's own text repeats varies a lot between prompts. The
 acceptance rate is accepted / drafted tokens from the moed_spec_decode_* counters. The ratio
-is the method's median over the plain engine's, from the same run. Outputs equal to the plain
+is the method's median over the plain engine's, from the same run; per position (mtp with
+--mtp-k > 1: its chained drafts), the accepted tokens at that position over the drafts. Outputs equal to the plain
 engine's are counted too (bf16: a step's batch shape may move a near tie, docs/speculative.md).
 
 Saves bench/results/spec.json and, when matplotlib is installed, spec.png.
@@ -53,7 +54,7 @@ def prompts_for(model_dir: Path, workload: str, count: int) -> list[list[int]]:
     return [w[:96] + sep + w[:16] for w in picked]
 
 
-def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int):
+def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int, mtp_k: int = 1):
     from moed.config import EngineConfig, SpeculativeConfig
     from moed.engine.engine import Engine
     from moed.model.runner import ModelRunner
@@ -64,7 +65,7 @@ def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int):
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
                                  prompt_lookup_max=4)
     elif method == "mtp":
-        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1)
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=mtp_k)
     per_seq = -(-(160 + new + 8) // 16)
     runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=batch * per_seq + 8,
                          block_size=16, mtp=method == "mtp")
@@ -79,23 +80,36 @@ def counters() -> tuple[float, float]:
     return metrics.SPEC_DRAFT_TOKENS._value.get(), metrics.SPEC_ACCEPTED._value.get()
 
 
+def position_counters() -> dict[str, float]:
+    """Drafts verified ("drafts") and accepted tokens per draft position."""
+    from moed.obs import metrics
+
+    out = {s.labels["position"]: s.value for s in metrics.SPEC_ACCEPTED_POS.collect()[0].samples
+           if s.name.endswith("_total")}
+    return {**out, "drafts": metrics.SPEC_DRAFTS._value.get()}
+
+
+CLOCK = time.perf_counter      # --clock cpu: time.process_time
+
+
 def timed(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
     from moed.types import SamplingParams
 
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    return time.perf_counter() - t0, out
+    return CLOCK() - t0, out
 
 
 def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) -> dict:
     prompts = prompts_for(model_dir, workload, max(batch, a.prompts))
     n = len(prompts)
-    engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new) for m in ["plain", *methods]}
+    engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new, a.mtp_k) for m in ["plain", *methods]}
     for e in engines.values():  # warm-up: kernels, allocator, and the per-step switch's classes
         timed(e, prompts, a.new)
     tok_s: dict[str, list[float]] = {m: [] for m in engines}
     drafted = {m: 0.0 for m in engines}
     accepted = {m: 0.0 for m in engines}
+    per_pos: dict[str, dict[str, float]] = {m: {} for m in engines}
     outputs: dict[str, list[list[int]]] = {}
     for r in range(a.repeats):
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
@@ -103,10 +117,13 @@ def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) 
             e = engines[m]
             t1, _ = timed(e, prompts, 1)
             d0, a0 = counters()
+            p0 = position_counters()
             tn, out = timed(e, prompts, a.new)
             d1, a1 = counters()
             drafted[m] += d1 - d0
             accepted[m] += a1 - a0
+            for key, v in position_counters().items():
+                per_pos[m][key] = per_pos[m].get(key, 0.0) + v - p0.get(key, 0.0)
             outputs[m] = out
             tok_s[m].append(n * (a.new - 1) / max(tn - t1, 1e-9))
     plain = statistics.median(tok_s["plain"])
@@ -116,7 +133,10 @@ def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) 
         same = sum(o == p for o, p in zip(outputs[m], outputs["plain"]))
         row[m] = {"tok_s": med, "rounds": tok_s[m], "ratio": med / plain,
                   "acceptance": accepted[m] / drafted[m] if drafted[m] else None,
-                  "draft_tokens": drafted[m], "outputs_equal_plain": f"{same}/{n}"}
+                  "draft_tokens": drafted[m], "outputs_equal_plain": f"{same}/{n}",
+                  "accepted_per_position": [per_pos[m].get(str(i), 0.0) / per_pos[m]["drafts"]
+                                            for i in range(a.mtp_k if m == "mtp" else 4)]
+                  if per_pos[m].get("drafts") else None}
     return row
 
 
@@ -156,9 +176,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8, help="at least this many prompts a cell")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the process's CPU seconds instead of wall seconds (with --threads "
+                         "1, a shared machine's other load barely moves it; indicative only)")
+    ap.add_argument("--mtp-k", type=int, default=1, help="mtp's num_speculative_tokens (1..4, "
+                    "chained past the first)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec.json")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     import structlog
     import logging
     import torch
@@ -167,7 +194,7 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     methods = [m for m in a.methods.split(",") if m]
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs, {a.threads} threads, load {load_average()}; "
-          f"{a.model.name}, {a.dtype}, {a.new} tokens, median of {a.repeats}", flush=True)
+          f"{a.model.name}, {a.dtype}, {a.new} tokens, median of {a.repeats}, {a.clock} clock", flush=True)
     rows = []
     for w in [x for x in a.workloads.split(",") if x]:
         for b in [int(x) for x in a.batches.split(",")]:
@@ -177,15 +204,17 @@ def main() -> int:
             for m in methods:
                 x = row[m]
                 acc = "n/a" if x["acceptance"] is None else f"{100 * x['acceptance']:.0f}%"
-                line += (f" | {m} {x['tok_s']:8.1f} tok/s {x['ratio']:.2f}x acceptance {acc}"
+                pos = "" if not x["accepted_per_position"] else \
+                    " per position " + "/".join(f"{100 * q:.0f}" for q in x["accepted_per_position"])
+                line += (f" | {m} {x['tok_s']:8.1f} tok/s {x['ratio']:.2f}x acceptance {acc}{pos}"
                          f" equal {x['outputs_equal_plain']}")
             print(line, flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     png = plot(rows, methods, a.out.with_suffix(".png"))
     a.out.write_text(json.dumps({"bench": "spec", "cpu": cpu_model(), "threads": a.threads,
                                  "model": str(a.model), "dtype": a.dtype, "new": a.new,
-                                 "repeats": a.repeats, "prompts": a.prompts,
-                                 "load_average": load_average(),
+                                 "repeats": a.repeats, "prompts": a.prompts, "mtp_k": a.mtp_k,
+                                 "load_average": load_average(), "clock": a.clock,
                                  "rows": rows, "png": png}, indent=1))
     print(f"saved {a.out} ({png})")
     return 0

@@ -99,6 +99,9 @@ def sections(cfg: NodeSettings) -> None:
                           "static router.backends do not say which version they run")
 
 
+MTP_MAX_K = 4     # chained drafts of one MTP layer, as vLLM's and SGLang's examples use 1-3
+
+
 def speculative(cfg: NodeSettings) -> None:
     """[speculative] against the node: drafts are verified where tokens are decoded. On a
     prefill node only `mtp` has a meaning: compute the MTP layer's KV over each prompt and
@@ -106,10 +109,11 @@ def speculative(cfg: NodeSettings) -> None:
     sp = cfg.speculative
     if not sp.enabled:
         return
-    if sp.method == "mtp" and sp.num_speculative_tokens != 1:
+    if sp.method == "mtp" and sp.num_speculative_tokens > MTP_MAX_K:
         raise ConfigError(f"speculative.num_speculative_tokens {sp.num_speculative_tokens} "
-                          f"with method mtp: one MTP layer is served, it drafts 1 token a step "
-                          f"(set it to 1)")
+                          f"with method mtp: the one MTP layer is chained for k > 1, at most "
+                          f"{MTP_MAX_K} (each chained draft costs a pass of the layer and is "
+                          f"accepted less often than the one before)")
     if sp.prompt_lookup_min > sp.prompt_lookup_max:
         raise ConfigError(f"speculative.prompt_lookup_min ({sp.prompt_lookup_min}) must not "
                           f"exceed speculative.prompt_lookup_max ({sp.prompt_lookup_max})")

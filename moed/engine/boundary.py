@@ -110,7 +110,7 @@ class Boundary(StepCore):
         d = cmd.draft       # the MTP layer's draft for the first step (a guess: verified)
         if self._mtp and req is not None and d is not None and 0 <= d < self.spec.vocab_size \
                 and not req.finished:
-            req.drafter = (req.num_tokens, d)
+            req.drafter = (req.num_tokens, (d,))
 
     def _release(self, cmd: ReleaseKV) -> None:
         self.scheduler.release(cmd.request_id)

@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 class ServeDriver:
     reads_expert_load = True
-    join_mtp = False            # no group
+    mtp_passes = 0              # no group
 
     def __init__(self, engine: Engine, wake: asyncio.Event) -> None:
         self._engine, self._wake = engine, wake
@@ -71,14 +71,14 @@ class GroupDriver:
     """When anyone in the group has work every rank runs one forward pass (an empty one
     without work here); when nobody has, the group idles on one wake key. With the MTP layer
     drafting (speculative decoding) a rank whose own MTP pass skips the layer's MoE joins its
-    exchange with no rows whenever a peer's runs it (`join_mtp`, moed.parallel.agree)."""
+    exchange with no rows whenever a peer's runs it (`mtp_passes`, moed.parallel.agree)."""
     reads_expert_load = True
 
     def __init__(self, engine: Engine, ep: EPRuntime, wake: asyncio.Event) -> None:
         self._engine, self._ep, self._wake = engine, ep, wake
         self._rebalance: Any = None     # this step's verdict on an expert rebalance
         self.plan: StepPlan | None = None
-        self.join_mtp = False
+        self.mtp_passes = 0
 
     def leaving(self) -> bool:
         return self._engine._stopping
@@ -103,7 +103,8 @@ class GroupDriver:
         if not verdict.working:
             return Go.IDLE
         self._rebalance = verdict.rebalance
-        self.join_mtp = verdict.join_mtp(mtp)
+        # k as configured: this rank's own switch may say plain while a peer's drafts
+        self.mtp_passes = verdict.mtp_passes(e._mtp_k)
         return Go.STEP if has_plan else Go.EMPTY
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -138,7 +139,7 @@ class GroupDriver:
 
 class SyncDriver:
     reads_expert_load = False   # generate() leaves the runner's counts to its caller
-    join_mtp = False
+    mtp_passes = 0
 
     def leaving(self) -> bool:
         return False

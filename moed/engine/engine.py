@@ -119,6 +119,7 @@ class Engine(Boundary):
         spec_s = None if speculative is None else SpecSettings.from_config(speculative)
         self.scheduler.set_speculation(spec_s)
         self._mtp = spec_s is not None and spec_s.method == "mtp"
+        self._mtp_k = spec_s.k if self._mtp else 0     # as configured, whatever the switch says
         self._gate = StepGate() if spec_s is not None and spec_s.adaptive else None
         self._gate_step, self._clock = None, time.perf_counter
         log_spec_start(spec_s)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from moed.model.kv_layout import KVLayout
@@ -23,7 +25,9 @@ class StepRunner(Protocol):
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
     def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, kv_only: bool = False,
                     exchange: bool = False) -> torch.Tensor | None: ...
-    def forward_empty(self, mtp: bool = False) -> None: ...
+    def draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int],
+                  passes: int = 0) -> list[list[int]]: ...
+    def forward_empty(self, mtp: int = 0) -> None: ...
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None: ...
     def expert_load(self) -> torch.Tensor | None: ...
     def describe(self) -> dict[str, str]: ...
@@ -49,11 +53,15 @@ class RunnerDefaults:
     def resident_expert_bytes(self) -> int:
         return 0
 
-    def forward_empty(self, mtp: bool = False) -> None:
+    def forward_empty(self, mtp: int = 0) -> None:
         raise RuntimeError("this runner is not part of an expert-parallel group")
 
     def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, kv_only: bool = False,
                     exchange: bool = False) -> torch.Tensor | None:
+        raise RuntimeError("this runner has no MTP layer")
+
+    def draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int],
+                  passes: int = 0) -> list[list[int]]:
         raise RuntimeError("this runner has no MTP layer")
 
     def kv_region(self) -> KVRegion:

@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from moed.balance.cost import AdvertisedCost, CostModel, ExpertShape
-from moed.engine.drafts.propose import SpecSettings, draft_room, observe, propose
+from moed.engine.drafts.propose import SpecSettings, draft_room, draft_slots, observe, propose
 from moed.engine.parking import RemoteKVParking
 from moed.engine.plan import ScheduledChunk, StepPlan, build_plan, token_event, top_row
 from moed.engine.policies import CostPolicy, StepPolicy, StepTimeBudget, TokenPolicy
@@ -393,11 +393,11 @@ class _Draft:
         draft = propose(s._spec, req, min(room, draft_room(req, s._spec.k)))
         # never preempt for a guess: cut it to the room of the blocks held and free now
         kv = s.kv
-        draft = draft[:(len(kv.block_table(req.request_id)) + kv.num_free_blocks)
-                      * kv.block_size - req.num_tokens]
+        room = (len(kv.block_table(req.request_id)) + kv.num_free_blocks) * kv.block_size
+        draft = draft[:room - req.num_tokens]
         if not draft:
             return 0
-        s.kv.append_slots(req.request_id, req.num_tokens + len(draft))
+        s.kv.append_slots(req.request_id, min(draft_slots(s._spec, req, len(draft)), room))
         self.chunks[at] = ScheduledChunk(req, last.num_new_tokens, True, draft)
         return len(draft)
 

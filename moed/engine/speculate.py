@@ -40,26 +40,30 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class SpecOut:
     """What a step's speculation produced, by request id: each drafting chunk's verification,
-    and the MTP layer's draft for each sampled request's next step."""
+    and the MTP layer's drafts for each sampled request's next step."""
     verified: dict[str, Verified] = field(default_factory=dict)
-    mtp: dict[str, int] = field(default_factory=dict)
+    mtp: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Sequence[int],
                sampled: Sequence[int] | None, verified: dict[str, Verified],
-               drafting: bool = True, exchange: bool = False) -> dict[str, int]:
+               k: int = 1, drafting: bool = True, passes: int = 0) -> dict[str, tuple[int, ...]]:
     """The MTP step after a main step (docs/models.md, "The MTP layer"): every position the
     main step kept, each with the token after it (the next prompt token, the sampled one, or
     for a drafting chunk the accepted drafts then the emitted token: keep = accepted + 1), so
-    the MTP layer's KV covers every computed position; its last row per sequence is the greedy
-    draft for the position after the next known token. -> that draft per sampling request.
-    drafting False (the per-step switch said plain, moed.engine.drafts.gate): the MTP layer
-    writes its KV entries only, a tenth of its time, and drafts nothing for the next step;
-    exchange (expert parallelism): and joins the layer's MoE exchange with no rows, since a
-    peer rank runs the layer in full this step (moed.parallel.agree)."""
+    the MTP layer's KV covers every computed position; the last position of each sampling
+    request drafts greedily for the position after its next known token, and chains up to k
+    drafts (ModelRunner.draft_mtp) as far as its block table has slots past that position
+    (the scheduler reserves k - 1 with a draft: `Scheduler.speculate`). -> those drafts per
+    sampling request. drafting False (the per-step switch said plain, moed.engine.drafts.gate):
+    the MTP layer writes its KV entries only, a tenth of its time, and drafts nothing.
+    passes (expert parallelism): the MTP layer's MoE exchanges this rank makes this step, its
+    own passes then as many with no rows, so every rank of the group makes the same number
+    (k where any rank drafts: moed.parallel.agree.Verdict.mtp_passes); 0 outside a group."""
     batch = plan.batch
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
-    next_ids, keep = [], []
+    next_ids, keep, depth = [], [], []
+    bs = runner.block_size
     for i, c in enumerate(plan.chunks):
         r, n = c.request, len(batch.token_ids[i])
         if c.draft:
@@ -69,23 +73,24 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         else:
             next_ids.append(tok[i] if c.sample else r.token_ids[r.num_computed_tokens + n])
             keep.append(n)
+        # the chain's entries at last + 1 .. last + depth - 1: inside the table and the context
+        last = batch.start_pos[i] + keep[-1] - 1
+        room = min(len(batch.block_tables[i]) * bs, r.max_model_len) - last
+        depth.append(max(1, min(k, room)) if c.sample and drafting else 0)
     mb, rows = mtp_inputs(batch, next_ids, keep)
     if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
         hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-    logits = runner.forward_mtp(mb, hidden, kv_only=not drafting, exchange=exchange)
-    if logits is None:
-        return {}
-    best = logits.argmax(-1).tolist()
-    return {c.request.request_id: best[i] for i, c in enumerate(plan.chunks) if c.sample}
+    out = runner.draft_mtp(mb, hidden, depth, passes)
+    return {c.request.request_id: tuple(out[i]) for i, c in enumerate(plan.chunks) if out[i]}
 
 
 def with_first_drafts(events: list[TokenEvent], chunks: Sequence[ScheduledChunk],
-                      drafts: dict[str, int]) -> list[TokenEvent]:
-    """A prefill-only request's token event with the MTP layer's draft for the position after
-    that token: a prefill node sends it on with the token (moed.roles.prefill), so the decode
-    node's first step drafts too."""
+                      drafts: dict[str, tuple[int, ...]]) -> list[TokenEvent]:
+    """A prefill-only request's token event with the MTP layer's (first) draft for the position
+    after that token: a prefill node sends it on with the token (moed.roles.prefill), so the
+    decode node's first step drafts too (one token: a chain past it is the decode node's)."""
     first = {c.request.request_id for c in chunks if c.request.prefill_only}
-    return [replace(ev, draft=drafts[ev.request_id])
+    return [replace(ev, draft=drafts[ev.request_id][0])
             if ev.request_id in first and ev.request_id in drafts and ev.token_ids else ev
             for ev in events]
 

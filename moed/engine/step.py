@@ -71,9 +71,10 @@ class Go(enum.Enum):
 class StepDriver(Protocol):
     """What one driver of `StepCore.step` decides (moed.engine.drivers has the three)."""
     reads_expert_load: bool     # the serving loops read the runner's expert load between steps
-    # this step also joins the MTP layer's MoE exchange with no rows: a peer runs that layer
-    # in full and this rank does not (expert parallelism, moed.parallel.agree.Verdict.join_mtp)
-    join_mtp: bool
+    # the MTP layer's MoE exchanges this rank makes this step, its own passes padded with
+    # empty ones: k where any rank of the group drafts, else 0; 0 outside a group
+    # (expert parallelism, moed.parallel.agree.Verdict.mtp_passes)
+    mtp_passes: int
 
     def leaving(self) -> bool:
         """Schedule nothing this step (the loop is stopping)."""
@@ -113,6 +114,7 @@ class StepCore:
     _load_pending: bool
     _executor: ThreadPoolExecutor | None
     _mtp: bool          # speculative decoding with the MTP layer: forward with hidden states
+    _mtp_k: int         # its k (chained drafts) as configured; 0 without the MTP layer
     _gate: StepGate | None      # speculation's per-step switch (None: off, or not adaptive)
     _gate_step: tuple[int, bool, float] | None  # this step's (decoding rows, may draft, start)
     _clock: Callable[[], float]     # the switch's clock (time.perf_counter; tests inject one)
@@ -154,12 +156,12 @@ class StepCore:
         if driver.reads_expert_load:
             self._load_pending = True
         if plan is None:                # Go.EMPTY: the group steps, this rank has no rows
-            await driver.call(self.runner.forward_empty, driver.join_mtp)
+            await driver.call(self.runner.forward_empty, driver.mtp_passes)
             driver.after_forward()
             await driver.between_steps()
             return Go.STEP
         try:
-            res, fwd_s, plps, spec = await driver.call(self._execute, plan, driver.join_mtp)
+            res, fwd_s, plps, spec = await driver.call(self._execute, plan, driver.mtp_passes)
         except Exception as e:
             if not driver.contain(plan, e):
                 raise
@@ -246,9 +248,9 @@ class StepCore:
         return self._mtp and plan is not None and self.scheduler.drafting \
             and any(c.sample for c in plan.chunks)
 
-    def _execute(self, plan: StepPlan, join_mtp: bool = False) -> Executed:
+    def _execute(self, plan: StepPlan, mtp_passes: int = 0) -> Executed:
         """Runs in the executor thread: forward + sample (+ the prompt logprobs of the chunks
-        that ask). Reads the plan, mutates nothing else. join_mtp: StepDriver.join_mtp."""
+        that ask). Reads the plan, mutates nothing else. mtp_passes: StepDriver.mtp_passes."""
         t0 = time.perf_counter()
         asks = [_prompt_positions(c) for c in plan.chunks]
         batch = plan.batch
@@ -288,7 +290,7 @@ class StepCore:
         idx = [i for i, c in enumerate(plan.chunks) if c.sample and not c.draft]
         if not idx:
             return (None, time.perf_counter() - t0, plps,
-                    self._spec_out(plan, hid, idx, None, ver, join_mtp))
+                    self._spec_out(plan, hid, idx, None, ver, mtp_passes))
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
         reqs = [plan.chunks[i].request for i in idx]
@@ -297,16 +299,17 @@ class StepCore:
         # the step's own argmax, if it has one (None: the sampler computes it)
         argmax = self.runner.argmax_of(out) if logits is out else None
         res = sample(logits, rows, argmax)
-        return res, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, res, ver, join_mtp)
+        return res, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, res, ver, mtp_passes)
 
     def _spec_out(self, plan: StepPlan, hid: Any, idx: list[int], res: SampleResult | None,
-                  ver: dict[str, Verified], join_mtp: bool = False) -> SpecOut:
+                  ver: dict[str, Verified], mtp_passes: int = 0) -> SpecOut:
         """The drafts' verifications and, with the MTP layer, its drafts for the next step."""
         if hid is None:
             return SpecOut(ver)
         return SpecOut(ver, mtp_drafts(self.runner, plan, hid, idx,
                                        None if res is None else res.token_ids, ver,
-                                       self._mtp_full(plan), exchange=join_mtp))
+                                       self.scheduler.num_speculative_tokens,
+                                       self._mtp_full(plan), mtp_passes))
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params

@@ -208,7 +208,7 @@ class KVCacheManager:
         tail = t.blocks[keep:]
         if tail:
             del t.blocks[keep:]
-            self._pool.free(reversed(tail))
+            self._pool.free(reversed(tail), first=True)     # reused before a cached prefix
         return len(tail)
 
     def commit(self, req_id: str, tokens: Sequence[int], num_computed: int) -> None:

@@ -122,15 +122,20 @@ class BlockPool:
                 del self._free[bid]
             self._ref[bid] += 1
 
-    def free(self, ids: Iterable[int]) -> None:
+    def free(self, ids: Iterable[int], first: bool = False) -> None:
         """Drop one reference per id. Blocks reaching 0 join the tail of the LRU free queue,
-        in the order given (pass a table reversed so its tail is evicted first)."""
+        in the order given (pass a table reversed so its tail is evicted first). first: those
+        that hold no cached prefix join its head instead, the last given first (a truncated
+        draft tail: the next allocation takes it back rather than evicting a cached prefix,
+        which speculation would otherwise do about every step)."""
         for bid in ids:
             if self._ref[bid] <= 0:
                 raise RuntimeError(f"double free of block {bid}")
             self._ref[bid] -= 1
             if self._ref[bid] == 0:
                 self._free[bid] = None
+                if first and self._hash[bid] is None:
+                    self._free.move_to_end(bid, last=False)
 
     def cache(self, block_id: int, block_hash: int) -> bool:
         """Register a full, computed block under its prefix hash. If another block already holds

@@ -103,15 +103,29 @@ class MTPLayer:
         return self.eh_proj(torch.cat((e, h), dim=-1))
 
     def write_kv(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                 max_pos: int, rotary: Rotary, backend: AttentionBackend, kv_layer: torch.Tensor) -> None:
+                 max_pos: int, rotary: Rotary, backend: AttentionBackend, kv_layer: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """__call__'s KV entries only (the same numbers): its input, the layer's input norm and
         latent projection, no attention, MoE or head. What a step that makes no draft runs, so
         the MTP layer's KV still covers every position when drafting resumes (~1/10 of the
-        full layer's time on the demo model)."""
+        full layer's time on the demo model). -> (the layer's input x [T, H], the entries
+        written [T, r + rope]) for `draft` to run the rest on some rows."""
         b = self.block
-        x, _ = add_rms_norm(self._input(hidden, next_ids), None, b.input_norm, b.eps, b.kernels)
+        x = self._input(hidden, next_ids)
+        n, _ = add_rms_norm(x, None, b.input_norm, b.eps, b.kernels)
         cos, sin = rotary.tables(positions, max_pos)
-        b.attn.write_kv(x, cos, sin, backend, kv_layer)
+        return x, b.attn.write_kv(n, cos, sin, backend, kv_layer)
+
+    def draft(self, x: torch.Tensor, positions: torch.Tensor, max_pos: int, rotary: Rotary,
+              backend: AttentionBackend, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer on input rows x [Q, H] (write_kv's, or `_input`'s for a chained
+        entry) at `positions` [Q], the backend planned for them (their entries are written as
+        __call__ writes them) -> (greedy drafts [Q], the layer's output [Q, H] before the head's
+        norm: a chained entry's hidden, as vLLM's and SGLang's MTP proposers chain it)."""
+        cos, sin = rotary.tables(positions, max_pos)
+        h, delta = self.block(x, None, cos, sin, backend, kv_layer)
+        x, out = add_rms_norm(h, delta, self.head_norm, self.eps, self.kernels)
+        return self.head(x).float().argmax(-1), out
 
     def empty_step(self) -> None:
         """Expert parallelism, a rank whose step does not run this layer in full while a peer's

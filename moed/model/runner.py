@@ -12,6 +12,8 @@ engine's single executor thread; not thread-safe by design (one writer).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from itertools import accumulate
 from pathlib import Path
 from typing import Literal, overload
 
@@ -255,21 +257,92 @@ class ModelRunner:
             raise ValueError("forward_mtp: exchange is for a kv_only pass (a full one exchanges its rows)")
         return self.mtp(hidden, input_ids, positions, max_pos, rows, self.model.rotary, self.backend, kv)
 
+    @torch.inference_mode()
+    def draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int],
+                  passes: int = 0) -> list[list[int]]:
+        """The MTP step as the engine runs it: forward_mtp's KV entries of every position, and
+        depth[i] greedy drafts from sequence i (0: its entries only) -> the drafts per sequence.
+
+        Only the drafting rows (each drafting sequence's last) run the layer's attention, MoE
+        and head; the others write their entries only (write_kv, the numbers forward_mtp
+        writes: those of the query rows are written again after their pass). Drafts past the
+        first chain the one layer as vLLM and SGLang do: entry j (1 <= j < depth[i]) at the
+        position j past the last, from entry j - 1's output and draft; its KV goes to that
+        position's slot, which batch.block_tables[i] must hold (scratch: the next step's MTP
+        step writes it again before anything reads it). passes (expert parallelism): the layer's
+        MoE exchanges to make in all, one per chained pass run, the rest with no rows
+        (moed.parallel.agree.Verdict.mtp_passes; 0: as many as run)."""
+        ran = max(depth, default=0)     # the chained passes it runs, one MoE exchange each
+        if passes and ran > passes:
+            raise ValueError(f"draft_mtp: a chain of {ran} passes, the group agreed on {passes}")
+        out = self._draft_mtp(batch, hidden, depth)
+        for _ in range(passes - ran):
+            self.mtp.empty_step()
+        return out
+
+    @torch.inference_mode()
+    def _draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int]) -> list[list[int]]:
+        if self.mtp is None:
+            raise RuntimeError("draft_mtp: this runner was built without mtp=True")
+        self._check(batch)
+        n = batch.num_tokens
+        if len(depth) != batch.num_seqs or tuple(hidden.shape) != (n, self.spec.hidden_size):
+            raise ValueError(f"draft_mtp: {len(depth)} depths, hidden {tuple(hidden.shape)} for "
+                             f"{batch.num_seqs} sequences of {n} tokens")
+        last = [s + len(t) - 1 for s, t in zip(batch.start_pos, batch.token_ids)]
+        for i, d in enumerate(depth):
+            if d > 1 and last[i] + d - 1 >= len(batch.block_tables[i]) * self.block_size:
+                raise ValueError(f"draft_mtp: sequence {i}'s chain of {d} needs slots to position "
+                                 f"{last[i] + d - 1}, its block table holds fewer")
+        input_ids, positions, max_pos, _ = self._inputs(batch, reuse_plan=True)
+        hidden, kv = hidden.to(self.device, self.dtype), self.kv_cache[self.spec.num_layers]
+        q = [i for i, d in enumerate(depth) if d > 0]
+        out: list[list[int]] = [[] for _ in depth]
+        if len(q) == n:      # one row each, all drafting: one pass, as forward_mtp
+            x, ent = self.mtp._input(hidden, input_ids), None
+        else:
+            x, ent = self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary,
+                                       self.backend, kv)
+            if not q:
+                return out
+            ends = list(accumulate(len(t) for t in batch.token_ids))
+            sel = torch.tensor([ends[i] - 1 for i in q], device=x.device)
+            x, ent = x.index_select(0, sel), ent.index_select(0, sel)
+        chain = [batch.block_tables[i] for i in q]
+        for j in range(max(depth)):
+            b = ForwardBatch([[0]] * len(q), [last[i] + j for i in q], chain)
+            _, pos, mp, _ = self._inputs(b, reuse_plan=True)
+            tok, h = self.mtp.draft(x, pos, mp, self.model.rotary, self.backend, kv)
+            if ent is not None:     # the query rows' entries as the all-row pass wrote them
+                self.backend.write_latent(ent, kv)
+                ent = None
+            for i, t in zip(q, tok.tolist()):
+                out[i].append(t)
+            keep = [n for n, i in enumerate(q) if depth[i] > j + 1]
+            if len(keep) != len(q):
+                q, chain = [q[n] for n in keep], [chain[n] for n in keep]
+                tok, h = tok[keep], h[keep]
+            if not q:
+                break
+            x = self.mtp._input(h, tok)
+        return out
+
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
         """logits.argmax(-1) where the step that returned these logits computed it already (the
         native decode step does, while they are in cache); None otherwise."""
         return None if self.native_decode is None else self.native_decode.argmax_of(logits)
 
     @torch.inference_mode()
-    def forward_empty(self, mtp: bool = False) -> None:
+    def forward_empty(self, mtp: int = 0) -> None:
         """Expert parallelism: this rank has no tokens this step but takes part in every MoE
-        layer's exchange (moed.parallel.agree); mtp: the MTP layer's too, after them (a peer
-        runs that layer in full this step)."""
+        layer's exchange (moed.parallel.agree); mtp: and in that many of the MTP layer's, after
+        them (a peer runs that layer in full this step: Verdict.mtp_passes)."""
         self.model.empty_step()
         if mtp:
             if self.mtp is None:
-                raise RuntimeError("forward_empty(mtp=True): this runner was built without mtp=True")
-            self.mtp.empty_step()
+                raise RuntimeError("forward_empty(mtp): this runner was built without mtp=True")
+            for _ in range(int(mtp)):
+                self.mtp.empty_step()
 
     def resident_expert_bytes(self) -> int:
         """Bytes of expert weights this process holds, summed over the tensors themselves."""

@@ -8,9 +8,11 @@ work; and ranks whose step runs the MTP layer in full, speculative decoding's `m
     (runner.forward_empty: only the MoE layers' exchanges), so every collective on one rank
     is matched on every other, in the same order. Drafts change only how many rows a rank's
     forward has (the exchange sends per-rank counts first), never which exchanges it makes;
-    the MTP layer's MoE is the one exchange a rank may or may not make (the per-step switch
-    runs it in full or writes its KV entries only, moed.engine.drafts.gate), so when any rank
-    runs it in full (`Verdict.mtp` > 0), every other joins it with no rows (`Verdict.join_mtp`);
+    the MTP layer's MoE is the one exchange a rank may or may not make, and as many times as
+    its chain of drafts is long (the per-step switch runs it in full or writes its KV entries
+    only, moed.engine.drafts.gate), so when any rank runs it in full (`Verdict.mtp` > 0),
+    every rank makes k of its exchanges (`Verdict.mtp_passes`): its own chained passes, then
+    the rest with no rows;
   - nobody has work: every rank goes idle in `idle()` with the same epoch number (they all
     saw the same verdicts), blocking on its own wake event (a new request, a command) or the
     group's wake key `wake/<epoch>` in the TCPStore, in bounded waits (POLL_S). The first rank
@@ -68,11 +70,12 @@ class Verdict:
     rebalance: int = 0  # the expert balancer's signal (rank 0's; moed.parallel.rebalance)
     mtp: int = 0        # ranks whose step runs the MTP layer's MoE (speculative decoding, mtp)
 
-    def join_mtp(self, runs_mtp_moe: bool) -> bool:
-        """Whether this rank joins the MTP layer's MoE exchange with no rows after its forward
-        pass: a peer runs the layer in full this step and this rank does not (its MTP pass
-        writes KV entries only, or it has no rows at all)."""
-        return not runs_mtp_moe and self.mtp > 0
+    def mtp_passes(self, k: int) -> int:
+        """How many MTP-layer MoE exchanges every rank makes this step: k (the chain's length,
+        the same on every rank) where any rank runs the layer in full, else none. A rank runs
+        its own passes (a chain ends early where its rows' slots do) and joins the rest with no
+        rows, so the group's exchanges match without agreeing on each rank's depth."""
+        return k if self.mtp > 0 else 0
 
 
 class StepAgreement:

@@ -14,7 +14,7 @@ SPEC_METHODS = ("", "ngram", "mtp")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = _f("", doc="'' = off | ngram (prompt lookup: drafts copied from the "
-                     "request's own prompt and output) | mtp (DeepSeek-V3's MTP layer, k = 1)")
+                     "request's own prompt and output) | mtp (DeepSeek-V3's MTP layer, chained for k > 1, k <= 4)")
     # 8: verifying k + 1 positions costs a prefill-like step; past ~8 the rejected tail of a
     # guess costs more than the rare long accepted run earns (vLLM's ngram examples use 3-5)
     num_speculative_tokens: int = _f(3, bounds=(1, 8), doc="k: draft tokens verified per "

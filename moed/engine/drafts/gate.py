@@ -11,12 +11,16 @@ the model and the machine, so the switch measures instead of predicting:
                 of seconds (weight EMA_WEIGHT), their ratio; only steps without a prompt chunk
                 are measured (a chunk's time is neither arm's)
 
-Each class runs the arm with the higher rate. Every EXPLORE_EVERY decisions it runs the
-other for EXPLORE_RUN steps in a row (a run, not one step: an MTP draft is made one step
-before it is verified, so the first step of a draft run has none), so a loser that has become
-the winner (the batch's prompts turned repetitive, the machine got quieter) is found again
-within a few hundred steps. A new class first runs each arm for MIN_SAMPLES measured steps,
-drafts first. The decision is `decide` and the measurement `observe`, pure; `StepGate` holds the
+Each class runs the arm with the higher rate. At the end of every period of `every`
+decisions (EXPLORE_EVERY at first) it runs the other for EXPLORE_RUN steps in a row (a run,
+not one step: an MTP draft is made one step before it is verified, so the first step of a
+draft run has none), so a loser that has become the winner (the batch's prompts turned
+repetitive, the machine got quieter) is found again. A run that leaves the winner as it was
+doubles the next period (up to EXPLORE_MAX): a loser that keeps losing costs its runs ever
+more rarely (4 steps in 64, then in 128, ... 1024); a period that ends with the arm its run
+explored as the winner starts the periods over at EXPLORE_EVERY. A new class first
+runs each arm for MIN_SAMPLES measured steps, drafts first. The classes live as long as the
+step loop: what one batch learned serves the next requests. The decision is `decide` and the measurement `observe`, pure; `StepGate` holds the
 classes' states for the engine (one writer: the step loop).
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field, replace
 EMA_WEIGHT = 0.2
 MIN_SAMPLES = 4
 EXPLORE_EVERY = 64
+EXPLORE_MAX = 1024     # 4 steps in 1024: a recovery within ~2000 steps at worst
 EXPLORE_RUN = 4
 SPIKE = 4.0
 
@@ -54,9 +59,10 @@ class Arm:
 class ClassState:
     draft: Arm = field(default_factory=Arm)
     plain: Arm = field(default_factory=Arm)
-    decisions: int = 0      # the exploration clock: decisions taken after warm-up
+    decisions: int = 0      # the exploration clock: decisions taken in this period
     explored: bool = False  # the arm the current exploration run measures (the loser at its start)
     last: bool | None = None    # the arm of the last step observed
+    every: int = EXPLORE_EVERY  # this period's length, its exploration run last
 
 
 def size_class(rows: int) -> int:
@@ -72,7 +78,10 @@ def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
     if s.plain.samples < MIN_SAMPLES:
         return False, Why.WARMUP, s
     winner = s.draft.rate >= s.plain.rate
-    phase = s.decisions % EXPLORE_EVERY - (EXPLORE_EVERY - EXPLORE_RUN)
+    if s.decisions >= s.every:      # a period ended: its run explored the loser of its start
+        same = winner != s.explored
+        s = replace(s, decisions=0, every=min(2 * s.every, EXPLORE_MAX) if same else EXPLORE_EVERY)
+    phase = s.decisions - (s.every - EXPLORE_RUN)
     if phase < 0:
         return winner, Why.WINNER, replace(s, decisions=s.decisions + 1)
     arm = not winner if phase == 0 else s.explored      # one arm for the whole run

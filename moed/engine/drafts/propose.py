@@ -90,11 +90,21 @@ def draft_room(req: Request, k: int) -> int:
     return max(0, min(k, left_out, left_ctx))
 
 
+def draft_slots(s: SpecSettings, req: Request, drafts: int) -> int:
+    """The KV slots a request with `drafts` draft tokens holds in its step: its tokens and
+    drafts, and with mtp k - 1 more inside the context for the chain that drafts its next
+    step (moed.engine.speculate.mtp_drafts writes scratch entries there; the scheduler's
+    truncate after verification frees them, and may cut them to the free room first)."""
+    n = req.num_tokens + drafts
+    return max(n, min(n + s.k - 1, req.max_model_len)) if s.method == "mtp" else n
+
+
 def propose(s: SpecSettings, req: Request, room: int) -> tuple[int, ...]:
     """Up to `room` draft tokens for `req`: ngram, from its n-gram index (built on its first
     draft, then extended with whatever tokens it has gained since: the index sees exactly the
-    request's prompt + emitted tokens, never a rejected draft); mtp, the one token the MTP
-    layer drafted in the last step for the request's current length (moed.engine.speculate).
+    request's prompt + emitted tokens, never a rejected draft); mtp, the tokens the MTP
+    layer drafted (up to k, chained) in the last step for the request's current length
+    (moed.engine.speculate).
     Nothing while its acceptance has it paused (`observe`)."""
     if room <= 0:
         return ()
@@ -102,9 +112,9 @@ def propose(s: SpecSettings, req: Request, room: int) -> tuple[int, ...]:
     if acc is not None and acc.skip:    # paused: its drafts were a loss (`observe`)
         req.acceptance = replace(acc, skip=acc.skip - 1)
         return ()
-    if s.method == "mtp":   # the MTP layer's draft from the last step, for this very length
+    if s.method == "mtp":   # the MTP layer's drafts from the last step, for this very length
         d = req.drafter
-        return _valid(req, (d[1],) if d is not None and d[0] == req.num_tokens else ())
+        return _valid(req, d[1][:room] if d is not None and d[0] == req.num_tokens else ())
     idx = req.drafter
     if idx is None:
         idx = req.drafter = NgramIndex(s.n_min, s.n_max)

@@ -171,10 +171,10 @@ class MLABackend(AttentionBackend):
                 kv_layer: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{self.name} MLA backend: the MLA block calls forward_mla, not forward")
 
-    def write_latent(self, c_kv: torch.Tensor, k_rope: torch.Tensor, kv_layer: torch.Tensor) -> None:
-        """Only the new tokens' [c_kv | k_rope] into the planned rows (`self.write`, which
-        both backends' plan() sets), no attention: MLAAttention.write_kv."""
-        write_rows(kv_layer.view(-1, kv_layer.shape[-1]), self.write, torch.cat((c_kv, k_rope), dim=-1))
+    def write_latent(self, latent: torch.Tensor, kv_layer: torch.Tensor) -> None:
+        """Only the new tokens' [c_kv | k_rope] rows into the planned rows (`self.write`,
+        which both backends' plan() sets), no attention: MLAAttention.write_kv."""
+        write_rows(kv_layer.view(-1, kv_layer.shape[-1]), self.write, latent)
 
     @abstractmethod
     def forward_mla(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
@@ -241,12 +241,15 @@ class MLAAttention:
         self.o = lin("o_proj")
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 backend: MLABackend, kv_layer: torch.Tensor) -> None:
+                 backend: MLABackend, kv_layer: torch.Tensor) -> torch.Tensor:
         """The cache entries __call__ writes for x's tokens, and nothing else (no query, no
-        attention, no output): for a layer whose output the step does not need."""
+        attention, no output): for a layer whose output the step does not need. -> those
+        entries, [T, r + rope] (unquantized), for MLABackend.write_latent to write again."""
         lat = self.kv_a(x)
         c_kv = rms_norm(lat[:, :self.r], self.kv_a_norm, self.eps)
-        backend.write_latent(c_kv, apply_rotary(lat[:, None, self.r:], cos, sin)[:, 0], kv_layer)
+        new = torch.cat((c_kv, apply_rotary(lat[:, None, self.r:], cos, sin)[:, 0]), dim=-1)
+        backend.write_latent(new, kv_layer)
+        return new
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backend: MLABackend, kv_layer: torch.Tensor) -> torch.Tensor:

@@ -263,8 +263,8 @@ def test_speculative_config_takes_vllm_json_and_refuses_other_keys(capsys):
     for bad, says in (('{"method": "ngram", "draft_tensor_parallel_size": 1}',
                        "draft_tensor_parallel_size is not supported"),
                       ('{"model": "x/draft"}', "model is not supported"),
-                      ('{"method": "mtp", "num_speculative_tokens": 2}',
-                       "one MTP layer is served"),
+                      ('{"method": "mtp", "num_speculative_tokens": 5}',
+                       "the one MTP layer is chained for k > 1, at most 4"),
                       ('{"method": "ngram", "num_speculative_tokens": 0}',
                        "speculative.num_speculative_tokens"),
                       ("[1]", "JSON object"), ("{nope", "not valid JSON")):

@@ -113,8 +113,9 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SPECULATIVE_PROMPT_LOOKUP_MIN": "4",
               "MOED_SPECULATIVE_PROMPT_LOOKUP_MAX": "3"},
              r"speculative.prompt_lookup_min \(4\) must not exceed"),
-            ({"MOED_SPECULATIVE_METHOD": "mtp"},
-             "num_speculative_tokens 3 with method mtp: one MTP layer is served"),
+            ({"MOED_SPECULATIVE_METHOD": "mtp", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "5"},
+             "num_speculative_tokens 5 with method mtp: the one MTP layer is chained for k > 1, "
+             "at most 4"),
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "prefill"},
              "speculation runs where tokens are decoded.*only method mtp is taken"),
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "router"},
@@ -137,6 +138,7 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
     assert _cfg(MOED_SPECULATIVE_METHOD="ngram", **ep).parallel.ep_size == 2
     assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1",
                 **ep).speculative.method == "mtp"
+    assert _cfg(MOED_SPECULATIVE_METHOD="mtp").speculative.num_speculative_tokens == 3  # chained
 
 
 def test_experts_budget_from_env_toml_and_what_it_refuses(tmp_path: Path) -> None:

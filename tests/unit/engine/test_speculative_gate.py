@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
-from moed.engine.drafts.gate import (EMA_WEIGHT, EXPLORE_EVERY, EXPLORE_RUN, MIN_SAMPLES, SPIKE,
+from moed.engine.drafts.gate import (EMA_WEIGHT, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN, MIN_SAMPLES, SPIKE,
                                      ClassState, StepGate, Why, decide, observe, size_class)
 from moed.engine.engine import Engine
 from moed.model.batch import ForwardBatch
@@ -66,14 +66,18 @@ def test_a_spike_moves_an_arm_at_most_by_the_cap():
     assert s.draft.seconds == pytest.approx((1 - EMA_WEIGHT) + EMA_WEIGHT * SPIKE)
 
 
-def test_the_loser_is_explored_in_runs_and_never_otherwise():
+def test_the_loser_is_explored_in_runs_ever_more_rarely_and_never_otherwise():
+    """Drafts always lose: only exploration runs draft, each period ending with one, and a
+    run that changes nothing doubles the next period (64, 128, ... up to EXPLORE_MAX)."""
     warmup = 2 * MIN_SAMPLES + 1        # + the unmeasured first step after the switch
-    s, arms = _run_gate(ClassState(), warmup + 4 * EXPLORE_EVERY,
-                        lambda d: (1, 2.0) if d else (1, 1.0))      # drafts always lose
-    after = arms[warmup:]
-    assert sum(after) == 4 * EXPLORE_RUN            # only the exploration runs draft
-    runs = "".join("d" if a else "." for a in after).split(".")
-    assert sorted(len(r) for r in runs if r) == [EXPLORE_RUN] * 4
+    periods = [min(EXPLORE_EVERY << i, EXPLORE_MAX) for i in range(7)]   # 64 .. 1024, 1024
+    s, arms = _run_gate(ClassState(), warmup + sum(periods),
+                        lambda d: (1, 2.0) if d else (1, 1.0))
+    after = "".join("d" if a else "." for a in arms[warmup:])
+    ends = [sum(periods[:i + 1]) for i in range(len(periods))]
+    assert [i for i, a in enumerate(after) if a == "d"] == \
+        [e - EXPLORE_RUN + j for e in ends for j in range(EXPLORE_RUN)]
+    assert after.count("d") == 7 * EXPLORE_RUN and s.every == EXPLORE_MAX
 
 
 def test_recovers_when_the_losing_arm_becomes_the_winner():
@@ -85,6 +89,20 @@ def test_recovers_when_the_losing_arm_becomes_the_winner():
     assert all(arms[first:first + EXPLORE_RUN + 8])     # the exploration run, then it wins
     rest = arms[first + EXPLORE_RUN:]
     assert rest.count(False) <= EXPLORE_RUN * (len(rest) // EXPLORE_EVERY + 1)  # plain explored
+    assert s.draft.rate > s.plain.rate
+
+
+def test_recovers_after_the_longest_backoff_and_explores_often_again():
+    """A loser for ~5000 steps (periods at EXPLORE_MAX), then the winner: found by the next
+    run, within EXPLORE_MAX steps, and the periods start over at EXPLORE_EVERY (the new
+    loser is explored within one)."""
+    s, arms = _run_gate(ClassState(), 5000, lambda d: (1, 2.0) if d else (1, 1.0))
+    assert s.every == EXPLORE_MAX and sum(arms[-2000:]) <= 2 * EXPLORE_RUN
+    s, arms = _run_gate(s, EXPLORE_MAX + 200, lambda d: (4, 2.0) if d else (1, 1.0))
+    first = arms.index(True)
+    assert first <= EXPLORE_MAX and arms[first:first + 100].count(False) <= EXPLORE_RUN
+    plain = [i for i in range(first, len(arms)) if not arms[i]]
+    assert plain[0] - first <= EXPLORE_EVERY + EXPLORE_RUN      # periods started over
     assert s.draft.rate > s.plain.rate
 
 
@@ -207,12 +225,12 @@ def test_mtp_with_the_switch_equals_plain_and_drafts_after_kv_only_steps(make_ch
         return (n[0] // 6) % 2 == 1, Why.EXPLORE
     e._gate.choose = alternate
     kv_only = []
-    fwd_mtp = e.runner.forward_mtp
+    draft_mtp = e.runner.draft_mtp
 
-    def spy(batch, hidden, kv_only_=False, **kw):
-        kv_only.append(kw.get("kv_only", kv_only_))
-        return fwd_mtp(batch, hidden, **kw)
-    e.runner.forward_mtp = spy
+    def spy(batch, hidden, depth, passes=0):
+        kv_only.append(not any(depth))
+        return draft_mtp(batch, hidden, depth, passes)
+    e.runner.draft_mtp = spy
     d0 = metrics.SPEC_DRAFTS._value.get()
     assert e.generate(prompts, params) == want
     assert any(kv_only) and not all(kv_only)

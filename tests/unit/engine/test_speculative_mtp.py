@@ -1,10 +1,12 @@
-"""Speculative decoding with DeepSeek-V3's MTP layer (method "mtp", k = 1): greedy output
-equals plain decoding token for token (fp32) on the trained demo model, whose MTP layer is
-trained (most drafts accepted), and on a tiny random DeepSeek-V3 with a random MTP layer
-(most rejected), with chunked prefill, prefix hits and preemption; seeded sampling reproduces;
-no block leaks."""
+"""Speculative decoding with DeepSeek-V3's MTP layer (method "mtp", k = 1, and chained for
+k = 2, 3): greedy output equals plain decoding token for token (fp32) on the trained demo
+model, whose MTP layer is trained (most drafts accepted, chained ones too), and on a tiny
+random DeepSeek-V3 with a random MTP layer (most rejected), with chunked prefill, prefix hits
+and preemption; seeded sampling reproduces; no block leaks, and a chain's scratch entries
+never land in a block the prefix cache holds."""
 from __future__ import annotations
 
+import random
 import importlib.util
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
+from moed.engine.drivers import SyncDriver, run_sync
 from moed.engine.engine import Engine
 from moed.model.runner import ModelRunner
 from moed.model.tokenizer import Tokenizer
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "models" / "stdlib-ds3-tiny"
 # the per-step switch off (as in test_speculative.py): every step may draft
 MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=1, adaptive=False)
+MTP3 = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=False)
 SNIPPETS = [
     "def {a}(x, y):\n    return x + y\n\n\ndef {b}(x, y):\n    return x - y\n\n\ndef {c}(x, y):\n",
     "import {a}\nimport {b}\nimport {c}\nimport {a}\nimport",
@@ -46,8 +50,13 @@ def _counts() -> tuple[float, float]:
     return metrics.SPEC_DRAFT_TOKENS._value.get(), metrics.SPEC_ACCEPTED._value.get()
 
 
-def _compare(d, prompts, params, **kw) -> tuple[float, float, Engine]:
-    plain, spec = _engine(d, **kw), _engine(d, MTP, **kw)
+def _per_position() -> dict[str, float]:
+    return {s.labels["position"]: s.value for s in metrics.SPEC_ACCEPTED_POS.collect()[0].samples
+            if s.name.endswith("_total")}
+
+
+def _compare(d, prompts, params, sc=MTP, **kw) -> tuple[float, float, Engine]:
+    plain, spec = _engine(d, **kw), _engine(d, sc, **kw)
     want = [plain.generate(prompts[i:i + 6], params) for i in range(0, len(prompts), 6)]
     d0, a0 = _counts()
     got = [spec.generate(prompts[i:i + 6], params) for i in range(0, len(prompts), 6)]
@@ -56,14 +65,20 @@ def _compare(d, prompts, params, **kw) -> tuple[float, float, Engine]:
     return _counts()[0] - d0, _counts()[1] - a0, spec
 
 
-def test_demo_model_mtp_greedy_equals_plain_and_mostly_accepted():
+@pytest.mark.parametrize("k", [1, 3])
+def test_demo_model_mtp_greedy_equals_plain_and_mostly_accepted(k):
     tok = Tokenizer.from_dir(DEMO)
     prompts = [tok.encode(t.format(a=NAMES[i % 8], b=NAMES[(i + 3) % 8], c=NAMES[(i + 5) % 8]))
                for i, t in enumerate(SNIPPETS * 8)]      # 40 prompts
     prompts += prompts[:10]                             # prefix hits
+    n0, p0 = metrics.SPEC_DRAFTS._value.get(), _per_position()
     drafted, accepted, spec = _compare(DEMO, prompts, SamplingParams(
-        max_tokens=24, temperature=0.0, ignore_eos=True))
-    assert drafted > 0 and 0.5 * drafted < accepted < drafted     # measured ~85%
+        max_tokens=24, temperature=0.0, ignore_eos=True),
+        SpeculativeConfig(method="mtp", num_speculative_tokens=k, adaptive=False))
+    n, p = metrics.SPEC_DRAFTS._value.get() - n0, _per_position()
+    rate = [(p.get(str(i), 0) - p0.get(str(i), 0)) / n for i in range(k)]
+    assert drafted > 0 and 0.5 * drafted < accepted < drafted     # measured ~85% (k = 1)
+    assert rate[0] > 0.6 and all(rate[i + 1] > 0.3 * rate[i] for i in range(k - 1)), rate
     assert spec.kv.stats().prefix_hit_tokens > 0
 
 
@@ -78,8 +93,9 @@ def _tiny_with_mtp(make_checkpoint, tmp_path_factory) -> Path:
     return mod._with_mtp(base, tmp_path_factory.mktemp("mtp") / "m", own_copies=False)[0]
 
 
+@pytest.mark.parametrize("sc", [MTP, MTP3], ids=["k1", "k3"])
 def test_tiny_random_mtp_greedy_equals_plain_with_preemption(make_checkpoint,
-                                                             tmp_path_factory):
+                                                             tmp_path_factory, sc):
     """A random MTP layer drafts badly: rejections everywhere, the output unchanged, also when
     a small pool preempts (recompute rewrites the MTP layer's KV too)."""
     d = _tiny_with_mtp(make_checkpoint, tmp_path_factory)
@@ -88,9 +104,9 @@ def test_tiny_random_mtp_greedy_equals_plain_with_preemption(make_checkpoint,
                for n in torch.randint(3, 40, (24,), generator=gen)]
     prompts += prompts[:4]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    drafted, accepted, _ = _compare(d, prompts, params, batched=16)
+    drafted, accepted, _ = _compare(d, prompts, params, sc, batched=16)
     assert drafted > accepted
-    small_plain, small_spec = _engine(d, blocks=40), _engine(d, MTP, blocks=40)
+    small_plain, small_spec = _engine(d, blocks=40), _engine(d, sc, blocks=40)
     assert small_spec.generate(prompts[:6], params) == small_plain.generate(prompts[:6], params)
     assert small_spec.scheduler.num_preemptions > 0 and small_spec.kv.num_used_blocks == 0
 
@@ -135,3 +151,45 @@ def test_demo_model_mtp_grammar_rows_equal_plain_with_drafts_accepted():
     want = [plain.generate(prompts[i:i + 6], params[i:i + 6]) for i in range(0, 10, 6)]
     assert [spec.generate(prompts[i:i + 6], params[i:i + 6]) for i in range(0, 10, 6)] == want
     assert got[1] > 0 and spec.kv.num_used_blocks == 0, got
+
+
+def test_mtp_chain_leaks_no_block_and_writes_no_cached_block(make_checkpoint, tmp_path_factory):
+    """k = 3 on the demo model (chains accepted) and 120 requests, some aborted mid-way, in a
+    pool that preempts, with prefix hits: every chained entry lands in a slot past the
+    request's computed tokens, in a block no request holds in the prefix cache; the free
+    count returns to its start."""
+    e = _engine(DEMO, MTP3, batched=32, blocks=44)
+    pool, draft_mtp = e.kv._pool, e.runner.draft_mtp
+    chained = [0]
+
+    def checked(batch, hidden, depth, passes=0):
+        for toks, start, table, d in zip(batch.token_ids, batch.start_pos, batch.block_tables, depth):
+            last = start + len(toks) - 1
+            for pos in range(last + 1, last + d):
+                assert pool.block_hash(table[pos // 4]) is None, (pos, table)
+                chained[0] += 1
+        return draft_mtp(batch, hidden, depth, passes)
+    e.runner.draft_mtp = checked
+    tok = Tokenizer.from_dir(DEMO)
+    base = [tok.encode(t.format(a=NAMES[i % 8], b=NAMES[(i + 1) % 8], c=NAMES[(i + 2) % 8]))
+            for i, t in enumerate(SNIPPETS * 4)]
+    prompts = (base * 6)[:120]
+    free0, rng, live, k = e.kv.num_free_blocks, random.Random(3), [], 0
+    driver = SyncDriver()
+    while k < len(prompts) or live:
+        while k < len(prompts) and len(live) < 8:
+            sp = SamplingParams(max_tokens=rng.randrange(4, 30), ignore_eos=True,
+                                temperature=0.0 if k % 3 else 0.8, seed=k)
+            r = e._new_request(f"r{k}", prompts[k], sp)
+            e.scheduler.add(r)
+            live.append(r)
+            k += 1
+        run_sync(e.step(driver))
+        for r in list(live):
+            if not r.finished and rng.random() < 0.03:
+                e.scheduler.abort(r.request_id)
+            if r.finished:
+                live.remove(r)
+    assert chained[0] > 100
+    assert e.kv.num_free_blocks == free0 and e.kv.num_used_blocks == 0
+    assert e.scheduler.num_preemptions > 0 and e.kv.stats().prefix_hit_tokens > 0

@@ -151,8 +151,8 @@ def test_draft_room_follows_the_request_and_its_limits() -> None:
             return min(2, len(tokens))
     r.grammar = Grammar()
     assert draft_room(r, 4) == 3                    # grammar rows speculate too
-    r.drafter = (r.num_tokens, 9)                   # an MTP draft: one token, valid
-    assert propose(SpecSettings("mtp", 1, 1, 1), r, 1) == (9,)
+    r.drafter = (r.num_tokens, (9, 4, 5))           # an MTP chain: cut by the grammar
+    assert propose(SpecSettings("mtp", 3, 1, 1), r, 3) == (9, 4)
     r.drafter = None
     r.token_ids[:] = [1, 2, 3, 1, 2, 3, 1]          # prompt lookup would draft 2, 3, 1
     assert propose(SpecSettings("ngram", 3, 1, 3), r, 3) == (2, 3)     # cut by the grammar

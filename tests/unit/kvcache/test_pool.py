@@ -59,6 +59,21 @@ def test_fresh_blocks_used_before_cached_ones():
     assert a not in got and p.lookup(9) == a
 
 
+def test_a_truncated_tail_is_reused_before_a_cached_prefix_is_evicted():
+    """free(first=True) (KVCacheManager.truncate: a rejected draft's blocks): those without a
+    cached prefix go to the head of the free queue, the last given first; cached ones still
+    join the tail."""
+    p = BlockPool(4)
+    a = p.allocate(4)
+    p.cache(a[0], 7)
+    p.free([a[0]])                          # cached, free: evicted only when nothing else is
+    p.free([a[3], a[2]], first=True)       # a table's tail, reversed
+    assert p.allocate(2) == [a[2], a[3]] and p.lookup(7) == a[0]
+    p.free([a[1]], first=True)
+    assert p.allocate(1) == [a[1]] and p.lookup(7) == a[0]
+    assert p.allocate(1) == [a[0]] and p.lookup(7) is None
+
+
 def test_duplicate_prefix_keeps_first_block():
     p = BlockPool(2)
     a, b = p.allocate(2)

@@ -144,6 +144,43 @@ def test_mtp_logits_equal_the_training_modules(with_mtp):
         assert (got[k] - want).abs().max().item() < 1e-4, k
 
 
+# per SCHEDULE step, the drafts draft_mtp is asked for (A, B): none, one, a chain of 3 or 2
+DEPTHS = [(0, 1), (1, 0), (3, 1), (1, 2), (0, 0), (2, 3)]
+
+
+def test_draft_mtp_writes_forward_mtps_kv_and_drafts_its_argmax(with_mtp):
+    """The cheaper MTP step (the full layer on the drafting rows only, entries elsewhere):
+    the MTP KV of every computed position equals the full pass's (bit for bit, also where a
+    chain's scratch entries were written the step before), the first draft is the full pass's
+    argmax, a chain drafts `depth` tokens from slots past the last position only."""
+    d = with_mtp[0]
+    full, cheap = _runner(d, mtp=True), _runner(d, mtp=True)
+    seqs = _seqs(full.spec.vocab_size)
+    tables = {"A": list(range(0, 8)), "B": list(range(8, 16))}
+    done = {k: 0 for k in seqs}
+    layer = full.spec.num_layers
+    for step, depth in zip(SCHEDULE, DEPTHS):
+        names = [k for k, _ in step]
+        batch = ForwardBatch([seqs[k][done[k]:done[k] + n] for k, n in step], [done[k] for k in names],
+                             [tables[k] for k in names])
+        mb, rows = mtp_inputs(batch, [seqs[k][done[k] + n] for k, n in step])
+        _, h = full.forward(batch, hidden=True)
+        logits = full.forward_mtp(mb, h.index_select(0, torch.tensor(rows)))
+        _, h2 = cheap.forward(batch, hidden=True)
+        drafts = cheap.draft_mtp(mb, h2.index_select(0, torch.tensor(rows)), list(depth))
+        for i, (k, n) in enumerate(step):
+            done[k] += n
+            assert len(drafts[i]) == depth[i]
+            if depth[i]:
+                assert drafts[i][0] == int(logits[i].argmax())
+            flat = [t.view(-1, t.shape[-1]) for t in (full.kv_cache[layer], cheap.kv_cache[layer])]
+            slots = [tables[k][p // BS] * BS + p % BS for p in range(done[k])]
+            assert torch.equal(flat[0][slots], flat[1][slots]), (k, done[k])
+    with pytest.raises(ValueError, match="needs slots to position"):
+        b = ForwardBatch([[1]], [31], [tables["A"]])
+        cheap.draft_mtp(b, torch.zeros(1, cheap.spec.hidden_size), [2])
+
+
 def test_hidden_is_the_main_models_after_its_final_norm(with_mtp):
     """forward(hidden=True) gives transformers' last_hidden_state (after model.norm): the h
     that the training code feeds its MTP module."""
