@@ -259,6 +259,8 @@ class ModelRunner:
     def forward_empty(self) -> None:
         """Expert parallelism: this rank has no tokens this step but takes part in every MoE
         layer's exchange (moed.parallel.agree)."""
+        if self.cold is not None:       # heat and installs as before a forward (cold/store.py)
+            self.cold.between_steps()
         self.model.empty_step()
 
     def resident_expert_bytes(self) -> int:
