@@ -30,8 +30,9 @@ figures).
 `--llama-cpp BUILD` (the peer under a memory cap; bench/cold_experts_llama.py): the checkpoint with the Zipf
 bias written into it, converted to GGUF bf16 (bench/peers.py's converter), run by
 `llama-batched-bench` with mmap on (its default) and by `--rss SHARE` moed, each in a fresh
-memory cgroup capped at the same value: the SHARE budget + the non-expert weights + moed's KV +
-moed's runtime (a bare process with torch and the kernels loaded), or --cap-mib. Decode tok/s of
+memory cgroup capped at the same value: moed's peak RSS at SHARE (the budget + the non-expert
+weights + moed's KV + its runtime), or the least cap moed completes under (--cap-search), or
+--cap-mib. Decode tok/s of
 both (batch x steps / the decode phase, like llama's S_TG), the ratio, the cgroups' peaks;
 writes bench/results/cold_experts_llama.json and .png.
 
@@ -282,6 +283,8 @@ def main() -> None:
     ap.add_argument("--cap-mib", type=int, default=0, help="--llama-cpp: the cap (0: the share's "
                     "budget + non-expert weights + KV + moed's runtime)")
     ap.add_argument("--rounds", type=int, default=2, help="--llama-cpp: capped runs of each")
+    ap.add_argument("--cap-search", action="store_true", help="--llama-cpp: the cap is the least "
+                    "under which moed's run completes (bisection, 16 MiB), not its peak RSS")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)

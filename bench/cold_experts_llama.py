@@ -6,14 +6,17 @@ written into it (`skewed_checkpoint`: the same values `set_bias` puts in memory,
 file's bf16), so both engines route the same skewed way; it is converted once to GGUF bf16 with
 bench/peers.py's converter (llama.cpp's convert_hf_to_gguf.py takes DeepseekV3ForCausalLM).
 
-The cap (`cap_parts`) is what an operator would set for moed at `--llama-share`: that share of
-the expert bytes (experts.resident_bytes) + the non-expert weights + moed's KV blocks + moed's
-runtime (the RSS of a bare python with torch, moed's runner and its CPU kernels loaded). Before
-each run the files it reads are evicted from the page cache, so what it maps or reads is
-charged to its cgroup. Per round, in alternating order: `llama-batched-bench -npp PROMPT -ntg
-STEPS -npl BATCH` (mmap on: its default) and `cold_experts.py --rss SHARE --checkpoint <skewed>`
-(a prefill of the batch, then STEPS decode steps); once, llama.cpp uncapped for reference.
-Decode tok/s on both sides is batch x steps / the decode phase's time (llama's S_TG).
+The cap is what an operator would set for moed at `--llama-share`: moed's peak RSS at that share
+(a run in an uncapped cgroup), printed in its parts (`cap_parts`: that share of the expert bytes,
+experts.resident_bytes + the non-expert weights + moed's KV blocks + the runtime, the rest: torch
+and the libraries, the slots' oneDNN copies, the read buffers, the checkpoint pages mapped at
+load); or with --cap-search the least cap under which moed's run completes (`least_cap`); or
+--cap-mib. Before each run the files it reads are evicted from the page cache, so what it maps
+or reads is charged to its cgroup. Per round, in alternating order: `llama-batched-bench -npp
+PROMPT -ntg STEPS -npl BATCH,BATCH` (mmap on: its default; the second batch is its steady
+state) and `cold_experts.py --rss SHARE --checkpoint <skewed>` (a prefill of the batch, then
+STEPS decode steps; the second half is its steady state); once, llama.cpp uncapped for
+reference. Decode tok/s on both sides is batch x steps / the decode phase's time (S_TG).
 """
 from __future__ import annotations
 
@@ -71,6 +74,20 @@ def cap_parts(ck: Path, share: float, total: int, batch: int, hwm: int) -> dict[
             "runtime": hwm - budget - non_expert - kv}
 
 
+def least_cap(cmd: list[str], lo: int, hi: int, files: list[Path], step: int = 16 << 20) -> int:
+    """The least cap (a multiple of `step`) under which cmd completes, by bisection: lo is
+    assumed to fail (the weights and KV without any runtime), hi to hold (the peak RSS: the
+    mapped checkpoint pages of the load count in it, and they are reclaimable)."""
+    lo, hi = lo // step * step, -(-hi // step) * step
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        memcap.evict(files)
+        c = memcap.run(cmd, mid)
+        print(f"  cap search: {mid >> 20} MiB -> rc {c.rc}", flush=True)
+        lo, hi = (lo, mid) if c.rc == 0 else (mid, hi)
+    return hi
+
+
 def llama_peer(ck: Path, a, total: int) -> None:  # noqa: ANN001 - cold_experts' argparse namespace
     cache = Path(a.cache)
     build = a.llama_cpp.expanduser().resolve()
@@ -89,6 +106,9 @@ def llama_peer(ck: Path, a, total: int) -> None:  # noqa: ANN001 - cold_experts'
     hwm = int(json.loads(sized.out.strip().splitlines()[-1])["vm_hwm"].split()[0]) << 10
     parts = cap_parts(skewed, a.llama_share, total, a.batch, hwm)
     cap = (a.cap_mib << 20) or -(-hwm // (16 << 20)) * (16 << 20)      # peak RSS, up to 16 MiB
+    if a.cap_search and not a.cap_mib:
+        cap = least_cap(moed_cmd, sum(parts.values()) - parts["runtime"], cap, [*skewed.glob("*.safetensors")])
+        parts["runtime"] = cap - sum(parts.values()) + parts["runtime"]
     print("cap: " + " + ".join(f"{k} {v / 2**20:.0f}" for k, v in parts.items())
           + f" = {sum(parts.values()) / 2**20:.0f} MiB; used {cap / 2**20:.0f} MiB "
           f"(cgroup {memcap.available()}); all experts {total / 2**20:.0f} MiB", flush=True)
