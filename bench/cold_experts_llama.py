@@ -140,7 +140,10 @@ def llama_peer(ck: Path, a, total: int) -> None:  # noqa: ANN001 - cold_experts'
                 "vm_hwm": res.get("vm_hwm"), "resident_expert_mib": res.get("resident_expert_mib"),
                 "load": load_average(), "tail": "" if res else (c.out + c.err)[-1500:]}
 
-    runs = [llama(0)]
+    first = json.loads(sized.out.strip().splitlines()[-1])
+    runs = [{"who": "moed", "capped": False, "rc": 0, "peak_mib": sized.peak_bytes / 2**20, "oom_kills": 0,
+             "decode_tok_s": first["decode_tok_s"], "decode_tok_s_steady": first["decode_tok_s_second_half"],
+             "vm_hwm": first["vm_hwm"], "load": load_average(), "tail": ""}, llama(0)]
     for r in range(a.rounds):
         for who in (("llama", "moed") if r % 2 == 0 else ("moed", "llama")):
             runs.append(llama(cap) if who == "llama" else moed())
@@ -183,6 +186,7 @@ def plot(runs: list[dict], cap: int, a, path: Path) -> None:  # noqa: ANN001
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     labels = {("moed", True): f"moed {a.llama_share:.0%} resident\n(capped)",
+              ("moed", False): f"moed {a.llama_share:.0%} resident\n(uncapped)",
               ("llama.cpp", True): "llama.cpp mmap\n(capped)", ("llama.cpp", False): "llama.cpp mmap\n(uncapped)"}
     keys = [k for k in labels if any((x["who"], x["capped"]) == k for x in runs)]
     for i, k in enumerate(keys):
