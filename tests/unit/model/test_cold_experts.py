@@ -238,3 +238,10 @@ def test_a_ranks_tiered_slots_compute_as_its_resident_slots(make_checkpoint, dty
         store.between_steps()
     st = store.stats
     assert st.misses > 0 and st.hits > 0
+    # the expert balancer would copy slots from resident ones: refused here too (beside the config rule)
+    from moed.config import ParallelConfig
+    from moed.parallel.runtime import EPRuntime
+    eplb = ParallelConfig(ep_size=2, ep_rank=1, ep_init="tcp://127.0.0.1:1", eplb_interval_s=60.0,
+                          redundant_experts=1)
+    with pytest.raises(ValueError, match="eplb_interval_s with expert parallelism with cold experts"):
+        EPRuntime(eplb, store.inner).attach(cold.model)
