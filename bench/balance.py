@@ -306,6 +306,11 @@ def main() -> int:
               f"{a.long_every:.1f}s", flush=True)
     traces = {f: make_trace(a.duration, a.short_rate, a.long_every, f == "flood", a.seed,
                             long_range, short_range, a.short_new) for f in ("alone", "flood")}
+    if not any(k == "short" for _, k, _, _ in traces["alone"]):
+        # a slow machine's calibrated rate can leave no short request in the window: nothing
+        # to measure (it used to fail later on an empty list)
+        raise SystemExit(f"balance.py: the trace holds no short request in {a.duration:.0f}s "
+                         f"at {a.short_rate:.3f} shorts/s: raise --duration or set --short-rate")
     print(f"{a.arch} {a.preset} preset, bf16, {torch.get_num_threads()} threads, slowdown "
           f"{a.slowdown:g}x; trace {a.duration:.0f}s: "
           f"{sum(k == 'short' for _, k, _, _ in traces['flood'])} shorts, "

@@ -75,15 +75,15 @@ def cores_available() -> int:
         return os.cpu_count() or 1
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
-    """Poll url + "/ready" until it answers 200 -> None; or why not: the process exited, or
-    timeout_s passed (the caller says which server and where its log is)."""
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, path: str = "/ready") -> str | None:
+    """Poll url + path (moed's /ready; vLLM's /health) until it answers 200 -> None; or why not:
+    the process exited, or timeout_s passed (the caller says which server and where its log is)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return f"exited with {proc.returncode}"
         try:
-            with urllib.request.urlopen(url + "/ready", timeout=1) as r:
+            with urllib.request.urlopen(url + path, timeout=1) as r:
                 if r.status == 200:
                     return None
         except OSError:

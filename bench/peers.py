@@ -12,6 +12,13 @@ Then, in rounds with the order flipped each round:
            the whole generation phase; moed's figure is the same total over its decode steps);
   prefill  moed at batch 1 with each --prefill length (one step) beside `llama-bench -p
            512,2048 -n 0` (avg t/s).
+--quant int8 / int4 runs moed with model.quantization int8 (per output channel) / int4
+(groups of 128) against the same GGUF quantized by that build's llama-quantize to Q8_0 /
+Q4_K_M (cached beside the bf16 one); bf16 (the default) against the bf16 GGUF.
+Each run also prints the CPU's ISA flags, the machine's memory bandwidth (a 256 MiB copy,
+best of 5, read + write bytes) and bf16 matmul ceiling (bench/ceiling.py), and what fraction of
+them moed's decode at batch 1 (the weight bytes one token reads: attention, router, top-k
+experts per layer and lm_head, in the run's format) and prefill (matmul FLOPs) reach.
 Both use --threads threads. Prints moed/llama.cpp ratios (> 1: moed faster), the RSS of each
 after load (llama.cpp's: the peak of its process, which holds its KV for -c), the load average
 of each round, and writes bench/results/peers.json.
@@ -43,6 +50,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import cpu_model, load_average, rss_bytes  # noqa: E402
+
+# --quant: moed's model.quantization and the llama.cpp type of the same checkpoint it runs against
+QUANT_PEERS = {"bf16": ("", "bf16"), "int8": ("int8", "Q8_0"), "int4": ("int4", "Q4_K_M")}
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16",
+             "amx_int8")
 
 BATCHED_FIELDS = ("pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")
 _INT_FIELDS = {"pp", "tg", "pl", "n_kv"}
@@ -212,9 +224,81 @@ def run_tool(cmd: list[str]) -> tuple[str, str, int]:
     for t in readers:
         t.join(10)
     out, err = got.get("out", ""), got.get("err", "")
+    if p.returncode in (-4, -11):
+        raise Crashed(" ".join(cmd))
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-3000:]}")
     return out, err, peak
+
+
+class Crashed(Exception):
+    """A llama.cpp tool died of SIGSEGV or SIGILL: its AMX path on a Q8_0 MoE did both on a
+    Sapphire Rapids Xeon with the llama-cpp-python 0.3.36 sources (ggml_backend_amx_mul_mat)."""
+
+
+def run_llama(cmds: dict[str, list[str]], repack: list[bool]) -> dict[str, tuple[str, str, int]]:
+    """Each command -> run_tool's result. `repack` ([True] to start) is llama.cpp's weight
+    repacking (its AMX / interleaved layouts); a crash with it on turns it off for this and every
+    later call (llama-bench `--repack 0`, llama-batched-bench `-nr`), said once."""
+    out = {}
+    for name, cmd in cmds.items():
+        off = ["--repack", "0"] if Path(cmd[0]).name == "llama-bench" else ["-nr"]
+        try:
+            out[name] = run_tool(cmd if repack[0] else cmd + off)
+        except Crashed as e:
+            if not repack[0]:
+                raise SystemExit(f"{e} crashed with repacking off too") from None
+            print(f"  llama.cpp crashed with weight repacking on ({Path(cmd[0]).name}): "
+                  f"repacking off from here on (the AMX path)", flush=True)
+            repack[0] = False
+            out[name] = run_tool(cmd + off)
+    return out
+
+
+def quantize(build: Path, src: Path, out: Path, qtype: str) -> None:
+    """The bf16 GGUF -> qtype with that build's llama-quantize (once; cached by name)."""
+    tool = find_tool(build, "llama-quantize")
+    r = subprocess.run([str(tool), str(src), str(out), qtype], capture_output=True, text=True)
+    if r.returncode != 0 or not out.is_file():
+        raise SystemExit(f"llama-quantize {qtype} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+
+
+def isa_flags() -> list[str]:
+    """The ISA flags that choose kernels (moed's and llama.cpp's), as /proc/cpuinfo says."""
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return []
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+def memory_bandwidth(threads: int) -> float:
+    """Bytes/s of a 256 MiB copy (read + write counted), best of 5, on `threads` threads."""
+    import torch
+
+    from ceiling import best_of
+    src = torch.ones(256 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    torch.set_num_threads(threads)
+    return 2 * src.numel() / best_of(lambda: dst.copy_(src), 5)
+
+
+def decode_bytes_per_token(spec, fmt: str) -> float:  # noqa: ANN001
+    """Weight bytes one decoded token reads: per layer q/k/v/o and its top-k experts in `fmt`
+    (int8: 1 byte + a 4-byte scale per row; int4: half a byte + 4 bytes per 128-column group),
+    the router in bf16; then lm_head in bf16 (moed keeps routers and lm_head plain)."""
+    from ceiling import model_shapes
+    s = model_shapes(spec)
+    per = {"": 2.0, "int8": 1.0, "int4": 0.5}[fmt]
+    scale = {"": 0.0, "int8": 4.0, "int4": 4.0 / 128}[fmt]
+
+    def qbytes(n: int, k: int) -> float:
+        return n * k * per + n * (scale if fmt != "int4" else scale * k)
+
+    per_layer = qbytes(*s["qkv"]) + qbytes(*s["o_proj"]) + 2.0 * s["router"][0] * s["router"][1]
+    per_layer += spec.top_k * (qbytes(*s["expert_gate_up"]) + qbytes(*s["expert_down"]))
+    return per_layer * spec.num_layers + 2.0 * s["lm_head"][0] * s["lm_head"][1]
 
 
 # ---- the comparison ---------------------------------------------------------------------------
@@ -245,7 +329,12 @@ def compare(rounds: list[dict], batches: list[int], lengths: list[int]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp build directory")
+    ap.add_argument("--llama-cpp", type=Path, help="llama.cpp build directory")
+    ap.add_argument("--vllm", metavar="PY", help="a Python with vLLM's CPU build: also compare "
+                    "serving (bench/serve_peers.py) at --serve-concurrency")
+    ap.add_argument("--serve-concurrency", default="1,8,32")
+    ap.add_argument("--serve-requests", type=int, default=4, help="requests per concurrency x c "
+                                                                  "(at least 8)")
     ap.add_argument("--llama-cpp-src", type=Path, help="its source tree (default: found above)")
     ap.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
     ap.add_argument("--batches", default="1,8,32")
@@ -254,11 +343,21 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="rounds")
-    ap.add_argument("--gguf", type=Path, help="use this GGUF instead of converting")
+    ap.add_argument("--quant", default="bf16", choices=sorted(QUANT_PEERS),
+                    help="moed's weight format and llama.cpp's (bf16, int8 vs Q8_0, int4 vs Q4_K_M)")
+    ap.add_argument("--gguf", type=Path, help="use this GGUF (in --quant's llama.cpp type) instead "
+                                              "of converting")
     ap.add_argument("--model", type=Path, help="HF checkpoint (default: the bench preset's)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
+    ap.add_argument("--out", help="JSON (default bench/results/peers[-QUANT].json)")
     a = ap.parse_args()
+    if not a.llama_cpp and not a.vllm:
+        ap.error("give --llama-cpp DIR, --vllm PY, or both")
+    if a.vllm and a.quant != "bf16":
+        ap.error("--vllm: the serving comparison runs bf16 (vLLM's CPU backend serves the "
+                 "checkpoint as it is); drop --quant")
+    if not a.llama_cpp:
+        return serve_only(a)
     batches = [int(x) for x in a.batches.split(",")]
     lengths = [int(x) for x in a.prefill.split(",")]
     build = a.llama_cpp.expanduser().resolve()
@@ -269,18 +368,33 @@ def main() -> int:
     import engine as eb     # bench/engine.py: the moed side and its step timing
     torch.set_num_threads(a.threads)
     model_dir = a.model or eb._checkpoint(a.arch, Path(a.cache))
-    gguf = a.gguf or Path(a.cache) / f"{model_dir.name}.bf16.gguf"
+    moed_fmt, qtype = QUANT_PEERS[a.quant]
+    bf16_gguf = Path(a.cache) / f"{model_dir.name}.bf16.gguf"
+    gguf = a.gguf or Path(a.cache) / f"{model_dir.name}.{qtype}.gguf"
     if not gguf.is_file():
-        convert(a.llama_cpp_src or find_source(build), model_dir, gguf)
-    cpu = cpu_model()
-    print(f"{model_dir.name}, bf16, {a.threads} threads, {a.repeats} rounds; CPU: {cpu}",
+        if not bf16_gguf.is_file():
+            convert(a.llama_cpp_src or find_source(build), model_dir, bf16_gguf)
+        if gguf != bf16_gguf:
+            quantize(build, bf16_gguf, gguf, qtype)
+    cpu, isa = cpu_model(), isa_flags()
+    print(f"{model_dir.name}, moed {a.quant} vs llama.cpp {qtype}, {a.threads} threads, "
+          f"{a.repeats} rounds; CPU: {cpu}; ISA: {' '.join(isa)}; load {load_average()[0]:.2f}",
           flush=True)
+    from ceiling import ceiling, flops_per_token
+    from moed.model.hf_config import load_spec
+    from moed.model.kernels import cpu_kernels
+    bandwidth = memory_bandwidth(a.threads)
+    flop_s = ceiling(3, cpu_kernels())["flop_s"]
+    spec = load_spec(model_dir)
+    print(f"machine: memory {bandwidth / 1e9:.1f} GB/s (copy, {a.threads} threads), bf16 matmul "
+          f"{flop_s / 1e9:.0f} GFLOP/s", flush=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     longest = max(lengths + [a.prompt])
     pool = torch.randint(0, vocab, (max(batches), longest), generator=g).tolist()
     ctx = max(max(batches) * (a.prompt + a.new), longest) + 64     # both engines' KV size
-    side = eb.MoedSide(model_dir, max(batches), longest, a.new, kv_tokens=ctx)
+    side = eb.MoedSide(model_dir, max(batches), longest, a.new, kv_tokens=ctx,
+                       quantization=moed_fmt)
     moed_rss = rss_bytes()
     side.run([pool[0][:a.prompt]], 4)                                   # warm-up
     cmd_tg = [str(batched), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
@@ -290,6 +404,7 @@ def main() -> int:
               "-r", "1", "-o", "json"]
     rounds = []
     llama_rss = 0
+    repack = [True]
     for r in range(a.repeats):
         before = load_average()
         rec: dict = {"round": r, "load_before": before}
@@ -301,10 +416,11 @@ def main() -> int:
                 rec["moed_prefill"] = {n: side.run([pool[0][:n]], 1).summary()["prefill_tok_s"]
                                        for n in lengths}
             else:
-                out, err, peak = run_tool(cmd_tg)       # the table may go to either stream
+                got = run_llama({"tg": cmd_tg, "pp": cmd_pp}, repack)
+                (out, err, peak), (out2, _, peak2) = got["tg"], got["pp"]
+                # the table may go to either stream
                 rec["llama_decode"] = {x["pl"]: x["speed_tg"]
                                        for x in parse_batched_bench(out + "\n" + err)}
-                out2, _, peak2 = run_tool(cmd_pp)
                 rec["llama_prefill"] = {x["n_prompt"]: x["avg_ts"] for x in parse_llama_bench(out2)
                                         if x["n_gen"] == 0}
                 if not rec["llama_decode"] or not rec["llama_prefill"]:
@@ -322,16 +438,64 @@ def main() -> int:
         for k, v in rows.items():
             label = f"decode batch {k}" if kind == "decode" else f"prefill {k}"
             print(f"{label:<16} {v['moed']:9.1f} {v['llama_cpp']:9.1f} {v['ratio']:10.2f}")
+    per_tok = decode_bytes_per_token(spec, moed_fmt)
+    b1 = table["decode"].get(1, {}).get("moed", float("nan"))
+    roof = {"decode_bytes_per_token": per_tok, "memory_bytes_s": bandwidth, "flop_s": flop_s,
+            "decode_b1_bandwidth_fraction": b1 * per_tok / bandwidth,
+            "prefill_compute_fraction": {n: v["moed"] * flops_per_token(spec) / flop_s
+                                         for n, v in table["prefill"].items()}}
+    print(f"decode batch 1 reads {per_tok / 2**20:.1f} MiB of weights a token: "
+          f"{b1 * per_tok / 1e9:.1f} GB/s, {roof['decode_b1_bandwidth_fraction']:.0%} of the "
+          f"measured bandwidth; prefill at "
+          + ", ".join(f"{n}: {f:.0%}" for n, f in roof["prefill_compute_fraction"].items())
+          + " of the bf16 matmul ceiling")
     print(f"RSS after load: moed {moed_rss / 2**20:.0f} MiB (KV for the bench only), "
           f"llama.cpp peak {llama_rss / 2**20:.0f} MiB (-c {ctx})")
-    out_path = Path(a.out)
+    serving = serve_table(a, model_dir) if a.vllm else None
+    out_path = Path(a.out or ROOT / "bench" / "results" /
+                    ("peers.json" if a.quant == "bf16" else f"peers-{a.quant}.json"))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
         "bench": "peers", "model_dir": str(model_dir), "threads": a.threads, "cpu": cpu,
         "gguf": str(gguf), "llama_cpp": str(build), "commands": {"decode": cmd_tg, "prefill": cmd_pp},
+        "quant": a.quant, "llama_type": qtype, "isa": isa, "roofline": roof,
+        "llama_repack": repack[0], "serving": serving,
         "prompt_len": a.prompt, "new_tokens": a.new, "table": table, "rounds": rounds,
         "rss_bytes": {"moed_after_load": moed_rss, "llama_cpp_peak": llama_rss},
         "load_average": load_average()}, indent=2, default=str))
+    print(f"saved {out_path}")
+    return 0
+
+
+def serve_table(a, model_dir: Path) -> dict:  # noqa: ANN001
+    """The serving comparison against vLLM (bench/serve_peers.py), printed as a table."""
+    import serve_peers
+    cs = [int(x) for x in a.serve_concurrency.split(",")]
+    print(f"\nserving: prompt {a.prompt}, {a.new} out, {a.threads} threads; load "
+          f"{load_average()[0]:.2f}", flush=True)
+    res = serve_peers.compare(model_dir, a.vllm, cs, a.prompt, a.new, a.threads, a.serve_requests)
+    print(f"\n{'concurrency':<12} {'moed tok/s':>10} {'vLLM tok/s':>10} {'ratio':>6} | "
+          f"{'moed TTFT p50':>13} {'vLLM':>8} {'ratio':>6} | failed moed / vLLM")
+    for c in cs:
+        m, v, r = res["moed"][c], res["vllm"][c], res["ratio"][c]
+        print(f"{c:<12} {m['output_tok_s']:10.1f} {v['output_tok_s']:10.1f} "
+              f"{r['output_tok_s']:6.2f} | {m['ttft_ms']['p50']:11.0f}ms {v['ttft_ms']['p50']:6.0f}ms "
+              f"{r['ttft_p50']:6.2f} | {r['moed_failed']} / {r['vllm_failed']}")
+    return res
+
+
+def serve_only(a) -> int:  # noqa: ANN001
+    """--vllm without --llama-cpp: the serving comparison alone."""
+    import engine as eb
+    model_dir = a.model or eb._checkpoint(a.arch, Path(a.cache))
+    print(f"{model_dir.name}, bf16; CPU: {cpu_model()}; ISA: {' '.join(isa_flags())}", flush=True)
+    serving = serve_table(a, model_dir)
+    out_path = Path(a.out or ROOT / "bench" / "results" / "peers-serve.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"bench": "peers-serve", "model_dir": str(model_dir),
+                                    "cpu": cpu_model(), "isa": isa_flags(), "threads": a.threads,
+                                    "serving": serving, "load_average": load_average()},
+                                   indent=2, default=str))
     print(f"saved {out_path}")
     return 0
 

@@ -173,6 +173,7 @@ def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> 
                         cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts,
                         quant=formats.plan(m.path, m.quantization, m.quantization_group_size),
                         kv_dtype=kv_cache_dtype(cfg.engine.kv_cache_dtype, dtype),  # type: ignore[arg-type]
+                        mtp=int(cfg.speculative.method == "mtp"),
                         resident_bytes=cfg.experts.resident_bytes)
         if not b.fits:
             raise ConfigError(f"parallel.rank_memory_mb: {b.message()}")

@@ -193,6 +193,9 @@ class TokenEvent:
     # with params.prompt_logprobs, on the request's first token: prompt tokens 1.. (token 0
     # has no logprob: nothing precedes it)
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    # a prefill-only request's token with the MTP layer: its draft for the position after it
+    # (a prefill node sends it to the decode node with the token: moed.roles.prefill)
+    draft: int | None = None
 
     @property
     def finished(self) -> bool:

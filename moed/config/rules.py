@@ -100,7 +100,9 @@ def sections(cfg: NodeSettings) -> None:
 
 
 def speculative(cfg: NodeSettings) -> None:
-    """[speculative] against the node: drafts are verified where tokens are decoded."""
+    """[speculative] against the node: drafts are verified where tokens are decoded. On a
+    prefill node only `mtp` has a meaning: compute the MTP layer's KV over each prompt and
+    send it (with the first draft) to decode nodes that draft with it (docs/speculative.md)."""
     sp = cfg.speculative
     if not sp.enabled:
         return
@@ -108,21 +110,19 @@ def speculative(cfg: NodeSettings) -> None:
         raise ConfigError(f"speculative.num_speculative_tokens {sp.num_speculative_tokens} "
                           f"with method mtp: one MTP layer is served, it drafts 1 token a step "
                           f"(set it to 1)")
-    if sp.method == "mtp" and cfg.server.role == "decode":
-        raise ConfigError("speculative.method mtp on a decode node: the MTP layer needs the "
-                          "prompt's hidden states and its own KV, which a prefill node does not "
-                          "send; use ngram there")
     if sp.prompt_lookup_min > sp.prompt_lookup_max:
         raise ConfigError(f"speculative.prompt_lookup_min ({sp.prompt_lookup_min}) must not "
                           f"exceed speculative.prompt_lookup_max ({sp.prompt_lookup_max})")
-    if cfg.server.role in ("prefill", "router"):
+    if cfg.server.role == "router" or (cfg.server.role == "prefill" and sp.method != "mtp"):
         raise ConfigError(f"speculative.method {sp.method}: speculation runs where tokens "
                           f"are decoded (colocated or decode nodes), not on a "
-                          f"{cfg.server.role} node")
-    if cfg.parallel.ep_size > 1:
-        raise ConfigError(f"speculative.method {sp.method}: not supported with "
-                          f"parallel.ep_size {cfg.parallel.ep_size} > 1 (the ranks' "
-                          f"verify steps are not agreed yet)")
+                          f"{cfg.server.role} node" + (
+                              " (on a prefill node only method mtp is taken: it computes and "
+                              "sends the MTP layer's KV for decode nodes that draft with it; "
+                              "ngram needs nothing from it)"
+                              if cfg.server.role == "prefill" else ""))
+    # parallel.ep_size > 1 is served: drafts change only a rank's row counts, and the MTP
+    # layer's MoE exchange is agreed each step (moed.parallel.agree)
 
 
 def experts(cfg: NodeSettings) -> None:

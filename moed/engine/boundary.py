@@ -106,6 +106,11 @@ class Boundary(StepCore):
                 cmd.request_id, cmd.token_id, cmd.logprob, cmd.top_logprobs)])
         except KeyError:
             log.warning("remote_prefill_unknown_request", request_id=cmd.request_id)
+            return
+        d = cmd.draft       # the MTP layer's draft for the first step (a guess: verified)
+        if self._mtp and req is not None and d is not None and 0 <= d < self.spec.vocab_size \
+                and not req.finished:
+            req.drafter = (req.num_tokens, d)
 
     def _release(self, cmd: ReleaseKV) -> None:
         self.scheduler.release(cmd.request_id)

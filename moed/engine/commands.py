@@ -28,6 +28,7 @@ class CompleteRemotePrefill:
     token_id: int
     logprob: float | None = None
     top_logprobs: Sequence[tuple[int, float]] | None = None
+    draft: int | None = None        # the prefill node's MTP draft for the position after it
 
 
 @dataclass(frozen=True)

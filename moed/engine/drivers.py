@@ -33,6 +33,7 @@ T = TypeVar("T")
 
 class ServeDriver:
     reads_expert_load = True
+    join_mtp = False            # no group
 
     def __init__(self, engine: Engine, wake: asyncio.Event) -> None:
         self._engine, self._wake = engine, wake
@@ -68,13 +69,16 @@ class ServeDriver:
 
 class GroupDriver:
     """When anyone in the group has work every rank runs one forward pass (an empty one
-    without work here); when nobody has, the group idles on one wake key."""
+    without work here); when nobody has, the group idles on one wake key. With the MTP layer
+    drafting (speculative decoding) a rank whose own MTP pass skips the layer's MoE joins its
+    exchange with no rows whenever a peer's runs it (`join_mtp`, moed.parallel.agree)."""
     reads_expert_load = True
 
     def __init__(self, engine: Engine, ep: EPRuntime, wake: asyncio.Event) -> None:
         self._engine, self._ep, self._wake = engine, ep, wake
         self._rebalance: Any = None     # this step's verdict on an expert rebalance
         self.plan: StepPlan | None = None
+        self.join_mtp = False
 
     def leaving(self) -> bool:
         return self._engine._stopping
@@ -86,8 +90,9 @@ class GroupDriver:
         leaving = e._stopping
         if leaving:
             await self.call(agreement.wake_peers)
+        mtp = e._mtp_full(plan)
         verdict = await self.call(agreement.agree, has_plan, leaving,
-                                  self._ep.rebalance_wanted())
+                                  self._ep.rebalance_wanted(), mtp)
         if leaving:
             return Go.LEAVE
         if verdict.leaving:
@@ -98,6 +103,7 @@ class GroupDriver:
         if not verdict.working:
             return Go.IDLE
         self._rebalance = verdict.rebalance
+        self.join_mtp = verdict.join_mtp(mtp)
         return Go.STEP if has_plan else Go.EMPTY
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -132,6 +138,7 @@ class GroupDriver:
 
 class SyncDriver:
     reads_expert_load = False   # generate() leaves the runner's counts to its caller
+    join_mtp = False
 
     def leaving(self) -> bool:
         return False

@@ -27,13 +27,15 @@ Disaggregation hooks (used by the prefill/decode roles):
 - Decode side: `add_request(..., remote_kv=True)` allocates blocks for the WHOLE prompt (prefix
   cache hits included) and parks the request in WAITING_REMOTE_KV; `stream.kv_blocks` resolves
   to `(block_ids, num_cached_tokens)` — the writer fills `block_ids[num_cached_tokens //
-  block_size:]`. `complete_remote_prefill(request_id, first_token_id, logprob, top_logprobs)`
-  then marks the prompt computed, publishes the first token and decodes on; a seeded request's
+  block_size:]`. `complete_remote_prefill(request_id, first_token_id, logprob, top_logprobs,
+  draft)` then marks the prompt computed, publishes the first token and decodes on (with the
+  MTP layer, `draft` is the prefill node's draft for its first step); a seeded request's
   generator is advanced as if token one had been sampled here, so its later tokens match a
   colocated run. Abort frees the blocks as usual.
 - Prefill side: `add_request(..., prefill_only=True)` runs the prompt (chunked), samples the
   first token and finishes with "stop" ("length" if the prompt reached the context limit) — but
-  KEEPS its blocks on either. After every step that computed some of its prompt, the
+  KEEPS its blocks on either (with the MTP layer, its token's event carries the layer's
+  `draft` for the position after it). After every step that computed some of its prompt, the
   prefill-progress subscribers get `(request_id, block_ids, num_computed_tokens)`
   (block_ids = the whole table; blocks below num_computed_tokens // block_size are final). Call
   `release_kv(request_id)` once the KV has been sent (or abort to give up).
@@ -307,8 +309,10 @@ class Engine(Boundary):
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
                                 logprob: float | None = None,
-                                top_logprobs: Sequence[tuple[int, float]] | None = None) -> None:
-        self._post(CompleteRemotePrefill(request_id, int(first_token_id), logprob, top_logprobs))
+                                top_logprobs: Sequence[tuple[int, float]] | None = None,
+                                draft: int | None = None) -> None:
+        self._post(CompleteRemotePrefill(request_id, int(first_token_id), logprob, top_logprobs,
+                                         draft))
 
     def release_kv(self, request_id: str) -> None:
         self._post(ReleaseKV(request_id))

@@ -81,7 +81,8 @@ def kv_memory_mb(cfg, spec, dtype, device) -> tuple[int, str, dict[str, float]]:
     m = cfg.model
     quant = formats.plan(m.path, m.quantization, m.quantization_group_size) if m.path else None
     weights = rank_memory(spec, dtype, p.ep_size, p.ep_rank, 0, e.block_size, 0,
-                          p.redundant_experts, quant).weights_bytes
+                          p.redundant_experts, quant,
+                          mtp=int(cfg.speculative.method == "mtp")).weights_bytes
     if getattr(device, "type", "cpu") == "cuda":
         import torch
         available = torch.cuda.mem_get_info(device)[0]

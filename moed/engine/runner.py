@@ -21,9 +21,9 @@ class StepRunner(Protocol):
     kv_cache: Any
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
-                    kv_only: bool = False) -> torch.Tensor | None: ...
-    def forward_empty(self) -> None: ...
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, kv_only: bool = False,
+                    exchange: bool = False) -> torch.Tensor | None: ...
+    def forward_empty(self, mtp: bool = False) -> None: ...
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None: ...
     def expert_load(self) -> torch.Tensor | None: ...
     def describe(self) -> dict[str, str]: ...
@@ -49,11 +49,11 @@ class RunnerDefaults:
     def resident_expert_bytes(self) -> int:
         return 0
 
-    def forward_empty(self) -> None:
+    def forward_empty(self, mtp: bool = False) -> None:
         raise RuntimeError("this runner is not part of an expert-parallel group")
 
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
-                    kv_only: bool = False) -> torch.Tensor | None:
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, kv_only: bool = False,
+                    exchange: bool = False) -> torch.Tensor | None:
         raise RuntimeError("this runner has no MTP layer")
 
     def kv_region(self) -> KVRegion:

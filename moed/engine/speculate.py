@@ -4,9 +4,10 @@ A chunk with a draft (moed.engine.drafts.propose, taken by the scheduler's `spec
 its known token and its k drafts as k + 1 new tokens with every row's logits
 (ForwardBatch.all_logits). `verify_rows` hands those rows to moed.model.spec_verify.verify with
 the SampleRow the step would have sampled the next token from, so penalties, logit_bias,
-min_tokens' bans, seeds and logprobs are exactly those of plain decoding. The scheduler then
-appends the emitted tokens through the normal stop checks and rolls back the KV of the rejected
-ones (Scheduler._apply_verified).
+min_tokens' bans, seeds and logprobs are exactly those of plain decoding; a grammar row's, with
+the grammar's mask at each position (moed.engine.masks). The scheduler then appends the
+emitted tokens through the normal stop checks (the matcher advances by those only) and rolls
+back the KV of the rejected ones (Scheduler._apply_verified).
 
 Whether a step may draft at all is the per-step switch's (moed.engine.drafts.gate, measured
 per batch-size class); the step loop asks it before scheduling and tells it each decode step's
@@ -17,8 +18,8 @@ step (1-token rows only) steps aside for it and the layered path runs it; said o
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import structlog
 import torch
@@ -31,6 +32,7 @@ from moed.model.mtp import mtp_inputs
 from moed.model.sampler import SampleRow
 from moed.model.spec_verify import DraftRow, Verified, verify
 from moed.obs import metrics
+from moed.types import TokenEvent
 
 log = structlog.get_logger(__name__)
 
@@ -45,14 +47,16 @@ class SpecOut:
 
 def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Sequence[int],
                sampled: Sequence[int] | None, verified: dict[str, Verified],
-               drafting: bool = True) -> dict[str, int]:
+               drafting: bool = True, exchange: bool = False) -> dict[str, int]:
     """The MTP step after a main step (docs/models.md, "The MTP layer"): every position the
     main step kept, each with the token after it (the next prompt token, the sampled one, or
     for a drafting chunk the accepted drafts then the emitted token: keep = accepted + 1), so
     the MTP layer's KV covers every computed position; its last row per sequence is the greedy
     draft for the position after the next known token. -> that draft per sampling request.
     drafting False (the per-step switch said plain, moed.engine.drafts.gate): the MTP layer
-    writes its KV entries only, a tenth of its time, and drafts nothing for the next step."""
+    writes its KV entries only, a tenth of its time, and drafts nothing for the next step;
+    exchange (expert parallelism): and joins the layer's MoE exchange with no rows, since a
+    peer rank runs the layer in full this step (moed.parallel.agree)."""
     batch = plan.batch
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
     next_ids, keep = [], []
@@ -68,24 +72,44 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
     mb, rows = mtp_inputs(batch, next_ids, keep)
     if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
         hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-    logits = runner.forward_mtp(mb, hidden, kv_only=not drafting)
+    logits = runner.forward_mtp(mb, hidden, kv_only=not drafting, exchange=exchange)
     if logits is None:
         return {}
     best = logits.argmax(-1).tolist()
     return {c.request.request_id: best[i] for i, c in enumerate(plan.chunks) if c.sample}
 
 
+def with_first_drafts(events: list[TokenEvent], chunks: Sequence[ScheduledChunk],
+                      drafts: dict[str, int]) -> list[TokenEvent]:
+    """A prefill-only request's token event with the MTP layer's draft for the position after
+    that token: a prefill node sends it on with the token (moed.roles.prefill), so the decode
+    node's first step drafts too."""
+    first = {c.request.request_id for c in chunks if c.request.prefill_only}
+    return [replace(ev, draft=drafts[ev.request_id])
+            if ev.request_id in first and ev.request_id in drafts and ev.token_ids else ev
+            for ev in events]
+
+
 def verify_rows(logits: torch.Tensor, last: Sequence[int], chunks: Sequence[ScheduledChunk],
-                sample_row: Callable[[Request], SampleRow]) -> dict[str, Verified]:
+                sample_row: Callable[[Request], SampleRow],
+                masks: Mapping[str, torch.Tensor] | None = None) -> dict[str, Verified]:
     """logits: the runner's rows with every drafting chunk flagged all_logits; last[i]: where
-    chunk i's last row landed. -> each drafting request's verification, by request id."""
+    chunk i's last row landed; masks: a grammar row's masks for its first positions
+    (moed.engine.masks: [1 + n, words], n <= its drafts; a shorter block cuts its draft to n:
+    the positions past it are verified as rejected). -> each drafting request's verification,
+    by request id."""
     idx = [i for i, c in enumerate(chunks) if c.draft]
     if not idx:
         return {}
-    rows = torch.cat([logits[last[i] - len(chunks[i].draft):last[i] + 1] for i in idx])
-    reqs = [DraftRow(sample_row(chunks[i].request), chunks[i].draft,
-                     chunks[i].request.num_output_tokens) for i in idx]
-    return {chunks[i].request.request_id: v for i, v in zip(idx, verify(rows, reqs))}
+    rows, reqs = [], []
+    for i in idx:
+        c, r = chunks[i], chunks[i].request
+        m = None if r.grammar is None else (masks or {}).get(r.request_id)
+        draft = c.draft if m is None else c.draft[:m.shape[0] - 1]
+        start = last[i] - len(c.draft)
+        rows.append(logits[start:start + len(draft) + 1])
+        reqs.append(DraftRow(sample_row(r), draft, r.num_output_tokens, masks=m))
+    return {chunks[i].request.request_id: v for i, v in zip(idx, verify(torch.cat(rows), reqs))}
 
 
 def gate_rows(running: Sequence[Request]) -> int:
@@ -119,6 +143,7 @@ def log_start(spec: SpecSettings | None) -> None:
     log.info("speculative_decoding", method=spec.method, num_speculative_tokens=spec.k,
              prompt_lookup_min=spec.n_min, prompt_lookup_max=spec.n_max,
              adaptive="measured per batch-size class" if spec.adaptive else "off",
-             grammar_rows="not speculated (one token a step)",
+             grammar_rows="speculated: drafts cut to the grammar-valid prefix, one mask per "
+                          "verified position",
              native_decode="steps with drafts take the layered path (the native decode "
                            "step, where it runs, serves 1-token rows only)")

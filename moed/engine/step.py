@@ -34,7 +34,8 @@ from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
 from moed.engine.drafts.gate import StepGate
-from moed.engine.speculate import SpecOut, emitted, gate_rows, mtp_drafts, verify_rows
+from moed.engine.speculate import (SpecOut, emitted, gate_rows, mtp_drafts, verify_rows,
+                                   with_first_drafts)
 from moed.engine.speculate import record as record_spec
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
@@ -70,6 +71,9 @@ class Go(enum.Enum):
 class StepDriver(Protocol):
     """What one driver of `StepCore.step` decides (moed.engine.drivers has the three)."""
     reads_expert_load: bool     # the serving loops read the runner's expert load between steps
+    # this step also joins the MTP layer's MoE exchange with no rows: a peer runs that layer
+    # in full and this rank does not (expert parallelism, moed.parallel.agree.Verdict.join_mtp)
+    join_mtp: bool
 
     def leaving(self) -> bool:
         """Schedule nothing this step (the loop is stopping)."""
@@ -150,12 +154,12 @@ class StepCore:
         if driver.reads_expert_load:
             self._load_pending = True
         if plan is None:                # Go.EMPTY: the group steps, this rank has no rows
-            await driver.call(self.runner.forward_empty)
+            await driver.call(self.runner.forward_empty, driver.join_mtp)
             driver.after_forward()
             await driver.between_steps()
             return Go.STEP
         try:
-            res, fwd_s, plps, spec = await driver.call(self._execute, plan)
+            res, fwd_s, plps, spec = await driver.call(self._execute, plan, driver.join_mtp)
         except Exception as e:
             if not driver.contain(plan, e):
                 raise
@@ -235,9 +239,16 @@ class StepCore:
         self._publish(events)
         return None if plan.empty else plan
 
-    def _execute(self, plan: StepPlan) -> Executed:
+    def _mtp_full(self, plan: StepPlan | None) -> bool:
+        """Whether this step runs the MTP layer in full, its MoE included (a step that may not
+        draft writes its KV entries only): what a rank tells its group (GroupDriver.agree)."""
+        # no row samples (prompt chunks only, a prefill node's): nothing to draft, KV suffices
+        return self._mtp and plan is not None and self.scheduler.drafting \
+            and any(c.sample for c in plan.chunks)
+
+    def _execute(self, plan: StepPlan, join_mtp: bool = False) -> Executed:
         """Runs in the executor thread: forward + sample (+ the prompt logprobs of the chunks
-        that ask). Reads the plan, mutates nothing else."""
+        that ask). Reads the plan, mutates nothing else. join_mtp: StepDriver.join_mtp."""
         t0 = time.perf_counter()
         asks = [_prompt_positions(c) for c in plan.chunks]
         batch = plan.batch
@@ -245,8 +256,9 @@ class StepCore:
             # rows that do not ask (nor draft) pay nothing: the batch stays as planned
             batch = replace(batch, all_logits=tuple(bool(a) or bool(c.draft)
                                                     for a, c in zip(asks, plan.chunks)))
-        gram = [c.request for c in plan.chunks if c.sample and c.request.grammar is not None]
-        pending = self._masks.start([r.grammar for r in gram]) if gram else None
+        gram = [c for c in plan.chunks if c.sample and c.request.grammar is not None]
+        pending = self._masks.start([c.request.grammar for c in gram],  # + a mask a draft
+                                    [c.draft for c in gram]) if gram else None
         hid = None
         if self._mtp:       # the MTP layer drafts from every row's hidden state (after sampling)
             logits, hid = self.runner.forward(batch, hidden=True)
@@ -255,6 +267,12 @@ class StepCore:
             logits = out = self.runner.forward(batch)
         plps: PromptLPs = {}
         ver: dict[str, Verified] = {}
+        masks: dict[str, Any] = {}      # by request id: int32 [1 + drafts masked, words]
+        if pending is not None:
+            got, failed = pending.collect()
+            masks = {c.request.request_id: m for c, m in zip(gram, got)}
+            for j, why in failed.items():
+                self._grammar_failed[gram[j].request.request_id] = why
         if batch.all_logits:
             last = batch.sample_rows
             for i, (c, pos) in enumerate(zip(plan.chunks, asks)):
@@ -265,34 +283,30 @@ class StepCore:
                         logits[base + pos.start:base + pos.stop],
                         r.prompt_token_ids[pos.start + 1:pos.stop + 1],
                         r.params.prompt_logprobs or 0)
-            ver = verify_rows(logits, last, plan.chunks, self._sample_row)
+            ver = verify_rows(logits, last, plan.chunks, self._sample_row, masks)
             logits = logits[last]
         idx = [i for i, c in enumerate(plan.chunks) if c.sample and not c.draft]
         if not idx:
-            return None, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, None, ver)
+            return (None, time.perf_counter() - t0, plps,
+                    self._spec_out(plan, hid, idx, None, ver, join_mtp))
         if len(idx) != len(plan.chunks):
             logits = logits[idx]
-        masks: dict[str, Any] = {}
-        if pending is not None:
-            got, failed = pending.collect()
-            masks = {r.request_id: m for r, m in zip(gram, got)}
-            for j, why in failed.items():
-                self._grammar_failed[gram[j].request_id] = why
         reqs = [plan.chunks[i].request for i in idx]
-        rows = [self._sample_row(r, masks.get(r.request_id)) for r in reqs]
+        rows = [self._sample_row(r, masks[r.request_id][0] if r.request_id in masks else None)
+                for r in reqs]
         # the step's own argmax, if it has one (None: the sampler computes it)
         argmax = self.runner.argmax_of(out) if logits is out else None
         res = sample(logits, rows, argmax)
-        return res, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, res, ver)
+        return res, time.perf_counter() - t0, plps, self._spec_out(plan, hid, idx, res, ver, join_mtp)
 
     def _spec_out(self, plan: StepPlan, hid: Any, idx: list[int], res: SampleResult | None,
-                  ver: dict[str, Verified]) -> SpecOut:
+                  ver: dict[str, Verified], join_mtp: bool = False) -> SpecOut:
         """The drafts' verifications and, with the MTP layer, its drafts for the next step."""
         if hid is None:
             return SpecOut(ver)
         return SpecOut(ver, mtp_drafts(self.runner, plan, hid, idx,
                                        None if res is None else res.token_ids, ver,
-                                       self.scheduler.drafting))
+                                       self._mtp_full(plan), exchange=join_mtp))
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params
@@ -322,6 +336,7 @@ class StepCore:
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
                                        None if res is None else res.top_logprobs, ver)
         if spec is not None and spec.mtp:   # for the position after the tokens known now
+            events = with_first_drafts(events, plan.chunks, spec.mtp)
             for c in plan.chunks:
                 r = c.request
                 if r.request_id in spec.mtp and not r.finished:

@@ -9,24 +9,22 @@ Glossary: a *compiled* grammar is an llguidance LLMatcher built for this tokeniz
 advanced; each request gets a deep copy of it, its *matcher*, advanced by every token the request
 accepts. The *bitmask* is int32 [rows, ceil(V/32)], bit j of word w allowing token 32*w + j.
 
-Life of a constraint: the API handler compiles the request's spec in the grammar pool
-(moed.api.grammar_pool; `GrammarCompiler.compile`, cached by (kind, source) in a bounded LRU,
-refusals too) under a budget — llguidance's limits (`GrammarLimits`: lexer fuel and states,
-Earley items, grammar size) and a wall-clock time — and probes the first steps (`_probe`), so a
-bad grammar is a 400 and one too big for the budget a 400 `grammar_too_complex`, both before any
-engine work → the engine's `_new_request` takes a matcher from the cache (a hit) → each step the
-masks are computed in the mask pool while the forward pass runs (moed.engine.masks), a mask late
-past `mask_timeout_ms` or hitting a limit fails its request alone → `Request.append_token`
-feeds the sampled token to the matcher; once the matcher is stopped (only EOS could follow) the
-request finishes with "stop".
+Life of a constraint: the API compiles the spec in the grammar pool (moed.api.grammar_pool;
+`GrammarCompiler.compile`, an LRU by (kind, source), refusals too) under a budget (llguidance's
+`GrammarLimits` and a wall-clock time) and probes the first steps (`_probe`): a bad grammar is
+a 400, one past the budget a 400 `grammar_too_complex`, before any engine work → the engine
+takes a matcher from the cache → each step the masks are computed beside the forward pass
+(moed.engine.masks; a drafting row's one per verified position, on a `copy` advanced by its
+grammar-valid drafts, `valid_prefix`), a late mask or a limit fails its request alone →
+`Request.append_token` feeds each emitted token to the matcher; once it is stopped (only EOS
+could follow) the request finishes with "stop".
 
-Why a probe: llguidance builds its lexer and Earley rows lazily, so a grammar that passes
-validation can still blow a limit at the first mask or the first token (`a{1000}{1000}`: the
-first mask took ~1 s here, the second token "too many expressions constructed"; a schema of
-500+ optional properties: "Current row has 2007 items; max is 2000" after `{`). Walking a few
-tokens at compile time moves those failures to admission, where they are a 400.
-Deep copies of one compiled matcher share its lexer's state table (llguidance's shared
-state), so what the probe builds is what every request's first masks reuse.
+Why a probe: llguidance builds its lexer and Earley rows lazily, so a valid grammar can still
+blow a limit at the first mask or token (`a{1000}{1000}`: ~1 s for the first mask, "too many
+expressions constructed" at the second token; 500+ optional properties: "Current row has 2007
+items; max is 2000" after `{`). Walking a few tokens at compile time makes those a 400 at
+admission. Deep copies share the lexer's state table, so every request's first masks reuse
+what the probe built.
 """
 from __future__ import annotations
 
@@ -48,11 +46,10 @@ if TYPE_CHECKING:       # torch only where the mask is built: the API's parser i
     import torch
 
 CACHE_ENTRIES = 128     # compiled grammars kept per tokenizer (128 8-field schemas: 12.6 MB)
-# Whitespace allowed between JSON tokens: one optional line break and up to 48 spaces/tabs —
-# enough for any pretty-printing (2-space indent to 24 levels), but bounded: with unbounded
-# whitespace (llguidance's and vLLM's default) a model can loop on blanks and never close the
-# object (a 2-field object drawn uniformly from the allowed tokens of the test tokenizer: 188
-# tokens unbounded, ~30 with this, ~13 compact).
+# Whitespace between JSON tokens: an optional line break and up to 48 spaces/tabs (any
+# pretty-printing, 2-space indent to 24 levels), bounded: with llguidance's and vLLM's unbounded
+# default a model can loop on blanks (a 2-field object drawn uniformly from the test
+# tokenizer's allowed tokens: 188 tokens unbounded, ~30 with this, ~13 compact).
 JSON_WHITESPACE = r"(\r?\n)?[\x20\x09]{0,48}"
 
 
@@ -113,7 +110,6 @@ class GrammarLimits:
 
 def _llg() -> Any:
     import llguidance
-
     return llguidance
 
 
@@ -154,19 +150,17 @@ def validate(spec: GrammarSpec, limits: GrammarLimits | None = None) -> None:
 
 
 class GrammarMatcher:
-    """One request's grammar state: advanced with each accepted token (engine loop thread),
-    asked for the next-token bitmask (executor thread; never at the same time: the loop waits
-    for the step)."""
+    """One request's grammar state: advanced by each emitted token (engine loop thread), asked
+    for masks (mask/executor threads; never at once: the loop waits for the step)."""
 
     __slots__ = ("_m", "words")
 
     def __init__(self, matcher: Any, words: int) -> None:
-        self._m = matcher
-        self.words = words          # bitmask width in int32 words
+        self._m, self.words = matcher, words        # words: bitmask width in int32 words
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] (int32, contiguous, on the CPU).
-        A matcher that hit a limit is in error (`failed`) and allows only EOS."""
+        """Write the allowed next tokens into bitmask[row] (int32, contiguous, CPU); a matcher
+        that hit a limit is in error (`failed`) and allows only EOS."""
         v = bitmask[row]
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
 
@@ -186,6 +180,14 @@ class GrammarMatcher:
     @property
     def accepting(self) -> bool:
         return bool(self._m.is_accepting())
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in a row from here, the grammar accepts (state unchanged)."""
+        return int(self._m.validate_tokens([int(t) for t in tokens]))
+
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in this state (speculation's masks advance it by drafts)."""
+        return GrammarMatcher(self._m.deep_copy(), self.words)
 
     @property
     def error(self) -> str:

@@ -33,6 +33,7 @@ from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.decoder import BuildLayer, DecoderLayer, MoEDecoder, Weights
 from moed.model.layers import Linear, Rotary, add_rms_norm
+from moed.model.moe import MoELayer
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +74,7 @@ class MTPLayer:
     def __init__(self, eps: float, index: int, w: Weights, block: DecoderLayer, ctx: ComputeContext,
                  main: MoEDecoder) -> None:
         p = f"layers.{index}.mtp."
-        self.index, self.eps, self.kernels = index, eps, ctx.kernels
+        self.index, self.eps, self.kernels, self.dtype = index, eps, ctx.kernels, ctx.dtype
         self.enorm, self.hnorm, self.head_norm = w[p + "enorm"], w[p + "hnorm"], w[p + "head_norm"]
         self.eh_proj = Linear(w[p + "eh_proj"], None, ctx.pack, ctx.kernels)
         self.block = block
@@ -111,6 +112,13 @@ class MTPLayer:
         x, _ = add_rms_norm(self._input(hidden, next_ids), None, b.input_norm, b.eps, b.kernels)
         cos, sin = rotary.tables(positions, max_pos)
         b.attn.write_kv(x, cos, sin, backend, kv_layer)
+
+    def empty_step(self) -> None:
+        """Expert parallelism, a rank whose step does not run this layer in full while a peer's
+        does: the layer's MoE exchange with no rows (nothing where its MLP is dense)."""
+        mlp = self.block.mlp
+        if isinstance(mlp, MoELayer):
+            mlp.empty_step(self.dtype)
 
     def __call__(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, max_pos: int,
                  rows: torch.Tensor, rotary: Rotary, backend: AttentionBackend,

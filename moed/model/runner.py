@@ -95,8 +95,10 @@ class ModelRunner:
         combination that is refused.
         kv_dtype: engine.kv_cache_dtype ("auto": the model's dtype; "fp8": float8 e4m3).
         mtp: also serve DeepSeek-V3's MTP layer (moed/model/mtp.py, forward_mtp): its weights and
-        one more KV layer, which the layout id names; ValueError for a checkpoint without one
-        (or with expert parallelism, not built). Off: nothing of it is read or allocated.
+        one more KV layer, which the layout id names; ValueError for a checkpoint without one.
+        With expert parallelism its MoE layer is one more in the group's exchanges (its own
+        slots of this rank, the initial layout: the expert balancer moves the main model's).
+        Off: nothing of it is read or allocated.
         batch_invariant: model.batch_invariant (ComputeContext.build; ValueError where it
         cannot hold).
         cold: [experts] with a resident budget (moed/model/cold): only that share of the routed
@@ -111,9 +113,6 @@ class ModelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
         arch = archs.get(self.spec.arch)
         n_mtp = mtp_layers(self.spec, mtp)
-        if n_mtp and placement is not None:
-            raise ValueError("MTP with expert parallelism is not built (its MoE layer would join "
-                             "the group's exchanges)")
         self.kv_layout: KVLayout = archs.kv_layout(self.spec, block_size, kv_cache_dtype(kv_dtype, self.dtype),
                                                    n_mtp)
         own = weights is None
@@ -226,8 +225,8 @@ class ModelRunner:
         return self.model(input_ids, positions, max_pos, rows, self.backend, self.kv_cache)
 
     @torch.inference_mode()
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
-                    kv_only: bool = False) -> torch.Tensor | None:
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, kv_only: bool = False,
+                    exchange: bool = False) -> torch.Tensor | None:
         """DeepSeek-V3's MTP layer (moed/model/mtp.py; built with mtp=True): fp32 logits of
         `batch.logit_rows`, each predicting the token two past its position.
 
@@ -236,7 +235,9 @@ class ModelRunner:
         (mtp.mtp_inputs builds it from the main batch). hidden [batch.num_tokens, H]: the main
         model's hidden states at those positions (forward(..., hidden=True)), in that order.
         The MTP layer's KV entries of those positions are written (its KV layer, same blocks).
-        kv_only: those entries only (the same numbers; no attention, MoE or head) -> None."""
+        kv_only: those entries only (the same numbers; no attention, MoE or head) -> None.
+        exchange (with kv_only; expert parallelism): then join the layer's MoE exchange with no
+        rows, as a peer rank runs the layer in full this step (moed.parallel.agree)."""
         if self.mtp is None:
             raise RuntimeError("forward_mtp: this runner was built without mtp=True")
         self._check(batch)
@@ -247,7 +248,11 @@ class ModelRunner:
         hidden, kv = hidden.to(self.device, self.dtype), self.kv_cache[self.spec.num_layers]
         if kv_only:
             self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary, self.backend, kv)
+            if exchange:
+                self.mtp.empty_step()
             return None
+        if exchange:
+            raise ValueError("forward_mtp: exchange is for a kv_only pass (a full one exchanges its rows)")
         return self.mtp(hidden, input_ids, positions, max_pos, rows, self.model.rotary, self.backend, kv)
 
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -256,12 +261,17 @@ class ModelRunner:
         return None if self.native_decode is None else self.native_decode.argmax_of(logits)
 
     @torch.inference_mode()
-    def forward_empty(self) -> None:
+    def forward_empty(self, mtp: bool = False) -> None:
         """Expert parallelism: this rank has no tokens this step but takes part in every MoE
-        layer's exchange (moed.parallel.agree)."""
+        layer's exchange (moed.parallel.agree); mtp: the MTP layer's too, after them (a peer
+        runs that layer in full this step)."""
         if self.cold is not None:       # heat and installs as before a forward (cold/store.py)
             self.cold.between_steps()
         self.model.empty_step()
+        if mtp:
+            if self.mtp is None:
+                raise RuntimeError("forward_empty(mtp=True): this runner was built without mtp=True")
+            self.mtp.empty_step()
 
     def resident_expert_bytes(self) -> int:
         """Bytes of expert weights this process holds, summed over the tensors themselves."""

@@ -1,11 +1,16 @@
 """Step agreement: the ranks of a group step together, and an idle group blocks.
 
-Each step every rank calls `agree(has_work, leaving, rebalance)`: one all_reduce of three int64
-(ranks with work, ranks leaving, and rank 0's word to the expert balancer, moed.parallel.rebalance:
-collect the load / publish the new map, acted on after a step that has work). Then either
+Each step every rank calls `agree(has_work, leaving, rebalance, mtp)`: one all_reduce of four
+int64 (ranks with work, ranks leaving, rank 0's word to the expert balancer,
+moed.parallel.rebalance: collect the load / publish the new map, acted on after a step that has
+work; and ranks whose step runs the MTP layer in full, speculative decoding's `mtp`). Then either
   - somebody has work: every rank runs one forward pass, an empty one where it has none
     (runner.forward_empty: only the MoE layers' exchanges), so every collective on one rank
-    is matched on every other, in the same order;
+    is matched on every other, in the same order. Drafts change only how many rows a rank's
+    forward has (the exchange sends per-rank counts first), never which exchanges it makes;
+    the MTP layer's MoE is the one exchange a rank may or may not make (the per-step switch
+    runs it in full or writes its KV entries only, moed.engine.drafts.gate), so when any rank
+    runs it in full (`Verdict.mtp` > 0), every other joins it with no rows (`Verdict.join_mtp`);
   - nobody has work: every rank goes idle in `idle()` with the same epoch number (they all
     saw the same verdicts), blocking on its own wake event (a new request, a command) or the
     group's wake key `wake/<epoch>` in the TCPStore, in bounded waits (POLL_S). The first rank
@@ -61,6 +66,13 @@ class Verdict:
     working: int        # ranks with work this step
     leaving: int        # ranks leaving the group
     rebalance: int = 0  # the expert balancer's signal (rank 0's; moed.parallel.rebalance)
+    mtp: int = 0        # ranks whose step runs the MTP layer's MoE (speculative decoding, mtp)
+
+    def join_mtp(self, runs_mtp_moe: bool) -> bool:
+        """Whether this rank joins the MTP layer's MoE exchange with no rows after its forward
+        pass: a peer runs the layer in full this step and this rank does not (its MTP pass
+        writes KV entries only, or it has no rows at all)."""
+        return not runs_mtp_moe and self.mtp > 0
 
 
 class StepAgreement:
@@ -71,18 +83,20 @@ class StepAgreement:
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moed-ep-wake")
         self._stop: threading.Event | None = None
 
-    def agree(self, has_work: bool, leaving: bool, rebalance: int = 0) -> Verdict:
-        """On the step thread: the one small collective per step."""
-        t = torch.tensor([int(has_work), int(leaving), int(rebalance)], dtype=torch.long,
-                         device=self.group.device)
+    def agree(self, has_work: bool, leaving: bool, rebalance: int = 0,
+              mtp: bool = False) -> Verdict:
+        """On the step thread: the one small collective per step. mtp: this rank's step runs
+        the MTP layer's MoE (its MTP pass is in full)."""
+        t = torch.tensor([int(has_work), int(leaving), int(rebalance), int(mtp)],
+                         dtype=torch.long, device=self.group.device)
         t0 = time.perf_counter()
         try:
             dist.all_reduce(t)
         except RuntimeError as e:
             raise self.group.fail(f"step agreement failed: {_first_line(e)}") from None
         self.stats.collective_s += time.perf_counter() - t0
-        w, lv, rb = t.tolist()
-        return Verdict(int(w), int(lv), int(rb))
+        w, lv, rb, mtp_n = t.tolist()
+        return Verdict(int(w), int(lv), int(rb), int(mtp_n))
 
     async def idle(self, wake: asyncio.Event, step_executor: Executor) -> None:
         """Block until this rank has work (`wake` set) or a peer does (the epoch's key)."""

@@ -17,6 +17,12 @@ A request's lifecycle on a decode node (queues as in the engine):
     (prompts of at most transfer.local_prefill_max_tokens tokens, and requests that want
     prompt logprobs, are prefilled here instead)
 
+With speculative.method mtp the job says so (`mtp`): the prefill node, built with the MTP layer
+too (the KV layouts agree, one more layer), sends that layer's KV over the prompt and its first
+draft; a prefill node without it refuses the job (409 incompatible_mtp), like any other
+failed attempt, so the request goes to another peer or fails with a clear error, never
+decodes from half a KV.
+
 Failures: the peer's RPC stream closing, an error line, a failed write or the deadline count
 against that peer and the job is retried on another one (transfer.max_prefill_retries) into
 the same blocks; past that the request fails with a clear error and its blocks are freed. A
@@ -275,7 +281,8 @@ class DecodeComponent:
             spec = PrefillJobSpec(job_id, tuple(prompt), skip, tuple(dst), self.node,
                                   self.incarnation, lease, sampling_fields(params),
                                   capability=cap, expires_ms=expires_ms,
-                                  model_id=getattr(self._app.state, "model_id", "") or "")
+                                  model_id=getattr(self._app.state, "model_id", "") or "",
+                                  mtp=self.cfg.speculative.method == "mtp")
             job_tokens = len(prompt) - skip * bs
             self.inflight_tokens[peer] = self.inflight_tokens.get(peer, 0) + job_tokens
             try:
@@ -304,7 +311,8 @@ class DecodeComponent:
                     self.inflight_tokens.pop(peer, None)
             self.health[peer] = breaker.on_success(self.health[peer])
             metrics.TRANSFER_JOBS.labels("decode", "done").inc()
-            self.engine.complete_remote_prefill(rid, tok.token_id, tok.logprob, tok.top_logprobs)
+            self.engine.complete_remote_prefill(rid, tok.token_id, tok.logprob, tok.top_logprobs,
+                                                tok.draft)
             return
         # the client hears what kind of failure, never a peer's address or an exception text
         # (those are on the remote_prefill_attempt_failed lines, with the request id)

@@ -14,8 +14,15 @@ A prefill job's lifecycle (one HTTP request POST /internal/prefill holds it):
       │                   could not run the prompt
       └── 401 not signed with the cluster secret (moed.api.internal); 403 the job's capability
           does not match its node, blocks or expiry; 409 need_metadata: the decode's transfer
-          metadata for its incarnation is unknown; 400 bad job / incompatible KV layout;
-          503 draining.
+          metadata for its incarnation is unknown; 409 incompatible_mtp: the job's decode node
+          drafts with the MTP layer and this node has none, or the reverse; 400 bad job /
+          incompatible KV layout; 503 draining.
+
+With `speculative.method = "mtp"` (the runner holds DeepSeek-V3's MTP layer, one more KV layer
+per block) every prefill step also runs the MTP layer over the positions it computed, as a
+colocated node does, so the blocks written to the decode node carry that layer's KV over the
+whole prompt (the last position's entry made with the sampled token one), and FirstToken
+carries the layer's draft for the decode node's first step (docs/speculative.md).
 
 With `tiers.peer_reuse` (moed.roles.kvshare) a job first reads the prompt's leading blocks that
 another prefill (or colocated) node caches, when that is predicted faster than recomputing
@@ -147,6 +154,9 @@ class PrefillComponent:
         self.worker = await start_worker(self.cfg.transfer.backend, self.node, self.engine)
         advertise_transfer(app, self.worker)
         self._unsubscribe = self.engine.subscribe_prefill_progress(self._on_progress)
+        if self.cfg.speculative.method == "mtp":
+            log.info("prefill_mtp_kv", serves="decode nodes with speculative.method mtp only",
+                     sends="the MTP layer's KV over each prompt and the first draft")
 
     async def drain(self) -> None:
         self.draining = True     # running jobs finish; their decode nodes own the requests
@@ -203,6 +213,10 @@ class PrefillComponent:
             metrics.TRANSFER_FAILURES.labels("incompatible_model").inc()
             return _error(409, "incompatible_model", "this prefill node serves another "
                           "checkpoint (model id differs): KV would not match")
+        mtp = self.cfg.speculative.method == "mtp"     # restart-only: the runner's layout
+        if spec.mtp != mtp:     # said before the layout handshake, which would refuse it too
+            metrics.TRANSFER_FAILURES.labels("incompatible_mtp").inc()
+            return _error(409, "incompatible_mtp", mtp_mismatch(spec.mtp))
         if params.grammar is not None:     # on the grammar pool, under the budget; then a hit
             try:
                 await request.app[STATE].grammar.compile(self.engine.tokenizer, params.grammar)
@@ -307,7 +321,8 @@ class PrefillComponent:
                 job.table = self.engine.kv_block_table(job.engine_id)
             tok = FirstToken(job.spec.job_id, ev.token_ids[0],
                              ev.logprobs[0] if ev.logprobs else None,
-                             ev.top_logprobs[0] if ev.top_logprobs else (), job.spec.capability)
+                             ev.top_logprobs[0] if ev.top_logprobs else (), job.spec.capability,
+                             ev.draft)
             await self._send(job, n_prompt_blocks, tok.encode())
             return tok
 
@@ -364,6 +379,17 @@ class PrefillComponent:
         self._aborts.discard(t)
         if not t.cancelled() and t.exception() is not None:
             log.warning("prefill_abort_failed", error=repr(t.exception()))
+
+
+def mtp_mismatch(decode_mtp: bool) -> str:
+    """Why a job and this prefill node disagree on the MTP layer (their KV layouts differ)."""
+    if decode_mtp:
+        return ("the decode node drafts with speculative.method mtp and needs the MTP layer's "
+                "KV over the prompt; this prefill node has no MTP layer (set [speculative] "
+                "method = \"mtp\" and num_speculative_tokens = 1 on it)")
+    return ("this prefill node computes the MTP layer (speculative.method mtp) and the decode "
+            "node's KV has no such layer: their KV layouts differ (set method mtp on both "
+            "roles, or on neither)")
 
 
 def _trace_chunks(job: PrefillJob, ev: TokenEvent) -> None:

@@ -45,6 +45,9 @@ class PrefillJobSpec:
     # the decode node's checkpoint hash (moed.model.identity): a prefill node serving another
     # checkpoint refuses the job, also for a static peer that membership never compared
     model_id: str = ""
+    # the decode node's KV has the MTP layer (it drafts with speculative.method mtp): the
+    # prefill node must compute that layer's KV over the prompt too, and send its first draft
+    mtp: bool = False
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -67,7 +70,7 @@ class PrefillJobSpec:
                        metadata=None if md is None else base64.b64decode(md, validate=True),
                        capability=str(d.get("capability", "")),
                        expires_ms=int(d.get("expires_ms", 0)),
-                       model_id=str(d.get("model_id", "")))
+                       model_id=str(d.get("model_id", "")), mtp=_flag(d.get("mtp", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"bad prefill job: {type(e).__name__}: {e}") from None
         if not spec.token_ids or not spec.job_id or spec.timeout_s <= 0 or spec.skip_blocks < 0:
@@ -136,12 +139,16 @@ class FirstToken:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()   # when the request asked for them
     capability: str = ""           # the job's, echoed: the decode node checks it again
+    # with the MTP layer (PrefillJobSpec.mtp): its greedy draft for the position after token one
+    draft: int | None = None
 
     def encode(self) -> bytes:
         d: dict[str, Any] = {"j": self.job_id, "t": self.token_id, "lp": self.logprob,
                              "c": self.capability}
         if self.top_logprobs:
             d["tl"] = [[t, v] for t, v in self.top_logprobs]
+        if self.draft is not None:
+            d["d"] = self.draft
         return json.dumps(d).encode()
 
     @classmethod
@@ -150,13 +157,19 @@ class FirstToken:
             d = json.loads(msg)
             return cls(str(d["j"]), int(d["t"]), None if d.get("lp") is None else float(d["lp"]),
                        tuple((int(t), float(v)) for t, v in d.get("tl", ())),
-                       str(d.get("c", "")))
+                       str(d.get("c", "")), None if d.get("d") is None else int(d["d"]))
         except (ValueError, KeyError, TypeError) as e:
             raise ProtocolError(f"bad first-token notification: {e}") from None
 
 
 def line(event: str, **kw: Any) -> bytes:
     return json.dumps({"event": event, **kw}).encode() + b"\n"
+
+
+def _flag(v: Any) -> bool:
+    if type(v) is not bool:     # "false" would be truthy: a flag is a JSON boolean
+        raise ValueError(f"mtp {v!r:.40} is not a boolean")
+    return v
 
 
 def _priority(v: Any) -> int:

@@ -1,6 +1,6 @@
 """Speculative decoding through a real `moed serve --speculative-config` and the official
-openai client: greedy completions (n = 1 and n = 2, logprobs, a stop string) equal a server
-without it, token for token; the spec_decode counters move; the start log names the method."""
+openai client: greedy completions (n = 1 and n = 2, logprobs, a stop string, guided JSON and
+regex) equal a server without it, token for token; the spec_decode counters move; the start log names the method."""
 from __future__ import annotations
 
 import json
@@ -25,12 +25,23 @@ def _complete(client, prompt: str, **kw):
         extra_body={"return_token_ids": True, "ignore_eos": True})
 
 
+SHOWN = '{"name": "ada", "tags": ["x", "y"]}'
+GUIDED = [{"guided_json": {"type": "object", "required": ["name", "tags"], "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3}}}},
+    {"guided_regex": "(ab ){2,9}"}]
+
+
 def _outputs(client) -> list:
     out = []
     for p in PROMPTS:
         r = _complete(client, p, logprobs=2, n=2)
         out.append([(list(c.token_ids), c.text, c.finish_reason,
                      [round(x, 3) for x in c.logprobs.token_logprobs]) for c in r.choices])
+    for g, p in zip(GUIDED, ["Example: " + SHOWN + " Again: " + SHOWN[:12], "ab ab ab ab"]):
+        c = client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0.0,
+                                      extra_body={"return_token_ids": True, **g}).choices[0]
+        out.append((list(c.token_ids), c.text, c.finish_reason))    # structured: speculated too
     return out
 
 
@@ -55,7 +66,8 @@ def test_greedy_equal_with_and_without_speculation(tiny_qwen3, tmp_path_factory)
     assert 0 < m.get("moed_spec_decode_num_accepted_tokens_total", 0) < drafts
     assert len(starts) == 1 and starts[0]["method"] == "ngram" \
         and starts[0]["num_speculative_tokens"] == 3 \
-        and starts[0]["adaptive"] == "measured per batch-size class"
+        and starts[0]["adaptive"] == "measured per batch-size class" \
+        and starts[0]["grammar_rows"].startswith("speculated")
 
 
 @pytest.mark.parametrize("bad,says", [

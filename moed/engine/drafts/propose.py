@@ -1,9 +1,11 @@
 """When a request drafts, and how many tokens: the pure half the scheduler runs (no torch).
 
 A running request drafts in a step when it is decoding (one known token left to compute, its
-first output token out), the node speculates, and its grammar is None: a grammar row would need
-the grammar's mask after each draft token and a matcher advanced through drafts that may be
-rejected; moed does not speculate for those (they decode one token a step, as before).
+first output token out) and the node speculates. A request with a grammar drafts too: its draft
+is cut to the prefix its grammar accepts from the matcher's state now (`valid_prefix`: a token
+the grammar refuses could never be emitted, nor anything after it), and the step masks each
+verified position (moed.engine.masks) so verification draws from the masked distribution plain
+decoding draws from.
 
 Adaptive: a request whose drafts keep being rejected stops drafting for a while (`observe`,
 below): each verification updates an exponential moving average of its acceptance rate
@@ -78,7 +80,7 @@ def observe(a: Acceptance | None, drafted: int, accepted: int) -> Acceptance:
 
 def draft_room(req: Request, k: int) -> int:
     """How many draft tokens `req` may verify this step (0: it decodes one token)."""
-    if req.state is not RequestState.RUNNING or req.prefill_only or req.grammar is not None \
+    if req.state is not RequestState.RUNNING or req.prefill_only \
             or req.replaying:      # a decode replay forces its next tokens (engine.resume)
         return 0
     if req.num_tokens - req.num_computed_tokens != 1 or req.num_output_tokens == 0:
@@ -102,10 +104,18 @@ def propose(s: SpecSettings, req: Request, room: int) -> tuple[int, ...]:
         return ()
     if s.method == "mtp":   # the MTP layer's draft from the last step, for this very length
         d = req.drafter
-        return (d[1],) if d is not None and d[0] == req.num_tokens else ()
+        return _valid(req, (d[1],) if d is not None and d[0] == req.num_tokens else ())
     idx = req.drafter
     if idx is None:
         idx = req.drafter = NgramIndex(s.n_min, s.n_max)
     if len(idx) < req.num_tokens:
         idx.extend(req.token_ids[len(idx):])
-    return tuple(idx.propose(room))
+    return _valid(req, tuple(idx.propose(room)))
+
+
+def _valid(req: Request, draft: tuple[int, ...]) -> tuple[int, ...]:
+    """The draft cut to what the request's grammar accepts in a row (the loop thread owns the
+    matcher while scheduling; validating leaves it as it was)."""
+    if req.grammar is None or not draft:
+        return draft
+    return draft[:req.grammar.valid_prefix(draft)]

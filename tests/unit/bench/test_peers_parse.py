@@ -248,3 +248,40 @@ def test_compare_takes_round_medians_and_ratios():
     assert t["prefill"][512]["ratio"] == pytest.approx(2.0)
     assert t["decode"][8]["llama_cpp"] == 0.0 and t["decode"][8]["ratio"] != t["decode"][8]["ratio"]
     assert t["decode"][32]["moed"] != t["decode"][32]["moed"]        # no figure: NaN, not 0
+
+
+def test_weight_bytes_a_decoded_token_reads():
+    """Per layer q/k/v/o and top-k experts in the format, the router and lm_head in bf16."""
+    from types import SimpleNamespace
+    spec = SimpleNamespace(hidden_size=8, head_dim=2, num_heads=4, num_kv_heads=2, num_experts=4,
+                           moe_intermediate_size=4, vocab_size=10, top_k=2, num_layers=3)
+    # qkv [16, 8], o [8, 8], router [4, 8], gate_up [8, 8], down [8, 4], lm_head [10, 8]
+    weights = 16 * 8 + 8 * 8 + 2 * (8 * 8 + 8 * 4)
+    rows = 16 + 8 + 2 * (8 + 8)
+    fixed = 3 * 2 * 4 * 8 + 2 * 10 * 8
+    assert peers.decode_bytes_per_token(spec, "") == 3 * 2 * weights + fixed
+    assert peers.decode_bytes_per_token(spec, "int8") == 3 * (weights + 4 * rows) + fixed
+    assert peers.decode_bytes_per_token(spec, "int4") == pytest.approx(
+        3 * (0.5 * weights + 4 / 128 * weights) + fixed)
+
+
+def test_a_llama_tool_that_crashes_with_repacking_is_rerun_without_it(tmp_path, capsys):
+    """llama.cpp's AMX path crashed on a Q8_0 MoE (SIGSEGV / SIGILL): the run turns weight
+    repacking off (llama-bench --repack 0, llama-batched-bench -nr) for that call and the rest."""
+    tools = {}
+    for name, flag in (("llama-bench", "--repack"), ("llama-batched-bench", "-nr")):
+        t = tmp_path / name
+        t.write_text(f"#!/bin/sh\ncase \"$*\" in *{flag}*) echo ok-$#;; *) kill -SEGV $$;; esac\n")
+        t.chmod(0o755)
+        tools[name] = [str(t), "-m", "x.gguf"]
+    repack = [True]
+    got = peers.run_llama({"tg": tools["llama-batched-bench"], "pp": tools["llama-bench"]}, repack)
+    assert repack == [False]
+    assert got["tg"][0].strip() == "ok-3" and got["pp"][0].strip() == "ok-4"
+    assert "repacking off" in capsys.readouterr().out
+    # with repacking already off, a crash is an error, not a loop
+    bad = tmp_path / "llama-bench2"
+    bad.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    bad.chmod(0o755)
+    with pytest.raises(SystemExit, match="crashed with repacking off too"):
+        peers.run_llama({"pp": [str(bad)]}, repack)

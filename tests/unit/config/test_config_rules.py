@@ -115,22 +115,28 @@ def test_speculative_off_by_default_and_its_rules_name_what_is_refused() -> None
              r"speculative.prompt_lookup_min \(4\) must not exceed"),
             ({"MOED_SPECULATIVE_METHOD": "mtp"},
              "num_speculative_tokens 3 with method mtp: one MTP layer is served"),
-            ({"MOED_SPECULATIVE_METHOD": "mtp", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "1",
-              "MOED_SERVER_ROLE": "decode"}, "mtp on a decode node"),
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "prefill"},
-             "speculation runs where tokens are decoded"),
+             "speculation runs where tokens are decoded.*only method mtp is taken"),
             ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_SERVER_ROLE": "router"},
              "not on a router node"),
-            ({"MOED_SPECULATIVE_METHOD": "ngram", "MOED_PARALLEL_EP_SIZE": "2",
-              "MOED_PARALLEL_EP_INIT": "tcp://127.0.0.1:9"}, "parallel.ep_size 2 > 1")):
+            ({"MOED_SPECULATIVE_METHOD": "mtp", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "1",
+              "MOED_SERVER_ROLE": "router"}, "not on a router node")):
         with pytest.raises(ConfigError, match=says):
             _cfg(**env)
     # off: the draft settings are not applied, so they are not checked across fields
     assert _cfg(MOED_SPECULATIVE_PROMPT_LOOKUP_MIN="9").speculative.prompt_lookup_min == 9
     assert _cfg(MOED_SPECULATIVE_METHOD="ngram", MOED_SERVER_ROLE="decode") \
         .speculative.enabled
-    assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1") \
-        .speculative.method == "mtp"
+    # mtp on a decode node drafts after the remote prefill; on a prefill node it computes and
+    # sends the MTP layer's KV (and the first draft)
+    for role in ("colocated", "decode", "prefill"):
+        assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1",
+                    MOED_SERVER_ROLE=role).speculative.method == "mtp"
+    # an expert-parallel group speculates, both methods (the ranks agree the MTP exchange)
+    ep = {"MOED_PARALLEL_EP_SIZE": "2", "MOED_PARALLEL_EP_INIT": "tcp://127.0.0.1:9"}
+    assert _cfg(MOED_SPECULATIVE_METHOD="ngram", **ep).parallel.ep_size == 2
+    assert _cfg(MOED_SPECULATIVE_METHOD="mtp", MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS="1",
+                **ep).speculative.method == "mtp"
 
 
 def test_experts_budget_from_env_toml_and_what_it_refuses(tmp_path: Path) -> None:

@@ -5,20 +5,25 @@ whose drafts are rejected; seeds reproduce; stops cut an accepted run; logprobs 
 of rejected drafts is rolled back and never cached; no block leaks under aborts."""
 from __future__ import annotations
 
+import json
 import random
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from moed.config import EngineConfig, SpeculativeConfig
+from moed.config import EngineConfig, SpeculativeConfig, StructuredConfig
 from moed.engine.drivers import SyncDriver, run_sync
 from moed.engine.engine import Engine
 from moed.kvcache.manager import KVCacheManager
+from moed.model.grammar import compiler_for
 from moed.model.runner import ModelRunner
 from moed.model.tokenizer import Tokenizer
 from moed.obs import metrics
-from moed.types import FinishReason, SamplingParams
+from moed.types import FinishReason, GrammarSpec, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -295,25 +300,148 @@ def test_no_block_leaked_nor_rejected_token_cached(make_checkpoint, monkeypatch)
             assert tuple(shadow[(blk, s)] for s in range(BS)) == toks
 
 
-def test_grammar_rows_decode_without_drafts_beside_speculating_rows(make_checkpoint):
-    """Structured output is not speculated (docs/speculative.md): a grammar request batched
-    with speculating ones gets the tokens it gets without speculation, and never a draft."""
-    from moed.types import GrammarSpec
+GRAMMAR_TEXT = '{"name": "ada", "tags": ["x", "y"], "count": 12}'
+SCHEMA = json.dumps({"type": "object", "additionalProperties": False,
+                     "required": ["name", "tags", "count"],
+                     "properties": {"name": {"type": "string", "maxLength": 12},
+                                    "tags": {"type": "array", "items": {"type": "string",
+                                             "maxLength": 4}, "maxItems": 3},
+                                    "count": {"type": "integer"}}})
+GRAMMARS = [GrammarSpec("json_schema", SCHEMA), GrammarSpec("regex", "(abc ){2,12}"),
+            GrammarSpec("choice", json.dumps(["yes please, now", "no thanks, never"])),
+            GrammarSpec("regex", "[a-e ]{4,40}")]
+
+
+def grammar_spy(e: Engine) -> list[int]:
+    """[drafted, accepted] draft tokens of grammar rows, counted as the scheduler applies them."""
+    got = [0, 0]
+    apply = e.scheduler._apply_verified
+
+    def spy(req, c, v):
+        if req.grammar is not None:
+            got[0] += len(c.draft)
+            got[1] += v.accepted
+        return apply(req, c, v)
+    e.scheduler._apply_verified = spy
+    return got
+
+
+def test_grammar_rows_speculate_exactly_beside_speculating_rows(make_checkpoint):
+    """Structured output is speculated (docs/speculative.md): grammar requests (a JSON schema,
+    regexes, a choice) batched with free speculating ones, greedy, give token for token what
+    plain decoding with the same grammar gives, their drafts cut to the grammar-valid prefix
+    and verified against the masked logits; grammar rows' drafts are accepted (prompt lookup
+    copies the structure the grammar forces) and rejected; no block leaks."""
     d = make_checkpoint("qwen3_moe", "tiny", 3, **ARCHS["qwen3_moe"])
     plain, spec = _engine(d, batched=32), _engine(d, NGRAM, batched=32)
-    prompts = _prompts(plain.runner.spec.vocab_size, 6, 8)
-    gram = SamplingParams(max_tokens=12, temperature=0.0, grammar=GrammarSpec("regex", "[a-e ]{4,40}"))
-    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    params = [gram if i % 2 else free for i in range(len(prompts))]
-    drafted_for: list[bool] = []
-    update = spec.scheduler.update
+    tok = plain.tokenizer
+    free = _prompts(plain.runner.spec.vocab_size, 8, 8)
+    shown = ["Example: " + GRAMMAR_TEXT + " Again: " + GRAMMAR_TEXT[:20],
+             "abc abc abc abc", "answer yes please, now or no thanks, never:", "a b c d e "]
+    prompts, params = [], []
+    for i in range(12):
+        if i % 3 == 2:
+            prompts.append(free[i // 3])
+            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        else:
+            g = len(prompts) % len(GRAMMARS)
+            prompts.append(tok.encode(shown[g]) + [i + 3])
+            params.append(SamplingParams(max_tokens=40, temperature=0.0, grammar=GRAMMARS[g]))
+    counted = grammar_spy(spec)
+    want = plain.generate(prompts, params)
+    assert spec.generate(prompts, params) == want
+    drafted, accepted = counted
+    assert 0 < accepted < drafted, counted
+    assert spec.kv.num_used_blocks == 0
+    for p, out in zip(params, want):        # the outputs are the grammars' (not vacuous)
+        if p.grammar is not None:
+            check = compiler_for(tok).matcher(p.grammar)
+            assert all(check.accept(t) for t in out)
+    # sampled: the masked rejection sampling keeps every row in its grammar, and a seed
+    # reproduces (the distribution itself: test_spec_verify's chi-square with a grammar)
+    hot = [replace(p, temperature=1.0, seed=i) for i, p in enumerate(params)]
+    before = list(counted)
+    once = spec.generate(prompts, hot)
+    assert spec.generate(prompts, hot) == once and counted[0] > before[0]
+    for p, out in zip(hot, once):
+        if p.grammar is not None:
+            check = compiler_for(tok).matcher(p.grammar)
+            assert all(check.accept(t) for t in out)
+    assert spec.kv.num_used_blocks == 0
 
-    def spy(plan, *a, **kw):
-        drafted_for.extend(c.request.grammar is not None for c in plan.chunks if c.draft)
-        return update(plan, *a, **kw)
-    spec.scheduler.update = spy
-    assert spec.generate(prompts, params) == plain.generate(prompts, params)
-    assert drafted_for and not any(drafted_for)
+
+class Faulty:
+    """A request's real matcher, except that once its request drafts (a draft validated at
+    scheduling), that step's mask 0 hangs past the timeout or reports a limit hit."""
+
+    def __init__(self, m, how: str, gate: threading.Event) -> None:
+        self._m, self.how, self.gate, self.armed, self.hit = m, how, gate, False, False
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def valid_prefix(self, tokens) -> int:
+        n = self._m.valid_prefix(tokens)
+        self.armed |= n > 0
+        return n
+
+    def fill(self, bm, row) -> None:
+        if self.armed and not self.hit:
+            self.hit = True
+            if self.how == "mask_timeout":
+                assert self.gate.wait(30)
+        self._m.fill(bm, row)
+
+    @property
+    def too_complex(self) -> bool:
+        return self.hit and self.how == "limit"
+
+
+@pytest.mark.parametrize("how", ["mask_timeout", "limit"])
+def test_a_grammar_failing_in_a_speculative_step_fails_its_request_alone(make_checkpoint, how):
+    """A drafting grammar row whose mask is late (structured.mask_timeout_ms) or hits a limit
+    in a speculative step: that request alone ends (moed_grammar_failed_total), its blocks are
+    freed, the speculating batch mates give plain decoding's tokens."""
+    d = make_checkpoint("qwen3_moe", "tiny", 3, **ARCHS["qwen3_moe"])
+    plain = _engine(d, batched=32)
+    r = ModelRunner(d, dtype="float32", device="cpu", attention_backend="torch",
+                    num_blocks=512, block_size=BS)
+    spec = Engine(r, Tokenizer.from_dir(d), EngineConfig(block_size=BS, max_num_batched_tokens=32,
+                                                          max_num_seqs=8),
+                  speculative=NGRAM, structured=StructuredConfig(mask_timeout_ms=50))
+    gate, faulty = threading.Event(), []
+    real = spec._grammar
+
+    def grammar(params):
+        m = real(params)
+        if params.max_tokens == 39:
+            faulty.append(Faulty(m, how, gate))
+            return faulty[-1]
+        return m
+    spec._grammar = grammar
+    tok = plain.tokenizer
+    prompts = [tok.encode("abc abc abc abc")] + _prompts(plain.runner.spec.vocab_size, 6, 8)
+    params = [SamplingParams(max_tokens=39, temperature=0.0, grammar=GRAMMARS[1])] + \
+        [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 6
+    want = plain.generate(prompts[1:], params[1:])
+    free0, failed0 = spec.kv.num_free_blocks, metrics.GRAMMAR_FAILED.labels(how)._value.get()
+    reqs = [spec._new_request(f"f{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for q in reqs:
+        spec.scheduler.add(q)
+    driver, t0 = SyncDriver(), time.monotonic()
+    try:
+        while not all(q.finished for q in reqs):
+            assert time.monotonic() - t0 < 120, "the batch hung on the failed grammar"
+            run_sync(spec.step(driver))
+    finally:
+        gate.set()
+    assert faulty[0].hit and reqs[0].finish_reason is FinishReason.ERROR
+    assert metrics.GRAMMAR_FAILED.labels(how)._value.get() == failed0 + 1
+    assert ("mask_timeout_ms" if how == "mask_timeout" else "limit was hit") in reqs[0].error
+    assert 0 < reqs[0].num_output_tokens < 39
+    assert [q.output_token_ids for q in reqs[1:]] == want
+    assert all(q.finish_reason is FinishReason.LENGTH for q in reqs[1:])
+    assert spec.kv.num_free_blocks == free0 and spec.kv.num_used_blocks == 0
 
 
 def test_a_migrated_stream_replays_its_sent_tokens_before_it_drafts(ckpt):

@@ -101,3 +101,37 @@ def test_mtp_seeded_sampling_reproduces():
     ps = [SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, presence_penalty=0.2,
                          seed=i, ignore_eos=True) for i in range(len(prompts))]
     assert _engine(DEMO, MTP).generate(prompts, ps) == _engine(DEMO, MTP).generate(prompts, ps)
+
+
+def test_demo_model_mtp_grammar_rows_equal_plain_with_drafts_accepted():
+    """Structured output with the MTP layer's drafts (cut to the grammar-valid prefix, masked
+    at each verified position): JSON schema, regex and choice rows beside free ones give plain
+    decoding's tokens, and the grammar rows' drafts are accepted."""
+    import json
+
+    from moed.types import GrammarSpec
+    tok = Tokenizer.from_dir(DEMO)
+    schema = json.dumps({"type": "object", "required": ["name", "args"], "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "args": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}}})
+    grammars = [GrammarSpec("json_schema", schema), GrammarSpec("regex", r"def [a-z_]{1,12}\(x\):"),
+                GrammarSpec("choice", json.dumps(["import os\nimport sys", "import re"]))]
+    prompts, params = [], []
+    for i, t in enumerate(SNIPPETS * 2):
+        prompts.append(tok.encode(t.format(a=NAMES[i % 8], b=NAMES[(i + 3) % 8], c="f")))
+        g = None if i % 4 == 3 else grammars[i % 3]
+        params.append(SamplingParams(max_tokens=32, temperature=0.0, grammar=g,
+                                     ignore_eos=g is None))
+    plain, spec = _engine(DEMO), _engine(DEMO, MTP)
+    got = [0, 0]
+    apply = spec.scheduler._apply_verified
+
+    def spy(req, c, v):
+        if req.grammar is not None:
+            got[0] += len(c.draft)
+            got[1] += v.accepted
+        return apply(req, c, v)
+    spec.scheduler._apply_verified = spy
+    want = [plain.generate(prompts[i:i + 6], params[i:i + 6]) for i in range(0, 10, 6)]
+    assert [spec.generate(prompts[i:i + 6], params[i:i + 6]) for i in range(0, 10, 6)] == want
+    assert got[1] > 0 and spec.kv.num_used_blocks == 0, got

@@ -17,7 +17,7 @@ import moed.engine.scheduler as scheduler_mod
 from engine_fakes import FakeRunner, assert_followed_the_model, next_token
 from moed.balance.cost import Coefficients, CostModel
 from moed.balance.step_time import Buckets
-from moed.engine.drafts.propose import SpecSettings, draft_room
+from moed.engine.drafts.propose import SpecSettings, draft_room, propose
 from moed.engine.policies import CostPolicy, StepTimeBudget, TokenPolicy
 from moed.engine.request import Request
 from moed.engine.scheduler import Scheduler
@@ -145,8 +145,17 @@ def test_draft_room_follows_the_request_and_its_limits() -> None:
     r.max_model_len = 6
     assert draft_room(r, 4) == 1                    # the context ends at 6
     r.max_model_len = 100
-    r.grammar = object()
-    assert draft_room(r, 4) == 0                    # grammar rows do not speculate
+
+    class Grammar:      # accepts 2 tokens in a row from here, whatever they are
+        def valid_prefix(self, tokens) -> int:
+            return min(2, len(tokens))
+    r.grammar = Grammar()
+    assert draft_room(r, 4) == 3                    # grammar rows speculate too
+    r.drafter = (r.num_tokens, 9)                   # an MTP draft: one token, valid
+    assert propose(SpecSettings("mtp", 1, 1, 1), r, 1) == (9,)
+    r.drafter = None
+    r.token_ids[:] = [1, 2, 3, 1, 2, 3, 1]          # prompt lookup would draft 2, 3, 1
+    assert propose(SpecSettings("ngram", 3, 1, 3), r, 3) == (2, 3)     # cut by the grammar
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -2,7 +2,8 @@
 sampled rows give exactly the target distribution — the first emitted token and the (first,
 second) pair, against an independent float64 reference of the sampler's processing, by
 chi-square at a fixed seed — for point-mass and sampled (q) drafts, always-wrong and
-always-right drafts; seeded draws reproducible; a grammar row never leaves its grammar."""
+always-right drafts; seeded draws reproducible; a grammar row never leaves its grammar, and
+with the grammar's mask at each position follows the masked target by chi-square."""
 from __future__ import annotations
 
 import json
@@ -379,6 +380,74 @@ def test_a_grammar_row_never_leaves_its_grammar(comp: GrammarCompiler) -> None:
         assert all(check.accept(t) for t in v.token_ids), (cut, v)
     with pytest.raises(ValueError, match="mask"):
         verify(torch.zeros(2, vocab), [DraftRow(SampleRow(SamplingParams(), grammar=m), (1,), 0)])
+
+
+# a grammar over the 6-token vocabulary: the tokens allowed after each token
+ALLOW = [{1, 2, 4}, {0, 3, 5}, {1, 2, 3, 4}, {0, 2, 5}, {1, 3, 4, 5}, {0, 1, 2}]
+GRAMMAR = object()      # the masks are given: the matcher itself is never asked
+
+
+def _bits(prev: int) -> torch.Tensor:
+    return torch.tensor([sum(1 << t for t in ALLOW[prev])], dtype=torch.int32)
+
+
+def masked_ref(prev: int, p: SamplingParams) -> list[float]:
+    """The target after `prev` in float64: the grammar's mask first, then temperature, top-k."""
+    x = [float(W[prev, t]) / p.temperature if t in ALLOW[prev] else -math.inf for t in range(V)]
+    if p.top_k > 0:
+        keep = sorted(range(V), key=lambda t: -x[t])[:p.top_k]
+        x = [v if t in keep else -math.inf for t, v in enumerate(x)]
+    z = sum(math.exp(v) for v in x if v > -math.inf)
+    return [math.exp(v) / z if v > -math.inf else 0.0 for v in x]
+
+
+def grammar_step(prevs: list[int], p: SamplingParams, kind: str, gen: torch.Generator,
+                 k: int = 2) -> list[Verified]:
+    """One step per trial: grammar-valid drafts (the engine cuts drafts to the valid prefix),
+    a mask per position after the drafts before it, verify."""
+    reqs, logits = [], []
+    for prev in prevs:
+        toks, qs, masks = [], [], []
+        for _ in range(k):
+            masks.append(_bits(prev))
+            allowed = sorted(ALLOW[prev])
+            if kind == "point":
+                d = max(allowed, key=lambda t: float(W[prev, t]))
+            else:
+                q = torch.zeros(V)
+                q[allowed] = Q[prev, allowed] / Q[prev, allowed].sum()
+                qs.append(q)
+                d = int(torch.multinomial(q, 1, generator=gen))
+            logits.append(W[prev])
+            toks.append(d)
+            prev = d
+        masks.append(_bits(prev))
+        logits.append(W[prev])
+        reqs.append(DraftRow(SampleRow(p, grammar=GRAMMAR), tuple(toks), 0,
+                             torch.stack(qs) if qs else None, torch.cat(masks).unsqueeze(1)))
+    return verify(torch.stack(logits), reqs)
+
+
+@pytest.mark.parametrize("kind", ["point", "q"])
+@pytest.mark.parametrize("name", ["temperature", "top_k"])
+def test_masked_rejection_sampling_follows_the_masked_target(name: str, kind: str) -> None:
+    """A grammar row's drafts verified with the mask at each position: the first token and the
+    (first, second) pair follow plain decoding's masked distribution (chi-square), and drafts
+    are accepted (the masks after accepted drafts are used)."""
+    p, n = CONFIGS[name], 6000
+    torch.manual_seed(3)
+    gen = torch.Generator().manual_seed(4)
+    res = grammar_step([PROMPT[-1]] * n, p, kind, gen)
+    short = [j for j, v in enumerate(res) if len(v.token_ids) < 2]
+    more = dict(zip(short, grammar_step([res[j].token_ids[0] for j in short], p, kind, gen)))
+    pairs = [v.token_ids[:2] if j not in more else (v.token_ids[0], more[j].token_ids[0])
+             for j, v in enumerate(res)]
+    p0 = masked_ref(PROMPT[-1], p)
+    exact = {(a, b): p0[a] * pb for a in range(V) if p0[a] > 0
+             for b, pb in enumerate(masked_ref(a, p))}
+    assert chi2_pvalue(_counts(v.token_ids[0] for v in res), dict(enumerate(p0)), n) > P_MIN
+    assert chi2_pvalue(_counts(pairs), exact, n) > P_MIN
+    assert sum(v.accepted for v in res) > n // 4
 
 
 def test_bad_input_is_refused() -> None:

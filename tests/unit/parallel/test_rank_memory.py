@@ -81,3 +81,18 @@ def test_partial_load_with_replica_slots_both_namings(make_checkpoint, fused: bo
             for name in ("experts.gate_up", "experts.down"):
                 key = f"layers.{i}.{name}"
                 assert torch.equal(part[key], full[key][mine]), (rank, key)
+
+
+def test_budget_counts_the_mtp_layer_when_it_is_served() -> None:
+    """speculative.method mtp: the MTP layer's weights (its experts spread like any MoE
+    layer's) and its KV layer are in the rank's budget."""
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[3] / "models" / "stdlib-ds3-tiny"
+    spec = load_spec(demo)
+    moe_layers = spec.num_layers - len(spec.dense_layers)
+    plain = rank_memory(spec, torch.float32, 2, 0, 8, 16, 0)
+    mtp = rank_memory(spec, torch.float32, 2, 0, 8, 16, 0, mtp=1)
+    assert mtp.expert_bytes * moe_layers == plain.expert_bytes * (moe_layers + 1)
+    assert mtp.dense_bytes > plain.dense_bytes
+    assert mtp.kv_block_bytes * spec.num_layers == plain.kv_block_bytes * (spec.num_layers + 1)

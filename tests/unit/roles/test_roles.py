@@ -32,6 +32,30 @@ def test_job_spec_roundtrip_and_validation() -> None:
         PrefillJobSpec.from_json([1, 2])
 
 
+def test_the_mtp_flag_travels_with_the_job_and_the_draft_with_the_token() -> None:
+    """A decode node drafting with the MTP layer says so in the job; the prefill node's first
+    draft rides in the notification. A node before (no field) reads as no MTP layer."""
+    s = _spec(mtp=True)
+    assert PrefillJobSpec.from_json(s.to_json()) == s and s.to_json()["mtp"] is True
+    old = {k: v for k, v in _spec().to_json().items() if k != "mtp"}
+    assert PrefillJobSpec.from_json(old).mtp is False
+    for bad in ("true", 1, None):
+        with pytest.raises(ProtocolError, match="mtp"):
+            PrefillJobSpec.from_json({**s.to_json(), "mtp": bad})
+    t = FirstToken("j", 7, -0.25, (), "cap", draft=11)
+    assert FirstToken.decode(t.encode()) == t
+    assert b'"d"' not in FirstToken("j", 7).encode()       # no draft: the message as before
+    assert FirstToken.decode(FirstToken("j", 7).encode()).draft is None
+
+
+def test_a_prefill_node_says_which_side_lacks_the_mtp_layer() -> None:
+    from moed.roles.prefill import mtp_mismatch
+
+    assert "this prefill node has no MTP layer" in mtp_mismatch(True)
+    assert 'method = "mtp"' in mtp_mismatch(True)
+    assert "the decode node's KV has no such layer" in mtp_mismatch(False)
+
+
 def test_first_token_params_keep_blocks_and_match_sampling() -> None:
     p = first_token_params(sampling_fields(SamplingParams(temperature=0.7, top_k=5, seed=3,
                                                           stop_token_ids=(9,))))
