@@ -23,9 +23,18 @@ and take their steps in turn, the order rotating, so a busy machine's noise fall
 all-resident run of the same trace (they must be equal). Hit rate: expert reads (an expert run
 by a layer call) that found it resident; rows: the same weighted by the tokens routed.
 
-Not measured here: llama.cpp with mmap under the same cap (no llama.cpp build on this machine).
-`--rss SHARE` runs one share alone and prints the process's RSS: run it in a memory cgroup to
-see what fits under a cap (docs/cold-experts.md has the commands and the figures).
+`--rss SHARE` runs one share alone and prints the process's RSS and decode tok/s: run it in a
+memory cgroup to see what fits under a cap (docs/cold-experts.md has the commands and the
+figures).
+
+`--llama-cpp BUILD` (the peer under a memory cap; bench/cold_experts_llama.py): the checkpoint with the Zipf
+bias written into it, converted to GGUF bf16 (bench/peers.py's converter), run by
+`llama-batched-bench` with mmap on (its default) and by `--rss SHARE` moed, each in a fresh
+memory cgroup capped at the same value: moed's peak RSS at SHARE (the budget + the non-expert
+weights + moed's KV + its runtime), or the least cap moed completes under (--cap-search), or
+--cap-mib. Decode tok/s of
+both (batch x steps / the decode phase, like llama's S_TG), the ratio, the cgroups' peaks;
+writes bench/results/cold_experts_llama.json and .png.
 
 Prints a table; writes bench/results/cold_experts.json and bench/results/cold_experts.png.
 """
@@ -57,8 +66,9 @@ BLOCK = 16
 
 
 def checkpoint(cache: Path) -> Path:
+    """MODEL's checkpoint, built once (MODEL["num_layers"] is --layers)."""
     from moed.dev.checkpoint import init_checkpoint
-    out = cache / "cold-deepseek_v3"
+    out = cache / ("cold-deepseek_v3" + ("" if MODEL["num_layers"] == 4 else f"-L{MODEL['num_layers']}"))
     if not (out / "config.json").exists():
         init_checkpoint("deepseek_v3", out, preset="tiny", seed=0, **MODEL)
     return out
@@ -117,7 +127,8 @@ class Run:
         self.r = ModelRunner(ck, dtype="bfloat16", device="cpu", num_blocks=a.batch * 8 + 8,
                              block_size=BLOCK, cold=cold)
         self.share, self.a, self.beta, self.total = share, a, beta, total
-        set_bias(self.r, a.zipf, beta, 1)
+        if beta is not None:        # None: the checkpoint has the trace's bias (skewed_checkpoint)
+            set_bias(self.r, a.zipf, beta, 1)
         self.tables = [list(range(i * 8, i * 8 + 8)) for i in range(a.batch)]
         self.start = [a.prompt] * a.batch
         self.toks: list[list[int]] = []
@@ -229,7 +240,7 @@ def plot(results: list[dict], path: Path, a: argparse.Namespace) -> None:
 def rss_run(ck: Path, share: float, a: argparse.Namespace, total: int) -> None:
     """--rss SHARE: one runner through the Zipf trace alone, then this process's RSS (run it
     once per share, each in a fresh process, under a cgroup memory cap to see what fits)."""
-    r = Run(ck, share, a.rss_beta, a, total)
+    r = Run(ck, share, None if a.checkpoint else a.rss_beta, a, total)
     for rep in range(a.prefills):
         r.prefill(10 + rep)
     for _ in range(a.steps):
@@ -237,7 +248,11 @@ def rss_run(ck: Path, share: float, a: argparse.Namespace, total: int) -> None:
     st = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
     print(json.dumps({"share": share, "resident_expert_mib": r.r.resident_expert_bytes() >> 20,
                       "total_expert_mib": total >> 20, "vm_rss": st["VmRSS"].strip(),
-                      "vm_hwm": st["VmHWM"].strip(), "last_tokens": r.out[-1]}))
+                      "vm_hwm": st["VmHWM"].strip(), "last_tokens": r.out[-1],
+                      "decode_tok_s": a.batch * a.steps / sum(r.step_s),
+                      "decode_tok_s_second_half": a.batch * (a.steps - a.steps // 2) / sum(r.step_s[a.steps // 2:]),
+                      "decode_tok_s_median_step": a.batch / statistics.median(r.step_s),
+                      "threads": torch.get_num_threads()}))
 
 
 def main() -> None:
@@ -251,22 +266,40 @@ def main() -> None:
     ap.add_argument("--move-mb", type=int, default=4, help="experts.move_bytes_per_step in MiB")
     ap.add_argument("--half-life", type=float, default=8.0, help="experts.heat_half_life_steps")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=4, help="MoE layers of the model (4: 288 MiB of "
+                    "experts; more layers, more expert bytes per byte of runtime)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cold_experts.json"))
     ap.add_argument("--rss", type=float, default=None, help="only: one share through the Zipf "
                     "trace, then print this process's RSS (see rss_run)")
     ap.add_argument("--rss-beta", type=float, default=0.04, help="--rss: the routing bias scale "
                     "(the calibrated one of a full run)")
+    ap.add_argument("--checkpoint", type=Path, help="--rss: this checkpoint, its bias as written "
+                    "(llama_peer's skewed copy) instead of the cached one with the bias set")
+    ap.add_argument("--llama-cpp", type=Path, help="only: moed vs llama.cpp (mmap) under one "
+                    "memory cap (llama_peer); a llama.cpp build directory")
+    ap.add_argument("--llama-cpp-src", type=Path, help="its source tree (default: found above)")
+    ap.add_argument("--llama-share", type=float, default=0.3, help="--llama-cpp: moed's resident share")
+    ap.add_argument("--cap-mib", type=int, default=0, help="--llama-cpp: the cap (0: the share's "
+                    "budget + non-expert weights + KV + moed's runtime)")
+    ap.add_argument("--rounds", type=int, default=2, help="--llama-cpp: capped runs of each")
+    ap.add_argument("--cap-search", action="store_true", help="--llama-cpp: the cap is the least "
+                    "under which moed's run completes (bisection, 16 MiB), not its peak RSS")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
+    MODEL["num_layers"] = a.layers
     ck = checkpoint(cache)
     moe = MODEL["num_layers"] - MODEL["first_k_dense_replace"]
     total = MODEL["num_experts"] * moe * 3 * MODEL["hidden_size"] * MODEL["moe_intermediate_size"] * 2
     if a.rss is not None:
-        rss_run(ck, a.rss, a, total)
+        rss_run(a.checkpoint or ck, a.rss, a, total)
+        return
+    if a.llama_cpp is not None:
+        import cold_experts_llama       # bench/cold_experts_llama.py
+        cold_experts_llama.llama_peer(ck, a, total)
         return
     full = ModelRunner(ck, dtype="bfloat16", device="cpu", num_blocks=a.batch * 8 + 8, block_size=BLOCK)
     assert full.resident_expert_bytes() == total

@@ -173,7 +173,8 @@ def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> 
                         cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts,
                         quant=formats.plan(m.path, m.quantization, m.quantization_group_size),
                         kv_dtype=kv_cache_dtype(cfg.engine.kv_cache_dtype, dtype),  # type: ignore[arg-type]
-                        mtp=int(cfg.speculative.method == "mtp"))
+                        mtp=int(cfg.speculative.method == "mtp"),
+                        resident_bytes=cfg.experts.resident_bytes)
         if not b.fits:
             raise ConfigError(f"parallel.rank_memory_mb: {b.message()}")
         import structlog     # a fitting rank says how much KV its memory leaves room for

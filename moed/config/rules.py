@@ -135,10 +135,14 @@ def experts(cfg: NodeSettings) -> None:
         return
     if cfg.server.role == "router":
         raise ConfigError("experts.resident_bytes: a router holds no model")
-    if cfg.parallel.ep_size > 1:
-        raise ConfigError(f"experts.resident_bytes with parallel.ep_size {cfg.parallel.ep_size} > 1 "
-                          f"is not built yet (each rank would tier its own slots); use one or "
-                          f"the other")
+    if cfg.parallel.eplb_interval_s > 0:
+        # EPLB copies a moved slot's weights from a slot that holds them (this rank's or a
+        # peer's, matched sends and receives); a tiered rank holds only part of its slots
+        raise ConfigError("experts.resident_bytes with parallel.eplb_interval_s > 0 is not built "
+                          "yet (the expert balancer moves slot weights between ranks from "
+                          "resident slots; a tiered rank keeps most of its slots on disk): set "
+                          "parallel.eplb_interval_s = 0 (static layouts and "
+                          "parallel.redundant_experts work: each rank tiers its own slots)")
     if cfg.speculative.method == "mtp":
         raise ConfigError("experts.resident_bytes with speculative.method mtp is not built yet "
                           "(the MTP layer's experts are not tiered)")

@@ -337,6 +337,8 @@ class ModelRunner:
         """Expert parallelism: this rank has no tokens this step but takes part in every MoE
         layer's exchange (moed.parallel.agree); mtp: and in that many of the MTP layer's, after
         them (a peer runs that layer in full this step: Verdict.mtp_passes)."""
+        if self.cold is not None:       # heat and installs as before a forward (cold/store.py)
+            self.cold.between_steps()
         self.model.empty_step()
         if mtp:
             if self.mtp is None:

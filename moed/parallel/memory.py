@@ -59,11 +59,14 @@ class RankMemory:
 
 def rank_memory(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, num_blocks: int,
                 block_size: int, limit_mb: int, redundant: int = 0, quant: object | None = None,
-                kv_dtype: torch.dtype | None = None, mtp: int = 0) -> RankMemory:
+                kv_dtype: torch.dtype | None = None, mtp: int = 0, resident_bytes: int = 0) -> RankMemory:
     """quant: the weights' quantization Plan (moed/model/quant/formats.py), None: plain.
     kv_dtype: the KV cache's (engine.kv_cache_dtype; default: the model's dtype).
     mtp: MTP layers served (speculative.method mtp): their weights (their experts spread like
-    any layer's) and their KV layer count too."""
+    any layer's) and their KV layer count too.
+    resident_bytes: experts.resident_bytes (0: every slot resident): the cold-expert store keeps
+    that many bytes of this rank's slots (whole slots per MoE layer, cold/policy.py), the rest
+    on disk."""
     from moed.model.quant import plan_bytes
 
     item = torch.empty((), dtype=dtype).element_size()
@@ -77,6 +80,8 @@ def rank_memory(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, nu
     slots = spec.num_experts
     if ep_size > 1:
         slots = EPLayout.contiguous(spec.num_experts, ep_size, redundant).slots_per_rank
+    if resident_bytes > 0 and experts:      # whole slots: a slot's bytes in every MoE layer
+        slots = min(slots, max(1, resident_bytes * spec.num_experts // experts))
     mine = experts * slots // max(spec.num_experts, 1)
     kv = archs.kv_layout(spec, block_size, kv_dtype or dtype, mtp).bytes_per_block
     return RankMemory(ep_size, slots, dense, mine, experts, kv, num_blocks, limit_mb << 20)

@@ -50,6 +50,9 @@ class EPRuntime:
 
         if self.cfg.eplb_interval_s <= 0:
             return
+        if model.ctx.placement is not self.placement:     # the cold-expert store wraps it
+            raise ValueError(f"parallel.eplb_interval_s with {model.ctx.placement.name} is not built "
+                             f"(the expert balancer moves slot weights from resident slots)")
         layers = [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoELayer)]
         self.rebalancer = Rebalancer(layers, self.layout, self.cfg.ep_rank, self.cfg.eplb_interval_s,
                                      self.cfg.eplb_min_gain, self.cfg.eplb_layers_per_step,

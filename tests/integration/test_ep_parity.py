@@ -1,8 +1,13 @@
 """Expert parallelism end to end: greedy completions of an EP=2 and an EP=4 group of real
 `moed serve` processes (gloo on 127.0.0.1) equal one process's, for Qwen3-MoE and Mixtral in
 bf16 (the fused CPU kernel path) and fp32 (the torch path); each rank holds ~1/N of the expert
-bytes, read from its own /metrics (computed from the tensors it keeps)."""
+bytes, read from its own /metrics (computed from the tensors it keeps). For Qwen3-MoE bf16 an
+EP=2 group whose ranks keep 30% of their own experts resident (the cold-expert store,
+experts.resident_bytes per rank; the rest read from the checkpoint when routed to) gives the
+same tokens too, its /metrics counting hits and misses."""
 from __future__ import annotations
+
+import json
 
 import pytest
 from ep_group import complete, launch_group, wait_ready
@@ -28,6 +33,11 @@ def test_ep_greedy_parity(moed_server, make_checkpoint, arch: str, dtype: str) -
     model = make_checkpoint(arch)
     args = [*ARGS, "--dtype", dtype]
     groups = {n: launch_group(moed_server, model, n, args=args) for n in (1, 2, 4)}
+    budget = 0
+    if arch == "qwen3_moe" and dtype == "bfloat16":     # + EP=2, each rank 30% of its experts resident
+        budget = int(0.3 * _expert_bytes(model) / 2)
+        groups[0] = launch_group(moed_server, model, 2, args=args,
+                                 env={"MOED_EXPERTS_RESIDENT_BYTES": str(budget)})
     wait_ready([srv for g in groups.values() for srv in g], ready_timeout=120)
     want = _outputs(groups[1])
     total = groups[1][0].metrics()["moed_ep_resident_expert_bytes"]
@@ -53,3 +63,21 @@ def test_ep_greedy_parity(moed_server, make_checkpoint, arch: str, dtype: str) -
             srv.send_signal()
         for srv in ranks:
             assert srv.proc.wait(30) == 0, srv.tail()
+    if budget:
+        ranks = groups[0]
+        assert _outputs(ranks) == want, "EP=2 with cold experts differs from EP=1"
+        for srv in ranks:
+            m = srv.metrics()
+            assert 0 < m["moed_ep_resident_expert_bytes"] <= budget
+            assert m["moed_expert_weight_misses_total"] > 0 and m["moed_expert_weight_hits_total"] > 0
+            assert m["moed_ep_tokens_received_total"] > 0
+        for srv in ranks:
+            srv.send_signal()
+        for srv in ranks:
+            assert srv.proc.wait(30) == 0, srv.tail()
+
+
+def _expert_bytes(model) -> int:
+    """Every routed expert's bytes in bf16 (each rank of EP=2 holds half)."""
+    c = json.loads((model / "config.json").read_text())
+    return 3 * c["hidden_size"] * c["moe_intermediate_size"] * 2 * c["num_local_experts"] * c["num_hidden_layers"]

@@ -41,12 +41,13 @@ def quantized_expert_bytes(spec: ModelSpec, plan: Plan) -> int:
 def cold_store(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                settings: ColdSettings, placement: ExpertPlacement | None, mtp_layers: int,
                plan: Plan) -> ExpertStore | None:
-    """The store for a resident budget, or None when the budget holds every expert (today's
-    path, untouched); ValueError for what is not built yet, or a budget under the minimum."""
+    """The store for a resident budget, or None when the budget holds every expert this process
+    serves (today's path, untouched); ValueError for what is not built yet, or a budget under
+    the minimum. placement: expert parallelism's for this rank (the budget is this rank's, over
+    its own slots), or None."""
     if settings.resident_bytes <= 0:
         return None
-    what = ("expert parallelism" if placement is not None else
-            f"device {device}" if device.type != "cpu" else
+    what = (f"device {device}" if device.type != "cpu" else
             "the MTP layer" if mtp_layers else
             f"a quantized checkpoint ({plan.fmt})" if plan.checkpoint is not None else
             f"model type {spec.arch} without routed experts" if spec.num_experts < 2 else None)
@@ -55,13 +56,13 @@ def cold_store(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, devic
                          f"store tiers a CPU node's own experts, plain or quantized at load)")
     if plan.online:     # slots hold what the loader makes: each matrix quantized from the file's dtype
         index = ExpertIndex(model_dir, spec, None)
-        store = ExpertStore(spec, index, settings, quantized_expert_bytes(spec, plan))
+        store = ExpertStore(spec, index, settings, quantized_expert_bytes(spec, plan), placement)
     else:
-        store = ExpertStore(spec, ExpertIndex(model_dir, spec, dtype), settings)
-    if store.slots >= spec.num_experts:
-        log.info("cold_experts_off", reason="experts.resident_bytes holds every expert",
-                 resident_bytes=settings.resident_bytes,
-                 expert_bytes_total=store.expert_bytes * spec.num_experts * len(store.moe_layers))
+        store = ExpertStore(spec, ExpertIndex(model_dir, spec, dtype), settings, None, placement)
+    if store.slots >= len(store.units):
+        log.info("cold_experts_off", reason="experts.resident_bytes holds every expert this "
+                 "process serves", resident_bytes=settings.resident_bytes,
+                 expert_bytes_total=store.expert_bytes * len(store.units) * len(store.moe_layers))
         store.close()
         return None
     log.info("cold_experts_on", **store.describe())

@@ -1,27 +1,34 @@
 """ExpertStore: routed experts kept resident by heat, the others read from disk when routed to.
 
 The store is the model's ExpertPlacement (moed/model/context.py, the seam expert parallelism
-uses too): the router's physical expert ids stay the logical ones (an identity map, so the
-order in which a token's k outputs are summed is the all-resident one), the loader loads only
-`local_slots` (the first S experts of each MoE layer), and each MoE layer's executor is a
-`ColdExperts` over its S resident slots. Per layer call:
+uses too). Its *units* are the experts this process serves: every expert of the model alone,
+or under expert parallelism the rank's S physical slots (the inner RankPlacement's
+local_slots, replicas included), each naming the logical expert the disk tier reads for it.
+The router's map stays the placement's own (an identity map alone, the group's slot map under
+EP, so the order in which a token's k outputs are summed is the all-resident one); the loader
+loads only `local_slots` (the first R units of each MoE layer), and each MoE layer's
+`ColdExperts` runs rows grouped by unit through its R resident slots (executor.SlotExperts):
 
-  route (unchanged) -> the experts needed -> the resident ones run first, then the misses in
-  rounds of the stream slots (policy.rounds, stream_slots): a miss is read into the coldest
-  slot that holds none of the layer's hottest experts nor one of its round, the step waiting
-  (counted, timed) -> the rows of each round run through the slots (LocalExperts.run_grouped,
-  the kernels EP=1 uses) -> each token's k outputs combined as the all-resident path combines
-  them (executor.combine).
+  the units with rows -> the resident ones run first, then the misses in rounds of the stream
+  slots (policy.rounds, stream_slots): a miss is read into the coldest slot that holds none of
+  the layer's hottest units nor one of its round, the step waiting (counted, timed) -> the rows
+  of each round run through the slots (LocalExperts.run_grouped, the kernels EP=1 uses).
 
-A row's expert output does not depend on which other rows share its call (what makes an EP
-group equal one process bit for bit), so the output equals the all-resident run's.
+Alone, `ColdExecutor` groups a layer's routed rows by expert, calls it, and combines each
+token's k outputs as the all-resident path does (executor.combine); under EP the group's
+DistributedExperts calls it with the rows this rank received, between its exchanges: a miss
+read is local and changes no collective. A row's expert output does not depend on which other
+rows share its call (what makes an EP group equal one process bit for bit), and every unit's
+rows still go through one call, so the output equals the all-resident run's.
 
-Between steps (`between_steps`, called by the runner before each forward, on the step thread,
-so no layer reads a slot while it changes): every layer's heat decays and takes the step's
-counts; experts read ahead on the background thread are installed into the coldest slots
-under `move_bytes_per_step`; then the hottest non-resident experts (policy.promotions) are
-queued for reading ahead. Reads go into private buffers, so a slot is only ever written on the
-step thread. Miss reads go through their own thread, waited for with a timeout.
+Between steps (`between_steps`, called by the runner before each forward and each empty EP
+step, on the step thread, so no layer reads a slot while it changes): every layer's heat
+decays and takes the step's counts (the rows each unit received: under EP from every rank, a
+replica's share counted for its own slot); experts read ahead on the background thread are
+installed into the coldest slots under `move_bytes_per_step`; then the hottest non-resident
+units (policy.promotions) are queued for reading ahead. Reads go into private buffers, so a
+slot is only ever written on the step thread. Miss reads go through their own thread, waited
+for with a timeout.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import torch
 
 from moed.model.cold import policy
 from moed.model.cold.reader import ExpertIndex, ExpertReadError
+from moed.model.context import ExpertPlacement
 from moed.model.executor import ExpertExecutor, MoEMode, Routing, SlotExperts, combine
 from moed.model.moe import LocalExperts
 from moed.model.spec import ModelSpec
@@ -69,17 +77,21 @@ class ExpertStore:
     """The model's cold-expert placement: one ColdExperts per MoE layer, the shared reader,
     heat and mover (see the module docstring)."""
 
-    name = "cold experts"
-
     def __init__(self, spec: ModelSpec, index: ExpertIndex, settings: ColdSettings,
-                 expert_bytes: int | None = None) -> None:
-        """expert_bytes: one expert's bytes in a slot (quantized experts); default the index's."""
-        self.spec, self.index, self.settings = spec, index, settings
-        self.num_physical = spec.num_experts
+                 expert_bytes: int | None = None, inner: ExpertPlacement | None = None) -> None:
+        """expert_bytes: one expert's bytes in a slot (quantized experts); default the index's.
+        inner: expert parallelism's placement of this rank (its slots are the units tiered
+        here; its executor exchanges rows with the group); None: this process serves every
+        expert."""
+        self.spec, self.index, self.settings, self.inner = spec, index, settings, inner
+        self.units: tuple[int, ...] = tuple(range(spec.num_experts)) if inner is None \
+            else tuple(inner.local_slots)
+        self.num_physical = spec.num_experts if inner is None else inner.num_physical
+        self.name = "cold experts" if inner is None else f"{inner.name} with cold experts"
         self.moe_layers = [i for i in range(spec.num_layers) if i not in spec.dense_layers]
         self.expert_bytes = expert_bytes or index.expert_bytes()
         self.slots = policy.slots_per_layer(settings.resident_bytes, self.expert_bytes,
-                                            len(self.moe_layers), spec.num_experts)
+                                            len(self.moe_layers), len(self.units))
         self.decay = 0.5 ** (1.0 / settings.heat_half_life_steps)
         self.per_step = max(1, settings.move_bytes_per_step // self.expert_bytes) \
             if settings.move_bytes_per_step else 0
@@ -92,9 +104,12 @@ class ExpertStore:
     # ---- ExpertPlacement ------------------------------------------------------------------
     @property
     def local_slots(self) -> tuple[int, ...]:
-        return tuple(range(self.slots))
+        """The logical experts the loader loads: the first R units'."""
+        return self.units[:self.slots]
 
     def expert_map(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inner is not None:
+            return self.inner.expert_map()
         e = self.spec.num_experts
         return torch.arange(e, dtype=torch.long).unsqueeze(1), torch.ones(e, dtype=torch.long)
 
@@ -104,13 +119,14 @@ class ExpertStore:
             raise TypeError(f"cold experts load slots of LocalExperts, not {type(local).__name__}")
         layer = ColdExperts(self, len(self.layers), self.moe_layers[len(self.layers)], local)
         self.layers.append(layer)
-        return layer
+        return ColdExecutor(layer) if self.inner is None else self.inner.executor(layer)
 
     # ---- reads ----------------------------------------------------------------------------
-    def read_now(self, layer: int, experts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def read_now(self, layer: int, units: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A round's misses: their weights, the step waiting (at most READ_TIMEOUT_S). One hand-off
         to the reader thread per round, not per expert: on a busy machine each wake-up of
         another thread can cost a scheduler slice."""
+        experts = [self.units[u] for u in units]
         fut = self._miss_pool.submit(lambda: [self.index.read(layer, e) for e in experts])
         try:
             return fut.result(timeout=READ_TIMEOUT_S)
@@ -118,9 +134,9 @@ class ExpertStore:
             raise ExpertReadError(f"expert weights could not be read from disk within "
                                   f"{READ_TIMEOUT_S:.0f} s (layer {layer})") from None
 
-    def _read_ahead(self, pos: int, expert: int) -> list[torch.Tensor]:
+    def _read_ahead(self, pos: int, unit: int) -> list[torch.Tensor]:
         layer = self.layers[pos]
-        gate_up, down = self.index.read(layer.layer, expert)
+        gate_up, down = self.index.read(layer.layer, self.units[unit])
         return layer.local.slot_format(gate_up, down)
 
     # ---- between steps --------------------------------------------------------------------
@@ -174,7 +190,7 @@ class ExpertStore:
         return self.slots * len(self.moe_layers) * self.expert_bytes
 
     def publish(self) -> None:
-        total = self.spec.num_experts * len(self.moe_layers) * self.expert_bytes
+        total = len(self.units) * len(self.moe_layers) * self.expert_bytes
         staged = sum(1 for f in self._ahead.values() if f.done()) * self.expert_bytes
         metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("resident").set(self.resident_bytes())
         metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("staged").set(staged)
@@ -182,10 +198,10 @@ class ExpertStore:
 
     def describe(self) -> dict[str, object]:
         """For the start log line."""
-        return {"slots_per_layer": self.slots, "experts": self.spec.num_experts,
-                "moe_layers": len(self.moe_layers), "expert_bytes": self.expert_bytes,
-                "resident_bytes": self.resident_bytes(),
-                "resident_share": round(self.slots / max(self.spec.num_experts, 1), 3),
+        return {"slots_per_layer": self.slots, "experts": len(self.units),
+                "placement": self.name, "moe_layers": len(self.moe_layers),
+                "expert_bytes": self.expert_bytes, "resident_bytes": self.resident_bytes(),
+                "resident_share": round(self.slots / max(len(self.units), 1), 3),
                 "move_experts_per_step": self.per_step,
                 "heat_half_life_steps": self.settings.heat_half_life_steps}
 
@@ -195,14 +211,16 @@ class ExpertStore:
         self.index.close()
 
 
-class ColdExperts(ExpertExecutor):
-    """One MoE layer's resident slots: which expert each holds, the experts' heat, and the
-    call that runs routed rows through them, reading misses first."""
+class ColdExperts:
+    """One MoE layer's resident slots (executor.SlotExperts over the store's units): which unit
+    each slot holds, the units' heat, and the call that runs rows grouped by unit through the
+    slots, reading misses first. Alone a unit is an expert; under EP, one of the rank's slots."""
 
     def __init__(self, store: ExpertStore, pos: int, layer: int, local: LocalExperts) -> None:
         self.store, self.pos, self.layer, self.local = store, pos, layer, local
-        n, s = store.spec.num_experts, store.slots
-        self.expert_in = list(range(s))                 # slot -> expert (-1 empty)
+        n, s = len(store.units), store.slots
+        self.num_physical = n                           # SlotExperts: the units
+        self.expert_in = list(range(s))                 # slot -> unit (-1 empty)
         self.slot_of = torch.full((n,), -1, dtype=torch.long)
         self.slot_of[:s] = torch.arange(s)
         self.heat = torch.zeros(n, dtype=torch.float64)
@@ -253,19 +271,21 @@ class ColdExperts(ExpertExecutor):
             self._set(slot, e)
         return len(misses), time.perf_counter() - t0
 
-    def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
-        t, k = routing.physical.shape
-        h = x.shape[1]
-        if t == 0:
-            return x.new_empty((0, h))
-        phys = routing.physical.reshape(-1)
-        counts = torch.bincount(phys, minlength=self.slot_of.shape[0])
+    def run_grouped(self, xs: torch.Tensor, per_unit: torch.Tensor, mode: MoEMode) -> torch.Tensor:
+        """executor.SlotExperts: rows grouped by unit (per_unit [U] rows each, in unit order) ->
+        their expert outputs, unweighted, same order; each unit's rows in one call of the
+        kernels, as the all-resident slots would run them."""
+        counts = per_unit.to(torch.long)
         self.window += counts
+        if xs.shape[0] == 0:
+            return xs
         needed = torch.nonzero(counts).squeeze(1).tolist()
         resident = (self.slot_of >= 0).tolist()
-        ys = x.new_empty((t * k, h))
-        hits = sum(1 for e in needed if resident[e])
+        hits = sum(1 for u in needed if resident[u])
         hit_rows = int(counts[self.slot_of >= 0].sum())
+        start = (torch.cumsum(counts, 0) - counts).tolist()
+        n_rows = counts.tolist()
+        ys = torch.empty_like(xs)
         misses, stall = 0, 0.0
         stream = policy.stream_slots(self.store.slots)
         protect = policy.hottest(self.expert_in, self.heat_list(), self.store.slots - stream)
@@ -273,17 +293,36 @@ class ColdExperts(ExpertExecutor):
             for group in policy.rounds(needed, resident, stream):
                 m, w = self._ensure(group, protect)
                 misses, stall = misses + m, stall + w
-                in_group = torch.zeros_like(counts, dtype=torch.bool)
-                in_group[group] = True
-                rows = torch.nonzero(in_group[phys]).squeeze(1)         # flat order
-                slot = self.slot_of[phys[rows]]
-                order = rows[torch.argsort(slot, stable=True)]          # grouped by slot
-                per_slot = torch.bincount(self.slot_of[phys[order]], minlength=self.store.slots)
-                ys[order] = self.local.run_grouped(x.index_select(0, order // k), per_slot, mode)
+                by_slot = sorted((int(self.slot_of[u]), u) for u in group)
+                rows = torch.cat([torch.arange(start[u], start[u] + n_rows[u]) for _, u in by_slot])
+                per_slot = torch.zeros(self.store.slots, dtype=torch.long)
+                per_slot[[sl for sl, _ in by_slot]] = torch.tensor([n_rows[u] for _, u in by_slot])
+                ys[rows] = self.local.run_grouped(xs.index_select(0, rows), per_slot, mode)
         except ExpertReadError:
             self.store.stats.read_failures += 1
             metrics.EXPERT_WEIGHT_READ_FAILURES.labels("miss").inc()
             raise
         finally:
-            self.store.count(hits, misses, stall, hit_rows, t * k)
+            self.store.count(hits, misses, stall, hit_rows, xs.shape[0])
+        return ys
+
+
+class ColdExecutor(ExpertExecutor):
+    """A layer's executor when this process serves every expert: its routed rows grouped by
+    expert through the layer's ColdExperts, each token's k outputs combined as the
+    all-resident path combines them."""
+
+    def __init__(self, layer: ColdExperts) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
+        t, k = routing.physical.shape
+        h = x.shape[1]
+        if t == 0:
+            return x.new_empty((0, h))
+        phys = routing.physical.reshape(-1)
+        order = torch.argsort(phys, stable=True)                 # by expert, flat order within
+        per_unit = torch.bincount(phys, minlength=self.layer.num_physical)
+        ys = x.new_empty((t * k, h))
+        ys[order] = self.layer.run_grouped(x.index_select(0, order // k), per_unit, mode)
         return combine(ys.view(t, k, h), routing.weights, routing.physical, mode)

@@ -154,8 +154,9 @@ def test_experts_budget_from_env_toml_and_what_it_refuses(tmp_path: Path) -> Non
         config.load(p, environ={"MOED_MODEL_PATH": "/m"})
     with pytest.raises(ConfigError, match="experts.heat_half_life_steps"):
         config.load(environ={**env, "MOED_EXPERTS_HEAT_HALF_LIFE_STEPS": "0.5"})
-    for extra, match in (({"MOED_PARALLEL_EP_SIZE": "2", "MOED_PARALLEL_EP_INIT": "tcp://h:1"},
-                          "parallel.ep_size 2"),
+    ep = {"MOED_PARALLEL_EP_SIZE": "2", "MOED_PARALLEL_EP_INIT": "tcp://h:1"}
+    assert config.load(environ={**env, **ep, "MOED_PARALLEL_REDUNDANT_EXPERTS": "1"}).experts.tiered
+    for extra, match in (({**ep, "MOED_PARALLEL_EPLB_INTERVAL_S": "60"}, "parallel.eplb_interval_s > 0"),
                          ({"MOED_SPECULATIVE_METHOD": "mtp", "MOED_SPECULATIVE_NUM_SPECULATIVE_TOKENS": "1"},
                           "speculative.method mtp"),
                          ({"MOED_MODEL_DEVICE": "cuda"}, "CPU nodes only")):

@@ -194,3 +194,54 @@ def test_online_quantized_experts_at_thirty_percent_equal_all_resident(tiny_qwen
     got = _steps(cold, 6)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert cold.cold.stats.misses > 0
+
+
+# ---- expert parallelism: a rank tiers its own slots -------------------------------------------
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_ranks_tiered_slots_compute_as_its_resident_slots(make_checkpoint, dtype):
+    """Rank 1 of an EP=2 layout with a redundant slot per rank (replicas): the store's units are
+    the rank's S slots (the loader loads the first R), and rows grouped by slot, as the group's
+    exchange hands them over, come out of ColdExperts equal to the all-resident rank's
+    LocalExperts bit for bit, call after call, while misses evict and read; each slot's rows
+    (a replica's too) are its heat. The exchange itself: tests/integration/test_ep_parity.py."""
+    from moed.model.executor import MoEMode
+    from moed.model.hf_config import load_spec
+    from moed.parallel.dispatch import DistributedExperts, RankPlacement
+    from moed.parallel.layout import EPLayout
+
+    ck = make_checkpoint("qwen3_moe")
+    layout = EPLayout.contiguous(load_spec(ck).num_experts, 2, 1)
+    def rank(cold=None):
+        return ModelRunner(ck, dtype=dtype, device="cpu", num_blocks=8, block_size=BLOCK,
+                           placement=RankPlacement(layout, 1, torch.device("cpu")), cold=cold)
+    full = rank()
+    budget = _budget(full, 0.30)
+    cold = rank(ColdSettings(budget, 0, 4.0))
+    store, s = cold.cold, layout.slots_per_rank
+    assert store.units == layout.local_experts(1) and len(store.units) == s > store.slots
+    assert layout.redundant_slots(1) >= 1 and cold.resident_expert_bytes() <= budget
+    moe = [(a.mlp, b.mlp) for a, b in zip(full.model.layers, cold.model.layers) if hasattr(a.mlp, "dist")]
+    assert moe and all(isinstance(b.dist, DistributedExperts) and b.dist.local is store.layers[i]
+                       for i, (_, b) in enumerate(moe))
+    gen = torch.Generator().manual_seed(0)
+    for call in range(6):
+        for a, b in moe:
+            per_slot = torch.randint(0, 4, (s,), generator=gen) * (torch.rand(s, generator=gen) < 0.6)
+            per_slot[call % s] += 1             # some rows (no call at all without: dispatch.py)
+            xs = torch.randn(int(per_slot.sum()), a.hidden, generator=gen).to(full.dtype)
+            modes = [MoEMode.TORCH] + ([MoEMode.FUSED] if a.kernels is not None else [])
+            for mode in modes:
+                want = a.experts.run_grouped(xs, per_slot, mode)
+                got = b.dist.local.run_grouped(xs, per_slot, mode)
+                assert torch.equal(want, got), (call, mode)
+        assert torch.equal(store.layers[-1].window, per_slot * len(modes))     # rows = heat
+        store.between_steps()
+    st = store.stats
+    assert st.misses > 0 and st.hits > 0
+    # the expert balancer would copy slots from resident ones: refused here too (beside the config rule)
+    from moed.config import ParallelConfig
+    from moed.parallel.runtime import EPRuntime
+    eplb = ParallelConfig(ep_size=2, ep_rank=1, ep_init="tcp://127.0.0.1:1", eplb_interval_s=60.0,
+                          redundant_experts=1)
+    with pytest.raises(ValueError, match="eplb_interval_s with expert parallelism with cold experts"):
+        EPRuntime(eplb, store.inner).attach(cold.model)

@@ -56,6 +56,11 @@ def test_budget_refuses_with_numbers_and_bigger_ep_leaves_room_for_kv(tiny_qwen3
     freed = r1.expert_bytes - r4.expert_bytes
     assert r4.kv_blocks_fit - r1.kv_blocks_fit in (freed // r1.kv_block_bytes,
                                                    freed // r1.kv_block_bytes + 1)
+    # experts.resident_bytes: the rank holds that many bytes of its slots (whole slots), not all
+    slot = need4.expert_bytes // need4.slots
+    cold = rank_memory(spec, torch.bfloat16, 4, 0, 64, 16, 0, resident_bytes=slot + slot // 2)
+    assert (cold.slots, cold.expert_bytes) == (1, slot) and need4.slots > 1
+    assert cold.all_expert_bytes == need4.all_expert_bytes
 
 
 @pytest.mark.parametrize("fused", [False, True])
