@@ -27,9 +27,9 @@
  *
  * Layout and threads: W is read row-major, as stored (no repack: the same tensors serve the
  * reference path, expert moves and the cold-expert store). Each thread takes a contiguous range
- * of output rows (one forward stream through memory) in units of QNR = 4 rows, dequantizes 16
- * weights of each of the 4 rows per step in registers and multiplies them into up to QRT input
- * rows (QNR x QRT accumulators of 16 fp32 lanes; 16 lanes of a row-column pair summed
+ * of output rows (one forward stream through memory) in units of QNR rows (AVX512 4, AVX2 2),
+ * dequantizes 16 weights of each of those rows per step in registers and multiplies them into
+ * up to QRT input rows (QNR x QRT accumulators of 16 fp32 lanes; 16 lanes of a row-column pair summed
  * horizontally at the end in the fixed order of _mm512_reduce_add_ps). More input rows than
  * QRT: the unit's weights are dequantized once into a per-thread fp32 buffer (L2) and every
  * tile of QRT input rows reads them there; the values and the per-lane order are the same, so a
@@ -37,7 +37,7 @@
  * columns to [even, odd] once per call, so low and high nibbles multiply contiguous x.
  * Columns past the last full vector (K % 16, int4 K % 32) are summed in scalar C after the
  * vector sum (same code in both variants). group must be a multiple of 16 (int4: 32) unless
- * there is one group per row: the Python side checks (CpuKernels.qlinear_serves).
+ * there is one group per row: the Python side checks (kernels/quant.py unserved).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -46,18 +46,25 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* QNR output rows per unit x QRT input rows per register tile: QNR x QRT accumulators. Neither
+ * changes any bits (every row-column pair has its own accumulator, summed in k order), so each
+ * variant takes what fits its registers. */
 #if defined(__AVX512F__)
-#define QRT 4        /* input rows per register tile: 4 x 4 accumulators + weights fit 32 zmm */
+#define QNR 4        /* 16 accumulators + 4 weights + x fit 32 zmm */
+#define QRT 4
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "cpu_avx2.h"
-#define QRT 2        /* 16 ymm: fewer rows per tile (row tiling changes no bits) */
+#define QNR 2        /* a 16-lane vector is 2 ymm: 4 accumulators + 2 weights + x = 14 of 16 ymm */
+#define QRT 2
 #else
 #error "build with -mavx512f or -march=x86-64-v3"
 #endif
 
-#define QNR 4        /* output rows per unit */
-
 enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP8 = 2 };
+
+#ifndef QPF
+#define QPF 512      /* bytes ahead of each row's reads that software prefetch asks for */
+#endif
 
 static inline uint16_t q_f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
     uint32_t u;
@@ -84,12 +91,13 @@ static inline float e4m3_value(uint8_t b) {
 
 /* ---- 16 weights -> 16 fp32 lanes (unscaled codes), per variant ---------------------------- */
 
-/* fp16 bit pattern of e4m3 code w (16-bit lanes): sign to bit 15, exponent and mantissa to bits
+/* fp16 bit patterns of 16 e4m3 codes (16-bit lanes): sign to bit 15, exponent and mantissa to bits
  * 7..13, so the fp16 value is the e4m3 value / 256 (subnormals included: fp16's subnormal range
  * holds e4m3's). */
-static inline __m256i e4m3_as_f16(__m256i w) {
-    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                           _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+static inline __m256i e4m3_as_f16(__m128i b) {
+    /* sign-extended s: s << 7 has the sign in bit 15 and exponent|mantissa in bits 7..13; a
+     * negative code also sets bit 14, which the mask clears */
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xbf80));
 }
 
 #if defined(__AVX512F__)
@@ -102,7 +110,7 @@ static inline void codes_u4(const uint8_t *p, __m512 *lo, __m512 *hi) {   /* 16 
     *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
 static inline __m512 codes_e4m3(const uint8_t *p) {   /* value / 256 */
-    return _mm512_cvtph_ps(e4m3_as_f16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p))));
+    return _mm512_cvtph_ps(e4m3_as_f16(_mm_loadu_si128((const __m128i *)p)));
 }
 #else
 static inline __m256 i8x8(const uint8_t *p) {
@@ -117,7 +125,7 @@ static inline void codes_u4(const uint8_t *p, __m512 *lo, __m512 *hi) {
     *hi = v16f_of(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)));
 }
 static inline __m512 codes_e4m3(const uint8_t *p) {
-    const __m256i h = e4m3_as_f16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)));
+    const __m256i h = e4m3_as_f16(_mm_loadu_si128((const __m128i *)p));
     return v16f_of(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
 }
 #endif
@@ -190,6 +198,8 @@ static inline __attribute__((always_inline)) void tile_fused(
         const long k1 = k0 + q->group < q->KV ? k0 + q->group : q->KV;
         for (long k = k0; k < k1; k += step) {
             __m512 w[QNR], w2[QNR];
+            /* QNR streams a row apart: the hardware prefetcher alone reads them at ~half speed */
+            if (QPF) for (int j = 0; j < QNR; j++) _mm_prefetch((const char *)wr[j] + (fmt == Q_INT4 ? k / 2 : k) + QPF, _MM_HINT_T0);
             dequant_step(fmt, asym, wr, s, z, k, w, w2);
             for (int r = 0; r < RT; r++) {
                 const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
@@ -215,6 +225,7 @@ static inline __attribute__((always_inline)) void unit_dequant(
         const long k1 = k0 + q->group < q->KV ? k0 + q->group : q->KV;
         for (long k = k0; k < k1; k += step) {
             __m512 w[QNR], w2[QNR];
+            if (QPF) for (int j = 0; j < QNR; j++) _mm_prefetch((const char *)wr[j] + (fmt == Q_INT4 ? k / 2 : k) + QPF, _MM_HINT_T0);
             dequant_step(fmt, asym, wr, s, z, k, w, w2);
             for (int j = 0; j < QNR; j++) {
                 _mm512_storeu_ps(wbuf + j * q->KV + k, w[j]);
