@@ -12,7 +12,9 @@ Then, in rounds with the order flipped each round:
            the whole generation phase; moed's figure is the same total over its decode steps);
   prefill  moed at batch 1 with each --prefill length (one step) beside `llama-bench -p
            512,2048 -n 0` (avg t/s).
-Both use --threads threads. Prints moed/llama.cpp ratios (> 1: moed faster), the RSS of each
+Both use --threads threads. --quant int8 / int4: moed quantizes at load (model.quantization,
+the native quantized matmul, group 128 for int4) and llama.cpp runs the GGUF requantized with
+that build's llama-quantize to Q8_0 / Q4_K_M (cached beside the bf16 one): the issue-30 pairs. Prints moed/llama.cpp ratios (> 1: moed faster), the RSS of each
 after load (llama.cpp's: the peak of its process, which holds its KV for -c), the load average
 of each round, and writes bench/results/peers.json.
 
@@ -196,6 +198,23 @@ def convert(src: Path, model_dir: Path, out: Path) -> None:
             raise SystemExit(f"convert_hf_to_gguf failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
 
+# moed's model.quantization -> the llama.cpp type it is compared with (issue 30's acceptance)
+LLAMA_QUANT = {"int8": "Q8_0", "int4": "Q4_K_M"}
+
+
+def requantize(tool: Path, src: Path, qtype: str, threads: int) -> Path:
+    """src (a bf16 GGUF) requantized to qtype with llama-quantize, once (cached beside it)."""
+    out = src.with_name(src.name.replace(".bf16.gguf", f".{qtype}.gguf"))
+    if not out.is_file():
+        tmp = out.with_suffix(".tmp")
+        p = subprocess.run([str(tool), str(src), str(tmp), qtype, str(threads)], capture_output=True,
+                           text=True, timeout=3600)
+        if p.returncode != 0:
+            raise SystemExit(f"llama-quantize {qtype} failed:\n{(p.stdout + p.stderr)[-2000:]}")
+        tmp.rename(out)
+    return out
+
+
 def run_tool(cmd: list[str]) -> tuple[str, str, int]:
     """Run a llama.cpp tool -> (stdout, stderr, peak RSS bytes sampled every 50 ms). Results
     are on stdout (llama-bench -o, batched-bench's table), its logs on stderr."""
@@ -254,6 +273,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="rounds")
+    ap.add_argument("--quant", default="none", choices=("none", *LLAMA_QUANT),
+                    help="moed model.quantization vs llama.cpp's type for it (LLAMA_QUANT)")
     ap.add_argument("--gguf", type=Path, help="use this GGUF instead of converting")
     ap.add_argument("--model", type=Path, help="HF checkpoint (default: the bench preset's)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
@@ -272,15 +293,19 @@ def main() -> int:
     gguf = a.gguf or Path(a.cache) / f"{model_dir.name}.bf16.gguf"
     if not gguf.is_file():
         convert(a.llama_cpp_src or find_source(build), model_dir, gguf)
+    quant = "" if a.quant == "none" else a.quant
+    if quant:
+        gguf = requantize(find_tool(build, "llama-quantize"), gguf, LLAMA_QUANT[quant], a.threads)
     cpu = cpu_model()
-    print(f"{model_dir.name}, bf16, {a.threads} threads, {a.repeats} rounds; CPU: {cpu}",
+    label = f"moed {quant} vs llama.cpp {LLAMA_QUANT[quant]}" if quant else "bf16"
+    print(f"{model_dir.name}, {label}, {a.threads} threads, {a.repeats} rounds; CPU: {cpu}",
           flush=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     longest = max(lengths + [a.prompt])
     pool = torch.randint(0, vocab, (max(batches), longest), generator=g).tolist()
     ctx = max(max(batches) * (a.prompt + a.new), longest) + 64     # both engines' KV size
-    side = eb.MoedSide(model_dir, max(batches), longest, a.new, kv_tokens=ctx)
+    side = eb.MoedSide(model_dir, max(batches), longest, a.new, kv_tokens=ctx, quantization=quant)
     moed_rss = rss_bytes()
     side.run([pool[0][:a.prompt]], 4)                                   # warm-up
     cmd_tg = [str(batched), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
@@ -327,7 +352,7 @@ def main() -> int:
     out_path = Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
-        "bench": "peers", "model_dir": str(model_dir), "threads": a.threads, "cpu": cpu,
+        "bench": "peers", "model_dir": str(model_dir), "threads": a.threads, "cpu": cpu, "quant": a.quant,
         "gguf": str(gguf), "llama_cpp": str(build), "commands": {"decode": cmd_tg, "prefill": cmd_pp},
         "prompt_len": a.prompt, "new_tokens": a.new, "table": table, "rounds": rounds,
         "rss_bytes": {"moed_after_load": moed_rss, "llama_cpp_peak": llama_rss},

@@ -14,6 +14,11 @@ weights do: so the native calls cycle through copies of it that add up to --stre
 1024; 0: one copy, the cache-resident figure), each call reading the next, and a figure is the
 best of --repeats passes over all copies divided by their number. Prints the load average beside the table (a shared machine's figures are only
 comparable at a like load); JSON to bench/results/quant_kernels.json.
+
+--engine int8,int4: also the bench checkpoint (bench/engine.py's) quantized at load, decode tok/s
+at --engine-batches (default 1,8), the native path against the reference one (the kernel off:
+what ran before it), each batch run on both, interleaved, --engine-rounds times; median of
+each one's decode steps, then of the rounds.
 """
 from __future__ import annotations
 
@@ -48,6 +53,42 @@ def reference(x: torch.Tensor, w) -> torch.Tensor:  # noqa: ANN001
     return qlinear(x, w)
 
 
+def engine_ab(formats: list[str], batches: list[int], rounds: int, new: int) -> list[dict]:
+    """Decode tok/s of the bench checkpoint per format: native quantized matmul vs reference."""
+    import statistics
+
+    import engine as eb     # bench/engine.py: the moed side and its step timing
+    from moed.model import layers
+
+    model_dir = eb._checkpoint("qwen3_moe", Path(ROOT / ".cache" / "bench"))
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = torch.randint(0, vocab, (max(batches), 32), generator=torch.Generator().manual_seed(0)).tolist()
+    out = []
+    for fmt in formats:
+        sides = {}
+        for path, max_rows in (("native", layers.QUANT_MAX_ROWS), ("reference", 0)):
+            saved, layers.QUANT_MAX_ROWS = layers.QUANT_MAX_ROWS, max_rows     # read at construction
+            try:
+                sides[path] = eb.MoedSide(model_dir, max(batches), 32, new, quantization=fmt)
+            finally:
+                layers.QUANT_MAX_ROWS = saved
+            sides[path].run([prompts[0]], 2)           # warm-up
+        for b in batches:
+            got: dict[str, list[float]] = {p: [] for p in sides}
+            loads = [load_average()]
+            for r in range(rounds):
+                for p in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                    got[p].append(sides[p].run(prompts[:b], new).summary()["decode_tok_s"]["median"])
+            loads.append(load_average())
+            row = {"format": fmt, "batch": b, "load": loads,
+                   **{f"{p}_tok_s": statistics.median(v) for p, v in got.items()}}
+            print(f"engine {fmt} batch {b}: decode {row['native_tok_s']:.1f} tok/s native, "
+                  f"{row['reference_tok_s']:.1f} reference ({row['native_tok_s'] / row['reference_tok_s']:.1f}x); "
+                  f"load {loads[0]} -> {loads[1]}", flush=True)
+            out.append(row)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,8,32")
@@ -58,6 +99,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--ref-repeats", type=int, default=3)
     ap.add_argument("--stream-mb", type=int, default=1024, help="copies of the weight to cycle through")
+    ap.add_argument("--engine", default="", help="formats for the engine A/B (e.g. int8,int4)")
+    ap.add_argument("--engine-batches", default="1,8")
+    ap.add_argument("--engine-rounds", type=int, default=2)
+    ap.add_argument("--new", type=int, default=16, help="engine A/B: tokens generated per run")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_kernels.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,7 +117,7 @@ def main() -> int:
     w = torch.randn(n, k, generator=g).bfloat16()
     results = []
     print(f"{'format':6} {'rows':>4} {'path':>11} {'ms':>8} {'GB/s':>6} {'of bw':>6} {'vs ref':>7}")
-    for fmt in args.formats.split(","):
+    for fmt in [f for f in args.formats.split(",") if f]:
         qw = quantize(w, fmt, GROUPS[fmt] or k)
         nbytes = qw.nbytes
         copies = [qw] + [QuantWeight(qw.fmt, qw.data.clone(), qw.scale.clone(), qw.zero, qw.group, qw.in_features)
@@ -91,11 +136,14 @@ def main() -> int:
             results.append(row)
     load1 = load_average()
     print(f"load average before {load0}, after {load1}: figures indicative on a shared machine")
+    engine = engine_ab([f for f in args.engine.split(",") if f], [int(b) for b in args.engine_batches.split(",")],
+                       args.engine_rounds, args.new) if args.engine else []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "shape": [n, k],
                                "stream_mb": args.stream_mb,
-                               "bandwidth_bytes_s": bw, "load": [load0, load1], "results": results}, indent=1))
+                               "bandwidth_bytes_s": bw, "load": [load0, load1], "results": results,
+                               "engine": engine}, indent=1))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The native quantized matmul (cpu_quant.c via moed/model/kernels/quant.py) against the reference
-(QuantWeight.dequantize in fp32, then an fp32 matmul), on every kernel variant this CPU runs, and
-the variants bitwise equal to each other; Linear's wiring; and engine level, a tiny qwen3_moe
+(QuantWeight.dequantize in fp32, then an fp32 matmul), on every kernel variant this CPU runs;
+bit for bit against that sum spelled out in torch in the kernel's order, and the variants
+bitwise equal to each other; Linear's wiring; and engine level, a tiny qwen3_moe
 quantized at load (int8, int4, fp8): in float32 the same greedy tokens on the native path as on
 the reference path; in bf16 logits no farther from the float32 run than the reference's.
 
@@ -95,6 +96,48 @@ def test_native_equals_reference(isa, fmt, asym, shape, group):
         assert ((got_b.float() - want_b).abs() <= tol).all(), rows
         # against quant/linear.py's own qlinear in fp32 (what Linear falls back to)
         assert ((got - reference(x, qw)).abs() <= _bound(x, w)).all()
+
+
+def _spelled_out(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """The kernel's fp32 sum spelled out in torch (what cpu_quant.c's header describes): per
+    output, 16 lane accumulators, each an FMA chain over its columns in vector order (int4: per
+    32 columns the 16 even ones, then the 16 odd ones); GCC's _mm512_reduce_add_ps order over the
+    lanes; then the columns past the last full vector, each product rounded then added, from 0.
+    An FMA is spelled in float64 (the fp32 product is exact there), rounded once to fp32."""
+    w = qw.dequantize(torch.float32)
+    k = w.shape[1]
+    step = 32 if qw.fmt == "int4" else 16
+    kv = k - k % step
+    acc = torch.zeros(x.shape[0], w.shape[0], 16)
+    lanes = torch.arange(16)
+    for k0 in range(0, kv, step):
+        vecs = [k0 + 2 * lanes, k0 + 2 * lanes + 1] if qw.fmt == "int4" else [k0 + lanes]
+        for cols in vecs:
+            prod = x[:, None, cols].double() * w[None, :, cols].double()
+            acc = (acc.double() + prod).float()
+    t3 = acc[..., 8:] + acc[..., :8]
+    t6 = t3[..., 4:] + t3[..., :4]
+    t8 = t6[..., :2] + t6[..., 2:]
+    out = t8[..., 0] + t8[..., 1]
+    tail = torch.zeros_like(out)
+    for c in range(kv, k):
+        tail = tail + x[:, None, c] * w[None, :, c]
+    return out + tail if kv < k else out
+
+
+@pytest.mark.parametrize("fmt,asym,shape,group", CASES,
+                         ids=[f"{c[0]}{'-asym' if c[1] else ''}-{c[2][0]}x{c[2][1]}-g{c[3]}" for c in CASES])
+@pytest.mark.parametrize("isa", isa_params())
+def test_bitwise_equal_to_the_spelled_out_sum(isa, fmt, asym, shape, group):
+    """The variants are held to one reference bit for bit: the same weights (checked above), the
+    same FMAs in the same order (cpu_quant.c's header), at 1, 3 and 6 rows (fused and buffered)."""
+    k = K.load(isa)
+    n, kk = shape
+    qw = _weight(fmt, n, kk, group, asym, seed=n * kk + 1)
+    x = torch.randn(6, kk, generator=torch.Generator().manual_seed(3))
+    want = _spelled_out(x, qw)
+    for rows in (1, 3, 6):
+        assert torch.equal(kq.qlinear(k, x[:rows], qw), want[:rows]), rows
 
 
 def test_bias_added_in_fp32_and_rounded_once():
