@@ -14,7 +14,9 @@ Then, in rounds with the order flipped each round:
            512,2048 -n 0` (avg t/s).
 Both use --threads threads. --quant int8 / int4: moed quantizes at load (model.quantization,
 the native quantized matmul, group 128 for int4) and llama.cpp runs the GGUF requantized with
-that build's llama-quantize to Q8_0 / Q4_K_M (cached beside the bf16 one): the issue-30 pairs. Prints moed/llama.cpp ratios (> 1: moed faster), the RSS of each
+that build's llama-quantize to Q8_0 / Q4_K_M (cached beside the bf16 one): the issue-30 pairs.
+--llama-repack 0 turns llama.cpp's weight repacking off (its AMX path for quantized types dies
+with SIGILL on a VM that does not grant AMX tiles; this also drops its AVX x8 repacks). Prints moed/llama.cpp ratios (> 1: moed faster), the RSS of each
 after load (llama.cpp's: the peak of its process, which holds its KV for -c), the load average
 of each round, and writes bench/results/peers.json.
 
@@ -204,7 +206,8 @@ LLAMA_QUANT = {"int8": "Q8_0", "int4": "Q4_K_M"}
 
 def requantize(tool: Path, src: Path, qtype: str, threads: int) -> Path:
     """src (a bf16 GGUF) requantized to qtype with llama-quantize, once (cached beside it)."""
-    out = src.with_name(src.name.replace(".bf16.gguf", f".{qtype}.gguf"))
+    stem = src.name.removesuffix(".gguf").removesuffix(".bf16")
+    out = src.with_name(f"{stem}.{qtype}.gguf")
     if not out.is_file():
         tmp = out.with_suffix(".tmp")
         p = subprocess.run([str(tool), str(src), str(tmp), qtype, str(threads)], capture_output=True,
@@ -275,6 +278,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds")
     ap.add_argument("--quant", default="none", choices=("none", *LLAMA_QUANT),
                     help="moed model.quantization vs llama.cpp's type for it (LLAMA_QUANT)")
+    ap.add_argument("--llama-repack", type=int, choices=(0, 1), default=1,
+                    help="llama.cpp's weight repacking (AMX / x8 layouts); 0 where its AMX path "
+                         "dies with SIGILL (a VM that does not grant AMX tiles)")
     ap.add_argument("--gguf", type=Path, help="use this GGUF instead of converting")
     ap.add_argument("--model", type=Path, help="HF checkpoint (default: the bench preset's)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
@@ -310,9 +316,9 @@ def main() -> int:
     side.run([pool[0][:a.prompt]], 4)                                   # warm-up
     cmd_tg = [str(batched), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
               "-npp", str(a.prompt), "-ntg", str(a.new), "-npl", a.batches, "-t", str(a.threads),
-              "--output-format", "jsonl"]
+              "--output-format", "jsonl"] + ([] if a.llama_repack else ["--no-repack"])
     cmd_pp = [str(lbench), "-m", str(gguf), "-p", a.prefill, "-n", "0", "-t", str(a.threads),
-              "-r", "1", "-o", "json"]
+              "-r", "1", "-o", "json"] + ([] if a.llama_repack else ["--repack", "0"])
     rounds = []
     llama_rss = 0
     for r in range(a.repeats):
