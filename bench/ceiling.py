@@ -35,6 +35,14 @@ def ceiling(repeats: int, kernels=None) -> dict:
     return out
 
 
+def bandwidth(repeats: int, nbytes: int = 1 << 30) -> float:
+    """The machine's memory read rate (bytes/s): torch.sum over an fp32 buffer of `nbytes` (far
+    past the caches), all of torch's threads, best of `repeats`. What a decode step's weight
+    reads are stated as a fraction of (bench/quant_kernels.py)."""
+    buf = torch.ones(nbytes // 4)
+    return nbytes / best_of(lambda: buf.sum(), max(repeats, 3))
+
+
 def model_shapes(spec) -> dict[str, tuple[int, int]]:
     """[out, in] of every matmul in a layer of this model, plus lm_head."""
     h, d = spec.hidden_size, spec.head_dim

@@ -88,7 +88,7 @@ class MoedSide:
                  name: str = "moed", quantization: str = "") -> None:
         """kv_tokens: the KV cache's size (default: max_batch sequences of prompt + new);
         device/attention: where it runs and the attention backend (bench/gpu.py: cuda);
-        quantization: model.quantization at load (bench/peers.py --quant)."""
+        quantization: model.quantization (int8, int4, fp8: quantized at load)."""
         self.name = name
         per_seq = -(-(prompt_len + new) // 16)
         blocks = (-(-kv_tokens // 16) if kv_tokens else max_batch * per_seq) + 8

@@ -42,7 +42,8 @@ from moed.model.sampler import argmax_rows  # noqa: E402
 def compile_variant(src: Path, out: Path, isa: str = "avx512bf16") -> Path:
     cc = K._compiler()
     flags = K.COMMON_CFLAGS + K.ISA_CFLAGS[isa]
-    p = subprocess.run([cc, *flags, "-I", str(K.SOURCE.parent), "-o", str(out), str(src), "-lm"],
+    # with the project's cpu_quant.c: the loader binds its moed_qlinear too
+    p = subprocess.run([cc, *flags, "-I", str(K.SOURCE.parent), "-o", str(out), str(src), str(K.QUANT_SOURCE), "-lm"],
                        capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         raise SystemExit(f"compiling {src} failed:\n{p.stderr[-2000:]}")

@@ -15,6 +15,8 @@ Then, in rounds with the order flipped each round:
 --quant int8 / int4 runs moed with model.quantization int8 (per output channel) / int4
 (groups of 128) against the same GGUF quantized by that build's llama-quantize to Q8_0 /
 Q4_K_M (cached beside the bf16 one); bf16 (the default) against the bf16 GGUF.
+--llama-repack 0 turns llama.cpp's weight repacking off from the start (its AMX
+path for quantized types crashes on this Xeon: a crash with it on turns it off too).
 Each run also prints the CPU's ISA flags, the machine's memory bandwidth (a 256 MiB copy,
 best of 5, read + write bytes) and bf16 matmul ceiling (bench/ceiling.py), and what fraction of
 them moed's decode at batch 1 (the weight bytes one token reads: attention, router, top-k
@@ -208,6 +210,20 @@ def convert(src: Path, model_dir: Path, out: Path) -> None:
             raise SystemExit(f"convert_hf_to_gguf failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
 
+def requantize(tool: Path, src: Path, qtype: str, threads: int) -> Path:
+    """src (a bf16 GGUF) requantized to qtype with llama-quantize, once (cached beside it)."""
+    stem = src.name.removesuffix(".gguf").removesuffix(".bf16")
+    out = src.with_name(f"{stem}.{qtype}.gguf")
+    if not out.is_file():
+        tmp = out.with_suffix(".tmp")
+        p = subprocess.run([str(tool), str(src), str(tmp), qtype, str(threads)], capture_output=True,
+                           text=True, timeout=3600)
+        if p.returncode != 0:
+            raise SystemExit(f"llama-quantize {qtype} failed:\n{(p.stdout + p.stderr)[-2000:]}")
+        tmp.rename(out)
+    return out
+
+
 def run_tool(cmd: list[str]) -> tuple[str, str, int]:
     """Run a llama.cpp tool -> (stdout, stderr, peak RSS bytes sampled every 50 ms). Results
     are on stdout (llama-bench -o, batched-bench's table), its logs on stderr."""
@@ -253,14 +269,6 @@ def run_llama(cmds: dict[str, list[str]], repack: list[bool]) -> dict[str, tuple
             repack[0] = False
             out[name] = run_tool(cmd + off)
     return out
-
-
-def quantize(build: Path, src: Path, out: Path, qtype: str) -> None:
-    """The bf16 GGUF -> qtype with that build's llama-quantize (once; cached by name)."""
-    tool = find_tool(build, "llama-quantize")
-    r = subprocess.run([str(tool), str(src), str(out), qtype], capture_output=True, text=True)
-    if r.returncode != 0 or not out.is_file():
-        raise SystemExit(f"llama-quantize {qtype} failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
 
 def isa_flags() -> list[str]:
@@ -345,8 +353,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds")
     ap.add_argument("--quant", default="bf16", choices=sorted(QUANT_PEERS),
                     help="moed's weight format and llama.cpp's (bf16, int8 vs Q8_0, int4 vs Q4_K_M)")
-    ap.add_argument("--gguf", type=Path, help="use this GGUF (in --quant's llama.cpp type) instead "
-                                              "of converting")
+    ap.add_argument("--llama-repack", type=int, choices=(0, 1), default=1,
+                    help="llama.cpp's weight repacking (AMX / x8 layouts) from the start; a crash "
+                         "with it on turns it off for the rest of the run either way")
+    ap.add_argument("--gguf", type=Path, help="the bf16 GGUF to use instead of converting (--quant "
+                                              "requantizes it, once)")
     ap.add_argument("--model", type=Path, help="HF checkpoint (default: the bench preset's)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--out", help="JSON (default bench/results/peers[-QUANT].json)")
@@ -369,13 +380,11 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     model_dir = a.model or eb._checkpoint(a.arch, Path(a.cache))
     moed_fmt, qtype = QUANT_PEERS[a.quant]
-    bf16_gguf = Path(a.cache) / f"{model_dir.name}.bf16.gguf"
-    gguf = a.gguf or Path(a.cache) / f"{model_dir.name}.{qtype}.gguf"
+    gguf = a.gguf or Path(a.cache) / f"{model_dir.name}.bf16.gguf"
     if not gguf.is_file():
-        if not bf16_gguf.is_file():
-            convert(a.llama_cpp_src or find_source(build), model_dir, bf16_gguf)
-        if gguf != bf16_gguf:
-            quantize(build, bf16_gguf, gguf, qtype)
+        convert(a.llama_cpp_src or find_source(build), model_dir, gguf)
+    if moed_fmt:
+        gguf = requantize(find_tool(build, "llama-quantize"), gguf, qtype, a.threads)
     cpu, isa = cpu_model(), isa_flags()
     print(f"{model_dir.name}, moed {a.quant} vs llama.cpp {qtype}, {a.threads} threads, "
           f"{a.repeats} rounds; CPU: {cpu}; ISA: {' '.join(isa)}; load {load_average()[0]:.2f}",
@@ -399,12 +408,12 @@ def main() -> int:
     side.run([pool[0][:a.prompt]], 4)                                   # warm-up
     cmd_tg = [str(batched), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
               "-npp", str(a.prompt), "-ntg", str(a.new), "-npl", a.batches, "-t", str(a.threads),
-              "--output-format", "jsonl"]
+              "--output-format", "jsonl"] + ([] if a.llama_repack else ["--no-repack"])
     cmd_pp = [str(lbench), "-m", str(gguf), "-p", a.prefill, "-n", "0", "-t", str(a.threads),
-              "-r", "1", "-o", "json"]
+              "-r", "1", "-o", "json"] + ([] if a.llama_repack else ["--repack", "0"])
     rounds = []
     llama_rss = 0
-    repack = [True]
+    repack = [bool(a.llama_repack)]
     for r in range(a.repeats):
         before = load_average()
         rec: dict = {"round": r, "load_before": before}

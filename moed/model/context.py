@@ -18,6 +18,7 @@ import torch
 from moed.model.executor import ExpertExecutor, SlotExperts
 from moed.model.kernels import CpuKernels, cpu_kernels
 from moed.model.kernels.choice import native_only
+from moed.model.quant.weight import QuantWeight
 
 
 class ExpertPlacement(Protocol):
@@ -43,6 +44,7 @@ class ComputeContext:
     pack: bool = False                  # CPU bf16: weights repacked for oneDNN (see layers.Linear)
     kernels: CpuKernels | None = None   # the native CPU kernels; None = the torch path
     placement: ExpertPlacement | None = None   # expert parallelism: this rank's experts
+    batch_invariant: bool = False       # model.batch_invariant (for_weight pins the native kernel)
 
     @classmethod
     def build(cls, device: torch.device | str, dtype: torch.dtype,
@@ -65,7 +67,22 @@ class ComputeContext:
                                  "cpu_kernels_off says why they are off), or model.dtype "
                                  "float32")
             kernels = native_only(kernels) if kernels is not None else None
-        return cls(device, dtype, pack, kernels, placement)
+        return cls(device, dtype, pack, kernels, placement, batch_invariant)
+
+    def for_weight(self, w: object) -> CpuKernels | None:
+        """The kernels a Linear of weight w takes: `kernels`; for a quantized weight on CPU the
+        loaded kernels in float32 too (the quantized matmul takes fp32 activations; loaded on
+        the first such weight, so a plain fp32 model never builds them). None: the torch path."""
+        if not isinstance(w, QuantWeight):
+            return self.kernels
+        if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        if self.kernels is not None:
+            return self.kernels
+        if self.dtype == torch.bfloat16 and self.batch_invariant:
+            return None         # build() refused this already; kept for a context made by hand
+        k = cpu_kernels()
+        return native_only(k) if k is not None and self.batch_invariant else k
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -14,7 +14,10 @@ import torch.nn.functional as F
 from moed.model.attention.base import AttentionBackend
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
-from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
+from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice, NativeOnly
+from moed.model.kernels.quant import MAX_ROWS as QUANT_MAX_ROWS
+from moed.model.kernels.quant import qlinear as quant_linear
+from moed.model.kernels.quant import unserved as quant_unserved
 from moed.model.quant.linear import qlinear
 from moed.model.quant.weight import QuantWeight
 from moed.model.spec import ModelSpec
@@ -33,11 +36,13 @@ class Linear:
       weight at full bandwidth with ~4 us of call overhead, where oneDNN reaches ~2/3 of it and
       spends ~14 us per call on setup (measured: [1024,1024] weight, 2 threads, 72 vs 101 us).
     - Else (fp32, GPU) plain F.linear.
-    - A quantized weight (moed/model/quant) takes the reference path, dequantized per call
-      (quant/linear.py): the bf16 kernels and oneDNN packing do not apply to it."""
+    - A quantized weight (moed/model/quant) with the kernels (ctx.for_weight gives them in fp32
+      too): the native quantized matmul (kernels/quant.py, dequantized in registers, never
+      repacked) for up to qrows rows; more rows, or no kernels, take the reference path,
+      dequantized per call (quant/linear.py). `qpath` says which, for model_runner_ready."""
 
     __slots__ = ("weight", "bias", "packed", "gemv_rows", "kernels", "kpacked", "out_features", "choice",
-                 "quant")
+                 "quant", "qbias", "qrows", "qpath")
 
     def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None, pack: bool = False,
                  kernels: CpuKernels | None = None, kpacked: torch.Tensor | None = None) -> None:
@@ -45,8 +50,14 @@ class Linear:
         self.out_features = weight.shape[0]
         self.quant = weight if isinstance(weight, QuantWeight) else None
         if self.quant is not None:
-            self.kernels = self.kpacked = self.packed = self.choice = None
+            self.kpacked = self.packed = self.choice = None
             self.gemv_rows = 0
+            why = "no native CPU kernels" if kernels is None else quant_unserved(self.quant)
+            self.kernels = None if why else kernels
+            self.qpath = f"reference ({why})" if why else "native"
+            # the kernel adds the bias in fp32; every row count native under batch invariance
+            self.qbias = None if bias is None or why else bias.float().contiguous()
+            self.qrows = 0 if why else (1 << 62) if isinstance(kernels.choose, NativeOnly) else QUANT_MAX_ROWS
             return
         self.kernels = kernels if pack and kernels is not None and weight.shape[1] % 2 == 0 else None
         self.kpacked = self.packed = None
@@ -81,6 +92,8 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.packed is None:
             if self.quant is not None:
+                if x.shape[0] <= self.qrows and x.dim() == 2 and x.dtype in _QUANT_DTYPES and not x.is_cuda:
+                    return quant_linear(self.kernels, x, self.quant, self.qbias)
                 if x.shape[0] <= 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
                     # the dequantized matrix through ATen's bf16 gemv, as plain weights (gemv)
                     return gemv(x, self.quant.dequantize(x.dtype), self.bias)
@@ -92,6 +105,30 @@ class Linear:
 
 
 GEMV_2ROW_MAX_NUMEL = 1 << 20
+_QUANT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def quant_paths(root: object) -> dict[str, int]:
+    """How many quantized Linears under `root` (a model) take each path (Linear.qpath): what
+    model_runner_ready logs. Walks attributes, lists, tuples and dicts of moed objects."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, Linear):
+            if o.quant is not None:
+                out[o.qpath] = out.get(o.qpath, 0) + 1
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif type(o).__module__.startswith("moed.") and hasattr(o, "__dict__"):
+            stack.extend(vars(o).values())
+    return out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,8 +211,8 @@ class AttentionBlock:
     def __init__(self, spec: ModelSpec, layer: int, w: dict[str, torch.Tensor], ctx: ComputeContext) -> None:
         p = f"layers.{layer}."
         self.layer, self.kernels = layer, ctx.kernels
-        self.qkv = Linear(w[p + "qkv"], w.get(p + "qkv.bias"), ctx.pack, ctx.kernels)
-        self.o = Linear(w[p + "o_proj"], w.get(p + "o_proj.bias"), ctx.pack, ctx.kernels)
+        self.qkv = Linear(w[p + "qkv"], w.get(p + "qkv.bias"), ctx.pack, ctx.for_weight(w[p + "qkv"]))
+        self.o = Linear(w[p + "o_proj"], w.get(p + "o_proj.bias"), ctx.pack, ctx.for_weight(w[p + "o_proj"]))
         self.eps = spec.rms_norm_eps
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_norm, k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
@@ -203,8 +240,8 @@ class DenseMLP:
 
     def __init__(self, gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                  ctx: ComputeContext) -> None:
-        self.gate_up = Linear(gate_up, pack=ctx.pack, kernels=ctx.kernels)
-        self.down = Linear(down, pack=ctx.pack, kernels=ctx.kernels)
+        self.gate_up = Linear(gate_up, pack=ctx.pack, kernels=ctx.for_weight(gate_up))
+        self.down = Linear(down, pack=ctx.pack, kernels=ctx.for_weight(down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up(x).chunk(2, dim=-1)

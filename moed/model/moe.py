@@ -109,10 +109,12 @@ class LocalExperts(ExpertExecutor):
     """Every physical expert in this process, as slices of the fused weights."""
 
     def __init__(self, gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight, pack: bool,
-                 kernels: CpuKernels | None, packed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                 kernels: CpuKernels | None, packed: tuple[torch.Tensor, torch.Tensor] | None,
+                 quant_kernels: CpuKernels | None = None) -> None:
         """gate_up [P, 2I, H] (gate half first); down [P, H, I]; packed: the kernels' copies of
         both (then the only ones kept: the plain tensors are held by nothing and freed).
-        Quantized (QuantWeight): each expert's Linear is a view of its slot, reference path."""
+        Quantized (QuantWeight): each expert's Linear is a view of its slot, with quant_kernels
+        the native quantized matmul per expert call (layers.Linear), else the reference path."""
         self.num_physical, self.intermediate = gate_up.shape[0], down.shape[2]
         self.quant = (gate_up, down) if isinstance(gate_up, QuantWeight) else None
         self.kernels = kernels if packed is not None else None   # FUSED mode needs their copies
@@ -124,8 +126,8 @@ class LocalExperts(ExpertExecutor):
                              Linear(down[e], pack=pack, kernels=kernels, kpacked=self.down_p[e]))
                             for e in range(self.num_physical)]
         else:
-            self.experts = [(Linear(gate_up[e], pack=pack), Linear(down[e], pack=pack))
-                            for e in range(self.num_physical)]
+            self.experts = [(Linear(gate_up[e], pack=pack, kernels=quant_kernels),
+                             Linear(down[e], pack=pack, kernels=quant_kernels)) for e in range(self.num_physical)]
         # slots loaded without their oneDNN copies re-packed (load_slot(repack=False)): packed
         # again the first time a call would read those copies
         self.stale: set[int] = set()
@@ -231,11 +233,12 @@ class LocalExperts(ExpertExecutor):
 _logged_quantized = False
 
 
-def _log_quantized_experts(fmt: str) -> None:
+def _log_quantized_experts(fmt: str, native: bool) -> None:
     global _logged_quantized
     if not _logged_quantized:
-        log.info("moe_torch_path", reason=f"{fmt} experts: the fused CPU MoE kernel reads bf16 only; "
-                                          f"the reference path dequantizes per expert call")
+        per_call = ("the native quantized matmul per expert call (dequantized in registers)" if native
+                    else "the reference path dequantizes per expert call")
+        log.info("moe_torch_path", reason=f"{fmt} experts: the fused CPU MoE kernel reads bf16 only; {per_call}")
         _logged_quantized = True
 
 
@@ -251,8 +254,9 @@ class MoELayer:
         h, i = router.shape[1], down.shape[2]
         self.hidden = h
         k = ctx.kernels if ctx.kernels is not None and h % 2 == 0 and i % 2 == 0 else None
-        if k is not None and isinstance(gate_up, QuantWeight):
-            _log_quantized_experts(gate_up.fmt)
+        qk = ctx.for_weight(gate_up) if isinstance(gate_up, QuantWeight) else None
+        if isinstance(gate_up, QuantWeight) and ctx.device.type == "cpu":
+            _log_quantized_experts(gate_up.fmt, qk is not None)
             k = None
         self.kernels = k          # the fused fast path; None: router then executor, in torch
         if k is not None:
@@ -262,7 +266,7 @@ class MoELayer:
             self.experts = LocalExperts(gate_up, down, ctx.pack, k, (gate_up_p, down_p))
         else:
             linear = Linear(router, pack=ctx.pack)
-            self.experts = LocalExperts(gate_up, down, ctx.pack, None, None)
+            self.experts = LocalExperts(gate_up, down, ctx.pack, None, None, qk)
         self.placement = placement
         if placement is None:
             self.router = Router(router, spec, gate_up.shape[0], load, linear)

@@ -30,6 +30,7 @@ from moed.model.kernels.choice import by_class
 from moed.model.decoder import MoEDecoder
 from moed.model.hf_config import load_spec
 from moed.model.kv_layout import KVLayout, kv_cache_dtype
+from moed.model.layers import quant_paths
 from moed.model.loader import Weights, load_weights, mtp_layers
 from moed.model.mtp import MTPLayer
 from moed.model.quant import bytes_by_format
@@ -143,6 +144,7 @@ class ModelRunner:
                      effect="attention runs on the torch path")
         log.info("model_runner_ready", **self.describe(), native_decode=why_not or "on",
                  cpu_isa=getattr(self.ctx.kernels, "isa", "none"), kernel_classes=self._kernel_classes(),
+                 quant_matmuls=quant_paths(self.model) if self.quant_plan.fmt else "none",
                  num_blocks=num_blocks, block_size=block_size, kv_layout=self.kv_layout.layout_id,
                  mtp_layers=n_mtp,
                  kv_bytes_per_token=self.kv_layout.bytes_per_token,

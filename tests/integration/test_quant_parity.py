@@ -4,9 +4,10 @@ one, served by the real engine in fp32 (chunked prefill mixed with decodes, then
 hits: test_engine_parity's scenario, 64 new tokens per request), every token and logit against
 transformers run on the same weights dequantized to fp32.
 
-Tolerance: the logits within 1e-3 (test_engine_parity's). moed's reference path multiplies by
-the dequantized weight, which in fp32 is bit-for-bit the oracle's (the same (q - zero) * scale,
-one rounding); what remains is the summation order of the matmuls and attention, ~1e-5 here.
+Tolerance: the logits within 1e-3 (test_engine_parity's). moed's native quantized matmul
+(decode, chunks up to 64 rows) and its reference path (longer chunks) both multiply by the
+dequantized weight, which in fp32 is bit-for-bit the oracle's (the same (q - zero) * scale, one
+rounding); what remains is the summation order of the matmuls and attention, ~1e-5 here.
 
 Bad input: a real `moed serve` / `check-config` process, one `moed: config error:` line naming
 the tensor or key, exit 2, before any weight is read.

@@ -216,7 +216,7 @@ class MLAAttention:
             if rows is not None:
                 wt = rows(wt)
                 b = None if b is None else rows(b.unsqueeze(1)).squeeze(1)
-            return Linear(wt if isinstance(wt, QuantWeight) else wt.contiguous(), b, ctx.pack, ctx.kernels)
+            return Linear(wt if isinstance(wt, QuantWeight) else wt.contiguous(), b, ctx.pack, ctx.for_weight(wt))
 
         def kv_rows(t: torch.Tensor | QuantWeight) -> torch.Tensor | QuantWeight:
             if perm is None:

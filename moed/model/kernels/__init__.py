@@ -5,12 +5,12 @@ small ops per MoE layer, each with its own dispatch cost, and whose bf16 matmuls
 once per row. These kernels do it in five calls per layer: `moe_bf16` (router, top-k, experts,
 weighted sum; each touched expert read once), `linear_bf16` (skinny matmuls on a packed weight),
 `decode_attn_bf16` (paged attention straight from the KV blocks; `prefill_attn_bf16` for
-prompts, blocked over queries), `rms_norm_bf16` (with the
-residual add) and `qk_norm_rope_bf16`; `moed_decode_step_bf16` strings them together over a
-whole decode step (moed/model/decode_step.py). Only for bf16 on x86-64 CPUs; one source, built
-per ISA variant (ISAS: AVX512-BF16, and AVX2 + FMA through cpu_avx2.h, bitwise the same results),
+prompts, blocked over queries), `rms_norm_bf16` (with the residual add) and `qk_norm_rope_bf16`;
+`moed_decode_step_bf16` strings them together over a whole decode step (decode_step.py);
+`moed_qlinear` (cpu_quant.c, kernels/quant.py) multiplies by int8/int4/fp8 weights. x86-64
+CPUs only; the sources built per ISA variant (ISAS: AVX512-BF16, and AVX2 + FMA through cpu_avx2.h, bitwise the same results),
 the fastest this CPU runs picked at load from /proc/cpuinfo, or the one MOED_CPU_ISA names. The
-layout and numerics are described in cpu_bf16.c.
+layouts and numerics are described in the C files.
 
 Why build at run time rather than ship a wheel: the project installs as pure Python (no build
 step that could break a GPU install); the C file compiles in about a second with the C
@@ -37,11 +37,14 @@ import structlog
 import torch
 
 from moed.model.kernels.choice import KernelChooser
+from moed.model.kernels.quant import bind as bind_quant
 
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_bf16.c")
-HEADERS = (Path(__file__).with_name("cpu_avx2.h"),)
+# compiled into the same .so: quantized-weight matmuls (int8 / int4 / fp8, see the file)
+QUANT_SOURCE = Path(__file__).with_name("cpu_quant.c")
+HEADERS = (Path(__file__).with_name("cpu_avx2.h"), QUANT_SOURCE)
 # No -march=native: a cached .so must run on any CPU of its variant that shares the cache.
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 # -ffp-contract=off: no multiply-add fused unless the source spells it (the variants would part).
@@ -60,7 +63,7 @@ ISA_NEEDS: dict[str, frozenset[str]] = {
 }
 ISAS = tuple(ISA_CFLAGS)
 ISA_ENV = "MOED_CPU_ISA"
-ABI_VERSION = 9
+ABI_VERSION = 10
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -119,7 +122,7 @@ def build(cache: Path | None = None, isa: str | None = None) -> Path:
     except OSError as e:
         raise KernelUnavailable(f"kernel cache {cache} is not writable: {e}") from e
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), str(QUANT_SOURCE), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} ({isa}) failed: {proc.stderr.strip()[-500:]}")
@@ -159,13 +162,12 @@ class CpuKernels:
         lib.moed_route_bf16.restype = _i
         lib.moed_experts_bf16.argtypes = [_p, _l, _l, _p, _p, _p, _l, _l, _p, _i]
         lib.moed_experts_bf16.restype = _i
-        lib.moed_linear_bf16.argtypes = [_p, _l, _l, _p, _l, _p, _p, _i]
-        lib.moed_linear_bf16.restype = _i
+        lib.moed_linear_bf16.argtypes, lib.moed_linear_bf16.restype = [_p, _l, _l, _p, _l, _p, _p, _i], _i
         lib.moed_decode_attn_bf16.argtypes = [_p, _l, _l, _l, _l, _l, _p, _l, _l, _p, _l, _p,
                                               ctypes.c_float, _p, _i]
         lib.moed_decode_attn_bf16.restype = _i
-        lib.moed_prefill_attn_bf16.argtypes = [_p, _l, _l, _l, _l, _l, _l, _p, _p, ctypes.c_float, _p, _i]
-        lib.moed_prefill_attn_bf16.restype = _i
+        lib.moed_prefill_attn_bf16.argtypes, lib.moed_prefill_attn_bf16.restype = \
+            [_p, _l, _l, _l, _l, _l, _l, _p, _p, ctypes.c_float, _p, _i], _i
         lib.moed_rms_norm_bf16.argtypes = [_p, _p, _p, _l, _l, _p, ctypes.c_float, _p, _i]
         lib.moed_rms_norm_bf16.restype = None
         lib.moed_qk_norm_rope_bf16.argtypes = [_p, _l, _l, _l, _l, _p, ctypes.c_float, _p, _p, _p, _i]
@@ -176,10 +178,9 @@ class CpuKernels:
         lib.moed_decode_step_bf16.restype = _i
         for f in (lib.moed_decode_step_scratch, lib.moed_decode_step_hidden_offset):
             f.argtypes, f.restype = [_p, _l], _l
-        lib.moed_argmax_f32.argtypes = [_p, _l, _l, _p, _i]
-        lib.moed_argmax_f32.restype = None
-        lib.moed_lut_u8_to_u16.argtypes = [_p, _l, _p, _p, _i]
-        lib.moed_lut_u8_to_u16.restype = None
+        lib.moed_argmax_f32.argtypes, lib.moed_argmax_f32.restype = [_p, _l, _l, _p, _i], None
+        lib.moed_lut_u8_to_u16.argtypes, lib.moed_lut_u8_to_u16.restype = [_p, _l, _p, _p, _i], None
+        bind_quant(lib)          # moed_qlinear (cpu_quant.c; the caller is kernels/quant.py)
         # the 256 e4m3 bytes as bf16, by torch's own cast (exact: each is a bf16 value)
         self._fp8_lut = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn) \
             .to(torch.bfloat16).view(torch.int16).contiguous()

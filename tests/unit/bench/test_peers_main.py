@@ -53,6 +53,35 @@ def test_peers_runs_the_tools_and_writes_ratios(tiny_qwen3, tmp_path):
     assert "moed/llama" in r.stdout
 
 
+def test_peers_quant_requantizes_for_llama_and_quantizes_moed(tiny_qwen3, tmp_path):
+    """--quant int4: llama.cpp gets the GGUF llama-quantize made as Q4_K_M (made once, then
+    reused), moed quantizes at load (the JSON says which)."""
+    bin_dir = tmp_path / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    _tool(bin_dir / "llama-batched-bench", "", BATCHED_MD)
+    _tool(bin_dir / "llama-bench", BENCH_JSON)
+    (bin_dir / "llama-quantize").write_text(f"#!/bin/sh\necho \"$0 $*\" >> {bin_dir / 'calls.log'}\ncp \"$1\" \"$2\"\n")
+    (bin_dir / "llama-quantize").chmod(0o755)
+    gguf = tmp_path / "m.bf16.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "peers.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "bench" / "peers.py"), "--llama-cpp", str(tmp_path / "build"),
+           "--gguf", str(gguf), "--model", str(tiny_qwen3), "--quant", "int4", "--batches", "1",
+           "--prefill", "512", "--prompt", "16", "--new", "4", "--threads", "1", "--repeats", "1",
+           "--out", str(out)]
+    for _ in range(2):
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert json.loads(out.read_text())["quant"] == "int4"
+    assert "moed int4 vs llama.cpp Q4_K_M" in r.stdout
+    calls = (bin_dir / "calls.log").read_text().splitlines()
+    quantized = tmp_path / "m.Q4_K_M.gguf"
+    assert [c for c in calls if "llama-quantize" in c] == \
+        [f"{bin_dir / 'llama-quantize'} {gguf} {quantized.with_suffix('.tmp')} Q4_K_M 1"]   # once
+    assert all(f"-m {quantized}" in c for c in calls if "llama-quantize" not in c)
+
+
 def test_peers_says_which_tool_is_missing(tmp_path):
     (tmp_path / "bin").mkdir()
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--llama-cpp",

@@ -1,0 +1,371 @@
+/* Quantized-weight matmul for decode and small batches: y[m][n] = sum_k x[m][k] * W[n][k] with W
+ * int8 / int4 / fp8 in moed's QuantWeight layout (moed/model/quant/weight.py), read as stored:
+ *
+ *     W[n][k] = (q[n][k] - zero[n][k / group]) * scale[n][k / group]
+ *
+ *   int8  q int8 [N][ldw]; zero int8 or none (0)
+ *   int4  q two unsigned nibbles per byte [N][ldw], column 2c in the low nibble; zero uint8 or
+ *         none (8)
+ *   fp8   q float8_e4m3fn [N][ldw]; no zero
+ *   scale float32 [N][lds]
+ *
+ * Compiled into the same .so as cpu_bf16.c, once per ISA variant (AVX512, and AVX2 + FMA through
+ * cpu_avx2.h): the variants compute every output with the same operations in the same order, so
+ * they are bitwise equal (tests/unit/model/test_quant_kernels.py).
+ *
+ * Numerics: "dequantize in registers". Each weight becomes the fp32 value the reference
+ * (QuantWeight.dequantize, fp32) gives it, bit for bit: q - zero is exact in fp32 and the scale
+ * product is rounded once (fp8: the e4m3 value is exact in fp32; h * (256 * scale) below is the
+ * same one rounding as value * scale). Activations (bf16 or fp32) are widened to fp32 exactly,
+ * products are summed in fp32 by FMA, and the sum is rounded once to the output dtype (bias, if
+ * any, added in fp32 first). So the result is the reference's fp32 matmul of the dequantized
+ * weight up to fp32 summation order; in bf16 it is that fp32 result rounded, where the bf16
+ * reference rounds the dequantized weight to bf16 first (the kernel is the closer of the two to
+ * the exact product). Activations are not quantized: an integer dot product (vpdpbusd /
+ * vpmaddubsw on x quantized per row to int8) would change the numerics to W8A8.
+ * e4m3 NaN codes (0x7f, 0xff) read as +-480 here: quantizers clamp to +-448, so no weight holds one.
+ *
+ * Layout and threads: W is read row-major, as stored (no repack: the same tensors serve the
+ * reference path, expert moves and the cold-expert store). Each thread takes a contiguous range
+ * of output rows (one forward stream through memory) in units of QNR rows (AVX512 4, AVX2 2),
+ * dequantizes 16 weights of each of those rows per step in registers and multiplies them into
+ * up to QRT input rows (QNR x QRT accumulators of 16 fp32 lanes; 16 lanes of a row-column pair summed
+ * horizontally at the end in the fixed order of _mm512_reduce_add_ps). More input rows than
+ * QRT: the unit's weights are dequantized once into a per-thread fp32 buffer (L2) and every
+ * tile of QRT input rows reads them there; the values and the per-lane order are the same, so a
+ * row's result never depends on the batch (nor on the thread count). int4: x is permuted per 32
+ * columns to [even, odd] once per call, so low and high nibbles multiply contiguous x.
+ * Columns past the last full vector (K % 16, int4 K % 32) are summed in scalar C after the
+ * vector sum (same code in both variants). group must be a multiple of 16 (int4: 32) unless
+ * there is one group per row: the Python side checks (kernels/quant.py unserved).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* QNR output rows per unit x QRT input rows per register tile: QNR x QRT accumulators. Neither
+ * changes any bits (every row-column pair has its own accumulator, summed in k order), so each
+ * variant takes what fits its registers. */
+#if defined(__AVX512F__)
+#define QNR 4        /* 16 accumulators + 4 weights + x fit 32 zmm */
+#define QRT 4
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "cpu_avx2.h"
+#define QNR 2        /* a 16-lane vector is 2 ymm: 4 accumulators + 2 weights + x = 14 of 16 ymm */
+#define QRT 2
+#else
+#error "build with -mavx512f or -march=x86-64-v3"
+#endif
+
+enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP8 = 2 };
+
+#ifndef QPF
+#define QPF 512      /* bytes ahead of each row's reads that software prefetch asks for */
+#endif
+
+static inline uint16_t q_f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float q_bf16_to_f32(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* e4m3fn byte -> its value (exact in fp32), for the scalar tail: 2^(e-7) * (1 + m/8), or
+ * m * 2^-9 for e = 0. */
+static inline float e4m3_value(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float mag = e ? ldexpf((float)(8 + m), e - 10) : (float)m / 512.0f;
+    return b & 0x80 ? -mag : mag;
+}
+
+/* ---- 16 weights -> 16 fp32 lanes (unscaled codes), per variant ---------------------------- */
+
+/* fp16 bit patterns of 16 e4m3 codes (16-bit lanes): sign to bit 15, exponent and mantissa to bits
+ * 7..13, so the fp16 value is the e4m3 value / 256 (subnormals included: fp16's subnormal range
+ * holds e4m3's). */
+static inline __m256i e4m3_as_f16(__m128i b) {
+    /* sign-extended s: s << 7 has the sign in bit 15 and exponent|mantissa in bits 7..13; a
+     * negative code also sets bit 14, which the mask clears */
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xbf80));
+}
+
+#if defined(__AVX512F__)
+static inline __m512 codes_i8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline void codes_u4(const uint8_t *p, __m512 *lo, __m512 *hi) {   /* 16 bytes: 32 nibbles */
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+static inline __m512 codes_e4m3(const uint8_t *p) {   /* value / 256 */
+    return _mm512_cvtph_ps(e4m3_as_f16(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+static inline __m256 i8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m512 codes_i8(const uint8_t *p) { return v16f_of(i8x8(p), i8x8(p + 8)); }
+static inline void codes_u4(const uint8_t *p, __m512 *lo, __m512 *hi) {
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    const __m256i f = _mm256_set1_epi32(15);
+    *lo = v16f_of(_mm256_cvtepi32_ps(_mm256_and_si256(b0, f)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, f)));
+    *hi = v16f_of(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)));
+}
+static inline __m512 codes_e4m3(const uint8_t *p) {
+    const __m256i h = e4m3_as_f16(_mm_loadu_si128((const __m128i *)p));
+    return v16f_of(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+}
+#endif
+
+/* One weight's value, scalar (the tail columns): the same roundings as the vector path. */
+static inline float weight_at(const int fmt, const uint8_t *row, long k, float s, float z) {
+    if (fmt == Q_INT8) return ((float)(int8_t)row[k] - z) * s;
+    if (fmt == Q_INT4) return ((float)(k & 1 ? row[k >> 1] >> 4 : row[k >> 1] & 15) - z) * s;
+    return e4m3_value(row[k]) * s;
+}
+
+typedef struct {
+    const uint8_t *w;       /* codes, row n at w + n * ldw bytes */
+    long ldw;
+    const float *s;         /* scales, row n at s + n * lds */
+    long lds;
+    const uint8_t *z;       /* zero points (int8 or uint8 as fmt says), row n at z + n * ldz; NULL: symmetric */
+    long ldz;
+    long group, K, KV;      /* KV: columns the vector loop covers (a multiple of its step) */
+} QMat;
+
+static inline float zero_at(const int fmt, const QMat *q, long n, long g) {
+    if (!q->z) return fmt == Q_INT4 ? 8.0f : 0.0f;
+    const uint8_t b = q->z[n * q->ldz + g];
+    return fmt == Q_INT8 ? (float)(int8_t)b : (float)b;
+}
+
+/* The weights of rows rows[0..QNR) for columns [k0, k0 + step) of group g, scaled: w[j] (and for
+ * int4 w2[j], the odd columns). Inlined with constant fmt. */
+static inline __attribute__((always_inline)) void dequant_step(
+        const int fmt, const int asym, const uint8_t *const wr[QNR], const __m512 s[QNR],
+        const __m512 z[QNR], long k, __m512 w[QNR], __m512 w2[QNR]) {
+    for (int j = 0; j < QNR; j++) {
+        if (fmt == Q_INT4) {
+            __m512 lo, hi;
+            codes_u4(wr[j] + k / 2, &lo, &hi);
+            w[j] = _mm512_mul_ps(_mm512_sub_ps(lo, z[j]), s[j]);
+            w2[j] = _mm512_mul_ps(_mm512_sub_ps(hi, z[j]), s[j]);
+        } else if (fmt == Q_INT8) {
+            const __m512 c = codes_i8(wr[j] + k);
+            w[j] = _mm512_mul_ps(asym ? _mm512_sub_ps(c, z[j]) : c, s[j]);
+        } else {
+            w[j] = _mm512_mul_ps(codes_e4m3(wr[j] + k), s[j]);   /* s holds 256 * scale */
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void group_consts(
+        const int fmt, const QMat *q, const long rows[QNR], long g, __m512 s[QNR], __m512 z[QNR]) {
+    for (int j = 0; j < QNR; j++) {
+        const float sc = q->s[rows[j] * q->lds + g];
+        s[j] = _mm512_set1_ps(fmt == Q_FP8 ? sc * 256.0f : sc);
+        z[j] = _mm512_set1_ps(zero_at(fmt, q, rows[j], g));
+    }
+}
+
+/* acc[r][j] over the vector columns for RT input rows (x fp32 [RT][ldx], int4: permuted), the
+ * weights dequantized in registers. */
+static inline __attribute__((always_inline)) void tile_fused(
+        const int fmt, const int asym, const int RT, const QMat *q, const long rows[QNR],
+        const float *x, long ldx, __m512 acc[][QNR]) {
+    const int step = fmt == Q_INT4 ? 32 : 16;
+    const uint8_t *wr[QNR];
+    for (int j = 0; j < QNR; j++) wr[j] = q->w + rows[j] * q->ldw;
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < QNR; j++) acc[r][j] = _mm512_setzero_ps();
+    for (long k0 = 0, g = 0; k0 < q->KV; k0 += q->group, g++) {
+        __m512 s[QNR], z[QNR];
+        group_consts(fmt, q, rows, g, s, z);
+        const long k1 = k0 + q->group < q->KV ? k0 + q->group : q->KV;
+        for (long k = k0; k < k1; k += step) {
+            __m512 w[QNR], w2[QNR];
+            /* QNR streams a row apart: the hardware prefetcher alone reads them at ~half speed */
+            if (QPF) for (int j = 0; j < QNR; j++) _mm_prefetch((const char *)wr[j] + (fmt == Q_INT4 ? k / 2 : k) + QPF, _MM_HINT_T0);
+            dequant_step(fmt, asym, wr, s, z, k, w, w2);
+            for (int r = 0; r < RT; r++) {
+                const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+                for (int j = 0; j < QNR; j++) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+                if (fmt == Q_INT4) {
+                    const __m512 xo = _mm512_loadu_ps(x + r * ldx + k + 16);
+                    for (int j = 0; j < QNR; j++) acc[r][j] = _mm512_fmadd_ps(xo, w2[j], acc[r][j]);
+                }
+            }
+        }
+    }
+}
+
+/* The unit's vector-column weights into wbuf [QNR][KV] (int4: per 32 columns, even then odd). */
+static inline __attribute__((always_inline)) void unit_dequant(
+        const int fmt, const int asym, const QMat *q, const long rows[QNR], float *wbuf) {
+    const int step = fmt == Q_INT4 ? 32 : 16;
+    const uint8_t *wr[QNR];
+    for (int j = 0; j < QNR; j++) wr[j] = q->w + rows[j] * q->ldw;
+    for (long k0 = 0, g = 0; k0 < q->KV; k0 += q->group, g++) {
+        __m512 s[QNR], z[QNR];
+        group_consts(fmt, q, rows, g, s, z);
+        const long k1 = k0 + q->group < q->KV ? k0 + q->group : q->KV;
+        for (long k = k0; k < k1; k += step) {
+            __m512 w[QNR], w2[QNR];
+            if (QPF) for (int j = 0; j < QNR; j++) _mm_prefetch((const char *)wr[j] + (fmt == Q_INT4 ? k / 2 : k) + QPF, _MM_HINT_T0);
+            dequant_step(fmt, asym, wr, s, z, k, w, w2);
+            for (int j = 0; j < QNR; j++) {
+                _mm512_storeu_ps(wbuf + j * q->KV + k, w[j]);
+                if (fmt == Q_INT4) _mm512_storeu_ps(wbuf + j * q->KV + k + 16, w2[j]);
+            }
+        }
+    }
+}
+
+/* tile_fused's sums from the dequantized buffer: the same FMAs in the same order. */
+static inline __attribute__((always_inline)) void tile_buf(
+        const int RT, long KV, const float *wbuf, const float *x, long ldx, __m512 acc[][QNR]) {
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < QNR; j++) acc[r][j] = _mm512_setzero_ps();
+    for (long k = 0; k < KV; k += 16)
+        for (int r = 0; r < RT; r++) {
+            const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+            for (int j = 0; j < QNR; j++)
+                acc[r][j] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wbuf + j * KV + k), acc[r][j]);
+        }
+}
+
+/* Finish RT x QNR outputs: horizontal sum, scalar tail, bias, rounding, store. */
+static inline __attribute__((always_inline)) void finish(
+        const int fmt, const int RT, const QMat *q, const long rows[QNR], long n0, long N, long r0,
+        const float *xnat, long ldx, __m512 acc[][QNR], const float *bias, void *out, int out_f32) {
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < QNR; j++) {
+            const long n = n0 + j;
+            if (n >= N) continue;
+            float sum = _mm512_reduce_add_ps(acc[r][j]);
+            if (q->KV < q->K) {
+                const uint8_t *row = q->w + n * q->ldw;
+                const float *xr = xnat + r * ldx;
+                float t = 0.0f, s = 0.0f, z = 0.0f;
+                long g = -1;
+                for (long k = q->KV; k < q->K; k++) {
+                    if (k / q->group != g) {
+                        g = k / q->group;
+                        s = q->s[n * q->lds + g];
+                        z = zero_at(fmt, q, n, g);
+                    }
+                    t += xr[k] * weight_at(fmt, row, k, s, z);
+                }
+                sum += t;
+            }
+            if (bias) sum += bias[n];
+            if (out_f32) ((float *)out)[(r0 + r) * N + n] = sum;
+            else ((uint16_t *)out)[(r0 + r) * N + n] = q_f32_to_bf16(sum);
+        }
+    (void)rows;
+}
+
+/* All rows of x for the output rows of [u0, u1) units, one (fmt, asym) instantiation. */
+static inline __attribute__((always_inline)) void run_units(
+        const int fmt, const int asym, const QMat *q, const float *x, long R, long N, long u0, long u1,
+        float *wbuf, const float *bias, void *out, int out_f32) {
+    const long ldx = q->K;
+    __m512 acc[QRT][QNR];
+    for (long u = u0; u < u1; u++) {
+        const long n0 = u * QNR;
+        long rows[QNR];
+        for (int j = 0; j < QNR; j++) rows[j] = n0 + j < N ? n0 + j : N - 1;   /* past N: a real row, result dropped */
+        const int buffered = R > QRT;
+        if (buffered) unit_dequant(fmt, asym, q, rows, wbuf);
+        for (long r0 = 0; r0 < R; r0 += QRT) {
+            const float *xr = x + r0 * ldx;
+#define Q_TILE(RT)                                                                              \
+            do {                                                                                \
+                if (buffered) tile_buf(RT, q->KV, wbuf, xr, ldx, acc);                          \
+                else tile_fused(fmt, asym, RT, q, rows, xr, ldx, acc);                          \
+                finish(fmt, RT, q, rows, n0, N, r0, xr, ldx, acc, bias, out, out_f32);          \
+            } while (0)
+            if (R - r0 >= QRT) Q_TILE(QRT);
+#if QRT > 2
+            else if (R - r0 == 3) Q_TILE(3);
+            else if (R - r0 == 2) Q_TILE(2);
+#endif
+            else Q_TILE(1);
+#undef Q_TILE
+        }
+    }
+}
+
+/* out [R][N] (bf16, or fp32 if out_f32) = x [R][K] (bf16, or fp32 if x_f32) @ W^T (+ bias fp32
+ * [N]). fmt: 0 int8, 1 int4, 2 fp8; w/ldw, s/lds, z/ldz: see QMat (z NULL: symmetric).
+ * Returns 0, -1 out of memory, -2 a group the vector loop cannot take. */
+int moed_qlinear(const void *x_in, int x_f32, long R, long K, int fmt, const uint8_t *w, long ldw,
+                 const float *s, long lds, const uint8_t *z, long ldz, long group, long N,
+                 const float *bias, void *out, int out_f32, int nthreads) {
+    const int step = fmt == Q_INT4 ? 32 : 16;
+    if (fmt < 0 || fmt > 2 || group <= 0 || (group < K && group % step) || (fmt == Q_FP8 && z)) return -2;
+    if (R <= 0 || N <= 0) return 0;
+    QMat q = {w, ldw, s, lds, z, ldz, group, K, K - K % step};
+    /* x as fp32 [R][K]; int4: each full 32-column block reordered to its 16 even then 16 odd
+     * columns (the low and high nibbles of 16 bytes); the tail stays in order. */
+    float *x = NULL, *xn = NULL;
+    const int copy = !x_f32 || fmt == Q_INT4;
+    if (copy) {
+        x = aligned_alloc(64, (size_t)(R * K * 2 + 16) * sizeof(float));
+        if (!x) return -1;
+        xn = x + R * K;
+        for (long i = 0; i < R * K; i++)
+            xn[i] = x_f32 ? ((const float *)x_in)[i] : q_bf16_to_f32(((const uint16_t *)x_in)[i]);
+        if (fmt == Q_INT4) {
+            for (long r = 0; r < R; r++)
+                for (long k = 0; k < K; k++) {
+                    const long b = k - k % 32, c = k % 32;
+                    x[r * K + (k < q.KV ? b + (c & 1) * 16 + c / 2 : k)] = xn[r * K + k];
+                }
+        } else {
+            memcpy(x, xn, (size_t)(R * K) * sizeof(float));
+        }
+    }
+    const float *xv = copy ? x : (const float *)x_in;
+    const long units = (N + QNR - 1) / QNR;
+    int oom = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long per = units / nt, extra = units % nt;
+        const long u0 = tid * per + (tid < extra ? tid : extra), u1 = u0 + per + (tid < extra);
+        float *wbuf = NULL;
+        if (R > QRT && u1 > u0) {
+            wbuf = aligned_alloc(64, (size_t)(QNR * q.KV + 16) * sizeof(float));
+            if (!wbuf) {
+#pragma omp atomic write
+                oom = 1;
+            }
+        }
+        if (!(R > QRT && u1 > u0 && !wbuf)) {
+            const int asym = z != NULL;
+            if (fmt == Q_INT8 && !asym) run_units(Q_INT8, 0, &q, xv, R, N, u0, u1, wbuf, bias, out, out_f32);
+            else if (fmt == Q_INT8) run_units(Q_INT8, 1, &q, xv, R, N, u0, u1, wbuf, bias, out, out_f32);
+            else if (fmt == Q_INT4 && !asym) run_units(Q_INT4, 0, &q, xv, R, N, u0, u1, wbuf, bias, out, out_f32);
+            else if (fmt == Q_INT4) run_units(Q_INT4, 1, &q, xv, R, N, u0, u1, wbuf, bias, out, out_f32);
+            else run_units(Q_FP8, 0, &q, xv, R, N, u0, u1, wbuf, bias, out, out_f32);
+        }
+        free(wbuf);
+    }
+    free(x);
+    return oom ? -1 : 0;
+}

@@ -1,0 +1,70 @@
+"""The native quantized matmul (cpu_quant.c, in the kernels' .so) from Python: which weights and
+calls it serves, and the call.
+
+It serves a 2-D QuantWeight on CPU (int8, int4, fp8; symmetric or with zero points) whose groups
+the vector loop can take (a multiple of 16 input columns, int4 32, or one group per row), for
+bf16 or fp32 activations of at most MAX_ROWS rows. Larger batches take the reference path
+(quant/linear.py: dequantize, then one oneDNN/ATen matmul), whose one dequantization per call is
+spread over many rows there. Numerics: cpu_quant.c's header (the reference's fp32 matmul of the
+same dequantized weight, up to fp32 summation order).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from moed.model.quant.weight import QuantWeight
+
+# Rows up to which the native kernel serves a call (decode and small batches; prefill chunks
+# take the reference path). bench/quant_kernels.py: native 7-10x the reference at 32 rows, 1-2x
+# at 128 (AVX512, one thread, 4096x2048), so 64 is well inside the win on either variant.
+MAX_ROWS = 64
+FORMAT_CODES = {"int8": 0, "int4": 1, "fp8": 2}
+_p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Declare moed_qlinear's signature on a loaded kernels library."""
+    lib.moed_qlinear.argtypes = [_p, _i, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i, _i]
+    lib.moed_qlinear.restype = _i
+
+
+def unserved(w: QuantWeight) -> str:
+    """Why the native kernel cannot read weight w ('' when it can)."""
+    if w.device.type != "cpu":
+        return f"weight on {w.device.type}"
+    if w.data.dim() != 2:
+        return f"a {w.data.dim()}-D weight stack"
+    step = 32 if w.fmt == "int4" else 16
+    if w.group < w.in_features and w.group % step:
+        return f"group {w.group} is not a multiple of {step}"
+    parts = [w.data, w.scale] + ([] if w.zero is None else [w.zero])
+    if any(t.stride(-1) != 1 for t in parts):
+        return "a column-strided view"
+    if w.scale.dtype != torch.float32:
+        return f"{w.scale.dtype} scales"
+    return ""
+
+
+def qlinear(kernels: object, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, K] (bf16 or fp32, CPU) @ W^T (+ bias fp32 [N]) -> [R, N] in x's dtype, for a weight
+    unserved() accepts. kernels: a loaded CpuKernels (its .lib)."""
+    x = x.contiguous()
+    r, k = x.shape
+    if k != w.in_features:
+        raise ValueError(f"qlinear: input has {k} columns, the weight {w.in_features}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"qlinear: {x.dtype} activations (bf16 or float32)")
+    n = w.data.shape[0]
+    out = torch.empty((r, n), dtype=x.dtype)
+    f32 = int(x.dtype == torch.float32)
+    z = w.zero
+    rc = kernels.lib.moed_qlinear(      # type: ignore[attr-defined]
+        x.data_ptr(), f32, r, k, FORMAT_CODES[w.fmt], w.data.data_ptr(), w.data.stride(0),
+        w.scale.data_ptr(), w.scale.stride(0), None if z is None else z.data_ptr(),
+        0 if z is None else z.stride(0), w.group, n, None if bias is None else bias.data_ptr(),
+        out.data_ptr(), f32, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("moed_qlinear: " + ("out of memory" if rc == -1 else f"cannot take {w.describe()}"))
+    return out
