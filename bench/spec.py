@@ -54,7 +54,8 @@ def prompts_for(model_dir: Path, workload: str, count: int) -> list[list[int]]:
     return [w[:96] + sep + w[:16] for w in picked]
 
 
-def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int, mtp_k: int = 1):
+def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int, mtp_k: int = 1,
+                adaptive: bool = True):
     from moed.config import EngineConfig, SpeculativeConfig
     from moed.engine.engine import Engine
     from moed.model.runner import ModelRunner
@@ -63,9 +64,9 @@ def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int, 
     spec = None
     if method == "ngram":
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
-                                 prompt_lookup_max=4)
+                                 prompt_lookup_max=4, adaptive=adaptive)
     elif method == "mtp":
-        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=mtp_k)
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=mtp_k, adaptive=adaptive)
     per_seq = -(-(160 + new + 8) // 16)
     runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=batch * per_seq + 8,
                          block_size=16, mtp=method == "mtp")
@@ -103,7 +104,8 @@ def timed(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[in
 def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) -> dict:
     prompts = prompts_for(model_dir, workload, max(batch, a.prompts))
     n = len(prompts)
-    engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new, a.mtp_k) for m in ["plain", *methods]}
+    engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new, a.mtp_k, a.adaptive == "on")
+               for m in ["plain", *methods]}
     for e in engines.values():  # warm-up: kernels, allocator, and the per-step switch's classes
         timed(e, prompts, a.new)
     tok_s: dict[str, list[float]] = {m: [] for m in engines}
@@ -179,6 +181,8 @@ def main() -> int:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the process's CPU seconds instead of wall seconds (with --threads "
                          "1, a shared machine's other load barely moves it; indicative only)")
+    ap.add_argument("--adaptive", default="on", choices=("on", "off"),
+                    help="speculative.adaptive (the per-step switch); off: every step may draft")
     ap.add_argument("--mtp-k", type=int, default=1, help="mtp's num_speculative_tokens (1..4, "
                     "chained past the first)")
     ap.add_argument("--dtype", default="bfloat16")

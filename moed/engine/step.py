@@ -354,7 +354,9 @@ class StepCore:
         self._publish(events)
         self.steps += 1
         g = self._gate_step
-        if g is not None and plan.num_prefill_tokens == 0:  # a decode step: the switch learns
+        # a decode step the switch's choice made a difference to (a step that might draft but
+        # had no draft is neither arm's: ngram found no match, an MTP run's first step) learns
+        if g is not None and plan.num_prefill_tokens == 0 and (ver or not g[1]):
             self._gate.observe(g[0], g[1], emitted(len(toks), ver or {}), self._clock() - g[2])
         self.balance.observe(plan.batch, fwd_s,     # the cost model learns from every step
                              [len(c.draft) for c in plan.chunks] if ver else ())

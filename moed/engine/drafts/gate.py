@@ -7,9 +7,14 @@ the model and the machine, so the switch measures instead of predicting:
 
     class       the step's decoding rows in power-of-two classes: 1, 2, 3-4, 5-8, 9-16, ...
     arm         "draft" (the step may draft) or "plain" (it may not)
-    rate        emitted tokens per second of the arm's steps in the class: EMAs of tokens and
-                of seconds (weight EMA_WEIGHT), their ratio; only steps without a prompt chunk
-                are measured (a chunk's time is neither arm's)
+    rate        emitted tokens per second of the arm's steps in the class: averages of tokens
+                and of seconds, their ratio; only steps without a prompt chunk are measured (a
+                chunk's time is neither arm's). Each run of an arm (its steps in a row) starts
+                its estimate over: the plain mean of the run's first MIN_SAMPLES measured
+                steps replaces what the arm had, later steps move it by EMA_WEIGHT. So an
+                exploration run is a fresh measurement of the loser, not a nudge to a stale
+                figure: a warm-up slowed by first calls (new row counts' kernels) is corrected
+                at the first exploration, not after many
 
 Each class runs the arm with the higher rate. At the end of every period of `every`
 decisions (EXPLORE_EVERY at first) it runs the other for EXPLORE_RUN steps in a row (a run,
@@ -62,6 +67,7 @@ class ClassState:
     decisions: int = 0      # the exploration clock: decisions taken in this period
     explored: bool = False  # the arm the current exploration run measures (the loser at its start)
     last: bool | None = None    # the arm of the last step observed
+    run: int = 0            # measured steps of the current run of `last`
     every: int = EXPLORE_EVERY  # this period's length, its exploration run last
 
 
@@ -91,17 +97,19 @@ def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
 def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassState:
     """The class after one step of arm `drafted` that emitted `tokens` in `seconds`. The first
     step after a switch of arms is not measured (the switch's cost is neither arm's: an MTP
-    draft is made a step before it is verified, so a draft run's first step has none). An
-    arm's first sample sets its averages; later ones move them by EMA_WEIGHT, each step's
-    seconds capped at SPIKE times the average (a step slowed by another process on the cores
-    must not decide alone)."""
+    draft is made a step before it is verified, so a draft run's first step has none). The
+    run's first measured step replaces the arm's averages, its next ones make them the run's
+    plain mean (up to MIN_SAMPLES steps), later ones move them by EMA_WEIGHT; each step's
+    seconds capped at SPIKE times the arm's average (a step slowed by another process on the
+    cores must not decide alone)."""
     if s.last is not None and drafted != s.last:
-        return replace(s, last=drafted)
-    a = s.draft if drafted else s.plain
-    w = 1.0 if a.samples == 0 else EMA_WEIGHT
+        return replace(s, last=drafted, run=0)
+    a, n = (s.draft if drafted else s.plain), s.run + 1
+    w = 1.0 / n if n <= MIN_SAMPLES else EMA_WEIGHT
     sec = max(seconds, 0.0) if a.samples == 0 else min(max(seconds, 0.0), SPIKE * a.seconds)
     a = Arm((1 - w) * a.tokens + w * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
-    return replace(s, draft=a, last=True) if drafted else replace(s, plain=a, last=False)
+    s = replace(s, last=drafted, run=n)
+    return replace(s, draft=a) if drafted else replace(s, plain=a)
 
 
 class StepGate:

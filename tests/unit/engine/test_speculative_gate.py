@@ -92,6 +92,21 @@ def test_recovers_when_the_losing_arm_becomes_the_winner():
     assert s.draft.rate > s.plain.rate
 
 
+def test_a_warmup_slowed_by_first_calls_is_corrected_at_the_first_exploration():
+    """Drafts win (3 tokens in 1 s against 1 in 1 s), but the class's very first drafting step
+    took 40 s (new row counts' kernels built on first use): plain wins the warm-up. The first
+    exploration run re-measures drafting from scratch (the run's mean replaces the stale
+    figure), so drafting wins from then on, not after many periods of blending."""
+    calls = [0]
+
+    def cost(d):
+        calls[0] += 1
+        return (3, 40.0 if calls[0] == 1 else 1.0) if d else (1, 1.0)
+    s, arms = _run_gate(ClassState(), EXPLORE_EVERY + 2 * MIN_SAMPLES + 8, cost)
+    assert arms[0] and not arms[MIN_SAMPLES + 1]            # warm-up: drafts, then plain wins
+    assert s.draft.rate > s.plain.rate and all(arms[-6:])   # one run later: drafting wins
+
+
 def test_recovers_after_the_longest_backoff_and_explores_often_again():
     """A loser for ~5000 steps (periods at EXPLORE_MAX), then the winner: found by the next
     run, within EXPLORE_MAX steps, and the periods start over at EXPLORE_EVERY (the new
