@@ -20,7 +20,8 @@ Each class runs the arm with the higher rate. At the end of every period of `eve
 decisions (EXPLORE_EVERY at first) it runs the other for EXPLORE_RUN steps in a row (a run,
 not one step: an MTP draft is made one step before it is verified, so the first step of a
 draft run has none), so a loser that has become the winner (the batch's prompts turned
-repetitive, the machine got quieter) is found again. A run that leaves the winner as it was
+repetitive, the machine got quieter) is found again. A run lasts until EXPLORE_RUN - 1 of its steps were measured (at most
+EXPLORE_CAP decisions): a step that might draft but had no draft measures nothing. A run that leaves the winner as it was
 doubles the next period (up to EXPLORE_MAX): a loser that keeps losing costs its runs ever
 more rarely (4 steps in 64, then in 128, ... 1024); a period that ends with the arm its run
 explored as the winner starts the periods over at EXPLORE_EVERY. A new class first
@@ -38,6 +39,7 @@ MIN_SAMPLES = 4
 EXPLORE_EVERY = 64
 EXPLORE_MAX = 1024     # 4 steps in 1024: a recovery within ~2000 steps at worst
 EXPLORE_RUN = 4
+EXPLORE_CAP = 4 * EXPLORE_RUN  # the most decisions a run may take to measure its steps
 SPIKE = 4.0
 
 
@@ -84,8 +86,13 @@ def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
     if s.plain.samples < MIN_SAMPLES:
         return False, Why.WARMUP, s
     winner = s.draft.rate >= s.plain.rate
-    if s.decisions >= s.every:      # a period ended: its run explored the loser of its start
-        same = winner != s.explored
+    start = s.every - EXPLORE_RUN   # the decision the period's run begins at
+    # a run ends once it has measured EXPLORE_RUN - 1 steps of its arm (the first after the
+    # switch is not measured), or at the cap: steps with no draft measure nothing (ngram found
+    # no match), and a run of such steps must not pass for a loser confirmed
+    measured = s.last == s.explored and s.run >= EXPLORE_RUN - 1
+    if s.decisions >= start + EXPLORE_CAP or (s.decisions >= s.every and measured):
+        same = winner != s.explored     # the period ended: its run explored its start's loser
         s = replace(s, decisions=0, every=min(2 * s.every, EXPLORE_MAX) if same else EXPLORE_EVERY)
     phase = s.decisions - (s.every - EXPLORE_RUN)
     if phase < 0:
