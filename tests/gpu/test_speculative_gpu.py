@@ -33,6 +33,7 @@ NAMES = ["os", "sys", "re", "json", "path", "item", "value", "key"]
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                           prompt_lookup_max=3, adaptive=False)
 MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=1, adaptive=False)
+MTP3 = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=False)   # chained
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -57,7 +58,7 @@ def _demo_prompts() -> list[list[int]]:
     return ps + ps[:8]                      # 48 prompts, the last 8 hit the prefix cache
 
 
-@pytest.mark.parametrize("spec", [NGRAM, MTP], ids=["ngram", "mtp"])
+@pytest.mark.parametrize("spec", [NGRAM, MTP, MTP3], ids=["ngram", "mtp", "mtp-k3"])
 def test_demo_model_cuda_fp32_speculation_equals_plain(spec):
     """The trained demo model (DeepSeek-V3 with MLA and an MTP layer; torch attention, since
     FlashInfer's MLA serves only V3's own sizes) on CUDA in fp32: token for token."""
