@@ -23,8 +23,8 @@ class StepRunner(Protocol):
     kv_cache: Any
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, kv_only: bool = False,
-                    exchange: bool = False) -> torch.Tensor | None: ...
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
+                    kv_only: bool = False) -> torch.Tensor | None: ...
     def draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int],
                   passes: int = 0) -> list[list[int]]: ...
     def forward_empty(self, mtp: int = 0) -> None: ...
@@ -56,8 +56,8 @@ class RunnerDefaults:
     def forward_empty(self, mtp: int = 0) -> None:
         raise RuntimeError("this runner is not part of an expert-parallel group")
 
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, kv_only: bool = False,
-                    exchange: bool = False) -> torch.Tensor | None:
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
+                    kv_only: bool = False) -> torch.Tensor | None:
         raise RuntimeError("this runner has no MTP layer")
 
     def draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int],

@@ -76,7 +76,9 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         # the chain's entries at last + 1 .. last + depth - 1: inside the table and the context
         last = batch.start_pos[i] + keep[-1] - 1
         room = min(len(batch.block_tables[i]) * bs, r.max_model_len) - last
-        depth.append(max(1, min(k, room)) if c.sample and drafting else 0)
+        # a prefill-only request's first draft is all that travels (with_first_drafts)
+        chain = 1 if r.prefill_only else max(1, min(k, room))
+        depth.append(chain if c.sample and drafting else 0)
     mb, rows = mtp_inputs(batch, next_ids, keep)
     if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
         hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))

@@ -229,8 +229,8 @@ class ModelRunner:
         return self.model(input_ids, positions, max_pos, rows, self.backend, self.kv_cache)
 
     @torch.inference_mode()
-    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, kv_only: bool = False,
-                    exchange: bool = False) -> torch.Tensor | None:
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor,
+                    kv_only: bool = False) -> torch.Tensor | None:
         """DeepSeek-V3's MTP layer (moed/model/mtp.py; built with mtp=True): fp32 logits of
         `batch.logit_rows`, each predicting the token two past its position.
 
@@ -240,8 +240,7 @@ class ModelRunner:
         model's hidden states at those positions (forward(..., hidden=True)), in that order.
         The MTP layer's KV entries of those positions are written (its KV layer, same blocks).
         kv_only: those entries only (the same numbers; no attention, MoE or head) -> None.
-        exchange (with kv_only; expert parallelism): then join the layer's MoE exchange with no
-        rows, as a peer rank runs the layer in full this step (moed.parallel.agree)."""
+        (The engine's step runs draft_mtp, which also joins an EP group's exchanges.)"""
         if self.mtp is None:
             raise RuntimeError("forward_mtp: this runner was built without mtp=True")
         self._check(batch)
@@ -252,11 +251,7 @@ class ModelRunner:
         hidden, kv = hidden.to(self.device, self.dtype), self.kv_cache[self.spec.num_layers]
         if kv_only:
             self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary, self.backend, kv)
-            if exchange:
-                self.mtp.empty_step()
             return None
-        if exchange:
-            raise ValueError("forward_mtp: exchange is for a kv_only pass (a full one exchanges its rows)")
         return self.mtp(hidden, input_ids, positions, max_pos, rows, self.model.rotary, self.backend, kv)
 
     @torch.inference_mode()
