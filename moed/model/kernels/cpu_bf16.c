@@ -1,4 +1,5 @@
-/* bf16 CPU kernels for x86 CPUs with AVX512-BF16: matmuls on a packed weight, a whole MoE block,
+/* bf16 CPU kernels for x86-64 CPUs (AVX512-BF16, AVX512, or AVX2 + FMA: the variants below):
+ * matmuls on a packed weight, a whole MoE block,
  * paged decode and prefill attention, RMSNorm and rotary. Built for decode; the matmuls and the
  * MoE block serve prefill too (on par with oneDNN there on Zen4), so a weight is held once.
  *
@@ -31,12 +32,14 @@
  * Every output element is computed by one thread in a fixed order, so results are bitwise the
  * same for any thread count (a prefill node and a decode node agree exactly).
  * Built at run time by moed/model/kernels/__init__.py once per ISA variant (no -march=native:
- * one cached .so serves any CPU of its variant): -mavx512bf16 (AVX512-BF16: Zen4, Sapphire
- * Rapids and later) and -march=x86-64-v3 (AVX2 + FMA: Haswell, Zen1-3 and later), the latter
- * through cpu_avx2.h, which does each 512-bit step on two 256-bit halves in the same order:
- * the two variants give the same bits (see cpu_avx2.h for the one exception, denormals).
- * Both build with -ffp-contract=off, so the compiler fuses no multiply-add the source does
- * not spell out (it could fuse differently per variant, and the bits would part).
+ * one cached .so serves any CPU of its variant): avx512bf16 (-mavx512bf16: Zen4, Sapphire
+ * Rapids and later), avx512 (-mavx512f/bw/vl, no BF16: Skylake-SP, Cascade Lake, Ice Lake;
+ * real 512-bit code, the bf16 dot product and conversion done by cpu_avx512.h) and avx2
+ * (-march=x86-64-v3: Haswell, Zen1-3 and later; through cpu_avx2.h, which does each 512-bit
+ * step on two 256-bit halves in the same order). All three give the same bits (see cpu_avx2.h
+ * for the one exception, denormals). All build with -ffp-contract=off, so the compiler fuses
+ * no multiply-add the source does not spell out (it could fuse differently per variant, and
+ * the bits would part).
  */
 #include <immintrin.h>
 #include <math.h>
