@@ -1,12 +1,13 @@
 """Two builds of the CPU kernels on the native decode step, interleaved call by call.
 
     .venv/bin/python bench/kernel_ab.py A.c B.c [--batches 1,8] [--calls 600] [--threads 2]
-                                        [--isa avx512bf16,avx2]
+                                        [--isa avx512,avx2]
 
 Each file is a variant of moed/model/kernels/cpu_bf16.c with the same ABI (the decode step's
 structs and signatures). Both are compiled with the project's flags for their ISA variant (--isa,
-one per build, default avx512bf16 for both; `cpu_bf16.c cpu_bf16.c --isa avx512bf16,avx2` races the
-two variants of one source; cpu_avx2.h is found beside the source or in moed/model/kernels) and loaded
+one per build, default the fastest this CPU runs for both; `cpu_bf16.c cpu_bf16.c --isa avx512,avx2`
+races two variants of one source; cpu_avx2.h and cpu_avx512.h are found beside the source or in
+moed/model/kernels) and loaded
 into one process, and the bench model's decode step is called alternately on each (A B B A ...),
 so a change of the host's memory bandwidth, which on a shared VM moves a decode step by tens of
 percent within minutes, falls on both alike. Two separate runs of one build differ by up to ±6%
@@ -57,7 +58,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--calls", type=int, default=600, help="decode steps per batch size, both builds")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--isa", default="avx512bf16,avx512bf16", help="the variant of A and of B (kernels.ISAS)")
+    ap.add_argument("--isa", default=f"{K.best_isa()},{K.best_isa()}", help="the variant of A and of B (kernels.ISAS)")
     ap.add_argument("--cache", default=str(ROOT / ".cache" / "bench"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernel_ab.json"))
     a = ap.parse_args()

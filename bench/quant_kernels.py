@@ -2,7 +2,7 @@
 format and row count, in weight bytes read per second beside the machine's read bandwidth.
 
     .venv/bin/python bench/quant_kernels.py [--rows 1,8,32] [--shape 4096,2048] [--threads 2]
-                                            [--isa avx512bf16,avx2] [--repeats 20]
+                                            [--isa avx512,avx2] [--repeats 20]
 
 For each format (int8 per row, int4 group 128, fp8 block 128) a [rows, K] bf16 x [N, K] product:
 native (each variant this CPU runs) and the reference (quant/linear.py: dequantize, then

@@ -19,7 +19,7 @@ from moed.config.schema import ConfigError
 OTHER_ENV: Mapping[str, str] = {
     "MOED_CPU_KERNELS": "0 turns the native CPU kernels off (moed/model/kernels)",
     "MOED_KERNEL_CACHE": "where the native CPU kernels are built (moed/model/kernels)",
-    "MOED_CPU_ISA": "auto (default), avx512bf16 or avx2: the native CPU kernels' variant (moed/model/kernels)",
+    "MOED_CPU_ISA": "auto (default), avx512bf16, avx512 or avx2: the native CPU kernels' variant (moed/model/kernels)",
     "MOED_CACHE_DIR": "`moed model init`'s tokenizer cache (moed/dev/bpe_train.py)",
     "MOED_BENCH_CACHE": "bench/engine.py's checkpoint cache",
 }
@@ -28,7 +28,7 @@ OTHER_ENV: Mapping[str, str] = {
 # MOED_CPU_ISA's values (moed/model/kernels ISAS, plus auto): checked with the config, so a
 # misspelt variant stops the node before the model loads (whether this CPU runs it is checked
 # where the kernels load: kernels.IsaRefused).
-CPU_ISA_VALUES = ("auto", "avx512bf16", "avx2")
+CPU_ISA_VALUES = ("auto", "avx512bf16", "avx512", "avx2")
 
 
 def env_name(section: str, key: str) -> str:

@@ -3,7 +3,7 @@ ExpertPlacement, the expert-parallel placement the context carries to every MoE 
 
 The runner builds one per model and hands it to every layer and to the attention backend, so
 the whole model takes the same path: either the native CPU kernels (moed/model/kernels, bf16 on
-x86-64 with AVX512-BF16 or AVX2 + FMA) everywhere they apply, or the torch path everywhere. `cpu_kernels()` logs
+x86-64 with AVX512(-BF16) or AVX2 + FMA) everywhere they apply, or the torch path everywhere. `cpu_kernels()` logs
 `cpu_kernels_on` / `cpu_kernels_off` (with the reason) once per process; the runner's
 describe() reports the answer as moed_model_info{cpu_kernels=...}.
 """
@@ -63,7 +63,7 @@ class ComputeContext:
                                  f"only, not {dtype} on {device}")
             if dtype == torch.bfloat16 and kernels is None:
                 raise ValueError("model.batch_invariant in bf16 needs the native CPU kernels "
-                                 "(an AVX512-BF16 or AVX2 CPU, MOED_CPU_KERNELS not 0; "
+                                 "(an AVX512 or AVX2 x86-64 CPU, MOED_CPU_KERNELS not 0; "
                                  "cpu_kernels_off says why they are off), or model.dtype "
                                  "float32")
             kernels = native_only(kernels) if kernels is not None else None

@@ -26,7 +26,7 @@ from moed.model.spec import ModelSpec
 class Linear:
     """y = x W^T (+ b), with a CPU bf16 fast path chosen at load time.
 
-    - With the native kernels (moed/model/kernels, AVX2 or AVX512-BF16 CPUs): the weight is repacked
+    - With the native kernels (moed/model/kernels, AVX2 or AVX512 CPUs): the weight is repacked
       once into the kernels' layout, which replaces the plain weight. Which kernel serves a row
       count is measured per weight shape and row class at load (kernels/choice.py): the native
       one wins 1-16 rows everywhere (1.2-1.7x oneDNN on Zen4); where oneDNN wins a class by a

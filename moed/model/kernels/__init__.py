@@ -8,9 +8,9 @@ weighted sum; each touched expert read once), `linear_bf16` (skinny matmuls on a
 prompts, blocked over queries), `rms_norm_bf16` (with the residual add) and `qk_norm_rope_bf16`;
 `moed_decode_step_bf16` strings them together over a whole decode step (decode_step.py);
 `moed_qlinear` (cpu_quant.c, kernels/quant.py) multiplies by int8/int4/fp8 weights. x86-64
-CPUs only; the sources built per ISA variant (ISAS: AVX512-BF16, and AVX2 + FMA through cpu_avx2.h, bitwise the same results),
-the fastest this CPU runs picked at load from /proc/cpuinfo, or the one MOED_CPU_ISA names. The
-layouts and numerics are described in the C files.
+CPUs only; the sources built per ISA variant (ISAS: avx512bf16; avx512, AVX512F/BW/VL without BF16,
+through cpu_avx512.h; avx2, AVX2 + FMA, through cpu_avx2.h; all bitwise the same results), the
+fastest this CPU runs picked at load from /proc/cpuinfo, or the one MOED_CPU_ISA names (layouts, numerics: the C files).
 
 Why build at run time rather than ship a wheel: the project installs as pure Python (no build
 step that could break a GPU install); the C file compiles in about a second with the C
@@ -44,21 +44,22 @@ log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_bf16.c")
 # compiled into the same .so: quantized-weight matmuls (int8 / int4 / fp8, see the file)
 QUANT_SOURCE = Path(__file__).with_name("cpu_quant.c")
-HEADERS = (Path(__file__).with_name("cpu_avx2.h"), QUANT_SOURCE)
+HEADERS = (*(Path(__file__).with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h")), QUANT_SOURCE)
 # No -march=native: a cached .so must run on any CPU of its variant that shares the cache.
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 # -ffp-contract=off: no multiply-add fused unless the source spells it (the variants would part).
 COMMON_CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off", "-fPIC", "-shared",
                  "-fopenmp")
 # The variants, fastest first: the flags each is compiled with and the /proc/cpuinfo flags a CPU
-# needs to run it. avx2 is x86-64-v3 (Haswell, Zen1 and later); it computes the same bits as
-# avx512bf16 (cpu_avx2.h says how).
-ISA_CFLAGS: dict[str, tuple[str, ...]] = {
-    "avx512bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
-    "avx2": ("-march=x86-64-v3",),
-}
+# needs to run it. avx512bf16: Zen4, Sapphire Rapids and later; avx512: Skylake-SP to Ice Lake
+# (no VNNI: cpu_quant.c does not quantize activations); avx2 is x86-64-v3 (Haswell, Zen1 and
+# later). All compute the same bits (cpu_avx512.h and cpu_avx2.h say how).
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
+ISA_CFLAGS: dict[str, tuple[str, ...]] = {"avx512bf16": (*_AVX512, "-mavx512bf16"), "avx512": _AVX512,
+                                          "avx2": ("-march=x86-64-v3",)}
 ISA_NEEDS: dict[str, frozenset[str]] = {
     "avx512bf16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}),
     "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}),
 }
 ISAS = tuple(ISA_CFLAGS)
@@ -391,8 +392,7 @@ def runnable_isas() -> list[str]:
 
 
 def best_isa() -> str | None:
-    runnable = runnable_isas()
-    return runnable[0] if runnable else None
+    return next(iter(runnable_isas()), None)
 
 
 def cpu_flags_ok() -> bool:
@@ -438,7 +438,7 @@ def cpu_kernels() -> CpuKernels | None:
         return None
     isa = isa_from_env()
     if isa is None:
-        log.info("cpu_kernels_off", reason="CPU lacks AVX2+FMA and AVX512-BF16", fallback="torch")
+        log.info("cpu_kernels_off", reason="CPU lacks AVX2+FMA and AVX512", fallback="torch")
         return None
     try:
         k = load(isa)

@@ -1,7 +1,7 @@
 """Which matmul serves a bf16 weight shape at a given row count: the native kernel or oneDNN.
 
-The native kernel (cpu_bf16.c) streams a weight once for up to 8 rows at a time with AVX512-BF16
-dot products: it wins the skinny matmuls of decode everywhere, and on a Zen4-class CPU stays at
+The native kernel (cpu_bf16.c) streams a weight once for up to 8 rows at a time with bf16 dot
+products (AVX512-BF16, or FMAs on widened weights): it wins the skinny matmuls of decode everywhere, and on a Zen4-class CPU stays at
 the dot-product rate for hundreds of rows. On a CPU with AMX tiles oneDNN multiplies many rows
 several times faster. No fixed row threshold is right on both, so each weight shape [N, K] is
 timed once, native vs oneDNN (race()), at one row count per class (ROW_CLASSES); oneDNN is chosen for

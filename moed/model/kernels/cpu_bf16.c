@@ -1,4 +1,5 @@
-/* bf16 CPU kernels for x86 CPUs with AVX512-BF16: matmuls on a packed weight, a whole MoE block,
+/* bf16 CPU kernels for x86-64 CPUs (AVX512-BF16, AVX512, or AVX2 + FMA: the variants below):
+ * matmuls on a packed weight, a whole MoE block,
  * paged decode and prefill attention, RMSNorm and rotary. Built for decode; the matmuls and the
  * MoE block serve prefill too (on par with oneDNN there on Zen4), so a weight is held once.
  *
@@ -31,12 +32,14 @@
  * Every output element is computed by one thread in a fixed order, so results are bitwise the
  * same for any thread count (a prefill node and a decode node agree exactly).
  * Built at run time by moed/model/kernels/__init__.py once per ISA variant (no -march=native:
- * one cached .so serves any CPU of its variant): -mavx512bf16 (AVX512-BF16: Zen4, Sapphire
- * Rapids and later) and -march=x86-64-v3 (AVX2 + FMA: Haswell, Zen1-3 and later), the latter
- * through cpu_avx2.h, which does each 512-bit step on two 256-bit halves in the same order:
- * the two variants give the same bits (see cpu_avx2.h for the one exception, denormals).
- * Both build with -ffp-contract=off, so the compiler fuses no multiply-add the source does
- * not spell out (it could fuse differently per variant, and the bits would part).
+ * one cached .so serves any CPU of its variant): avx512bf16 (-mavx512bf16: Zen4, Sapphire
+ * Rapids and later), avx512 (-mavx512f/bw/vl, no BF16: Skylake-SP, Cascade Lake, Ice Lake;
+ * real 512-bit code, the bf16 dot product and conversion done by cpu_avx512.h) and avx2
+ * (-march=x86-64-v3: Haswell, Zen1-3 and later; through cpu_avx2.h, which does each 512-bit
+ * step on two 256-bit halves in the same order). All three give the same bits (see cpu_avx2.h
+ * for the one exception, denormals). All build with -ffp-contract=off, so the compiler fuses
+ * no multiply-add the source does not spell out (it could fuse differently per variant, and
+ * the bits would part).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -51,16 +54,23 @@ typedef uint16_t bf16;
 #define ROW_TILE 8   /* input rows per pass over a block: 2 x 8 accumulators + loads fit 32 zmm */
 
 #ifdef __AVX512BF16__
+/* the native bf16 dot product and conversion */
 #define MOED_ISA "avx512bf16"
 #define AS_BH(v) ((__m512bh)(v))
 #define CVTNE_BH(v) ((__m256i)_mm512_cvtneps_pbh(v))
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
+/* AVX512 without BF16 (Skylake-SP to Ice Lake): real 512-bit code, the bf16 steps in cpu_avx512.h */
+#define MOED_ISA "avx512"
+#include "cpu_avx512.h"
+#define CVTNE_BH(v) cvtne_bh16(v)
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* no AVX-512: every 512-bit intrinsic done on two 256-bit halves by cpu_avx2.h */
 #define MOED_ISA "avx2"
 #include "cpu_avx2.h"
 #define AS_BH(v) (v)
 #define CVTNE_BH(v) cvtne_bh16(v)
 #else
-#error "build with -mavx512bf16 (and -mavx512f -mavx512bw -mavx512vl -mfma) or -march=x86-64-v3"
+#error "build with -mavx512f -mavx512bw -mavx512vl -mfma (and -mavx512bf16), or -march=x86-64-v3"
 #endif
 
 int moed_abi_version(void) { return 10; }
@@ -76,6 +86,9 @@ int moed_cpu_supported(void) {
 #ifdef __AVX512BF16__
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#elif defined(__AVX512F__)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
 #else
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
            __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
@@ -100,8 +113,8 @@ static inline bf16 f32_to_bf16(float f) {   /* round to nearest even; NaN stays 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* 1 if this CPU's dot product sums as cpu_avx2.h does (per lane: acc + odd product, then + even
- * product, each rounded once), so the variants give the same bits here. The AVX2 variant is
- * that order by construction; vdpbf16ps was measured so on Sapphire Rapids, and this checks the
+ * product, each rounded once), so the variants give the same bits here. The AVX2 and AVX512
+ * variants are that order by construction; vdpbf16ps was measured so on Sapphire Rapids, and this checks the
  * CPU at hand on lanes whose result shows the order: acc = 1 + an odd multiple of 2^-8, products
  * +-2^16 cancelling within the pair. acc + 2^16 rounds to a multiple of 2^-7, acc - 2^16 is exact
  * (below 2^16 the spacing is 2^-8): lanes 0-7 (odd product positive) keep acc exactly only if the
@@ -168,6 +181,46 @@ static inline __attribute__((always_inline)) void block_rows(
             const __m512bh xb = AS_BH(_mm512_set1_epi32((int)x[r * ldx2 + kp]));
             a[r][0] = _mm512_dpbf16_ps(a[r][0], xb, w0);
             a[r][1] = _mm512_dpbf16_ps(a[r][1], xb, w1);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(y + r * ldy, a[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, a[r][1]);
+    }
+}
+#elif defined(__AVX512F__)
+/* K pairs of the inputs widened at a time (8 rows x 2 x 128 floats: 8 KB, in L1). */
+#define XCHUNK 128
+
+/* block_rows on AVX512 without BF16: the same sums in the same order as vdpbf16ps (per k pair:
+ * + x_odd * w_odd, then + x_even * w_even, each an FMA). Each loaded weight vector is widened
+ * once into odd/even fp32 halves and shared by the R rows (16 accumulators + 4 widened weights
+ * fit the 32 zmm); the inputs are widened a chunk of k pairs at a time, so each FMA takes its
+ * x operand as a broadcast from L1 ({1to16}) rather than a shuffle per row and k pair. */
+static inline __attribute__((always_inline)) void block_rows(
+        const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+    float xo[ROW_TILE][XCHUNK] __attribute__((aligned(64))), xe[ROW_TILE][XCHUNK] __attribute__((aligned(64)));
+    __m512 a[ROW_TILE][2];
+    for (int r = 0; r < R; r++) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); }
+    for (long c0 = 0; c0 < K2; c0 += XCHUNK) {
+        const long cn = K2 - c0 < XCHUNK ? K2 - c0 : XCHUNK;
+        for (int r = 0; r < R; r++)
+            for (long kp = 0; kp < cn; kp += 16) {
+                const __mmask16 m = cn - kp >= 16 ? 0xffff : (__mmask16)((1u << (cn - kp)) - 1);
+                const __m512i u = _mm512_maskz_loadu_epi32(m, x + r * ldx2 + c0 + kp);
+                _mm512_store_ps(xo[r] + kp, bf16_odd_x16(u));
+                _mm512_store_ps(xe[r] + kp, bf16_even_x16(u));
+            }
+        const bf16 *wc = wb + c0 * 2 * NB;
+        for (long kp = 0; kp < cn; kp++) {
+            const __m512i w0 = _mm512_loadu_si512(wc + kp * 2 * NB), w1 = _mm512_loadu_si512(wc + kp * 2 * NB + NB);
+            const __m512 w0o = bf16_odd_x16(w0), w0e = bf16_even_x16(w0);
+            const __m512 w1o = bf16_odd_x16(w1), w1e = bf16_even_x16(w1);
+            for (int r = 0; r < R; r++) {
+                const __m512 xro = _mm512_set1_ps(xo[r][kp]), xre = _mm512_set1_ps(xe[r][kp]);
+                a[r][0] = dpbf16_wide(a[r][0], xro, xre, w0o, w0e);
+                a[r][1] = dpbf16_wide(a[r][1], xro, xre, w1o, w1e);
+            }
         }
     }
     for (int r = 0; r < R; r++) {
@@ -813,6 +866,18 @@ static inline __attribute__((always_inline)) __m512 key_dot(const int nc, const 
     for (int c = 0; c < nc; c++) a = _mm512_dpbf16_ps(a, qv[c], AS_BH(_mm512_loadu_si512(k + 32 * c)));
     return a;
 }
+#elif defined(__AVX512F__)
+/* key_dot on AVX512 without BF16: the same lanes and order as vdpbf16ps (odd product, then
+ * even), q pre-widened (qo/qe [D/2], 16 lanes of chunk c at 16c), each key widened once. */
+static inline __attribute__((always_inline)) __m512 key_dot(const int nc, const float *qo, const float *qe,
+                                                            const bf16 *k) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < nc; c++) {
+        const __m512i kv = _mm512_loadu_si512(k + 32 * c);
+        a = dpbf16_wide(a, _mm512_load_ps(qo + 16 * c), _mm512_load_ps(qe + 16 * c), bf16_odd_x16(kv), bf16_even_x16(kv));
+    }
+    return a;
+}
 #else
 /* key_dot on AVX2: the same lanes, the same FMAs in the same order as cpu_avx2.h's vdpbf16ps
  * (odd product, then even), q pre-widened (qo/qe [D/2]). */
@@ -842,17 +907,19 @@ static inline __attribute__((always_inline)) void attn_task(
     const int nc = D / 32, nd = D / 16;
     for (long g = 0; g < G; g++) {        /* scores, 16 keys at a time */
 #ifdef __AVX512BF16__
+        /* vdpbf16ps takes q's bf16 pairs as they are: nc vectors held in registers */
         __m512bh qv[NC];
         for (int c = 0; c < nc; c++) qv[c] = AS_BH(_mm512_loadu_si512(qh + g * D + 32 * c));
 #define KEY_DOT(k) key_dot(nc, qv, k)
 #else
-        /* q's odd and even elements widened once (16 lanes of chunk c at 16c): the key loop
-         * then reads them from L1 instead of holding 2 x nc widened vectors in 16 registers */
-        float qo[128] __attribute__((aligned(32))), qe[128] __attribute__((aligned(32)));
-        for (int p = 0; p < D / 2; p++) {
-            const uint32_t u = ((const uint32_t *)(qh + g * D))[p], uo = u & 0xffff0000u, ue = u << 16;
-            memcpy(qo + p, &uo, 4);
-            memcpy(qe + p, &ue, 4);
+        /* AVX2 and AVX512 without BF16: q's odd and even elements widened once (16 lanes of
+         * chunk c at 16c): the key loop then reads them from L1 instead of holding 2 x nc
+         * widened vectors in registers (16 ymm; the 16 keys' accumulators fill half the zmm) */
+        float qo[128] __attribute__((aligned(64))), qe[128] __attribute__((aligned(64)));
+        for (int c = 0; c < nc; c++) {
+            const __m512i u = _mm512_loadu_si512(qh + g * D + 32 * c);
+            _mm512_storeu_ps(qo + 16 * c, _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u))));
+            _mm512_storeu_ps(qe + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
         }
 #define KEY_DOT(k) key_dot(nc, qo, qe, k)
 #endif
@@ -1007,8 +1074,9 @@ void moed_qk_norm_rope_bf16(const bf16 *qkv, long T, long row_stride, long H, lo
     }
 }
 
-#ifdef __AVX512BF16__
-/* Word indices that interleave two vectors of 32 bf16, a and b (b's indices from 32):
+#ifdef __AVX512BW__
+/* AVX512BW (both AVX512 variants): a word permute across two vectors.
+ * Word indices that interleave two vectors of 32 bf16, a and b (b's indices from 32):
  * lo = a0 b0 a1 b1 ... a15 b15, hi = a16 b16 ... a31 b31. */
 static inline __m512i interleave_lo(void) {
     return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
@@ -1028,6 +1096,7 @@ static inline void interleave_keys(const bf16 *v0, const bf16 *v1, bf16 *dst) {
     _mm512_storeu_si512(dst + NB, _mm512_permutex2var_epi16(a, interleave_hi(), b));
 }
 #else
+/* AVX2 has no word permute across lanes: plain C (the compiler vectorises what it can) */
 static inline void interleave_keys(const bf16 *v0, const bf16 *v1, bf16 *dst) {
     for (int i = 0; i < NB; i++) { dst[2 * i] = v0[i]; dst[2 * i + 1] = v1 ? v1[i] : 0; }
 }

@@ -9,8 +9,8 @@
  *   fp8   q float8_e4m3fn [N][ldw]; no zero
  *   scale float32 [N][lds]
  *
- * Compiled into the same .so as cpu_bf16.c, once per ISA variant (AVX512, and AVX2 + FMA through
- * cpu_avx2.h): the variants compute every output with the same operations in the same order, so
+ * Compiled into the same .so as cpu_bf16.c, once per ISA variant (both AVX512 ones alike: no
+ * bf16 instruction here; and AVX2 + FMA through cpu_avx2.h): the variants compute every output with the same operations in the same order, so
  * they are bitwise equal (tests/unit/model/test_quant_kernels.py).
  *
  * Numerics: "dequantize in registers". Each weight becomes the fp32 value the reference

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 
 import pytest
@@ -14,6 +15,15 @@ def isa_params() -> list:
     AVX512 machine runs the AVX2 variant too, and an AVX2-only one says what it skipped)."""
     return [pytest.param(isa, id=isa, marks=pytest.mark.skipif(
         bool(K.isa_missing(isa)), reason=f"{isa} variant: {K.isa_missing(isa) or 'runs'}")) for isa in K.ISAS]
+
+
+def isa_pair_params() -> list:
+    """One pytest param per pair of kernel variants (every pair of K.ISAS, in its order): a pair
+    with a variant this CPU cannot run skips with why."""
+    why = {isa: K.isa_missing(isa) for isa in K.ISAS}
+    return [pytest.param(a, b, id=f"{a}-{b}", marks=pytest.mark.skipif(
+        bool(why[a] or why[b]), reason="; ".join(f"{i} variant: {why[i]}" for i in (a, b) if why[i]) or "runs"))
+        for a, b in itertools.combinations(K.ISAS, 2)]
 
 
 @contextlib.contextmanager

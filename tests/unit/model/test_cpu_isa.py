@@ -1,12 +1,13 @@
-"""The native kernels' ISA variants (moed/model/kernels: avx512bf16, avx2): which one loads,
+"""The native kernels' ISA variants (moed/model/kernels: avx512bf16, avx512, avx2): which one loads,
 MOED_CPU_ISA forcing and refusing, the cache keeping them apart, and the bitwise contract.
 
 The contract: every variant computes each output in the same order with the same roundings,
 so all variants are bitwise equal to each other, and the matmul to a reference that spells
 that order out (fp32, per k pair: + x_odd * w_odd, then + x_even * w_even, each rounded once:
 what vdpbf16ps does and cpu_avx2.h's two FMAs do; bf16 products are exact in fp32, so torch's
-multiply-then-add rounds exactly once per step too). A variant this CPU cannot run skips with
-why; on an AVX512 machine both run, so CI checks the AVX2 variant on any x86-64-v3 runner.
+multiply-then-add rounds exactly once per step too). Every pair of variants is compared bitwise;
+a variant this CPU cannot run skips with why: an AVX512 machine (no BF16: Skylake-SP to Ice Lake)
+runs avx512 and avx2, one with AVX512-BF16 all three, an AVX2-only one avx2 alone.
 The torch-tolerance tests of tests/unit/model/test_cpu_kernels.py and the native decode step's
 bitwise test run on every variant too (their `kern` fixtures are parametrized by variant).
 """
@@ -23,14 +24,13 @@ from moed.model import kernels as K
 from moed.model.batch import ForwardBatch
 from moed.model.kernels.choice import NATIVE_ONLY, FixedChooser
 
-from conftest import forced_isa, isa_params     # tests/unit/model/conftest.py
+from conftest import forced_isa, isa_pair_params, isa_params     # tests/unit/model/conftest.py
 from torch_threads import threads               # tests/unit/model/torch_threads.py
 
 HAVE_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler to build the kernels")
-both = pytest.mark.skipif(len(K.runnable_isas()) < 2,
-                          reason=f"needs every variant; this CPU runs only {K.runnable_isas() or 'none'}")
 AVX2_ONLY = K.ISA_NEEDS["avx2"] | {"sse4_2", "popcnt"}     # a Zen3's flags, as far as the loader looks
+ICE_LAKE = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}    # AVX512, no BF16
 NOT_FMA_ORDER = ("this CPU's vdpbf16ps does not sum as two FMAs, odd element first (moed_dot_order_matches "
                  "in cpu_bf16.c; measured so on Sapphire Rapids): the variants cannot be bitwise equal here")
 
@@ -86,12 +86,12 @@ def test_linear_is_bitwise_the_reference(isa):
 
 
 @needs_cc
-@both
-def test_variants_are_bitwise_equal_kernel_by_kernel():
-    """Every entry point, AVX2 against AVX512-BF16, on shapes that take the vector tails, the
-    chunked MoE path (many rows, 2 threads) and every attention head size."""
-    a, b = K.load("avx512bf16"), K.load("avx2")
-    assert a.dot_order_ok, NOT_FMA_ORDER
+@pytest.mark.parametrize("isa_a,isa_b", isa_pair_params())
+def test_variants_are_bitwise_equal_kernel_by_kernel(isa_a, isa_b):
+    """Every entry point, each pair of variants, on shapes that take the vector tails, the
+    chunked MoE path (many rows, 2 threads), every row tile and every attention head size."""
+    a, b = K.load(isa_a), K.load(isa_b)
+    assert a.dot_order_ok and b.dot_order_ok, NOT_FMA_ORDER
     g = torch.Generator().manual_seed(2)
     H, I, E, P, topk = 80, 40, 7, 9, 3
     router = a.pack(torch.randn(E, H, generator=g).bfloat16())
@@ -120,6 +120,12 @@ def test_variants_are_bitwise_equal_kernel_by_kernel():
         for t in (1, 5, 300):                     # decode rows; many rows: handed-out chunks
             x = torch.randn(t, H, generator=g).bfloat16()
             same(moe(a, x), moe(b, x))
+        w, bias = torch.randn(70, 600, generator=g).bfloat16(), torch.randn(70, generator=g).bfloat16()
+        for rows in range(1, 18):                 # every row tile, 8 + 8 + 1; K of 3 input chunks
+            x = torch.randn(rows, 600, generator=g).bfloat16()
+            same(a.linear_bf16(x, a.pack(w), 70, bias), b.linear_bf16(x, b.pack(w), 70, bias))
+        codes = torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        same(a.fp8_to_bf16(codes).view(torch.int16), b.fp8_to_bf16(codes).view(torch.int16))    # NaN codes too
         h, delta = torch.randn(9, 100, generator=g).bfloat16(), torch.randn(9, 100, generator=g).bfloat16()
         w = (1 + 0.1 * torch.randn(100, generator=g)).bfloat16()
         same(a.rms_norm_bf16(h, w, 1e-6, delta), b.rms_norm_bf16(h, w, 1e-6, delta))
@@ -144,17 +150,21 @@ def test_variants_are_bitwise_equal_kernel_by_kernel():
         same(a.argmax_f32(logits), b.argmax_f32(logits))
 
 
+_MODEL_RUNS: dict = {}       # variant -> its run (a variant in several pairs runs once)
+
+
 @needs_cc
-@both
-def test_variants_are_bitwise_equal_through_a_model(make_checkpoint):
+@pytest.mark.parametrize("isa_a,isa_b", isa_pair_params())
+def test_variants_are_bitwise_equal_through_a_model(make_checkpoint, isa_a, isa_b):
     """A whole model, prefill then native decode steps: the same logits, KV bytes and expert
-    loads on either variant (softmax, exp, silu, rounding: all of it, end to end)."""
+    loads on each pair of variants (softmax, exp, silu, rounding: all of it, end to end)."""
     from moed.model.runner import ModelRunner
 
-    assert K.load("avx512bf16").dot_order_ok, NOT_FMA_ORDER
+    assert K.load(isa_a).dot_order_ok and K.load(isa_b).dot_order_ok, NOT_FMA_ORDER
     ckpt = make_checkpoint("qwen3_moe", seed=5)
-    runs = []
-    for isa in ("avx512bf16", "avx2"):
+    for isa in (isa_a, isa_b):
+        if isa in _MODEL_RUNS:
+            continue
         with forced_isa(isa) as k:
             saved, k.choose = k.choose, FixedChooser(NATIVE_ONLY)
             try:
@@ -168,10 +178,10 @@ def test_variants_are_bitwise_equal_through_a_model(make_checkpoint):
                 for _ in range(3):
                     out.append(r.forward(ForwardBatch([[int(t)] for t in out[-1].argmax(-1)], pos, tables)))
                     pos = [p + 1 for p in pos]
-                runs.append((out, r.kv_cache.clone(), r.model.expert_load.clone()))
+                _MODEL_RUNS[isa] = (out, r.kv_cache.clone(), r.model.expert_load.clone())
             finally:
                 k.choose = saved
-    (la, kva, ea), (lb, kvb, eb) = runs
+    (la, kva, ea), (lb, kvb, eb) = _MODEL_RUNS[isa_a], _MODEL_RUNS[isa_b]
     assert all(torch.equal(x, y) for x, y in zip(la, lb))
     assert torch.equal(kva, kvb) and torch.equal(ea, eb)
 
@@ -187,19 +197,23 @@ def test_what_serves_each_row_class_is_summed_over_shapes():
 
 def test_auto_picks_the_fastest_variant_the_cpu_runs(monkeypatch):
     monkeypatch.delenv(K.ISA_ENV, raising=False)
-    monkeypatch.setattr(K, "cpu_flags", lambda: K.ISA_NEEDS["avx512bf16"] | AVX2_ONLY)
-    assert K.isa_from_env() == "avx512bf16" and K.runnable_isas() == ["avx512bf16", "avx2"]
+    monkeypatch.setattr(K, "cpu_flags", lambda: ICE_LAKE | {"avx512_bf16"})   # Zen4, Sapphire Rapids
+    assert K.isa_from_env() == "avx512bf16" and K.runnable_isas() == ["avx512bf16", "avx512", "avx2"]
+    monkeypatch.setattr(K, "cpu_flags", lambda: ICE_LAKE)
+    assert K.isa_from_env() == "avx512" and K.runnable_isas() == ["avx512", "avx2"]
+    assert K.isa_missing("avx512bf16") == "CPU lacks avx512_bf16"
     monkeypatch.setattr(K, "cpu_flags", lambda: AVX2_ONLY)                     # Zen3
     assert K.isa_from_env() == "avx2" and K.isa_missing("avx512bf16") == "CPU lacks avx512_bf16, avx512bw, avx512f, avx512vl"
+    assert K.isa_missing("avx512") == "CPU lacks avx512bw, avx512f, avx512vl"
     monkeypatch.setenv(K.ISA_ENV, "auto")
     assert K.isa_from_env() == "avx2"
-    monkeypatch.setattr(K, "cpu_flags", lambda: frozenset({"sse2", "avx"}))    # too old for either
+    monkeypatch.setattr(K, "cpu_flags", lambda: frozenset({"sse2", "avx"}))    # too old for any
     assert K.isa_from_env() is None and not K.cpu_flags_ok()
 
 
 def test_forcing_refuses_what_is_no_variant_or_cannot_run(monkeypatch):
-    monkeypatch.setenv(K.ISA_ENV, "avx512")
-    with pytest.raises(K.IsaRefused, match="names no kernel variant; use auto, avx512bf16, avx2"):
+    monkeypatch.setenv(K.ISA_ENV, "avx512f")
+    with pytest.raises(K.IsaRefused, match="names no kernel variant; use auto, avx512bf16, avx512, avx2"):
         K.isa_from_env()
     monkeypatch.setenv(K.ISA_ENV, "amx")
     with pytest.raises(K.IsaRefused, match="no AMX variant is built yet"):
@@ -208,6 +222,17 @@ def test_forcing_refuses_what_is_no_variant_or_cannot_run(monkeypatch):
     monkeypatch.setenv(K.ISA_ENV, "AVX512BF16")                                 # any case
     with pytest.raises(K.IsaRefused, match=r"cannot run it \(CPU lacks avx512_bf16.*it runs: avx2"):
         K.isa_from_env()
+    monkeypatch.setenv(K.ISA_ENV, "avx512")
+    with pytest.raises(K.IsaRefused, match=r"avx512: this CPU cannot run it \(CPU lacks avx512bw, avx512f, "
+                                           r"avx512vl\); it runs: avx2"):
+        K.isa_from_env()
+    monkeypatch.setattr(K, "cpu_flags", lambda: ICE_LAKE)
+    monkeypatch.setenv(K.ISA_ENV, "avx512bf16")
+    with pytest.raises(K.IsaRefused, match=r"\(CPU lacks avx512_bf16\); it runs: avx512, avx2"):
+        K.isa_from_env()
+    monkeypatch.setenv(K.ISA_ENV, "avx512")
+    assert K.isa_from_env() == "avx512"
+    monkeypatch.setattr(K, "cpu_flags", lambda: AVX2_ONLY)
     K.cpu_kernels.cache_clear()
     try:          # the serving path raises too: a forced variant is never quietly replaced
         with pytest.raises(K.IsaRefused):
@@ -225,7 +250,8 @@ def test_the_setting_is_a_known_moed_variable_checked_with_the_config(tmp_path):
     assert CPU_ISA_VALUES == ("auto", *K.ISAS)
     env = {"MOED_MODEL_PATH": str(tmp_path)}
     assert load(environ={**env, K.ISA_ENV: "AVX2"}) is not None
-    with pytest.raises(ConfigError, match="MOED_CPU_ISA='amx': not one of auto, avx512bf16, avx2"):
+    assert load(environ={**env, K.ISA_ENV: "avx512"}) is not None
+    with pytest.raises(ConfigError, match="MOED_CPU_ISA='amx': not one of auto, avx512bf16, avx512, avx2"):
         load(environ={**env, K.ISA_ENV: "amx"})
 
 
@@ -273,8 +299,9 @@ def test_cache_keeps_variants_apart_and_checks_at_load(built, monkeypatch):
 
     monkeypatch.setattr(K, "load", K.load.__wrapped__)         # uncached: a fresh process
     monkeypatch.setattr(K.ctypes, "CDLL", no_load)
-    with pytest.raises(K.KernelUnavailable, match="cannot run the avx512bf16 kernels"):
-        K.load("avx512bf16")
+    for isa in ("avx512bf16", "avx512"):
+        with pytest.raises(K.KernelUnavailable, match=f"cannot run the {isa} kernels"):
+            K.load(isa)
 
 
 @needs_cc
@@ -286,4 +313,16 @@ def test_avx2_build_holds_no_avx512_instruction(built):
                           capture_output=True, text=True, timeout=60, check=True).stdout
     assert "ymm" in text
     bad = [line for line in text.splitlines() if "zmm" in line or "%k" in line.split("#")[0]]
+    assert not bad, bad[:5]
+
+
+@needs_cc
+@pytest.mark.skipif(not shutil.which("objdump"), reason="no objdump to read the AVX512 build's code")
+def test_avx512_build_holds_no_bf16_instruction(built):
+    """The avx512 .so must run on a CPU without AVX512-BF16 (Skylake-SP to Ice Lake): 512-bit
+    code, but no vdpbf16ps / vcvtneps2bf16 / vcvtne2ps2bf16 (cpu_avx512.h does their work)."""
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(built["avx512"])],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "zmm" in text
+    bad = [line for line in text.splitlines() if "vdpbf16ps" in line or "ps2bf16" in line]
     assert not bad, bad[:5]

@@ -271,6 +271,7 @@ def test_cli_builds_for_another_cpu_without_loading(tmp_path, capsys, monkeypatc
     out, err = capsys.readouterr()
     assert all(Path(p).is_file() for p in out.split()) and len(out.split()) == len(K.ISAS)
     assert "avx512bf16 built, not loaded: CPU lacks avx512_bf16" in err
+    assert "avx512 built, not loaded: CPU lacks avx512bw, avx512f, avx512vl" in err
 
 
 def test_no_compiler_and_no_cache_serves_on_the_torch_path(tmp_path, monkeypatch, make_checkpoint):

@@ -24,11 +24,9 @@ from moed.model.quant.linear import qlinear as reference
 from moed.model.quant.quantize import quantize
 from moed.model.quant.weight import QuantWeight, pack_int4
 
-from conftest import isa_params     # tests/unit/model/conftest.py
+from conftest import isa_pair_params, isa_params     # tests/unit/model/conftest.py
 from torch_threads import threads   # tests/unit/model/torch_threads.py
 
-both = pytest.mark.skipif(len(K.runnable_isas()) < 2,
-                          reason=f"needs every variant; this CPU runs only {K.runnable_isas() or 'none'}")
 
 
 def _weight(fmt: str, n: int, k: int, group: int, asym: bool, seed: int) -> QuantWeight:
@@ -149,13 +147,14 @@ def test_bias_added_in_fp32_and_rounded_once():
     assert torch.equal(kq.qlinear(k, x, qw, bias), plain + bias)
 
 
-@both
+@pytest.mark.parametrize("isa_a,isa_b", isa_pair_params())
 @pytest.mark.parametrize("fmt,asym,shape,group", CASES,
                          ids=[f"{c[0]}{'-asym' if c[1] else ''}-{c[2][0]}x{c[2][1]}-g{c[3]}" for c in CASES])
-def test_variants_bitwise_equal(fmt, asym, shape, group):
-    """AVX2 (forced on an AVX512 machine) and AVX512: the same bits, fp32 and bf16, for row
-    counts on both sides of each variant's register tile (the buffered path included)."""
-    a, b = K.load("avx512bf16"), K.load("avx2")
+def test_variants_bitwise_equal(fmt, asym, shape, group, isa_a, isa_b):
+    """Each pair of variants (those this CPU runs; AVX2 forced on an AVX512 machine): the same
+    bits, fp32 and bf16, for row counts on both sides of each variant's register tile (the
+    buffered path included)."""
+    a, b = K.load(isa_a), K.load(isa_b)
     n, kk = shape
     qw = _weight(fmt, n, kk, group, asym, seed=n + kk)
     g = torch.Generator().manual_seed(11)
