@@ -133,15 +133,17 @@ class LocalExperts(ExpertExecutor):
         # again the first time a call would read those copies
         self.stale: set[int] = set()
         # Quantized experts the native kernels read: the whole layer in one call (moed_moe_q)
-        # for batches whose every expert call the per-expert path would serve natively
-        # (qrows: QUANT_MAX_ROWS, or every row count under batch invariance), capped at
-        # MAX_ROWS (its buffers grow with the rows; prefill keeps the per-expert path).
+        # for batches whose every expert call the per-expert path serves natively (qrows:
+        # QUANT_MAX_ROWS; prefill keeps the per-expert path). Not under batch invariance (qrows
+        # unbounded there): fp32 SiLU differs from torch's by an ulp, so a row's bits would
+        # depend on whether its batch is past MAX_ROWS.
         self.qkernels = None
         self.qrows = 0
         if self.quant is not None and quant_kernels is not None and not kq.experts_unserved(*self.quant) \
-                and all(lin.qpath == "native" for lin in self.experts[0]):
+                and all(lin.qpath == "native" for lin in self.experts[0]) \
+                and self.experts[0][0].qrows <= kq.MAX_ROWS:
             self.qkernels = quant_kernels
-            self.qrows = min(self.experts[0][0].qrows, kq.MAX_ROWS)
+            self.qrows = self.experts[0][0].qrows
 
     def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
         """The torch path, or for quantized experts one moed_moe_q call where qfused_serves
