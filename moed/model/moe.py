@@ -186,8 +186,8 @@ class LocalExperts(ExpertExecutor):
 
     def qfused_serves(self, x: torch.Tensor) -> bool:
         """Whether moed_moe_q serves a batch x [T, H] (the mode EP=1 runs it in: QFUSED)."""
-        return self.qkernels is not None and 0 < x.shape[0] <= self.qrows and x.dtype in (torch.bfloat16, torch.float32) \
-            and x.device.type == "cpu"
+        return self.qkernels is not None and 0 < x.shape[0] <= self.qrows \
+            and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
 
     def _grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by expert (counts[e] rows each) -> unweighted outputs, same order."""
