@@ -302,6 +302,13 @@ class MoELayer:
         else:
             linear = Linear(router, pack=ctx.pack)
             self.experts = LocalExperts(gate_up, down, ctx.pack, None, None, qk)
+        # bf16 quantized experts on moed_moe_q: routed in the same call by the bf16 MoE kernel's
+        # router (moed_moe_q_routed), its packed copy beside the torch Router's weight
+        self.qroute = None
+        if self.experts.qkernels is not None and ctx.kernels is not None and router.dtype == torch.bfloat16 \
+                and h % 2 == 0:
+            self.qroute = ctx.kernels
+            self.router_p = ctx.kernels.pack(router)
         self.placement = placement
         if placement is None:
             self.router = Router(router, spec, gate_up.shape[0], load, linear)
@@ -330,6 +337,8 @@ class MoELayer:
             return self.kernels.moe_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
                                          r.logical_to_physical, r.num_replicas, r.load,
                                          e.gate_up_p, e.down_p, e.intermediate, r.next_offset())
+        if self.qroute is not None and self.experts.qfused_serves(x):
+            return kq.moe_q_routed(self.experts.qkernels, x, self.router_p, self.router, *self.experts.quant)
         return self.experts(x, self.router(x))
 
     def fused(self, tokens: int) -> bool:
@@ -342,15 +351,16 @@ class MoELayer:
         the fused kernel serves, else the torch router), then dispatch/compute/combine over the
         group."""
         from_kernel = self.fused(x.shape[0])
+        qfused = not from_kernel and self.experts.qfused_serves(x)
         r = self.router
-        if from_kernel:
-            phys, w = self.kernels.route_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
-                                              r.logical_to_physical, r.num_replicas, r.load,
-                                              r.num_physical, r.next_offset())
+        rk = self.kernels if from_kernel else self.qroute if qfused else None    # moed_moe_q_routed's router
+        if rk is not None:
+            phys, w = rk.route_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
+                                    r.logical_to_physical, r.num_replicas, r.load, r.num_physical, r.next_offset())
             routing = Routing(w, phys, r.logical_to_physical.shape[1] > 1)
         else:
             routing = r(x)
-        mode = MoEMode.FUSED if from_kernel else MoEMode.QFUSED if self.experts.qfused_serves(x) else MoEMode.TORCH
+        mode = MoEMode.FUSED if from_kernel else MoEMode.QFUSED if qfused else MoEMode.TORCH
         return self.dist(x, routing, mode)
 
     def empty_step(self, dtype: torch.dtype) -> None:

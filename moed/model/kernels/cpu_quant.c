@@ -548,3 +548,28 @@ done:
     free(count); free(fill); free(pos); free(touched); free(xg); free(gu); free(y);
     return rc;
 }
+
+int moed_route_bf16(const uint16_t *x, long T, long H, const uint16_t *router, long E, long k, int norm_topk,
+                    const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
+                    long P, int64_t *phys, float *wts, int nthreads);   /* cpu_bf16.c */
+
+/* moed_moe_q with the bf16 MoE kernel's router in front (bf16 models): moed_route_bf16 (router
+ * [E][H] packed P32, logits rounded to bf16, softmax, top-k, renormalised, slots through l2p as
+ * moed_moe_bf16; load counted) gives the slots and weights, then the experts as above; a lone
+ * token with no replicated expert sums in top-k order (LocalExperts._single_token, combine).
+ * The router half is the very function expert parallelism calls (CpuKernels.route_bf16), so an
+ * EP group or the cold store (route, then MoEMode.QFUSED) equals this call bit for bit. */
+int moed_moe_q_routed(const uint16_t *x, long T, long H, const uint16_t *router, long E, long k, int norm_topk,
+                      const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
+                      int fmt, long P, long I, const void *const gptr[3], const long gdim[7],
+                      const void *const dptr[3], const long ddim[7], uint16_t *out, int nthreads) {
+    int64_t *phys = malloc(sizeof(int64_t) * (T * k + 1));
+    float *wts = malloc(sizeof(float) * (T * k + 1));
+    int rc = phys && wts ? 0 : -1;
+    if (!rc) rc = moed_route_bf16(x, T, H, router, E, k, norm_topk, l2p, max_rep, nrep, offset, load, P, phys, wts, nthreads);
+    if (!rc) rc = moed_moe_q(x, 0, T, H, k, phys, wts, T == 1 && max_rep == 1, fmt, P, I, gptr, gdim, dptr, ddim,
+                             out, nthreads);
+    free(phys);
+    free(wts);
+    return rc;
+}

@@ -30,6 +30,9 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.moed_qlinear.restype = _i
     lib.moed_moe_q.argtypes = [_p, _i, _l, _l, _l, _p, _p, _i, _i, _l, _l, _p, _p, _p, _p, _p, _i]
     lib.moed_moe_q.restype = _i
+    lib.moed_moe_q_routed.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _i, _l, _l, _p, _p, _p, _p,
+                                      _p, _i]
+    lib.moed_moe_q_routed.restype = _i
 
 
 def unserved(w: QuantWeight) -> str:
@@ -112,4 +115,25 @@ def moe_q(kernels: object, x: torch.Tensor, physical: torch.Tensor, weights: tor
         out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("moed_moe_q: " + ("out of memory" if rc == -1 else "cannot take these experts or slots"))
+    return out
+
+
+def moe_q_routed(kernels: object, x: torch.Tensor, router_p: torch.Tensor, router: object,
+                 gate_up: QuantWeight, down: QuantWeight) -> torch.Tensor:
+    """moe_q with the bf16 MoE kernel's router in front (moed_route_bf16, in the same call): x
+    [T, H] bf16; router_p the router packed (CpuKernels.pack); router a moe.Router (its map,
+    replicas, load row and call offset)."""
+    x = x.contiguous()
+    t, h = x.shape
+    out = torch.empty((t, h), dtype=x.dtype)
+    gp, gd = _mat(gate_up)
+    dp, dd = _mat(down)
+    l2p = router.logical_to_physical          # type: ignore[attr-defined]
+    rc = kernels.lib.moed_moe_q_routed(       # type: ignore[attr-defined]
+        x.data_ptr(), t, h, router_p.data_ptr(), router.num_experts, router.top_k,   # type: ignore[attr-defined]
+        int(router.norm_topk), l2p.data_ptr(), l2p.shape[1], router.num_replicas.data_ptr(),  # type: ignore[attr-defined]
+        router.next_offset(), router.load.data_ptr(), FORMAT_CODES[gate_up.fmt],  # type: ignore[attr-defined]
+        gate_up.data.shape[0], down.in_features, gp, gd, dp, dd, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("moed_moe_q_routed: " + ("out of memory" if rc == -1 else "expert map or experts out of range"))
     return out
