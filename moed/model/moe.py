@@ -26,9 +26,10 @@ multiplies an expert's rows faster at the batch's rows per expert (many tokens o
 the grouped path serves instead, each expert's gate_up and down one oneDNN matmul over its
 tokens (fused_serves).
 
-Quantized experts (QuantWeight slots) with the kernels loaded: after the torch router, batches
-of up to 64 tokens run the experts and the weighted sum in one native call (moed_moe_q,
-kernels/quant.py; LocalExperts.qfused_serves), bf16 bitwise equal to the per-expert path that
+Quantized experts (QuantWeight slots) with the kernels loaded: batches of up to 64 tokens run
+the experts and the weighted sum in one native call (moed_moe_q, kernels/quant.py;
+LocalExperts.qfused_serves; bf16 models routed in the same call by the bf16 kernel's router,
+fp32 ones by the torch Router first), the experts bf16 bitwise equal to the per-expert path that
 serves larger batches (one native quantized matmul per expert matrix, torch between them).
 """
 from __future__ import annotations
