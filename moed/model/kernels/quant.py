@@ -7,10 +7,15 @@ bf16 or fp32 activations of at most MAX_ROWS rows. Larger batches take the refer
 (quant/linear.py: dequantize, then one oneDNN/ATen matmul), whose one dequantization per call is
 spread over many rows there. Numerics: cpu_quant.c's header (the reference's fp32 matmul of the
 same dequantized weight, up to fp32 summation order).
+
+moe_q / moe_q_routed: a quantized MoE layer's experts and weighted sum in one call (moed_moe_q,
+bf16 models routed in it too), for expert stacks experts_unserved() accepts; moe.LocalExperts
+and MoELayer call them for up to MAX_ROWS tokens (docs/quantization.md).
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -128,12 +133,13 @@ def moe_q_routed(kernels: object, x: torch.Tensor, router_p: torch.Tensor, route
     out = torch.empty((t, h), dtype=x.dtype)
     gp, gd = _mat(gate_up)
     dp, dd = _mat(down)
-    l2p = router.logical_to_physical          # type: ignore[attr-defined]
+    r: Any = router
+    l2p = r.logical_to_physical
     rc = kernels.lib.moed_moe_q_routed(       # type: ignore[attr-defined]
-        x.data_ptr(), t, h, router_p.data_ptr(), router.num_experts, router.top_k,   # type: ignore[attr-defined]
-        int(router.norm_topk), l2p.data_ptr(), l2p.shape[1], router.num_replicas.data_ptr(),  # type: ignore[attr-defined]
-        router.next_offset(), router.load.data_ptr(), FORMAT_CODES[gate_up.fmt],  # type: ignore[attr-defined]
+        x.data_ptr(), t, h, router_p.data_ptr(), r.num_experts, r.top_k, int(r.norm_topk), l2p.data_ptr(),
+        l2p.shape[1], r.num_replicas.data_ptr(), r.next_offset(), r.load.data_ptr(), FORMAT_CODES[gate_up.fmt],
         gate_up.data.shape[0], down.in_features, gp, gd, dp, dd, out.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError("moed_moe_q_routed: " + ("out of memory" if rc == -1 else "expert map or experts out of range"))
+        why = "out of memory" if rc == -1 else "expert map or experts out of range"
+        raise RuntimeError(f"moed_moe_q_routed: {why}")
     return out
