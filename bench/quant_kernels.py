@@ -16,9 +16,10 @@ best of --repeats passes over all copies divided by their number. Prints the loa
 comparable at a like load); JSON to bench/results/quant_kernels.json.
 
 --engine int8,int4: also the bench checkpoint (bench/engine.py's) quantized at load, decode tok/s
-at --engine-batches (default 1,8), the native path against the reference one (the kernel off:
-what ran before it), each batch run on both, interleaved, --engine-rounds times; median of
-each one's decode steps, then of the rounds.
+at --engine-batches (default 1,8) on each of --engine-sides: fused (moed_moe_q, one native call
+per MoE layer), per_expert (the native matmul per expert matrix: before moed_moe_q), reference
+(dequantize per call: before the kernels); each batch run on every side, interleaved,
+--engine-rounds times; median of each one's decode steps, then of the rounds.
 """
 from __future__ import annotations
 
@@ -53,38 +54,51 @@ def reference(x: torch.Tensor, w) -> torch.Tensor:  # noqa: ANN001
     return qlinear(x, w)
 
 
-def engine_ab(formats: list[str], batches: list[int], rounds: int, new: int) -> list[dict]:
-    """Decode tok/s of the bench checkpoint per format: native quantized matmul vs reference."""
+SIDES = ("fused", "per_expert", "reference")
+
+
+def engine_ab(formats: list[str], batches: list[int], rounds: int, new: int,
+              sides: tuple[str, ...] = SIDES) -> list[dict]:
+    """Decode tok/s of the bench checkpoint per format, per side: fused (moed_moe_q, one call
+    per MoE layer: what runs now), per_expert (the native matmul per expert matrix, torch's
+    SiLU and sums: what ran before it), reference (dequantize per call: before the kernels)."""
     import statistics
 
     import engine as eb     # bench/engine.py: the moed side and its step timing
     from moed.model import layers
+    from moed.model.moe import MoELayer
 
     model_dir = eb._checkpoint("qwen3_moe", Path(ROOT / ".cache" / "bench"))
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = torch.randint(0, vocab, (max(batches), 32), generator=torch.Generator().manual_seed(0)).tolist()
     out = []
     for fmt in formats:
-        sides = {}
-        for path, max_rows in (("native", layers.QUANT_MAX_ROWS), ("reference", 0)):
+        built = {}
+        for side in sides:
+            max_rows = 0 if side == "reference" else layers.QUANT_MAX_ROWS
             saved, layers.QUANT_MAX_ROWS = layers.QUANT_MAX_ROWS, max_rows     # read at construction
             try:
-                sides[path] = eb.MoedSide(model_dir, max(batches), 32, new, quantization=fmt)
+                built[side] = eb.MoedSide(model_dir, max(batches), 32, new, quantization=fmt)
             finally:
                 layers.QUANT_MAX_ROWS = saved
-            sides[path].run([prompts[0]], 2)           # warm-up
+            moe = [ly.mlp for ly in built[side].engine.runner.model.layers if isinstance(ly.mlp, MoELayer)]
+            if side == "per_expert":
+                for m in moe:
+                    m.experts.qkernels = None
+            fused = sum(m.experts.qkernels is not None for m in moe)
+            print(f"engine {fmt} {side}: {fused} of {len(moe)} MoE layers on moed_moe_q", flush=True)
+            built[side].run([prompts[0]], 2)           # warm-up
         for b in batches:
-            got: dict[str, list[float]] = {p: [] for p in sides}
+            got: dict[str, list[float]] = {p: [] for p in built}
             loads = [load_average()]
             for r in range(rounds):
-                for p in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-                    got[p].append(sides[p].run(prompts[:b], new).summary()["decode_tok_s"]["median"])
+                for p in (list(built) if r % 2 == 0 else list(built)[::-1]):
+                    got[p].append(built[p].run(prompts[:b], new).summary()["decode_tok_s"]["median"])
             loads.append(load_average())
             row = {"format": fmt, "batch": b, "load": loads,
                    **{f"{p}_tok_s": statistics.median(v) for p, v in got.items()}}
-            print(f"engine {fmt} batch {b}: decode {row['native_tok_s']:.1f} tok/s native, "
-                  f"{row['reference_tok_s']:.1f} reference ({row['native_tok_s'] / row['reference_tok_s']:.1f}x); "
-                  f"load {loads[0]} -> {loads[1]}", flush=True)
+            print(f"engine {fmt} batch {b}: decode tok/s " + ", ".join(f"{p} {row[p + '_tok_s']:.1f}" for p in built)
+                  + f"; load {loads[0]} -> {loads[1]}", flush=True)
             out.append(row)
     return out
 
@@ -102,6 +116,7 @@ def main() -> int:
     ap.add_argument("--engine", default="", help="formats for the engine A/B (e.g. int8,int4)")
     ap.add_argument("--engine-batches", default="1,8")
     ap.add_argument("--engine-rounds", type=int, default=2)
+    ap.add_argument("--engine-sides", default=",".join(SIDES), help="engine A/B sides (of " + ",".join(SIDES) + ")")
     ap.add_argument("--new", type=int, default=16, help="engine A/B: tokens generated per run")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_kernels.json"))
     args = ap.parse_args()
@@ -137,7 +152,8 @@ def main() -> int:
     load1 = load_average()
     print(f"load average before {load0}, after {load1}: figures indicative on a shared machine")
     engine = engine_ab([f for f in args.engine.split(",") if f], [int(b) for b in args.engine_batches.split(",")],
-                       args.engine_rounds, args.new) if args.engine else []
+                       args.engine_rounds, args.new, tuple(v for v in args.engine_sides.split(",") if v)) \
+        if args.engine else []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "shape": [n, k],

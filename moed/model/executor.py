@@ -27,6 +27,7 @@ class MoEMode(IntEnum):
     """An int (IntEnum) because it is sent as int64 in the expert exchange's header."""
     TORCH = 0     # the router + LocalExperts torch path
     FUSED = 1     # the native CPU bf16 kernel path (moed.model.moe.fused_serves)
+    QFUSED = 2    # quantized experts in one native call (moed_moe_q; LocalExperts.qfused_serves)
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,12 @@ class SlotExperts(Protocol):
 
 def combine(y: torch.Tensor, weights: torch.Tensor, logical: torch.Tensor, mode: MoEMode) -> torch.Tensor:
     """Each token's k expert outputs y [T, k, H] weighted (in y's dtype) and summed as EP=1
-    sums them: TORCH with one token in top-k order in y's dtype (LocalExperts._single_token);
-    else by ascending expert in fp32, rounded once (moed_moe_bf16's scatter; torch's CPU
+    sums them: TORCH (and QFUSED, moed_moe_q's sum) with one token in top-k order in y's dtype
+    (LocalExperts._single_token); else by ascending expert in fp32, rounded once (moed_moe_bf16's scatter; torch's CPU
     index_add_ also accumulates bf16 in fp32, measured bitwise equal)."""
     t, k, h = y.shape
     c = y * weights.unsqueeze(-1)
-    if mode == MoEMode.TORCH and t == 1:
+    if mode != MoEMode.FUSED and t == 1:
         out = c[:, 0]
         for j in range(1, k):
             out = out + c[:, j]

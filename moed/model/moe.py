@@ -25,6 +25,12 @@ MoE time beside its matmuls). Where the measured kernel choice (kernels/choice.p
 multiplies an expert's rows faster at the batch's rows per expert (many tokens on an AMX CPU),
 the grouped path serves instead, each expert's gate_up and down one oneDNN matmul over its
 tokens (fused_serves).
+
+Quantized experts (QuantWeight slots) with the kernels loaded: batches of up to 64 tokens run
+the experts and the weighted sum in one native call (moed_moe_q, kernels/quant.py;
+LocalExperts.qfused_serves; bf16 models routed in the same call by the bf16 kernel's router,
+fp32 ones by the torch Router first), the experts bf16 bitwise equal to the per-expert path that
+serves larger batches (one native quantized matmul per expert matrix, torch between them).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from moed.model.context import ComputeContext, ExpertPlacement
 from moed.model.executor import ExpertExecutor, MoEMode, Routing
 from moed.model.experts_route import split_over_replicas
 from moed.model.kernels import CpuKernels
+from moed.model.kernels import quant as kq
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
 from moed.model.layers import Linear
 from moed.model.quant.quantize import quantize
@@ -131,10 +138,26 @@ class LocalExperts(ExpertExecutor):
         # slots loaded without their oneDNN copies re-packed (load_slot(repack=False)): packed
         # again the first time a call would read those copies
         self.stale: set[int] = set()
+        # Quantized experts the native kernels read: the whole layer in one call (moed_moe_q)
+        # for batches whose every expert call the per-expert path serves natively (qrows:
+        # QUANT_MAX_ROWS; prefill keeps the per-expert path). Not under batch invariance (qrows
+        # unbounded there): fp32 SiLU differs from torch's by an ulp, so a row's bits would
+        # depend on whether its batch is past MAX_ROWS.
+        self.qkernels = None
+        self.qrows = 0
+        if self.quant is not None and quant_kernels is not None and not kq.experts_unserved(*self.quant) \
+                and all(lin.qpath == "native" for lin in self.experts[0]) \
+                and self.experts[0][0].qrows <= kq.MAX_ROWS:
+            self.qkernels = quant_kernels
+            self.qrows = self.experts[0][0].qrows
 
     def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
-        """The torch path (mode is for EP executors; the fused path is MoELayer's one call)."""
+        """The torch path, or for quantized experts one moed_moe_q call where qfused_serves
+        (mode is for EP executors; the bf16 fused path is MoELayer's one call)."""
         t, k = routing.physical.shape
+        if self.qfused_serves(x):
+            return kq.moe_q(self.qkernels, x, routing.physical, routing.weights, *self.quant,
+                            t == 1 and not routing.replicated)
         if t == 1 and not routing.replicated:
             return self._single_token(x, routing)
         phys = routing.physical.reshape(-1)
@@ -153,7 +176,19 @@ class LocalExperts(ExpertExecutor):
             if self.kernels is None:
                 raise RuntimeError("a peer ran the fused CPU kernel path and this rank cannot")
             return self.kernels.experts_bf16(xs, per_slot, self.gate_up_p, self.down_p, self.intermediate)
+        if mode == MoEMode.QFUSED:       # each row its own token, weight 1: its unweighted output
+            if self.qkernels is None:
+                raise RuntimeError("a peer ran the fused quantized MoE kernel and this rank cannot")
+            if xs.shape[0] == 0:
+                return xs
+            slots = torch.repeat_interleave(torch.arange(self.num_physical), per_slot.cpu()).unsqueeze(1)
+            return kq.moe_q(self.qkernels, xs, slots, torch.ones_like(slots, dtype=xs.dtype), *self.quant, True)
         return self._grouped(xs, per_slot.tolist())
+
+    def qfused_serves(self, x: torch.Tensor) -> bool:
+        """Whether moed_moe_q serves a batch x [T, H] (the mode EP=1 runs it in: QFUSED)."""
+        return self.qkernels is not None and 0 < x.shape[0] <= self.qrows \
+            and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
 
     def _grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by expert (counts[e] rows each) -> unweighted outputs, same order."""
@@ -236,9 +271,10 @@ _logged_quantized = False
 def _log_quantized_experts(fmt: str, native: bool) -> None:
     global _logged_quantized
     if not _logged_quantized:
-        per_call = ("the native quantized matmul per expert call (dequantized in registers)" if native
+        per_call = (f"moed_moe_q (one native call per layer) up to {kq.MAX_ROWS} tokens, then the native "
+                    "quantized matmul per expert call" if native
                     else "the reference path dequantizes per expert call")
-        log.info("moe_torch_path", reason=f"{fmt} experts: the fused CPU MoE kernel reads bf16 only; {per_call}")
+        log.info("moe_quantized_path", reason=f"{fmt} experts: {per_call}")
         _logged_quantized = True
 
 
@@ -267,6 +303,13 @@ class MoELayer:
         else:
             linear = Linear(router, pack=ctx.pack)
             self.experts = LocalExperts(gate_up, down, ctx.pack, None, None, qk)
+        # bf16 quantized experts on moed_moe_q: routed in the same call by the bf16 MoE kernel's
+        # router (moed_moe_q_routed), its packed copy beside the torch Router's weight
+        self.qroute = None
+        if self.experts.qkernels is not None and ctx.kernels is not None and router.dtype == torch.bfloat16 \
+                and h % 2 == 0:
+            self.qroute = ctx.kernels
+            self.router_p = ctx.kernels.pack(router)
         self.placement = placement
         if placement is None:
             self.router = Router(router, spec, gate_up.shape[0], load, linear)
@@ -295,6 +338,8 @@ class MoELayer:
             return self.kernels.moe_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
                                          r.logical_to_physical, r.num_replicas, r.load,
                                          e.gate_up_p, e.down_p, e.intermediate, r.next_offset())
+        if self.qroute is not None and self.experts.qfused_serves(x):
+            return kq.moe_q_routed(self.experts.qkernels, x, self.router_p, self.router, *self.experts.quant)
         return self.experts(x, self.router(x))
 
     def fused(self, tokens: int) -> bool:
@@ -307,15 +352,17 @@ class MoELayer:
         the fused kernel serves, else the torch router), then dispatch/compute/combine over the
         group."""
         from_kernel = self.fused(x.shape[0])
+        qfused = not from_kernel and self.experts.qfused_serves(x)
         r = self.router
-        if from_kernel:
-            phys, w = self.kernels.route_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
-                                              r.logical_to_physical, r.num_replicas, r.load,
-                                              r.num_physical, r.next_offset())
+        rk = self.kernels if from_kernel else self.qroute if qfused else None    # moed_moe_q_routed's router
+        if rk is not None:
+            phys, w = rk.route_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
+                                    r.logical_to_physical, r.num_replicas, r.load, r.num_physical, r.next_offset())
             routing = Routing(w, phys, r.logical_to_physical.shape[1] > 1)
         else:
             routing = r(x)
-        return self.dist(x, routing, MoEMode.FUSED if from_kernel else MoEMode.TORCH)
+        mode = MoEMode.FUSED if from_kernel else MoEMode.QFUSED if qfused else MoEMode.TORCH
+        return self.dist(x, routing, mode)
 
     def empty_step(self, dtype: torch.dtype) -> None:
         """Take part in this layer's exchange with no tokens (a rank with no work this step)."""

@@ -7,7 +7,7 @@ weighted sum; each touched expert read once), `linear_bf16` (skinny matmuls on a
 `decode_attn_bf16` (paged attention straight from the KV blocks; `prefill_attn_bf16` for
 prompts, blocked over queries), `rms_norm_bf16` (with the residual add) and `qk_norm_rope_bf16`;
 `moed_decode_step_bf16` strings them together over a whole decode step (decode_step.py);
-`moed_qlinear` (cpu_quant.c, kernels/quant.py) multiplies by int8/int4/fp8 weights. x86-64
+`moed_qlinear` and `moed_moe_q` (cpu_quant.c, kernels/quant.py): int8/int4/fp8 weights. x86-64
 CPUs only; the sources built per ISA variant (ISAS: avx512bf16; avx512, AVX512F/BW/VL without BF16,
 through cpu_avx512.h; avx2, AVX2 + FMA, through cpu_avx2.h; all bitwise the same results), the
 fastest this CPU runs picked at load from /proc/cpuinfo, or the one MOED_CPU_ISA names (layouts, numerics: the C files).

@@ -447,6 +447,10 @@ static void silu_mul_row(const float *gu, long I, bf16 *act) {
     }
 }
 
+/* silu_mul_row for cpu_quant.c's fused quantized MoE (moed_moe_q): one activation rounding for
+ * every bf16 MoE path, not a copy that could drift. */
+void moed_silu_mul_bf16_row(const float *gu, long I, bf16 *act) { silu_mul_row(gu, I, act); }
+
 /* Router for T tokens: softmax over E logits (rounded to bf16 first, as a bf16 router matmul
  * leaves them), top-k by descending probability (lower id first on ties, as the loop finds
  * them), optionally renormalised; weights end rounded to bf16 as transformers casts them. */

@@ -369,3 +369,207 @@ int moed_qlinear(const void *x_in, int x_f32, long R, long K, int fmt, const uin
     free(x);
     return oom ? -1 : 0;
 }
+
+/* ---- A whole MoE layer over quantized experts, routed rows in, weighted sum out ------------ */
+
+void moed_silu_mul_bf16_row(const float *gu, long I, uint16_t *act);   /* cpu_bf16.c */
+
+/* run_units for a run-time (fmt, asym): the five instantiations moed_qlinear dispatches to. */
+static void run_units_any(int fmt, int asym, const QMat *q, const float *x, long R, long N, long u0, long u1,
+                          float *wbuf, void *out, int out_f32) {
+    if (fmt == Q_INT8 && !asym) run_units(Q_INT8, 0, q, x, R, N, u0, u1, wbuf, NULL, out, out_f32);
+    else if (fmt == Q_INT8) run_units(Q_INT8, 1, q, x, R, N, u0, u1, wbuf, NULL, out, out_f32);
+    else if (fmt == Q_INT4 && !asym) run_units(Q_INT4, 0, q, x, R, N, u0, u1, wbuf, NULL, out, out_f32);
+    else if (fmt == Q_INT4) run_units(Q_INT4, 1, q, x, R, N, u0, u1, wbuf, NULL, out, out_f32);
+    else run_units(Q_FP8, 0, q, x, R, N, u0, u1, wbuf, NULL, out, out_f32);
+}
+
+/* Expert e's matrix of a [P][N][K] stack: ptr = {codes, scales, zeros}, dim = {ldw, expert stride
+ * of codes, lds, of scales, ldz, of zeros, group} (elements). */
+static QMat expert_mat(const void *const ptr[3], const long dim[7], long e, long K, int fmt) {
+    const int step = fmt == Q_INT4 ? 32 : 16;
+    const uint8_t *z = ptr[2] ? (const uint8_t *)ptr[2] + e * dim[5] : NULL;
+    QMat q = {(const uint8_t *)ptr[0] + e * dim[1], dim[0], (const float *)ptr[1] + e * dim[3], dim[2], z, dim[4],
+              dim[6], K, K - K % step};
+    return q;
+}
+
+/* Row r of src [K] fp32 into dst [K] as run_units reads x: int4 permuted per 32 columns. */
+static void put_row(int fmt, long K, long KV, const float *src, float *dst) {
+    if (fmt != Q_INT4) { memcpy(dst, src, sizeof(float) * K); return; }
+    for (long c = 0; c < K; c++) dst[c < KV ? c - c % 32 + (c % 32 & 1) * 16 + c % 32 / 2 : c] = src[c];
+}
+
+/* This thread's share [lo, hi) of n items, contiguous (as moed_qlinear splits units). */
+static inline void q_split(long n, int tid, int nt, long *lo, long *hi) {
+    const long per = n / nt, extra = n % nt;
+    *lo = tid * per + (tid < extra ? tid : extra);
+    *hi = *lo + per + (tid < extra);
+}
+
+/* act rows [r0, r0 + n) of one expert = silu(gate) * up of its gate_up rows (gu [R][2I] fp32), as
+ * run_units reads them (int4 permuted). bf16: cpu_bf16.c's silu_mul_row on the unrounded sums
+ * (it rounds g and u to bf16 first, as the bf16 gate_up output is); tmp: 2I floats. */
+static void act_rows(int x_f32, int fmt, long I, const float *gu, long r0, long n, float *act, float *tmp) {
+    const int step = fmt == Q_INT4 ? 32 : 16;
+    for (long r = r0; r < r0 + n; r++) {
+        const float *g = gu + r * 2 * I;
+        if (!x_f32) {
+            uint16_t *ab = (uint16_t *)tmp;
+            moed_silu_mul_bf16_row(g, I, ab);
+            for (long c = 0; c < I; c++) tmp[I + c] = q_bf16_to_f32(ab[c]);
+        } else {
+            for (long c = 0; c < I; c++) tmp[I + c] = g[c] / (1.0f + expf(-g[c])) * g[I + c];
+        }
+        put_row(fmt, I, I - I % step, tmp + I, act + (r - r0) * I);
+    }
+}
+
+/* One matmul phase over every touched expert: units (QNR output rows) of all experts in slot
+ * order split contiguously between threads; each output by one thread, as moed_qlinear. With
+ * gu set (the down phase), the thread first makes each of its experts' activations itself into
+ * its own act buffer (a few rows: cheaper than a barrier between SiLU and down, which on shared
+ * cores waits for the slowest thread's time slice). */
+static void experts_phase(int fmt, int asym, const void *const ptr[3], const long dim[7], const long *count,
+                          const long *touched, long nt_e, long K, long N, const float *x, float *out,
+                          float *wbuf, int tid, int nt, int x_f32, const float *gu, float *act, float *tmp) {
+    const long units = (N + QNR - 1) / QNR;
+    long lo, hi;
+    q_split(nt_e * units, tid, nt, &lo, &hi);
+    for (long i = lo / units; i < nt_e && i * units < hi; i++) {
+        const long e = touched[i], r0 = count[e], n = count[e + 1] - r0;
+        const long u0 = lo > i * units ? lo - i * units : 0, u1 = hi < (i + 1) * units ? hi - i * units : units;
+        if (u0 >= u1) continue;
+        const QMat q = expert_mat(ptr, dim, e, K, fmt);
+        if (gu) {
+            act_rows(x_f32, fmt, K, gu, r0, n, act, tmp);
+            run_units_any(fmt, asym, &q, act, n, N, u0, u1, wbuf, out + r0 * N, 1);
+        } else {
+            run_units_any(fmt, asym, &q, x + r0 * K, n, N, u0, u1, wbuf, out + r0 * N, 1);
+        }
+    }
+}
+
+/* out[t] = sum_j w[t][j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = phys[t][j]: the experts
+ * and weighted sum of a quantized MoE layer in one call, the routing (phys [T][k] slots, wts
+ * [T][k] the router's weights in x's dtype, as float) done by the caller. Experts: gate_up a
+ * [P][2I][H] stack (gate rows first), down [P][H][I]; gptr/dptr {codes, scales, zeros or NULL},
+ * gdim/ddim as expert_mat says; one format fmt for both. Each touched expert's weights are read
+ * once per call (all its rows in one pass, buffered tiles past QRT rows: the same bits as
+ * moed_qlinear on those rows, a row's result independent of the others and of the threads).
+ * Roundings are those of the per-expert torch path (moe.LocalExperts) on moed_qlinear:
+ *   bf16  gate_up and down outputs rounded to bf16; act = bf16(bf16(silu(g)) * u) by cpu_bf16.c's
+ *         silu_mul_row (the bf16 MoE kernel's); each product bf16(y * w); summed, single (one token,
+ *         no replicas: LocalExperts._single_token) in top-k order rounding after each add, else
+ *         in ascending slot order in fp32, rounded once (torch's index_add_);
+ *   fp32  act = silu(g) * u with expf (torch's vectorised exp may differ by an ulp: the only
+ *         difference from the torch path); products and sums in fp32 in the same orders.
+ * Two barriers (gate_up -> down -> sum), few rows' work between them.
+ * Returns 0; -1 out of memory; -2 a group or slot it cannot take. */
+int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_t *phys, const float *wts,
+               int single, int fmt, long P, long I, const void *const gptr[3], const long gdim[7],
+               const void *const dptr[3], const long ddim[7], void *out, int nthreads) {
+    const int step = fmt == Q_INT4 ? 32 : 16, asym = gptr[2] != NULL;
+    if (fmt < 0 || fmt > 2 || (fmt == Q_FP8 && asym) || (dptr[2] != NULL) != asym) return -2;
+    if (gdim[6] <= 0 || (gdim[6] < H && gdim[6] % step) || ddim[6] <= 0 || (ddim[6] < I && ddim[6] % step)) return -2;
+    const long R = T * k;
+    if (R <= 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    for (long s = 0; s < R; s++) if (phys[s] < 0 || phys[s] >= P) return -2;
+    long *count = calloc(P + 1, sizeof(long)), *fill = malloc(sizeof(long) * (P + 1));
+    long *pos = malloc(sizeof(long) * R), *touched = malloc(sizeof(long) * (R + 1));
+    float *xg = malloc(sizeof(float) * (R * H + 16)), *gu = malloc(sizeof(float) * (R * 2 * I + 16));
+    float *y = malloc(sizeof(float) * (R * H + 16));
+    const long kvmax = H > I ? H : I;
+    long most = 0;                                             /* rows of the busiest expert */
+    /* per thread: dequantized unit [QNR][kvmax], an expert's activations [most][I], a row [2 kvmax] */
+    float **wbuf = calloc(nthreads, sizeof(float *)), **act = calloc(nthreads, sizeof(float *));
+    float **tmp = calloc(nthreads, sizeof(float *));
+    int rc = 0;
+    if (!count || !fill || !pos || !touched || !xg || !gu || !y || !wbuf || !act || !tmp) { rc = -1; goto done; }
+    for (long s = 0; s < R; s++) count[phys[s] + 1]++;
+    for (long e = 0; e < P; e++) {
+        if (count[e + 1] > most) most = count[e + 1];
+        count[e + 1] += count[e];                              /* count[e]: first sorted row of slot e */
+    }
+    for (int i = 0; i < nthreads; i++) {
+        wbuf[i] = aligned_alloc(64, (size_t)(QNR * kvmax + 16) * sizeof(float));
+        act[i] = malloc(sizeof(float) * (most * I + 16));
+        tmp[i] = malloc(sizeof(float) * (2 * kvmax + 16));
+        if (!wbuf[i] || !act[i] || !tmp[i]) { rc = -1; goto done; }
+    }
+    memcpy(fill, count, sizeof(long) * P);
+    for (long s = 0; s < R; s++) pos[s] = fill[phys[s]]++;     /* stable: flat order within a slot */
+    long nt_e = 0;
+    for (long e = 0; e < P; e++) if (count[e + 1] > count[e]) touched[nt_e++] = e;
+    for (long t = 0; t < T; t++) {         /* each token as fp32 (int4 permuted) into y, free till down */
+        for (long c = 0; c < H; c++)
+            tmp[0][c] = x_f32 ? ((const float *)x_in)[t * H + c] : q_bf16_to_f32(((const uint16_t *)x_in)[t * H + c]);
+        put_row(fmt, H, H - H % step, tmp[0], y + t * H);
+    }
+    for (long s = 0; s < R; s++) memcpy(xg + pos[s] * H, y + s / k * H, sizeof(float) * H);   /* rows by slot */
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        experts_phase(fmt, asym, gptr, gdim, count, touched, nt_e, H, 2 * I, xg, gu, wbuf[tid], tid, nt, x_f32,
+                      NULL, NULL, NULL);
+#pragma omp barrier
+        experts_phase(fmt, asym, dptr, ddim, count, touched, nt_e, I, H, NULL, y, wbuf[tid], tid, nt, x_f32,
+                      gu, act[tid], tmp[tid]);
+#pragma omp barrier
+        long lo, hi;
+        q_split(T, tid, nt, &lo, &hi);                         /* weighted sum per token */
+        for (long t = lo; t < hi; t++) {
+            long p[k];                                         /* single: top-k order; else ascending slot */
+            float wv[k];
+            for (long j = 0; j < k; j++) {
+                long v = pos[t * k + j], q = j;
+                if (!single) for (; q > 0 && p[q - 1] > v; q--) { p[q] = p[q - 1]; wv[q] = wv[q - 1]; }
+                p[q] = v;
+                wv[q] = wts[t * k + j];
+            }
+            for (long c = 0; c < H; c++) {
+                float sum = 0.0f;
+                for (long j = 0; j < k; j++) {
+                    const float yv = y[p[j] * H + c];
+                    const float v = x_f32 ? yv * wv[j] : q_bf16_to_f32(q_f32_to_bf16(q_bf16_to_f32(q_f32_to_bf16(yv)) * wv[j]));
+                    if (j == 0 && single) sum = v;
+                    else if (single && !x_f32) sum = q_bf16_to_f32(q_f32_to_bf16(sum + v));
+                    else sum += v;
+                }
+                if (x_f32) ((float *)out)[t * H + c] = sum;
+                else ((uint16_t *)out)[t * H + c] = q_f32_to_bf16(sum);
+            }
+        }
+    }
+done:
+    for (int i = 0; i < nthreads && wbuf && act && tmp; i++) { free(wbuf[i]); free(act[i]); free(tmp[i]); }
+    free(wbuf); free(act); free(tmp);
+    free(count); free(fill); free(pos); free(touched); free(xg); free(gu); free(y);
+    return rc;
+}
+
+int moed_route_bf16(const uint16_t *x, long T, long H, const uint16_t *router, long E, long k, int norm_topk,
+                    const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
+                    long P, int64_t *phys, float *wts, int nthreads);   /* cpu_bf16.c */
+
+/* moed_moe_q with the bf16 MoE kernel's router in front (bf16 models): moed_route_bf16 (router
+ * [E][H] packed P32, logits rounded to bf16, softmax, top-k, renormalised, slots through l2p as
+ * moed_moe_bf16; load counted) gives the slots and weights, then the experts as above; a lone
+ * token with no replicated expert sums in top-k order (LocalExperts._single_token, combine).
+ * The router half is the very function expert parallelism calls (CpuKernels.route_bf16), so an
+ * EP group or the cold store (route, then MoEMode.QFUSED) equals this call bit for bit. */
+int moed_moe_q_routed(const uint16_t *x, long T, long H, const uint16_t *router, long E, long k, int norm_topk,
+                      const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
+                      int fmt, long P, long I, const void *const gptr[3], const long gdim[7],
+                      const void *const dptr[3], const long ddim[7], uint16_t *out, int nthreads) {
+    int64_t *phys = malloc(sizeof(int64_t) * (T * k + 1));
+    float *wts = malloc(sizeof(float) * (T * k + 1));
+    int rc = phys && wts ? 0 : -1;
+    if (!rc) rc = moed_route_bf16(x, T, H, router, E, k, norm_topk, l2p, max_rep, nrep, offset, load, P, phys, wts, nthreads);
+    if (!rc) rc = moed_moe_q(x, 0, T, H, k, phys, wts, T == 1 && max_rep == 1, fmt, P, I, gptr, gdim, dptr, ddim,
+                             out, nthreads);
+    free(phys);
+    free(wts);
+    return rc;
+}

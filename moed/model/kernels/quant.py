@@ -7,10 +7,15 @@ bf16 or fp32 activations of at most MAX_ROWS rows. Larger batches take the refer
 (quant/linear.py: dequantize, then one oneDNN/ATen matmul), whose one dequantization per call is
 spread over many rows there. Numerics: cpu_quant.c's header (the reference's fp32 matmul of the
 same dequantized weight, up to fp32 summation order).
+
+moe_q / moe_q_routed: a quantized MoE layer's experts and weighted sum in one call (moed_moe_q,
+bf16 models routed in it too), for expert stacks experts_unserved() accepts; moe.LocalExperts
+and MoELayer call them for up to MAX_ROWS tokens (docs/quantization.md).
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -28,6 +33,11 @@ def bind(lib: ctypes.CDLL) -> None:
     """Declare moed_qlinear's signature on a loaded kernels library."""
     lib.moed_qlinear.argtypes = [_p, _i, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i, _i]
     lib.moed_qlinear.restype = _i
+    lib.moed_moe_q.argtypes = [_p, _i, _l, _l, _l, _p, _p, _i, _i, _l, _l, _p, _p, _p, _p, _p, _i]
+    lib.moed_moe_q.restype = _i
+    lib.moed_moe_q_routed.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _i, _l, _l, _p, _p, _p, _p,
+                                      _p, _i]
+    lib.moed_moe_q_routed.restype = _i
 
 
 def unserved(w: QuantWeight) -> str:
@@ -67,4 +77,69 @@ def qlinear(kernels: object, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor
         out.data_ptr(), f32, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("moed_qlinear: " + ("out of memory" if rc == -1 else f"cannot take {w.describe()}"))
+    return out
+
+
+# ---- a whole MoE layer of quantized experts in one call (moed_moe_q) -------------------------
+
+def experts_unserved(gate_up: QuantWeight, down: QuantWeight) -> str:
+    """Why moed_moe_q cannot take these expert stacks (gate_up [P, 2I, H], down [P, H, I]; ''
+    when it can): each expert's matrix as unserved() says, one format and zero-point kind."""
+    if gate_up.data.dim() != 3 or down.data.dim() != 3:
+        return "not a 3-D expert stack"
+    if (gate_up.fmt, gate_up.zero is None) != (down.fmt, down.zero is None):
+        return "gate_up and down differ in format or zero points"
+    return unserved(gate_up[0]) or unserved(down[0])
+
+
+def _mat(w: QuantWeight) -> tuple[ctypes.Array, ctypes.Array]:
+    """moed_moe_q's {codes, scales, zeros} pointers and their row / expert strides (expert_mat)."""
+    z = w.zero
+    ptr = (_p * 3)(w.data.data_ptr(), w.scale.data_ptr(), None if z is None else z.data_ptr())
+    dim = (_l * 7)(w.data.stride(1), w.data.stride(0), w.scale.stride(1), w.scale.stride(0),
+                   0 if z is None else z.stride(1), 0 if z is None else z.stride(0), w.group)
+    return ptr, dim
+
+
+def moe_q(kernels: object, x: torch.Tensor, physical: torch.Tensor, weights: torch.Tensor,
+          gate_up: QuantWeight, down: QuantWeight, single: bool) -> torch.Tensor:
+    """x [T, H] (bf16 or fp32) through the routed experts, weighted and summed -> [T, H] in x's
+    dtype; physical [T, k] slots and weights [T, k] (x's dtype) as the router gives them.
+    single: sum in top-k order rounding per add (LocalExperts._single_token) rather than in
+    ascending slot order. For expert stacks experts_unserved() accepts."""
+    x = x.contiguous()
+    t, h = x.shape
+    phys = physical.to(torch.int64).contiguous()
+    w = weights.float().contiguous()            # bf16 weights are exact in fp32
+    out = torch.empty((t, h), dtype=x.dtype)
+    gp, gd = _mat(gate_up)
+    dp, dd = _mat(down)
+    rc = kernels.lib.moed_moe_q(        # type: ignore[attr-defined]
+        x.data_ptr(), int(x.dtype == torch.float32), t, h, phys.shape[1], phys.data_ptr(), w.data_ptr(),
+        int(single), FORMAT_CODES[gate_up.fmt], gate_up.data.shape[0], down.in_features, gp, gd, dp, dd,
+        out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("moed_moe_q: " + ("out of memory" if rc == -1 else "cannot take these experts or slots"))
+    return out
+
+
+def moe_q_routed(kernels: object, x: torch.Tensor, router_p: torch.Tensor, router: object,
+                 gate_up: QuantWeight, down: QuantWeight) -> torch.Tensor:
+    """moe_q with the bf16 MoE kernel's router in front (moed_route_bf16, in the same call): x
+    [T, H] bf16; router_p the router packed (CpuKernels.pack); router a moe.Router (its map,
+    replicas, load row and call offset)."""
+    x = x.contiguous()
+    t, h = x.shape
+    out = torch.empty((t, h), dtype=x.dtype)
+    gp, gd = _mat(gate_up)
+    dp, dd = _mat(down)
+    r: Any = router
+    l2p = r.logical_to_physical
+    rc = kernels.lib.moed_moe_q_routed(       # type: ignore[attr-defined]
+        x.data_ptr(), t, h, router_p.data_ptr(), r.num_experts, r.top_k, int(r.norm_topk), l2p.data_ptr(),
+        l2p.shape[1], r.num_replicas.data_ptr(), r.next_offset(), r.load.data_ptr(), FORMAT_CODES[gate_up.fmt],
+        gate_up.data.shape[0], down.in_features, gp, gd, dp, dd, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        why = "out of memory" if rc == -1 else "expert map or experts out of range"
+        raise RuntimeError(f"moed_moe_q_routed: {why}")
     return out
