@@ -112,6 +112,25 @@ class Probe:
         e._finish_step = finish
 
 
+def lockstep(engines: list, probes: list, prompts: list[list[int]], sp, round_: int) -> None:
+    """The engines' runs of the same prompts interleaved step by step (each engine one step in
+    turn, while it has work): the machine's load moves them alike."""
+    from moed.engine.drivers import SyncDriver, run_sync
+
+    driver = SyncDriver()
+    for e in engines:
+        for i, p in enumerate(prompts):
+            e.scheduler.add(e._new_request(f"ls{round_}-{i}", p, sp))
+    for p in probes:
+        p.on = True
+    while any(e.scheduler.has_unfinished() for e in engines):
+        for e in engines:
+            if e.scheduler.has_unfinished():
+                run_sync(e.step(driver))
+    for p in probes:
+        p.on = False
+
+
 def summary(name: str, rec: list[dict], batch: int, base_us: float | None) -> float:
     """Print the engine's figures; -> its us per emitted token over its decode steps. base_us:
     the plain engine's, for each group's excess (its time minus its tokens at that rate)."""
@@ -155,6 +174,8 @@ def main() -> int:  # noqa: C901
     ap.add_argument("--adaptive", default="on", choices=("on", "off"))
     ap.add_argument("--mtp-k", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="interleave the engines step by step instead of run by run")
     ap.add_argument("--force-plain", action="store_true",
                     help="the switch always says plain: what the speculative engine's plain arm "
                          "costs beside the plain engine, without warm-up and exploration")
@@ -189,7 +210,11 @@ def main() -> int:  # noqa: C901
     for e in engines.values():
         e.generate(prompts, sp)
     for r in range(a.repeats):
-        for m in (names if r % 2 == 0 else names[::-1]):
+        order = names if r % 2 == 0 else names[::-1]
+        if a.lockstep:
+            lockstep([engines[m] for m in order], [probes[m] for m in order], prompts, sp, r)
+            continue
+        for m in order:
             probes[m].on = True
             engines[m].generate(prompts, sp)
             probes[m].on = False

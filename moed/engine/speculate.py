@@ -68,6 +68,11 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
     same number (k where any rank drafts: moed.parallel.agree.Verdict.mtp_passes); 0 outside a
     group."""
     batch = plan.batch
+    if backlog is not None and not drafting:    # the common plain step: every row waits
+        d = backlog.defer_all(plan.chunks, batch, hidden)
+        if d is not None:
+            runner.mtp_exchanges(passes)
+            return {}, d
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
     next_ids, keep, depth = [], [], []
     bs = runner.block_size

@@ -50,26 +50,23 @@ def deferrable(c: ScheduledChunk) -> bool:
 
 @dataclass
 class _Held:
-    """One request's deferred positions and their rows in the backlog's hidden states."""
+    """One request's live held positions, gathered for a write."""
     req: Request
-    preemptions: int        # the request's count when held: a preemption since makes it stale
-    table: list[int]        # its block table (holds every position below)
+    table: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
-
-    @property
-    def live(self) -> bool:
-        return not self.req.finished and self.req.num_preemptions == self.preemptions
 
 
 @dataclass(frozen=True)
 class Deferral:
     """What a step did with the backlog, for the loop thread to apply after it: `written`, the
-    step's pass wrote everything held; `hidden` [R, H], the rows it deferred, each
-    (request, position, block table) in `rows`."""
+    step's pass wrote everything held; `hidden` [R, H], the rows it deferred, row j that of
+    `reqs[j]` at position `starts[j]`, in the blocks of `tables[j]`."""
     written: bool = False
     hidden: torch.Tensor | None = None
-    rows: tuple[tuple[Request, int, list[int]], ...] = ()
+    reqs: tuple[Request, ...] = ()
+    starts: Sequence[int] = ()
+    tables: Sequence[list[int]] = ()
 
 
 @dataclass(frozen=True)
@@ -86,60 +83,73 @@ class MTPPass:
 class MTPBacklog:
     def __init__(self, max_steps: int = MAX_STEPS) -> None:
         self.max_steps = max_steps
-        self._hidden: list[torch.Tensor] = []   # one per deferring step
-        self._rows = 0                          # rows in those
-        self._held: dict[str, _Held] = {}
+        # per deferring step: its Deferral and each row's request's preemption count then (a
+        # preemption since makes the row stale: its blocks went back to the pool)
+        self._steps: list[tuple[Deferral, tuple[int, ...]]] = []
+        self._reqs: dict[str, Request] = {}     # those whose mtp_pending_from is set
 
     @property
     def steps(self) -> int:
         """Deferring steps held since the last write."""
-        return len(self._hidden)
-
-    def holds(self, request_id: str) -> bool:
-        """Whether entries of this request wait (a stale request's do not count)."""
-        h = self._held.get(request_id)
-        return h is not None and h.live
+        return len(self._steps)
 
     def apply(self, d: Deferral | None) -> None:
-        """After the step, before the scheduler's update (its commits read mtp_pending_from)."""
+        """After the step, before the scheduler's update (its commits read mtp_pending_from).
+        Per deferring step a few attribute reads per row: the grouping waits for the write."""
         if d is None:
             return
         if d.written:
-            for h in self._held.values():
-                h.req.mtp_pending_from = None
-            self._held.clear()
-            self._hidden.clear()
-            self._rows = 0
+            for r in self._reqs.values():
+                r.mtp_pending_from = None
+            self._reqs.clear()
+            self._steps.clear()
         if d.hidden is None:
             return
-        base = self._rows
-        self._hidden.append(d.hidden)
-        self._rows += d.hidden.shape[0]
-        for j, (req, pos, table) in enumerate(d.rows):
-            h = self._held.get(req.request_id)
-            if h is None or not h.live:
-                h = self._held[req.request_id] = _Held(req, req.num_preemptions, table)
-                req.mtp_pending_from = pos
-            h.positions.append(pos)
-            h.rows.append(base + j)
-            h.table = table
+        self._steps.append((d, tuple(r.num_preemptions for r in d.reqs)))
+        for r, p in zip(d.reqs, d.starts):
+            if r.mtp_pending_from is None:  # (a preempted one's stays: later, never wrong)
+                r.mtp_pending_from = p
+                self._reqs[r.request_id] = r
+
+    def defer_all(self, chunks: Sequence[ScheduledChunk], batch: ForwardBatch,
+                  hidden: torch.Tensor) -> Deferral | None:
+        """A plain step of decoding rows only, nothing due: all of them wait, the pass is not
+        built (pass_inputs' answer, cheaper). None: another case, pass_inputs decides."""
+        if self.steps >= self.max_steps or hidden.shape[0] != len(chunks) \
+                or not all(deferrable(c) for c in chunks):
+            return None
+        return Deferral(False, hidden, tuple(c.request for c in chunks), batch.start_pos,
+                        batch.block_tables)
 
     def _sequences(self) -> tuple[list[list[int]], list[int], list[list[int]], list[int]]:
         """The live held entries as MTP sequences: (each position's next token, starts, block
-        tables, hidden rows); a request's positions split where they are not contiguous."""
+        tables, rows of the held hidden states in step order); a request's positions split
+        where they are not contiguous. A row whose request finished or was preempted since is
+        left out."""
+        held: dict[str, _Held] = {}
+        base = 0
+        for d, pre in self._steps:
+            for j, (r, p, t) in enumerate(zip(d.reqs, d.starts, d.tables)):
+                if r.finished or r.num_preemptions != pre[j]:
+                    continue
+                g = held.get(r.request_id)
+                if g is None:
+                    g = held[r.request_id] = _Held(r)
+                g.positions.append(p)
+                g.rows.append(base + j)
+                g.table = t         # the latest table holds every earlier position
+            base += d.hidden.shape[0]
         toks: list[list[int]] = []
         starts: list[int] = []
         tables: list[list[int]] = []
         rows: list[int] = []
-        for h in self._held.values():
-            if not h.live:
-                continue
-            ids = h.req.token_ids
-            for i, (p, row) in enumerate(zip(h.positions, h.rows)):
-                if i == 0 or p != h.positions[i - 1] + 1:
+        for g in held.values():
+            ids, ps = g.req.token_ids, g.positions
+            for i, (p, row) in enumerate(zip(ps, g.rows)):
+                if i == 0 or p != ps[i - 1] + 1:
                     toks.append([])
                     starts.append(p)
-                    tables.append(h.table)
+                    tables.append(g.table)
                 toks[-1].append(ids[p + 1])
                 rows.append(row)
         return toks, starts, tables, rows
@@ -149,13 +159,11 @@ class MTPBacklog:
                     depth: list[int], drafting: bool) -> MTPPass:
         """A step's MTP pass (the executor's; reads the backlog, changes nothing): which of its
         sequences (mtp.mtp_inputs' next ids, kept positions and depths) run now and which wait,
-        and whether everything held is written with it: when the step drafts, when MAX_STEPS
-        steps are held, or when a request with held entries has a row that cannot wait."""
-        defer = [not drafting and deferrable(c) for c in chunks]
-        write = drafting or self.steps >= self.max_steps or any(
-            not d and self.holds(c.request.request_id) for d, c in zip(defer, chunks))
-        if write:
-            defer = [False] * len(chunks)
+        and whether everything held is written with it: when the step drafts or MAX_STEPS
+        steps are held. (A row that cannot wait is written at once, whatever its request
+        holds: an entry is written by position, read only by a draft.)"""
+        write = drafting or self.steps >= self.max_steps
+        defer = [not write and deferrable(c) for c in chunks]
         mb, rows = mtp_inputs(batch, next_ids, keep)
         ends = [0]
         for n in keep:
@@ -169,13 +177,13 @@ class MTPBacklog:
         if sel:
             parts.append(hidden if sel == list(range(hidden.shape[0]))
                          else hidden.index_select(0, torch.tensor(sel, device=hidden.device)))
-        if write and self._held:
+        if write and self._steps:
             h_toks, h_starts, h_tables, h_rows = self._sequences()
             if h_rows:
                 toks += h_toks
                 starts += h_starts
                 tables += h_tables
-                held = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
+                held = torch.cat([d.hidden for d, _ in self._steps])
                 parts.append(held.index_select(0, torch.tensor(h_rows, device=held.device)))
         deferral = Deferral(written=write)
         late = [i for i, d in enumerate(defer) if d]
@@ -183,8 +191,8 @@ class MTPBacklog:
             lr = [rows[ends[i]] for i in late]
             hid = hidden if len(lr) == hidden.shape[0] else \
                 hidden.index_select(0, torch.tensor(lr, device=hidden.device))
-            deferral = Deferral(False, hid, tuple(
-                (chunks[i].request, mb.start_pos[i], mb.block_tables[i]) for i in late))
+            deferral = Deferral(False, hid, tuple(chunks[i].request for i in late),
+                                [mb.start_pos[i] for i in late], [mb.block_tables[i] for i in late])
         if not toks:
             return MTPPass(None, None, [], [], deferral)
         h = parts[0] if len(parts) == 1 else torch.cat(parts)

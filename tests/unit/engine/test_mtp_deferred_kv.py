@@ -196,19 +196,18 @@ def test_held_rows_become_sequences_and_stale_ones_are_dropped():
     a, c, gone = _req("a", list(range(20))), _req("c", list(range(30, 50))), _req("g", list(range(9)))
     hid = [torch.full((3, 2), float(s)) for s in range(3)]
     for s in range(2):      # two plain steps, three decoding rows each
-        b.apply(Deferral(False, hid[s], ((a, 10 + s, [0, 1, 2]), (c, 5 + s, [3, 4]),
-                                          (gone, 4 + s, [5, 6]))))
+        b.apply(Deferral(False, hid[s], (a, c, gone), [10 + s, 5 + s, 4 + s],
+                         [[0, 1, 2], [3, 4], [5, 6]]))
     a.num_computed_tokens = 12
     assert b.steps == 2 and a.mtp_pending_from == 10 and c.mtp_pending_from == 5
     assert a.num_cacheable_tokens == 10
     gone.state = RequestState.FINISHED      # aborted: its rows must never be written
     c.num_preemptions += 1                  # preempted: its blocks went back to the pool
-    assert b.holds("a") and not b.holds("c") and not b.holds("g")
     batch = ForwardBatch([[7], [8]], [12, 3], [[0, 1, 2, 3], [7]])
     chunks = [ScheduledChunk(a, 1, True), ScheduledChunk(_req("n", list(range(5))), 1, True)]
     # a third plain step: both rows wait (3 steps held now)
     p = b.pass_inputs(batch, chunks, torch.zeros(2, 2), [9, 9], [1, 1], [0, 0], drafting=False)
-    assert p.batch is None and not p.deferral.written and len(p.deferral.rows) == 2
+    assert p.batch is None and not p.deferral.written and len(p.deferral.reqs) == 2
     b.apply(p.deferral)
     # the bound: the next plain step writes everything, its own rows too
     batch = ForwardBatch([[9], [6]], [13, 4], [[0, 1, 2, 3], [7]])
@@ -225,7 +224,7 @@ def test_held_rows_become_sequences_and_stale_ones_are_dropped():
 def test_a_step_that_drafts_writes_everything_held_first():
     b = MTPBacklog()
     a = _req("a", list(range(20)))
-    b.apply(Deferral(False, torch.zeros(1, 2), ((a, 10, [0, 1, 2]),)))
+    b.apply(Deferral(False, torch.zeros(1, 2), (a,), [10], [[0, 1, 2]]))
     batch = ForwardBatch([[7]], [11], [[0, 1, 2]])
     p = b.pass_inputs(batch, [ScheduledChunk(a, 1, True)], torch.ones(1, 2), [3], [1], [1],
                       drafting=True)
@@ -243,4 +242,4 @@ def test_a_rank_with_every_row_waiting_still_makes_the_groups_exchanges():
                            chunks=(ScheduledChunk(a, 1, True),))
     drafts, d = mtp_drafts(runner, plan, torch.zeros(1, 2), [0], [9], {}, 3, drafting=False,
                            passes=3, backlog=MTPBacklog())
-    assert drafts == {} and made == [3] and d.rows[0][:2] == (a, 18)
+    assert drafts == {} and made == [3] and d.reqs == (a,) and d.starts == [18]
