@@ -157,7 +157,8 @@ def summary(name: str, rec: list[dict], batch: int, base_us: float | None) -> fl
             kinds[r.get("mtp_kind", "-")] += 1
         excess = "" if base_us is None else f" excess {1e3 * (t - tok * base_us * 1e-6):+7.1f} ms"
         print(f"  {arm:16s} {why:7s} {size} steps {n:4d} ({100 * n / max(len(dec), 1):4.1f}%) "
-              f"{1e3 * t / n:6.2f} ms/step {tok / n:5.2f} tok/step {1e6 * t / max(tok, 1):6.1f} us/tok "
+              f"{1e3 * t / n:6.2f} ms/step {sum(r['rows'] + r['drafts'] for r in rs) / n:5.1f} pos/step "
+              f"{tok / n:5.2f} tok/step {1e6 * t / max(tok, 1):6.1f} us/tok "
               f"share {100 * t / tot_t:4.1f}%{excess} | {parts} other {1e3 * other:.2f} | mtp {dict(kinds)}")
     return 1e6 * tot_t / max(tot_tok, 1)
 

@@ -3,10 +3,15 @@
 The layer's cache [num_blocks, bs, r + rope] is viewed as rows [num_blocks * bs, r + rope]
 (slot s of block b at row b * bs + s); plan() turns block tables into those row indices once per
 step. forward_mla writes the new tokens' [c_kv | k_rope] with one index_copy_, then:
-  decode sequences (one new token): batched, absorbed form over their gathered latent rows with
-    a length mask (no per-head K/V)
-  prefill / chunked sequences: one expanded-form SDPA call each (causal, offset by the tokens
-    already cached; the history is read back from the cache)
+  decode rows: batched, absorbed form over their gathered latent rows with a length mask (no
+    per-head K/V): a decode sequence's one new token, and each token of a short chunk of
+    decoded tokens after a history (a speculative step's known token and drafts, at most
+    ABSORBED_CHUNK), each row over its own history: verified as plain decoding computes those
+    positions (bf16: bitwise its logits), and at batch 16 on the demo model a step verifying
+    one draft a row costs 16 ms instead of 32 (the expanded form re-expanded every history
+    per sequence: 16 rows x 2 tokens cost more than 32 decode rows)
+  prefill / chunked prompt sequences: one expanded-form SDPA call each (causal, offset by the
+    tokens already cached; the history is read back from the cache)
 An fp8 cache (moed/model/kv_layout.py) is written through quantize_kv and read through
 dequantize_kv; a fresh prompt attends over its latent rounded the same way (chunked = at once).
 """
@@ -31,6 +36,11 @@ class _Prefill:
     mask: torch.Tensor | None         # [n, start + n] bool (None: plain causal)
 
 
+# the longest chunk of decoded tokens whose rows take the absorbed form: a speculative step's
+# known token and up to 8 drafts (speculative.num_speculative_tokens <= 8)
+ABSORBED_CHUNK = 9
+
+
 class TorchMLABackend(mla.MLABackend):
     name = "torch"
 
@@ -41,18 +51,30 @@ class TorchMLABackend(mla.MLABackend):
         table_t = pg.table_tensor(dev)
         self.write = pg.token_blocks(table_t, positions, bs) * bs + positions % bs
         row_of = list(accumulate(q_lens, initial=0))
-        dec = batch.decode_seqs                  # one prompt token is a prefill (batch.py)
-        self.dec_all = len(dec) == len(q_lens)
-        self.dec_rows = torch.tensor([row_of[i] for i in dec], dtype=torch.long, device=dev) if dec else None
-        if dec:
+        # the absorbed form's query rows: a decode token's (one prompt token is a prefill,
+        # batch.py) and each token of a short chunk of decoded tokens after its history (a
+        # speculative step's known token and drafts: verified as decode rows, as plain decoding
+        # computes those positions), each over its own history
+        dec = set(batch.decode_seqs)
+        qseq, qrow, qlen = [], [], []
+        for i, n in enumerate(q_lens):
+            if i in dec or (n <= ABSORBED_CHUNK and batch.start_pos[i] > 0
+                            and not (batch.prompt and batch.prompt[i])):
+                dec.add(i)
+                qseq.extend([i] * n)
+                qrow.extend(range(row_of[i], row_of[i] + n))
+                qlen.extend(range(kv_lens[i] - n + 1, kv_lens[i] + 1))
+        self.dec_all = len(qrow) == row_of[-1]
+        self.dec_rows = torch.tensor(qrow, dtype=torch.long, device=dev) if qrow else None
+        if qrow:
             length = max(len(tables[i]) for i in dec) * bs
             slot = torch.arange(length, device=dev)
-            dt = table_t[dec, :length // bs]
-            self.dec_gather = (dt[:, slot // bs] * bs + slot % bs).reshape(-1)          # [Bd * L]
-            lens = torch.tensor([kv_lens[i] for i in dec], device=dev)
-            valid = (slot[None, :] < lens[:, None]).unsqueeze(1)                          # [Bd, 1, L]
+            dt = table_t[qseq, :length // bs]
+            self.dec_gather = (dt[:, slot // bs] * bs + slot % bs).reshape(-1)          # [Q * L]
+            lens = torch.tensor(qlen, device=dev)
+            valid = (slot[None, :] < lens[:, None]).unsqueeze(1)                          # [Q, 1, L]
             self.dec_bias = torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
-            self.dec_shape = (len(dec), length)
+            self.dec_shape = (len(qrow), length)
         self.prefills: list[_Prefill] = []
         for i, n in enumerate(q_lens):
             if i in dec:
