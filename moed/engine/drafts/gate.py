@@ -16,7 +16,10 @@ the model and the machine, so the switch measures instead of predicting:
                 figure: a warm-up slowed by first calls (new row counts' kernels) is corrected
                 at the first exploration, not after many
 
-Each class runs the arm with the higher rate. At the end of every period of `every`
+Each class runs the arm with the higher rate, drafting only when its rate is DRAFT_MARGIN
+above plain's: a drafting run pays what no measured step shows (its unmeasured first step; with
+the MTP layer that step drafts without verifying and writes the KV entries plain steps left),
+and a near tie measured on noisy steps would flip the arms back and forth. At the end of every period of `every`
 decisions (EXPLORE_EVERY at first) it runs the other for EXPLORE_RUN steps in a row (a run,
 not one step: an MTP draft is made one step before it is verified, so the first step of a
 draft run has none), so a loser that has become the winner (the batch's prompts turned
@@ -25,10 +28,9 @@ EXPLORE_CAP decisions): a step that might draft but had no draft measures nothin
 doubles the next period (up to EXPLORE_MAX): a loser that keeps losing costs its runs ever
 more rarely (4 steps in 64, then in 128, ... 1024), and a loser far behind skips ahead to the
 period whose run costs at most EXPLORE_BUDGET of it (a run's EXPLORE_RUN + 1 loser steps each
-lose the time the winner would have taken less for their tokens: mtp at batch 16 on the demo
-model, a drafting step ~3x a plain one's time for 1.75x its tokens, loses ~1.1 plain steps a
-step, so 64 -> 280 instead of 128; a bandit explores an arm the less, the farther behind it
-is); a period that ends with the arm its run explored as the winner starts the periods over
+lose the time the winner would have taken less for their tokens: a drafting step that takes
+twice a plain step's time for as many tokens loses one plain step a step, so 64 -> 250 instead
+of 128; a bandit explores an arm the less, the farther behind it is); a period that ends with the arm its run explored as the winner starts the periods over
 at EXPLORE_EVERY. A new class first
 runs each arm for MIN_SAMPLES measured steps, drafts first. The classes live as long as the
 step loop: what one batch learned serves the next requests. The decision is `decide` and the measurement `observe`, pure; `StepGate` holds the
@@ -47,6 +49,7 @@ EXPLORE_MAX = 1024     # 4 steps in 1024: a recovery within ~2000 steps at worst
 EXPLORE_RUN = 4
 EXPLORE_CAP = 4 * EXPLORE_RUN  # the most decisions a run may take to measure its steps
 EXPLORE_BUDGET = 0.02   # the share of a period a confirmed loser's run may lose, at most
+DRAFT_MARGIN = 0.05     # drafting wins when its rate is this much above plain's
 SPIKE = 4.0
 
 
@@ -92,7 +95,7 @@ def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
         return True, Why.WARMUP, s
     if s.plain.samples < MIN_SAMPLES:
         return False, Why.WARMUP, s
-    winner = s.draft.rate >= s.plain.rate
+    winner = s.draft.rate >= (1 + DRAFT_MARGIN) * s.plain.rate
     start = s.every - EXPLORE_RUN   # the decision the period's run begins at
     # a run ends once it has measured EXPLORE_RUN - 1 steps of its arm (the first after the
     # switch is not measured), or at the cap: steps with no draft measure nothing (ngram found

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
-from moed.engine.drafts.gate import (EMA_WEIGHT, EXPLORE_BUDGET, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN,
+from moed.engine.drafts.gate import (DRAFT_MARGIN, EMA_WEIGHT, EXPLORE_BUDGET, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN,
                                      MIN_SAMPLES, SPIKE, ClassState, StepGate, Why, decide, observe,
                                      size_class)
 from moed.engine.engine import Engine
@@ -57,6 +57,18 @@ def test_warmup_measures_both_arms_drafts_first_then_the_winner_runs():
     s = observe(s, False, 20, 1.0)      # the plain arm now measures faster
     assert s.plain.rate > s.draft.rate
     assert decide(s)[:2] == (False, Why.WINNER)
+
+
+@pytest.mark.parametrize("gain,drafts", [(1.03, False), (1.08, True)])
+def test_drafting_wins_only_by_the_margin(gain, drafts):
+    """A drafting rate 3% above plain's is a near tie: plain runs (a drafting run pays what its
+    measured steps do not show); 8% above: drafting runs."""
+    assert 1.03 < 1 + DRAFT_MARGIN < 1.08
+    s = ClassState()
+    while decide(s)[1] is Why.WARMUP:
+        d, _, s = decide(s)
+        s = observe(s, d, 16 * gain if d else 16, 1.0)
+    assert decide(s)[:2] == (drafts, Why.WINNER)
 
 
 def test_a_spike_moves_an_arm_at_most_by_the_cap():
