@@ -180,26 +180,39 @@ def test_a_verify_chunk_attends_as_decode_rows_a_prompt_chunk_as_a_prefill():
     backend.plan(batch, pos)
     assert backend.dec_rows.tolist() == [0, 1, 2, 3]
     assert [(p.row, p.n) for p in backend.prefills] == [(4, 2), (6, 3), (9, n_long)]
-    lens = (backend.dec_bias[:, 0] == 0).sum(-1).tolist()    # each row over its own history
-    assert lens == [10, 7, 8, 9]
+    # three queries a sequence (the chunk's), each over its own history; the decode row's
+    # one query is repeated (the repeats' outputs are dropped)
+    lens = (backend.dec_bias[:, :, 0] == 0).sum(-1).tolist()
+    assert lens == [[10, 10, 10], [7, 8, 9]] and backend.dec_keep.tolist() == [0, 3, 4, 5]
+
+
+def test_a_lone_chunk_keeps_the_expanded_form():
+    spec = spec_from_config(CFG)
+    backend = get_backend("torch", spec, archs.kv_layout(spec, 4, torch.float32), PLAIN)
+    backend.plan(ForwardBatch([[2, 3, 4]], [6], [[3, 4, 13]]), torch.tensor([6, 7, 8]))
+    assert backend.dec_rows is None and [(p.row, p.n) for p in backend.prefills] == [(0, 3)]
 
 
 def test_demo_model_bf16_verified_rows_are_plain_decodings_logits():
-    """bf16, the demo model: a chunk of four decoded tokens after the prompt gives, row by row,
-    bitwise the logits four plain decode steps give (the expanded form differed by ~0.06)."""
+    """bf16, the demo model: two sequences' chunks of four decoded tokens after their prompts
+    give, row by row, bitwise the logits four plain decode steps of the two give (the expanded
+    form differed by ~0.06)."""
     from pathlib import Path
 
     from moed.model.runner import ModelRunner
 
     demo = Path(__file__).resolve().parents[3] / "models" / "stdlib-ds3-tiny"
-    prompt, cont, table = list(range(40, 70)), [71, 72, 73, 74], list(range(12))
+    prompts, conts = [list(range(40, 70)), list(range(300, 321))], [[71, 72, 73, 74], [9, 8, 7, 6]]
+    tables = [list(range(12)), list(range(12, 24))]
 
     def runner() -> ModelRunner:
-        r = ModelRunner(demo, dtype="bfloat16", device="cpu", num_blocks=16, block_size=4)
-        r.forward(ForwardBatch([prompt], [0], [table], prompt=(True,)))
+        r = ModelRunner(demo, dtype="bfloat16", device="cpu", num_blocks=24, block_size=4)
+        r.forward(ForwardBatch(prompts, [0, 0], tables, prompt=(True, True)))
         return r
     plain = runner()
-    want = torch.stack([plain.forward(ForwardBatch([[t]], [len(prompt) + j], [table]))[0]
-                        for j, t in enumerate(cont)])
-    got = runner().forward(ForwardBatch([cont], [len(prompt)], [table], all_logits=(True,)))
+    steps = [plain.forward(ForwardBatch([[c[j]] for c in conts], [len(p) + j for p in prompts],
+                                        tables)) for j in range(4)]
+    want = torch.cat([torch.stack([s[i] for s in steps]) for i in range(2)])
+    got = runner().forward(ForwardBatch(conts, [len(p) for p in prompts], tables,
+                                        all_logits=(True, True)))
     assert torch.equal(got, want)
