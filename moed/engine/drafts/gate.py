@@ -16,10 +16,11 @@ the model and the machine, so the switch measures instead of predicting:
                 figure: a warm-up slowed by first calls (new row counts' kernels) is corrected
                 at the first exploration, not after many
 
-Each class runs the arm with the higher rate, drafting only when its rate is DRAFT_MARGIN
-above plain's: a drafting run pays what no measured step shows (its unmeasured first step; with
-the MTP layer that step drafts without verifying and writes the KV entries plain steps left),
-and a near tie measured on noisy steps would flip the arms back and forth. At the end of every period of `every`
+Each class runs the arm with the higher rate, except that drafting takes over from plain only
+when its rate is DRAFT_MARGIN above plain's (and keeps the lead down to a tie): a switch to
+drafting pays what no measured step shows (the run's unmeasured first step; with the MTP
+layer that step drafts without verifying and writes the KV entries plain steps left), and a
+near tie measured on noisy steps flipped the arms back and forth, a first step each time. At the end of every period of `every`
 decisions (EXPLORE_EVERY at first) it runs the other for EXPLORE_RUN steps in a row (a run,
 not one step: an MTP draft is made one step before it is verified, so the first step of a
 draft run has none), so a loser that has become the winner (the batch's prompts turned
@@ -81,6 +82,7 @@ class ClassState:
     last: bool | None = None    # the arm of the last step observed
     run: int = 0            # measured steps of the current run of `last`
     every: int = EXPLORE_EVERY  # this period's length, its exploration run last
+    won: bool = False       # drafting was the winner at the last decision
 
 
 def size_class(rows: int) -> int:
@@ -95,7 +97,10 @@ def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
         return True, Why.WARMUP, s
     if s.plain.samples < MIN_SAMPLES:
         return False, Why.WARMUP, s
-    winner = s.draft.rate >= (1 + DRAFT_MARGIN) * s.plain.rate
+    # drafting takes over by the margin and keeps the lead down to a tie (hysteresis: a rate
+    # inside the margin flips nothing either way)
+    winner = s.draft.rate >= (1.0 if s.won else 1 + DRAFT_MARGIN) * s.plain.rate
+    s = replace(s, won=winner)
     start = s.every - EXPLORE_RUN   # the decision the period's run begins at
     # a run ends once it has measured EXPLORE_RUN - 1 steps of its arm (the first after the
     # switch is not measured), or at the cap: steps with no draft measure nothing (ngram found

@@ -60,15 +60,24 @@ def test_warmup_measures_both_arms_drafts_first_then_the_winner_runs():
 
 
 @pytest.mark.parametrize("gain,drafts", [(1.03, False), (1.08, True)])
-def test_drafting_wins_only_by_the_margin(gain, drafts):
-    """A drafting rate 3% above plain's is a near tie: plain runs (a drafting run pays what its
-    measured steps do not show); 8% above: drafting runs."""
+def test_drafting_takes_over_only_by_the_margin_and_keeps_the_lead_to_a_tie(gain, drafts):
+    """A drafting rate 3% above plain's is a near tie: plain runs (a switch to drafting pays
+    what its measured steps do not show); 8% above: drafting runs, and keeps running when it
+    falls back to 2% above, until plain is ahead."""
     assert 1.03 < 1 + DRAFT_MARGIN < 1.08
     s = ClassState()
     while decide(s)[1] is Why.WARMUP:
         d, _, s = decide(s)
         s = observe(s, d, 16 * gain if d else 16, 1.0)
-    assert decide(s)[:2] == (drafts, Why.WINNER)
+    d, why, s = decide(s)
+    assert (d, why) == (drafts, Why.WINNER)
+    if drafts:
+        for tokens in (16 * 1.02,) * 8:     # drafting's lead shrinks to 2%: still drafting
+            s = observe(s, True, tokens, 1.0)
+            assert decide(s)[:2] == (True, Why.WINNER)
+        for _ in range(8):                  # plain ahead: plain runs
+            s = observe(s, True, 15, 1.0)
+        assert decide(s)[:2] == (False, Why.WINNER)
 
 
 def test_a_spike_moves_an_arm_at_most_by_the_cap():
