@@ -7,7 +7,7 @@ variants interleaved (so a shared machine's load moves them alike), median of `-
     kv-only     hidden + draft_mtp(depth 0): the MTP layer's KV entries of the step's rows
                 (the plain arm of speculative.method mtp before the deferral)
     flush-N     one KV-only pass over N deferred positions per row (the deferral's catch-up,
-                moed/engine/drafts/mtp_backlog.py), per position
+                moed/engine/drafts/mtp_kv.py), per position
 
     .venv/bin/python bench/mtp_kv_cost.py [--batch 16] [--context 128] [--iters 200] [--threads 1]
 """
