@@ -60,6 +60,7 @@ from moed.engine.client import Listeners, Unsubscribe
 from moed.engine.commands import (Abort, AddRequest, ApplyConfig, CallAtBoundary, Command,
                                   CompleteRemotePrefill, ReleaseKV)
 from moed.engine.drafts.gate import StepGate
+from moed.engine.drafts.mtp_kv import MTPBacklog
 from moed.engine.drafts.propose import SpecSettings
 from moed.engine.drivers import GroupDriver, ServeDriver, generate, serve, serve_group
 from moed.engine.masks import MaskPool
@@ -120,6 +121,7 @@ class Engine(Boundary):
         self.scheduler.set_speculation(spec_s)
         self._mtp = spec_s is not None and spec_s.method == "mtp"
         self._mtp_k = spec_s.k if self._mtp else 0     # as configured, whatever the switch says
+        self._mtp_kv = MTPBacklog() if self._mtp else None
         self._gate = StepGate() if spec_s is not None and spec_s.adaptive else None
         self._gate_step, self._clock = None, time.perf_counter
         log_spec_start(spec_s)

@@ -89,6 +89,9 @@ class Request:
     # drafted for the position after `length` known tokens
     drafter: Any = None
     acceptance: Any = None           # and its drafts' Acceptance (engine.drafts.propose)
+    # the first position whose MTP-layer KV entry is deferred (engine.drafts.mtp_kv), None when
+    # none is: the prefix cache takes blocks only below it (num_cacheable_tokens)
+    mtp_pending_from: int | None = None
     # a migrated stream's decode replay (engine.resume) still forces its sent tokens: no drafts
     replaying: bool = False
     # params.prompt_logprobs: prompt tokens 1.. so far (moed.types.PromptLogprob), and whether
@@ -120,6 +123,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Computed tokens whose K/V is complete in every layer: what the prefix cache may
+        take (the MTP layer's deferred entries are still missing past mtp_pending_from)."""
+        if self.mtp_pending_from is None:
+            return self.num_computed_tokens
+        return min(self.num_computed_tokens, self.mtp_pending_from)
 
     @property
     def num_output_tokens(self) -> int:

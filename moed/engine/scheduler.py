@@ -282,7 +282,7 @@ class Scheduler:
                 events.extend(self._apply_verified(req, c, verified[req.request_id]))
                 continue
             req.num_computed_tokens += c.num_new_tokens
-            self._kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+            self._kv.commit(req.request_id, req.token_ids, req.num_cacheable_tokens)
             if not c.sample:
                 continue
             tok = int(sampled[j])
@@ -309,7 +309,7 @@ class Scheduler:
                 return out
         req.acceptance = observe(req.acceptance, len(c.draft), v.accepted)
         req.num_computed_tokens += c.num_new_tokens + v.accepted
-        self._kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
+        self._kv.commit(req.request_id, req.token_ids, req.num_cacheable_tokens)
         self._kv.truncate(req.request_id, req.num_tokens)
         return out
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 import torch
 
+from moed.engine.drafts.mtp_kv import Deferral, MTPBacklog
 from moed.engine.drafts.propose import SpecSettings
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.request import Request
@@ -40,27 +41,38 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class SpecOut:
     """What a step's speculation produced, by request id: each drafting chunk's verification,
-    and the MTP layer's drafts for each sampled request's next step."""
+    and the MTP layer's drafts for each sampled request's next step; with the MTP layer, what
+    the step did with its deferred KV entries (moed.engine.drafts.mtp_kv)."""
     verified: dict[str, Verified] = field(default_factory=dict)
     mtp: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    deferral: Deferral | None = None
 
 
 def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Sequence[int],
                sampled: Sequence[int] | None, verified: dict[str, Verified],
-               k: int = 1, drafting: bool = True, passes: int = 0) -> dict[str, tuple[int, ...]]:
+               k: int = 1, drafting: bool = True, passes: int = 0,
+               backlog: MTPBacklog | None = None
+               ) -> tuple[dict[str, tuple[int, ...]], Deferral | None]:
     """The MTP step after a main step (docs/models.md, "The MTP layer"): every position the
     main step kept, each with the token after it (the next prompt token, the sampled one, or
     for a drafting chunk the accepted drafts then the emitted token: keep = accepted + 1), so
     the MTP layer's KV covers every computed position; the last position of each sampling
     request drafts greedily for the position after its next known token, and chains up to k
     drafts (ModelRunner.draft_mtp) as far as its block table has slots past that position
-    (the scheduler reserves k - 1 with a draft: `Scheduler.speculate`). -> those drafts per
-    sampling request. drafting False (the per-step switch said plain, moed.engine.drafts.gate):
-    the MTP layer writes its KV entries only, a tenth of its time, and drafts nothing.
-    passes (expert parallelism): the MTP layer's MoE exchanges this rank makes this step, its
-    own passes then as many with no rows, so every rank of the group makes the same number
-    (k where any rank drafts: moed.parallel.agree.Verdict.mtp_passes); 0 outside a group."""
+    (the scheduler reserves k - 1 with a draft: `Scheduler.speculate`). -> (those drafts per
+    sampling request, what the step did with the backlog). drafting False (the per-step switch
+    said plain, moed.engine.drafts.gate): nothing drafts; with a backlog the decoding rows'
+    KV entries wait in it (mtp_kv: written with a later pass), without one they are written
+    now (KV only). passes (expert parallelism): the MTP layer's MoE exchanges this rank makes
+    this step, its own passes then as many with no rows, so every rank of the group makes the
+    same number (k where any rank drafts: moed.parallel.agree.Verdict.mtp_passes); 0 outside a
+    group."""
     batch = plan.batch
+    if backlog is not None and not drafting:    # the common plain step: every row waits
+        d = backlog.defer_all(plan.chunks, batch, hidden)
+        if d is not None:
+            runner.mtp_exchanges(passes)
+            return {}, d
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
     next_ids, keep, depth = [], [], []
     bs = runner.block_size
@@ -79,11 +91,20 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         # a prefill-only request's first draft is all that travels (with_first_drafts)
         chain = 1 if r.prefill_only else max(1, min(k, room))
         depth.append(chain if c.sample and drafting else 0)
-    mb, rows = mtp_inputs(batch, next_ids, keep)
-    if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
-        hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-    out = runner.draft_mtp(mb, hidden, depth, passes)
-    return {c.request.request_id: tuple(out[i]) for i, c in enumerate(plan.chunks) if out[i]}
+    if backlog is None:
+        mb, rows = mtp_inputs(batch, next_ids, keep)
+        if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
+            hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        out = runner.draft_mtp(mb, hidden, depth, passes)
+        return {c.request.request_id: tuple(out[i])
+                for i, c in enumerate(plan.chunks) if out[i]}, None
+    p = backlog.pass_inputs(batch, plan.chunks, hidden, next_ids, keep, depth, drafting)
+    if p.batch is None:         # every row waits: the group's exchanges only
+        runner.mtp_exchanges(passes)
+        return {}, p.deferral
+    out = runner.draft_mtp(p.batch, p.hidden, p.depth, passes)
+    return {plan.chunks[i].request.request_id: tuple(out[j])
+            for j, i in enumerate(p.chunks) if out[j]}, p.deferral
 
 
 def with_first_drafts(events: list[TokenEvent], chunks: Sequence[ScheduledChunk],

@@ -34,6 +34,7 @@ from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
 from moed.engine.drafts.gate import StepGate
+from moed.engine.drafts.mtp_kv import MTPBacklog
 from moed.engine.speculate import (SpecOut, emitted, gate_rows, mtp_drafts, verify_rows,
                                    with_first_drafts)
 from moed.engine.speculate import record as record_spec
@@ -115,6 +116,7 @@ class StepCore:
     _executor: ThreadPoolExecutor | None
     _mtp: bool          # speculative decoding with the MTP layer: forward with hidden states
     _mtp_k: int         # its k (chained drafts) as configured; 0 without the MTP layer
+    _mtp_kv: MTPBacklog | None  # its KV entries deferred by plain steps (drafts/mtp_kv.py)
     _gate: StepGate | None      # speculation's per-step switch (None: off, or not adaptive)
     _gate_step: tuple[int, bool, float] | None  # this step's (decoding rows, may draft, start)
     _clock: Callable[[], float]     # the switch's clock (time.perf_counter; tests inject one)
@@ -306,10 +308,10 @@ class StepCore:
         """The drafts' verifications and, with the MTP layer, its drafts for the next step."""
         if hid is None:
             return SpecOut(ver)
-        return SpecOut(ver, mtp_drafts(self.runner, plan, hid, idx,
-                                       None if res is None else res.token_ids, ver,
-                                       self.scheduler.num_speculative_tokens,
-                                       self._mtp_full(plan), mtp_passes))
+        return SpecOut(ver, *mtp_drafts(self.runner, plan, hid, idx,
+                                        None if res is None else res.token_ids, ver,
+                                        self.scheduler.num_speculative_tokens,
+                                        self._mtp_full(plan), mtp_passes, self._mtp_kv))
 
     def _sample_row(self, req: Request, mask: Any = None) -> SampleRow:
         p = req.params
@@ -336,6 +338,8 @@ class StepCore:
         ver = None if spec is None else spec.verified
         if ver:
             record_spec(plan.chunks, ver)
+        if spec is not None and self._mtp_kv is not None:   # before update: its cache commits
+            self._mtp_kv.apply(spec.deferral)
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
                                        None if res is None else res.top_logprobs, ver)
         if spec is not None and spec.mtp:   # for the position after the tokens known now

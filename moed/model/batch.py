@@ -12,7 +12,10 @@ every new token's row; `sample_rows[i]` is where sequence i's last token landed.
 A sequence with one new token runs the decode attention path unless `prompt` flags it: one
 prompt token (a chunked prefill's last token, a prefix-cache hit's remainder) takes the
 prefill path, as the whole prompt would. The two kernels round differently, so otherwise a
-prompt's tokens would depend on where the step budget cut it (docs/migration.md).
+prompt's tokens would depend on where the step budget cut it (docs/migration.md). The other way
+round, a short chunk of decoded tokens (a speculative step's known token and drafts) takes the
+decode path row by row where the backend can (MLA on the torch backend), as plain decoding
+computes those positions.
 """
 from __future__ import annotations
 

@@ -278,6 +278,16 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
+    def mtp_exchanges(self, passes: int) -> None:
+        """Expert parallelism, a step whose MTP layer has no row to run on this rank (its rows'
+        entries are deferred, moed.engine.drafts.mtp_kv) while a peer drafts: the layer's MoE
+        exchange with no rows, `passes` times (Verdict.mtp_passes)."""
+        if passes and self.mtp is None:
+            raise RuntimeError("mtp_exchanges: this runner was built without mtp=True")
+        for _ in range(passes):
+            self.mtp.empty_step()
+
+    @torch.inference_mode()
     def _draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int]) -> list[list[int]]:
         if self.mtp is None:
             raise RuntimeError("draft_mtp: this runner was built without mtp=True")

@@ -16,15 +16,23 @@ the model and the machine, so the switch measures instead of predicting:
                 figure: a warm-up slowed by first calls (new row counts' kernels) is corrected
                 at the first exploration, not after many
 
-Each class runs the arm with the higher rate. At the end of every period of `every`
+Each class runs the arm with the higher rate, except that drafting takes over from plain only
+when its rate is DRAFT_MARGIN above plain's (and keeps the lead down to a tie): a switch to
+drafting pays what no measured step shows (the run's unmeasured first step; with the MTP
+layer that step drafts without verifying and writes the KV entries plain steps left), and a
+near tie measured on noisy steps flipped the arms back and forth, a first step each time. At the end of every period of `every`
 decisions (EXPLORE_EVERY at first) it runs the other for EXPLORE_RUN steps in a row (a run,
 not one step: an MTP draft is made one step before it is verified, so the first step of a
 draft run has none), so a loser that has become the winner (the batch's prompts turned
 repetitive, the machine got quieter) is found again. A run lasts until EXPLORE_RUN - 1 of its steps were measured (at most
 EXPLORE_CAP decisions): a step that might draft but had no draft measures nothing. A run that leaves the winner as it was
 doubles the next period (up to EXPLORE_MAX): a loser that keeps losing costs its runs ever
-more rarely (4 steps in 64, then in 128, ... 1024); a period that ends with the arm its run
-explored as the winner starts the periods over at EXPLORE_EVERY. A new class first
+more rarely (4 steps in 64, then in 128, ... 1024), and a loser far behind skips ahead to the
+period whose run costs at most EXPLORE_BUDGET of it (a run's EXPLORE_RUN + 1 loser steps each
+lose the time the winner would have taken less for their tokens: a drafting step that takes
+twice a plain step's time for as many tokens loses one plain step a step, so 64 -> 250 instead
+of 128; a bandit explores an arm the less, the farther behind it is); a period that ends with the arm its run explored as the winner starts the periods over
+at EXPLORE_EVERY. A new class first
 runs each arm for MIN_SAMPLES measured steps, drafts first. The classes live as long as the
 step loop: what one batch learned serves the next requests. The decision is `decide` and the measurement `observe`, pure; `StepGate` holds the
 classes' states for the engine (one writer: the step loop).
@@ -32,6 +40,7 @@ classes' states for the engine (one writer: the step loop).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 
 EMA_WEIGHT = 0.2
@@ -40,6 +49,8 @@ EXPLORE_EVERY = 64
 EXPLORE_MAX = 1024     # 4 steps in 1024: a recovery within ~2000 steps at worst
 EXPLORE_RUN = 4
 EXPLORE_CAP = 4 * EXPLORE_RUN  # the most decisions a run may take to measure its steps
+EXPLORE_BUDGET = 0.02   # the share of a period a confirmed loser's run may lose, at most
+DRAFT_MARGIN = 0.05     # drafting wins when its rate is this much above plain's
 SPIKE = 4.0
 
 
@@ -71,6 +82,7 @@ class ClassState:
     last: bool | None = None    # the arm of the last step observed
     run: int = 0            # measured steps of the current run of `last`
     every: int = EXPLORE_EVERY  # this period's length, its exploration run last
+    won: bool = False       # drafting was the winner at the last decision
 
 
 def size_class(rows: int) -> int:
@@ -85,7 +97,10 @@ def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
         return True, Why.WARMUP, s
     if s.plain.samples < MIN_SAMPLES:
         return False, Why.WARMUP, s
-    winner = s.draft.rate >= s.plain.rate
+    # drafting takes over by the margin and keeps the lead down to a tie (hysteresis: a rate
+    # inside the margin flips nothing either way)
+    winner = s.draft.rate >= (1.0 if s.won else 1 + DRAFT_MARGIN) * s.plain.rate
+    s = replace(s, won=winner)
     start = s.every - EXPLORE_RUN   # the decision the period's run begins at
     # a run ends once it has measured EXPLORE_RUN - 1 steps of its arm (the first after the
     # switch is not measured), or at the cap: steps with no draft measure nothing (ngram found
@@ -93,12 +108,24 @@ def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
     measured = s.last == s.explored and s.run >= EXPLORE_RUN - 1
     if s.decisions >= start + EXPLORE_CAP or (s.decisions >= s.every and measured):
         same = winner != s.explored     # the period ended: its run explored its start's loser
-        s = replace(s, decisions=0, every=min(2 * s.every, EXPLORE_MAX) if same else EXPLORE_EVERY)
+        nxt = max(2 * s.every, budgeted(s, winner)) if same else EXPLORE_EVERY
+        s = replace(s, decisions=0, every=min(nxt, EXPLORE_MAX))
     phase = s.decisions - (s.every - EXPLORE_RUN)
     if phase < 0:
         return winner, Why.WINNER, replace(s, decisions=s.decisions + 1)
     arm = not winner if phase == 0 else s.explored      # one arm for the whole run
     return arm, Why.EXPLORE, replace(s, decisions=s.decisions + 1, explored=arm)
+
+
+def budgeted(s: ClassState, winner: bool) -> int:
+    """The shortest period whose exploration run, EXPLORE_RUN + 1 steps of the loser (the
+    first unmeasured), loses at most EXPLORE_BUDGET of it: a loser step loses its seconds
+    less what the winner takes for its tokens, in winner steps."""
+    w, lose = (s.draft, s.plain) if winner else (s.plain, s.draft)
+    if w.rate <= 0:
+        return EXPLORE_EVERY
+    lost = max(lose.seconds - lose.tokens / w.rate, 0.0) / w.seconds
+    return math.ceil((EXPLORE_RUN + 1) * lost / EXPLORE_BUDGET)
 
 
 def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassState:

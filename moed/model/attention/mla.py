@@ -151,6 +151,23 @@ def absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, b
     return torch.einsum("bhr,hvr->bhv", o_lat.to(w_uv.dtype), w_uv).to(dt)
 
 
+def absorbed_chunks(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                    bias: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """`absorbed` with m queries per sequence over one gathered history each (a speculative
+    step's verified rows): q_nope [B, m, H, nope], q_rope [B, m, H, rope], latent [B, L, r +
+    rope], bias [B, m, 1, L] -> [B, m, H, vd]; each query's numbers are those `absorbed`
+    computes for it alone, the history is read once per sequence, not once per query."""
+    b, m, h = q_nope.shape[:3]
+    r, dt = w_uk.shape[2], q_nope.dtype
+    q_lat = torch.einsum("bmhn,hnr->bmhr", q_nope.to(w_uk.dtype), w_uk).to(dt)
+    q = torch.cat((q_lat, q_rope), dim=-1).view(b, m * h, -1)                    # [B, m H, r + rope]
+    scores = torch.matmul(q, latent.transpose(1, 2)).view(b, m, h, -1)          # [B, m, H, L]
+    probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1).to(dt)
+    o_lat = torch.matmul(probs.view(b, m * h, -1), latent[:, :, :r]).view(b, m, h, r)
+    return torch.einsum("bmhr,hvr->bmhv", o_lat.to(w_uv.dtype), w_uv).to(dt)
+
+
 class MLABackend(AttentionBackend):
     """An attention backend over the mla KVLayout: the block hands it the new tokens' query
     parts and latent; it writes [c_kv | k_rope] into the cache and returns the per-head output."""

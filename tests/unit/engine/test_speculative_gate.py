@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
-from moed.engine.drafts.gate import (EMA_WEIGHT, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN, MIN_SAMPLES, SPIKE,
-                                     ClassState, StepGate, Why, decide, observe, size_class)
+from moed.engine.drafts.gate import (DRAFT_MARGIN, EMA_WEIGHT, EXPLORE_BUDGET, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN,
+                                     MIN_SAMPLES, SPIKE, ClassState, StepGate, Why, decide, observe,
+                                     size_class)
 from moed.engine.engine import Engine
 from moed.model.batch import ForwardBatch
 from moed.model.runner import ModelRunner
@@ -58,6 +59,27 @@ def test_warmup_measures_both_arms_drafts_first_then_the_winner_runs():
     assert decide(s)[:2] == (False, Why.WINNER)
 
 
+@pytest.mark.parametrize("gain,drafts", [(1.03, False), (1.08, True)])
+def test_drafting_takes_over_only_by_the_margin_and_keeps_the_lead_to_a_tie(gain, drafts):
+    """A drafting rate 3% above plain's is a near tie: plain runs (a switch to drafting pays
+    what its measured steps do not show); 8% above: drafting runs, and keeps running when it
+    falls back to 2% above, until plain is ahead."""
+    assert 1.03 < 1 + DRAFT_MARGIN < 1.08
+    s = ClassState()
+    while decide(s)[1] is Why.WARMUP:
+        d, _, s = decide(s)
+        s = observe(s, d, 16 * gain if d else 16, 1.0)
+    d, why, s = decide(s)
+    assert (d, why) == (drafts, Why.WINNER)
+    if drafts:
+        for tokens in (16 * 1.02,) * 8:     # drafting's lead shrinks to 2%: still drafting
+            s = observe(s, True, tokens, 1.0)
+            assert decide(s)[:2] == (True, Why.WINNER)
+        for _ in range(8):                  # plain ahead: plain runs
+            s = observe(s, True, 15, 1.0)
+        assert decide(s)[:2] == (False, Why.WINNER)
+
+
 def test_a_spike_moves_an_arm_at_most_by_the_cap():
     s = ClassState()
     for _ in range(MIN_SAMPLES):
@@ -66,13 +88,20 @@ def test_a_spike_moves_an_arm_at_most_by_the_cap():
     assert s.draft.seconds == pytest.approx((1 - EMA_WEIGHT) + EMA_WEIGHT * SPIKE)
 
 
-def test_the_loser_is_explored_in_runs_ever_more_rarely_and_never_otherwise():
+@pytest.mark.parametrize("draft_s,periods", [
+    (1.05, [64, 128, 256, 512, 1024, 1024, 1024]),  # a near tie: every period doubles
+    # twice a plain step for its one token: a run (5 steps) loses 5 plain steps, at most
+    # EXPLORE_BUDGET of a period: 250 after the first, then doubling
+    (2.0, [64, 250, 500, 1000, 1024, 1024, 1024]),
+])
+def test_the_loser_is_explored_in_runs_ever_more_rarely_and_never_otherwise(draft_s, periods):
     """Drafts always lose: only exploration runs draft, each period ending with one, and a
-    run that changes nothing doubles the next period (64, 128, ... up to EXPLORE_MAX)."""
+    run that changes nothing doubles the next period (64, 128, ... up to EXPLORE_MAX), or
+    more: to the period a run costs at most EXPLORE_BUDGET of, for a loser far behind."""
+    assert (EXPLORE_RUN + 1) * (2.0 - 1.0) / EXPLORE_BUDGET == 250
     warmup = 2 * MIN_SAMPLES + 1        # + the unmeasured first step after the switch
-    periods = [min(EXPLORE_EVERY << i, EXPLORE_MAX) for i in range(7)]   # 64 .. 1024, 1024
     s, arms = _run_gate(ClassState(), warmup + sum(periods),
-                        lambda d: (1, 2.0) if d else (1, 1.0))
+                        lambda d: (1, draft_s) if d else (1, 1.0))
     after = "".join("d" if a else "." for a in arms[warmup:])
     ends = [sum(periods[:i + 1]) for i in range(len(periods))]
     assert [i for i, a in enumerate(after) if a == "d"] == \

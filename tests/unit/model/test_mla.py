@@ -161,3 +161,58 @@ def test_checkpoint_with_an_mtp_layer_loads(tmp_path):
     save_file(t, str(f), metadata={"format": "pt"})
     w = load_weights(d, load_spec(d), "float32")
     assert "layers.1.attn.kv_b" in w and not any(k.startswith("layers.2.") for k in w)
+
+
+def test_a_verify_chunk_attends_as_decode_rows_a_prompt_chunk_as_a_prefill():
+    """A speculative step's chunk (decoded tokens after a history: the known token and its
+    drafts) runs each row in the absorbed form beside the decode rows, as plain decoding runs
+    those positions; a prompt chunk, a fresh prompt and a chunk longer than ABSORBED_CHUNK
+    take the expanded form (prefill)."""
+    from moed.model.attention.mla_torch import ABSORBED_CHUNK
+
+    spec = spec_from_config(CFG)
+    backend = get_backend("torch", spec, archs.kv_layout(spec, 4, torch.float32), PLAIN)
+    n_long = ABSORBED_CHUNK + 1
+    batch = ForwardBatch([[1], [2, 3, 4], [5, 6], [7] * 3, [8] * n_long],
+                         [9, 6, 4, 0, 3], [[0, 1, 2], [3, 4, 13], [5, 6], [7], [8, 9, 10, 11, 12]],
+                         prompt=(False, False, True, True, False))
+    pos = torch.tensor([9, 6, 7, 8, 4, 5, 0, 1, 2, *range(3, 3 + n_long)])
+    backend.plan(batch, pos)
+    assert backend.dec_rows.tolist() == [0, 1, 2, 3]
+    assert [(p.row, p.n) for p in backend.prefills] == [(4, 2), (6, 3), (9, n_long)]
+    # three queries a sequence (the chunk's), each over its own history; the decode row's
+    # one query is repeated (the repeats' outputs are dropped)
+    lens = (backend.dec_bias[:, :, 0] == 0).sum(-1).tolist()
+    assert lens == [[10, 10, 10], [7, 8, 9]] and backend.dec_keep.tolist() == [0, 3, 4, 5]
+
+
+def test_a_lone_chunk_keeps_the_expanded_form():
+    spec = spec_from_config(CFG)
+    backend = get_backend("torch", spec, archs.kv_layout(spec, 4, torch.float32), PLAIN)
+    backend.plan(ForwardBatch([[2, 3, 4]], [6], [[3, 4, 13]]), torch.tensor([6, 7, 8]))
+    assert backend.dec_rows is None and [(p.row, p.n) for p in backend.prefills] == [(0, 3)]
+
+
+def test_demo_model_bf16_verified_rows_are_plain_decodings_logits():
+    """bf16, the demo model: two sequences' chunks of four decoded tokens after their prompts
+    give, row by row, bitwise the logits four plain decode steps of the two give (the expanded
+    form differed by ~0.06)."""
+    from pathlib import Path
+
+    from moed.model.runner import ModelRunner
+
+    demo = Path(__file__).resolve().parents[3] / "models" / "stdlib-ds3-tiny"
+    prompts, conts = [list(range(40, 70)), list(range(300, 321))], [[71, 72, 73, 74], [9, 8, 7, 6]]
+    tables = [list(range(12)), list(range(12, 24))]
+
+    def runner() -> ModelRunner:
+        r = ModelRunner(demo, dtype="bfloat16", device="cpu", num_blocks=24, block_size=4)
+        r.forward(ForwardBatch(prompts, [0, 0], tables, prompt=(True, True)))
+        return r
+    plain = runner()
+    steps = [plain.forward(ForwardBatch([[c[j]] for c in conts], [len(p) + j for p in prompts],
+                                        tables)) for j in range(4)]
+    want = torch.cat([torch.stack([s[i] for s in steps]) for i in range(2)])
+    got = runner().forward(ForwardBatch(conts, [len(p) for p in prompts], tables,
+                                        all_logits=(True, True)))
+    assert torch.equal(got, want)
