@@ -123,8 +123,8 @@ def engine_peer(model_dir: str, prompts: list[list[int]], max_tokens: int, concu
             outs += engine.generate(prompts[i:i + concurrency], sp)
         return time.perf_counter() - t0, outs
 
-    # In a worker thread, like the server's step executor: on a busy 2-core machine torch's
-    # OpenMP pool in the main thread ran ~15x slower than in a worker (measured, 2026-11).
+    # Engine.generate runs on the engine's step thread (the one from_config built it on, as the
+    # server's steps do: one OpenMP pool, moed/engine/step_thread.py) whichever thread calls it.
     with ThreadPoolExecutor(1) as ex:
         wall, outs = ex.submit(waves).result()
     n = sum(len(o) for o in outs)

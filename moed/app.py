@@ -105,8 +105,9 @@ class EngineComponent(BaseComponent):
     async def start(self, app: App) -> None:
         t0 = time.perf_counter()
         log.info("model_loading", path=self.cfg.model.path)
-        # In a thread (the weights take seconds to minutes): /health keeps answering. torch
-        # itself was imported by the pre-flight checks, before the node listened.
+        # Off the loop (the weights take seconds to minutes): /health keeps answering. The
+        # build and the calibration run on the engine's step thread (Engine.from_config), this
+        # thread only waits. torch was imported by the pre-flight checks, before listening.
         self.engine = await asyncio.to_thread(_build_engine, self.cfg)
         self.engine.subscribe_step(_observe_step)
         self.engine.subscribe_expert_load(metrics.observe_expert_load)

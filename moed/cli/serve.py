@@ -34,9 +34,29 @@ def kv_transfer_env(role: str, environ: MutableMapping[str, str]) -> bool:
     return environ.get(THP_ENV, "") not in ("", "0")
 
 
+# libgomp's spins at a barrier before the thread sleeps on a futex, read once, when torch loads.
+# An engine's OpenMP work runs in one pool (moed/engine/step_thread.py), which spins 300,000
+# times by default (6-8 ms on the 2-core dev VM): on cores another process keeps busy a 2-thread
+# team then waits out its partner's preemption at every barrier, and served decode went 10-40x
+# slower (bench checkpoint, one busy core beside it). 1,000 spins (~25 us) measured as robust
+# there as the old throttled pool and keep most of the full spin's speed on idle cores
+# (docs/benchmarks.md). The operator's GOMP_SPINCOUNT or OMP_WAIT_POLICY wins: 300000 for
+# cores nothing else uses.
+SPIN_ENV, SPIN_DEFAULT = "GOMP_SPINCOUNT", "1000"
+
+
+def omp_spin_env(role: str, environ: MutableMapping[str, str]) -> str:
+    """Set GOMP_SPINCOUNT for a node that runs an engine when neither it nor OMP_WAIT_POLICY is
+    set; -> the spin count in effect ("" = libgomp's own)."""
+    if role != "router" and not environ.get("OMP_WAIT_POLICY"):
+        environ.setdefault(SPIN_ENV, SPIN_DEFAULT)
+    return environ.get(SPIN_ENV, "")
+
+
 def cmd_serve(args: argparse.Namespace) -> NoReturn:
     cfg = load_config(args)
     thp = kv_transfer_env(cfg.server.role, os.environ)   # before the engine allocates anything
+    omp_spin_env(cfg.server.role, os.environ)            # before the pre-flight imports torch
     import structlog
     import uvloop
 
@@ -47,8 +67,9 @@ def cmd_serve(args: argparse.Namespace) -> NoReturn:
     preflight.check(cfg)         # what check-config checks: refused before listening
     if cfg.server.role != "router":
         structlog.get_logger(__name__).info("cpu_huge_pages", thp_alloc=thp)
-    # torch threads are set by Engine.from_config, in the loader thread (the router never
-    # imports torch at all).
+    # torch threads are set by Engine.from_config, on the engine's step thread, which also
+    # loads the weights and runs every step: one OpenMP pool (moed/engine/step_thread.py; the
+    # router never imports torch at all).
 
     async def main() -> int:
         return await App(cfg, config_path=args.config, overrides=overrides(args)).run()

@@ -34,8 +34,12 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
     threads, why = step_threads(e.num_threads, _cores_available(), os.environ)
     if threads:
         torch.set_num_threads(threads)
+    # libgomp read these when torch loaded; with one pool (moed.engine.step_thread) a barrier
+    # spins GOMP_SPINCOUNT times (default 300000) before it sleeps
     log.info("engine_threads", torch_threads=torch.get_num_threads(),
-             cores_available=_cores_available(), chosen_by=why)
+             cores_available=_cores_available(), chosen_by=why,
+             gomp_spincount=os.environ.get("GOMP_SPINCOUNT") or "default",
+             omp_wait_policy=os.environ.get("OMP_WAIT_POLICY") or "default")
     spec = load_spec(m.path)
     device = resolve_device(m.device)
     dtype = resolve_dtype(m.dtype, spec, device)

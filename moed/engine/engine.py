@@ -71,6 +71,7 @@ from moed.engine.runner import StepRunner
 from moed.engine.scheduler import Scheduler
 from moed.engine.speculate import log_start as log_spec_start
 from moed.engine.step import _error
+from moed.engine.step_thread import StepThread, build_on_step_thread, on_step_thread
 from moed.engine.stream import RequestStream, StepStats
 from moed.kvcache.manager import KVCacheManager
 from moed.types import ContextRule, EngineStats, FinishReason, SamplingParams, TokenEvent
@@ -93,8 +94,10 @@ class Engine(Boundary):
                  tiers: TiersConfig | None = None, model_id: str = "",
                  kv_events: KVEventsConfig | None = None,
                  structured: StructuredConfig | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
-        """ep: this rank's moed.parallel.runtime.EPRuntime (expert parallelism; joined).
+                 speculative: SpeculativeConfig | None = None,
+                 step_thread: StepThread | None = None) -> None:
+        """step_thread: the thread from_config built on (moed.engine.step_thread): calibration,
+        generate and the loop's forward passes run there. ep: this rank's EPRuntime (joined).
         tiers: the KV tiers below the KV tensor (host memory, disk); None or all 0 = none.
         model_id: the checkpoint's (moed.model.identity): with the layout id it names the
         disk tier's files, so a restart on other weights never reads their KV.
@@ -148,6 +151,7 @@ class Engine(Boundary):
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._step_thread = step_thread
         self._stopping = False
         self.steps = 0
         # structured outputs: masks beside the forward pass, each with a deadline
@@ -163,8 +167,8 @@ class Engine(Boundary):
 
     @classmethod
     def from_config(cls, cfg: Config, **kw: Any) -> Engine:
-        """Build the ModelRunner and Tokenizer from cfg.model / cfg.engine (moed.engine.build)."""
-        return build_engine(cfg, cls, **kw)
+        """Runner, tokenizer, engine (moed.engine.build), built on the step thread it keeps."""
+        return build_on_step_thread(build_engine, cfg, cls, **kw)
 
     def use_prompt_source(self, source: PromptSource) -> None:
         """The node's PromptSource: a role component's, set once as the node starts (before
@@ -344,7 +348,7 @@ class Engine(Boundary):
         """Fit the cost model on `steps` synthetic steps; before start() only (blocks)."""
         if self._task is not None:
             raise RuntimeError("calibrate() runs before the engine loop starts")
-        return calibrate(self, steps)
+        return on_step_thread(self._step_thread, calibrate, self, steps)
 
     def apply_config(self, cfg: EngineConfig) -> None:
         """Adopt the live fields (max_num_seqs, max_num_batched_tokens) at the next step."""
@@ -365,7 +369,8 @@ class Engine(Boundary):
         if self._task is not None:
             return
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moed-step")
+        st = self._step_thread
+        self._executor = st.executor if st is not None else ThreadPoolExecutor(1, "moed-step")
         if self.tiers is not None:      # an I/O thread's finished load wakes the loop
             loop, wake = asyncio.get_running_loop(), self._wake
             self.tiers.set_waker(lambda: loop.call_soon_threadsafe(wake.set))
@@ -403,11 +408,11 @@ class Engine(Boundary):
             self._flush_kv_events()
             await asyncio.to_thread(self._kv_publisher.close)
             self._kv_publisher = None
-        if self._executor is not None:
+        if (stop := self._step_thread or self._executor) is not None:
             # a failed EP group's step thread may still sit in a collective (until gloo's timeout)
-            self._executor.shutdown(wait=self.ep is None or self.ep.group is None
-                                    or self.ep.group.failed is None)
-            self._executor = None
+            stop.shutdown(wait=self.ep is None or self.ep.group is None
+                          or self.ep.group.failed is None)
+            self._executor = self._step_thread = None
         if self.ep is not None:
             self.ep.close()
         log.info("engine_stopped", steps=self.steps)
@@ -440,8 +445,8 @@ class Engine(Boundary):
     # ---- synchronous convenience (tests, bench) --------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
-        """Run prompts to completion on the calling thread; -> output token ids per prompt.
-        Must not be used while the async loop runs."""
+        """Run prompts to completion on the calling thread (the step thread for an engine from
+        the config); -> output token ids per prompt. Must not be used while the loop runs."""
         if self._task is not None:
             raise RuntimeError("generate() cannot run while the async engine loop is running")
-        return generate(self, prompts, params)
+        return on_step_thread(self._step_thread, generate, self, prompts, params)

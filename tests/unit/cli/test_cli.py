@@ -225,6 +225,18 @@ def test_kv_transfer_nodes_get_huge_pages_unless_the_operator_chose():
     assert serve.kv_transfer_env("decode", env) is False and env[serve.THP_ENV] == "0"
 
 
+def test_engine_nodes_get_a_bounded_openmp_spin_unless_the_operator_chose():
+    for role in ("colocated", "prefill", "decode"):
+        env: dict[str, str] = {}
+        assert serve.omp_spin_env(role, env) == serve.SPIN_DEFAULT == env[serve.SPIN_ENV]
+    env = {}
+    assert serve.omp_spin_env("router", env) == "" and env == {}     # never loads torch
+    env = {serve.SPIN_ENV: "300000"}                                  # the operator's count
+    assert serve.omp_spin_env("colocated", env) == "300000"
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}             # a wait policy chooses its own count
+    assert serve.omp_spin_env("colocated", env) == "" and serve.SPIN_ENV not in env
+
+
 def test_kv_events_config_takes_vllm_json_and_refuses_unknown_keys(capsys, tmp_path):
     cfg = _cfg("/m", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": '
                '"zmq", "endpoint": "tcp://*:6001", "replay_endpoint": null, "topic": "kv", '
