@@ -96,12 +96,11 @@ class Engine(Boundary):
                  structured: StructuredConfig | None = None,
                  speculative: SpeculativeConfig | None = None,
                  step_thread: StepThread | None = None) -> None:
-        """step_thread: the thread from_config built on (moed.engine.step_thread): calibration,
-        generate and the loop's forward passes run there. ep: this rank's EPRuntime (joined).
+        """step_thread: from_config's (moed.engine.step_thread), where every forward pass runs.
+        ep: this rank's moed.parallel.runtime.EPRuntime (expert parallelism; joined).
         tiers: the KV tiers below the KV tensor (host memory, disk); None or all 0 = none.
-        model_id: the checkpoint's (moed.model.identity): with the layout id it names the
-        disk tier's files, so a restart on other weights never reads their KV.
-        kv_events: vLLM's KV-events stream (moed.kvcache.events); published from start().
+        model_id: the checkpoint's (moed.model.identity): names the disk tier's files with the
+        layout id. kv_events: vLLM's KV-events stream (moed.kvcache.events), from start().
         speculative: [speculative] (moed.engine.speculate); None or method "" = off."""
         self._model_id = model_id
         self.runner = runner
@@ -369,8 +368,8 @@ class Engine(Boundary):
         if self._task is not None:
             return
         self._wake = asyncio.Event()
-        st = self._step_thread
-        self._executor = st.executor if st is not None else ThreadPoolExecutor(1, "moed-step")
+        self._executor = (self._step_thread.executor if self._step_thread is not None
+                          else ThreadPoolExecutor(1, "moed-step"))
         if self.tiers is not None:      # an I/O thread's finished load wakes the loop
             loop, wake = asyncio.get_running_loop(), self._wake
             self.tiers.set_waker(lambda: loop.call_soon_threadsafe(wake.set))
@@ -445,8 +444,7 @@ class Engine(Boundary):
     # ---- synchronous convenience (tests, bench) --------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
-        """Run prompts to completion on the calling thread (the step thread for an engine from
-        the config); -> output token ids per prompt. Must not be used while the loop runs."""
+        """Run prompts to completion (on the step thread if any); -> token ids per prompt."""
         if self._task is not None:
             raise RuntimeError("generate() cannot run while the async engine loop is running")
         return on_step_thread(self._step_thread, generate, self, prompts, params)
