@@ -31,11 +31,15 @@ class DecoderLayer:
         self.attn, self.mlp, self.kernels = attn, mlp, kernels
 
     def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 backend: AttentionBackend, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 backend: AttentionBackend, kv_layer: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream h plus the previous layer's not-yet-added output delta -> the same
-        pair for the next layer (each add is folded into the norm that follows it)."""
+        pair for the next layer (each add is folded into the norm that follows it). rows: the
+        attention runs (and writes K/V) on every row, the rest of the layer on these only."""
         x, h = add_rms_norm(h, delta, self.input_norm, self.eps, self.kernels)
         a = self.attn(x, cos, sin, backend, kv_layer)
+        if rows is not None:
+            h, a = h.index_select(0, rows), a.index_select(0, rows)
         x, h = add_rms_norm(h, a, self.post_norm, self.eps, self.kernels)
         return h, self.mlp(x)
 

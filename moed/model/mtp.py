@@ -117,13 +117,15 @@ class MTPLayer:
         return x, b.attn.write_kv(n, cos, sin, backend, kv_layer)
 
     def draft(self, x: torch.Tensor, positions: torch.Tensor, max_pos: int, rotary: Rotary,
-              backend: AttentionBackend, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              backend: AttentionBackend, kv_layer: torch.Tensor,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of the layer on input rows x [Q, H] (write_kv's, or `_input`'s for a chained
         entry) at `positions` [Q], the backend planned for them (their entries are written as
         __call__ writes them) -> (greedy drafts [Q], the layer's output [Q, H] before the head's
-        norm: a chained entry's hidden, as vLLM's and SGLang's MTP proposers chain it)."""
+        norm: a chained entry's hidden, as vLLM's and SGLang's MTP proposers chain it).
+        rows: attention on every row of x, MoE and head on these only (drafts and outputs [R])."""
         cos, sin = rotary.tables(positions, max_pos)
-        h, delta = self.block(x, None, cos, sin, backend, kv_layer)
+        h, delta = self.block(x, None, cos, sin, backend, kv_layer, rows)
         x, out = add_rms_norm(h, delta, self.head_norm, self.eps, self.kernels)
         return self.head(x).float().argmax(-1), out
 

@@ -305,8 +305,16 @@ class ModelRunner:
         hidden, kv = hidden.to(self.device, self.dtype), self.kv_cache[self.spec.num_layers]
         q = [i for i, d in enumerate(depth) if d > 0]
         out: list[list[int]] = [[] for _ in depth]
+        first = None
         if len(q) == n:      # one row each, all drafting: one pass, as forward_mtp
             x, ent = self.mtp._input(hidden, input_ids), None
+        elif len(q) == len(depth) and max(len(t) for t in batch.token_ids) <= MTP_ONE_PASS_ROWS:
+            # every sequence drafts after a short chunk (a verify step's kept rows): one pass
+            # on this plan, attention on every row (its entries), MoE and head on the last rows
+            # only; a second pass's plan, inputs and entry writes cost ~20% of the demo's pass
+            x, ent = self.mtp._input(hidden, input_ids), None
+            sel = torch.tensor(list(accumulate(len(t) for t in batch.token_ids)), device=x.device) - 1
+            first = self.mtp.draft(x, positions, max_pos, self.model.rotary, self.backend, kv, sel)
         else:
             x, ent = self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary,
                                        self.backend, kv)
@@ -317,9 +325,12 @@ class ModelRunner:
             x, ent = x.index_select(0, sel), ent.index_select(0, sel)
         chain = [batch.block_tables[i] for i in q]
         for j in range(max(depth)):
-            b = ForwardBatch([[0]] * len(q), [last[i] + j for i in q], chain)
-            _, pos, mp, _ = self._inputs(b, reuse_plan=True)
-            tok, h = self.mtp.draft(x, pos, mp, self.model.rotary, self.backend, kv)
+            if first is not None:
+                (tok, h), first = first, None
+            else:
+                b = ForwardBatch([[0]] * len(q), [last[i] + j for i in q], chain)
+                _, pos, mp, _ = self._inputs(b, reuse_plan=True)
+                tok, h = self.mtp.draft(x, pos, mp, self.model.rotary, self.backend, kv)
             if ent is not None:     # the query rows' entries as the all-row pass wrote them
                 self.backend.write_latent(ent, kv)
                 ent = None
@@ -364,6 +375,11 @@ class ModelRunner:
         load = self.model.expert_load.cpu().clone()
         self.model.expert_load.zero_()
         return load
+
+
+# the longest chunk per sequence an MTP step runs in one pass: a verify step's known token and
+# its accepted drafts (num_speculative_tokens <= 4)
+MTP_ONE_PASS_ROWS = 5
 
 
 def _same_rows(a: ForwardBatch, b: ForwardBatch | None) -> bool:
