@@ -88,9 +88,12 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         # the chain's entries at last + 1 .. last + depth - 1: inside the table and the context
         last = batch.start_pos[i] + keep[-1] - 1
         room = min(len(batch.block_tables[i]) * bs, r.max_model_len) - last
-        # a prefill-only request's first draft is all that travels (with_first_drafts)
-        chain = 1 if r.prefill_only else max(1, min(k, room))
-        depth.append(chain if c.sample and drafting else 0)
+        # a prefill-only request's first draft is all that travels (with_first_drafts);
+        # otherwise no more than its next step may verify (propose.draft_room): none when
+        # this step's tokens leave it one to emit or none (a closed batch's last steps)
+        left = r.params.max_tokens - r.num_output_tokens - (keep[-1] if c.draft else 1) - 1
+        chain = 1 if r.prefill_only else min(k, room, left)
+        depth.append(chain if c.sample and drafting and chain > 0 else 0)
     if backlog is None:
         mb, rows = mtp_inputs(batch, next_ids, keep)
         if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out

@@ -193,3 +193,23 @@ def test_mtp_chain_leaks_no_block_and_writes_no_cached_block(make_checkpoint, tm
     assert chained[0] > 100
     assert e.kv.num_free_blocks == free0 and e.kv.num_used_blocks == 0
     assert e.scheduler.num_preemptions > 0 and e.kv.stats().prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
+def test_every_mtp_draft_is_verified(max_tokens):
+    """A request drafts only what its next step may verify (max_tokens left after this step's
+    tokens, less the one that step emits anyway): a request's last step drafts nothing, so
+    every draft made is verified. Output equal to plain decoding all the same."""
+    tok = Tokenizer.from_dir(DEMO)
+    prompts = [tok.encode(t.format(a="os", b="re", c="sys")) for t in SNIPPETS]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain, spec = _engine(DEMO, batched=2048), _engine(DEMO, MTP3, batched=2048)
+    want = plain.generate(prompts, params)
+    runner, depths = spec.runner, []
+    draft_mtp = runner.draft_mtp
+    runner.draft_mtp = lambda b, h, depth, *a: depths.append(list(depth)) or draft_mtp(b, h, depth, *a)
+    d0, _ = _counts()
+    assert spec.generate(prompts, params) == want
+    made, verified = sum(map(sum, depths)), _counts()[0] - d0
+    assert made == verified and (made > 0) == (max_tokens > 2), depths
+    assert spec.kv.num_used_blocks == 0
