@@ -13,8 +13,8 @@ Glossary
     whole_s     the step's time for finishing prompts of the shortest target whole
                 (`whole_budget`): the ITL target with decodes, half that target without
     late_s      the same for such prompts already past their target (`late_budget`): the
-                decodes' predicted time plus the ITL target again; the oldest of them
-                finishes whole whatever the step then takes
+                decodes' predicted time plus the ITL target again; the one waiting longest
+                of all urgent prompts, if a short, finishes whole whatever the step takes
 
 Order = least slack first. Shorter buckets have smaller targets and less remaining work, so
 this is shortest-remaining-first across buckets; age lowers the slack (aging). The step is
@@ -108,10 +108,10 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
     run); `max_tokens` = the hard cap on prefill tokens (activation memory); `max_new` = how
     many items that are not `partial` may start (free sequence seats). `budget_s` bounds the
     step for chunks (`chunk_budget`), `whole_s` for whole prompts and urgent ones
-    (`whole_budget`; below `budget_s`: `budget_s`). Of the prompts of the shortest target past
-    it, the oldest finishes whole whatever it costs (the bucket bounds it) unless one already
-    does, and more finish whole while the step fits `late_s` (`late_budget`; below
-    `whole_s`: `whole_s`)."""
+    (`whole_budget`; below `budget_s`: `budget_s`). Prompts of the shortest target past it
+    finish whole while the step fits `late_s` (`late_budget`; below `whole_s`: `whole_s`), and
+    the one that has waited longest of all urgent prompts, if it is such a short, whatever it
+    costs (the bucket bounds it; a long one waiting longer keeps its turn)."""
     # a slow machine: a budget below what the smallest step costs would let no chunk fit
     # (every step then gave the least-slack prompt min_tokens); chunks get at least the
     # smallest step's time again (floor_budget), so their own work is worth its fixed cost
@@ -204,11 +204,11 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
         fill(ranked, half, chunks=False)
         fill(srf, min(half, budget_s), chunks=True)
         late = [it for it in urgent if buckets.target(it.total) <= shortest]
-        if late and not any(it.key in taken for it in late):
-            first = max(late, key=lambda it: (it.age_s, it.key))    # the oldest, whatever
-            if first.remaining <= left and (first.partial or new < max_new):    # it costs
-                take(first, first.remaining)
-        fill(late, late_s, chunks=False)        # more of them while they fit late_s
+        first = max(urgent, key=lambda it: (it.age_s, it.key))     # the longest waiting:
+        if first in late and not any(it.key in taken for it in late) \
+                and first.remaining <= left and (first.partial or new < max_new):
+            take(first, first.remaining)    # a short finishes whole, whatever it then costs
+        fill(late, late_s, chunks=False)    # more of them while they fit late_s
         fill(urgent, whole_s, chunks=True, urgent_pass=True)
     fill(ranked, whole_s, chunks=False)       # prompts that finish this step first
     fill(srf, budget_s, chunks=True)          # then progress for the rest
@@ -264,7 +264,7 @@ def late_budget(has_decodes: bool, decodes_s: float, itl_target_s: float,
     and the seats they hold idle: measured with 128-token prompts at 32 streams, 130-160 of
     ~200 steps carried chunks, the decode batch ran under-full and TTFT p50 grew to seconds
     (docs/benchmarks.md). Once a prompt has missed its target, its first token costs the
-    running streams one longer step, not several. `choose` lets the oldest late short finish
+    running streams one longer step, not several. `choose` lets the longest-waiting short finish
     even past this (on this machine under load the decodes alone took the whole target and a
     128-token prompt never fit): the step grows by at most one prompt of the shortest bucket.
     Without decodes: `whole_s`."""

@@ -263,6 +263,11 @@ def test_a_late_short_prompt_finishes_whole_beside_decodes_that_fill_the_itl_tar
     assert slow.predict(add_chunk(decodes, 0, 128)) > slow_late
     picks = choose(overdue, decodes, slow, 0.1, BUCKETS, **{**kw, "late_s": slow_late})
     assert picks == [Pick("late2", 128)]
+    # ...unless a long prompt has waited longer still: it keeps its turn (no short forced)
+    older = Item("long", 500, 2500, 3000, 9.0, True)
+    picks = choose([older, *overdue], decodes, slow, 0.1, BUCKETS,
+                   **{**kw, "late_s": slow_late})
+    assert all(p.num_tokens < 128 for p in picks if p.key != "long")
     long_late = Item("long", 0, 600, 600, 2.5)  # 2 s target, missed: chunked as before
     picks = choose([long_late], decodes, cpu, 0.1, BUCKETS, **kw)
     assert picks[0].num_tokens < 600 and step_s(picks) <= 0.1
