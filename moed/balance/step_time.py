@@ -12,6 +12,9 @@ Glossary
                 prefill fills what they leave)
     whole_s     the step's time for finishing prompts of the shortest target whole
                 (`whole_budget`): the ITL target with decodes, half that target without
+    late_s      the same for such prompts already past their target (`late_budget`): the
+                decodes' predicted time plus the ITL target again; the one waiting longest
+                of all urgent prompts, if a short, finishes whole whatever the step takes
 
 Order = least slack first. Shorter buckets have smaller targets and less remaining work, so
 this is shortest-remaining-first across buckets; age lowers the slack (aging). The step is
@@ -100,12 +103,15 @@ def order(items: Sequence[Item], coef: Coefficients, buckets: Buckets) -> list[I
 def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s: float,
            buckets: Buckets, *, max_partial: int, max_tokens: int, max_new: int = 1 << 30,
            min_tokens: int = 16, experts: ExpertShape | None = None,
-           whole_s: float = 0.0) -> list[Pick]:
+           whole_s: float = 0.0, late_s: float = 0.0) -> list[Pick]:
     """This step's prefill chunks, in priority order. `base` = the step's decodes (always
     run); `max_tokens` = the hard cap on prefill tokens (activation memory); `max_new` = how
     many items that are not `partial` may start (free sequence seats). `budget_s` bounds the
     step for chunks (`chunk_budget`), `whole_s` for whole prompts and urgent ones
-    (`whole_budget`; below `budget_s`: `budget_s`)."""
+    (`whole_budget`; below `budget_s`: `budget_s`). Prompts of the shortest target past it
+    finish whole while the step fits `late_s` (`late_budget`; below `whole_s`: `whole_s`), and
+    the one that has waited longest of all urgent prompts, if it is such a short, whatever it
+    costs (the bucket bounds it; a long one waiting longer keeps its turn)."""
     # a slow machine: a budget below what the smallest step costs would let no chunk fit
     # (every step then gave the least-slack prompt min_tokens); chunks get at least the
     # smallest step's time again (floor_budget), so their own work is worth its fixed cost
@@ -113,6 +119,7 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
     floored = floor_s > budget_s     # the machine is slower than the budgets
     budget_s = max(budget_s, floor_s)
     whole_s = max(whole_s, budget_s)
+    late_s = max(late_s, whole_s)
     picks: list[Pick] = []
     shape, left, new = base, max_tokens, 0
     partials = sum(1 for it in items if it.partial)
@@ -196,6 +203,12 @@ def choose(items: Sequence[Item], base: StepShape, coef: Coefficients, budget_s:
         half = base_s + (whole_s - base_s) * (1 - URGENT_SHARE)
         fill(ranked, half, chunks=False)
         fill(srf, min(half, budget_s), chunks=True)
+        late = [it for it in urgent if buckets.target(it.total) <= shortest]
+        first = max(urgent, key=lambda it: (it.age_s, it.key))     # the longest waiting:
+        if first in late and not any(it.key in taken for it in late) \
+                and first.remaining <= left and (first.partial or new < max_new):
+            take(first, first.remaining)    # a short finishes whole, whatever it then costs
+        fill(late, late_s, chunks=False)    # more of them while they fit late_s
         fill(urgent, whole_s, chunks=True, urgent_pass=True)
     fill(ranked, whole_s, chunks=False)       # prompts that finish this step first
     fill(srf, budget_s, chunks=True)          # then progress for the rest
@@ -240,6 +253,22 @@ def whole_budget(has_decodes: bool, budget_s: float, min_target_s: float) -> flo
     `prefill_step_s` chunks only delays it (measured: a 250-token prompt in three 125 ms
     steps)."""
     return budget_s if has_decodes else max(budget_s, min_target_s / 2)
+
+
+def late_budget(has_decodes: bool, decodes_s: float, itl_target_s: float,
+                whole_s: float) -> float:
+    """How long a step with decodes may grow to finish short prompts already past their TTFT
+    target: the decodes' own predicted time plus the ITL target again. Where the decodes take
+    most of the ITL target (2 cores, 32 streams: a 66 ms decode step against 100 ms) the
+    chunks that fit beside them are a few dozen tokens, prompts arrive faster than they finish,
+    and the seats they hold idle: measured with 128-token prompts at 32 streams, 130-160 of
+    ~200 steps carried chunks, the decode batch ran under-full and TTFT p50 grew to seconds
+    (docs/benchmarks.md). Once a prompt has missed its target, its first token costs the
+    running streams one longer step, not several. `choose` lets the longest-waiting short finish
+    even past this (on this machine under load the decodes alone took the whole target and a
+    128-token prompt never fit): the step grows by at most one prompt of the shortest bucket.
+    Without decodes: `whole_s`."""
+    return max(whole_s, decodes_s + itl_target_s) if has_decodes else whole_s
 
 
 def chunk_budget(has_decodes: bool, itl_target_s: float, prefill_step_s: float) -> float:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from moed.balance.step_time import (Buckets, Item, Pick, choose, chunk_budget, step_budget,
-                                    whole_budget)
+from moed.balance.step_time import (Buckets, Item, Pick, choose, chunk_budget, late_budget,
+                                    step_budget, whole_budget)
 from moed.balance.cost import (AdvertisedCost, CostModel, StepShape, bucket_of, max_chunk,
                                shape_of)
 from moed.config import BalanceConfig
@@ -138,13 +138,14 @@ def _by_priority(view: SchedulerView, items: list[Item], base: StepShape, cost: 
     prio = {it.key: view.requests[it.key].params.priority for it in items}
     budget = chunk_budget(has_decodes, tb.itl_target_s, tb.prefill_step_s)
     whole = whole_budget(has_decodes, step_s, min(tb.buckets.ttft_targets_s))
+    late = late_budget(has_decodes, cost.coefficients.predict(base), tb.itl_target_s, whole)
     partial = 0         # prompts under way in more urgent priorities hold max_partial's slots
     for level in sorted(set(prio.values())):
         group = [it for it in items if prio[it.key] == level]
         got = choose(group, base, cost.coefficients, budget, tb.buckets,
                      max_partial=max(tb.max_partial - partial, 0), max_tokens=max_tokens,
                      max_new=seats, min_tokens=view.kv.block_size, experts=view.experts,
-                     whole_s=whole)
+                     whole_s=whole, late_s=late)
         if got:
             return got
         partial += sum(1 for it in group if it.partial)

@@ -3,7 +3,7 @@ cost model, bounded partial prefills, no starvation either way."""
 import pytest
 
 from moed.balance.step_time import URGENT_SHARE, Buckets, Item, Pick, choose, order, slack, \
-    chunk_budget, floor_budget, step_budget, ttft_deadline, whole_budget
+    chunk_budget, floor_budget, late_budget, step_budget, ttft_deadline, whole_budget
 from moed.balance.cost import Coefficients, StepShape, add_chunk, shape_of
 
 # a fast node (GPU-like): 50k prompt tokens/s, attention showing at long contexts
@@ -228,6 +228,49 @@ def test_a_step_without_decodes_finishes_a_short_prompt_whole():
     chunk = choose([long], StepShape(), slow, 0.125, BUCKETS, max_partial=4, max_tokens=8192,
                    whole_s=0.25)
     assert slow.predict(add_chunk(StepShape(), 0, chunk[0].num_tokens)) <= 0.125
+
+
+def test_a_late_short_prompt_finishes_whole_beside_decodes_that_fill_the_itl_target():
+    """2 cores, 32 streams: the decodes take 66 of the 100 ms ITL target, so the chunks beside
+    them were a few dozen tokens and 128-token prompts queued for seconds. Past its TTFT
+    target a short prompt finishes whole (more of them while the step stays within the
+    decodes + the ITL target, the oldest one even past that); on time, or of a longer target,
+    it is chunked within the ITL target as before."""
+    cpu = Coefficients(overhead_s=0.002, per_token_s=5e-4, per_decode_s=2e-3)
+    decodes = shape_of([(200, 1, True)] * 32)
+    base_s = cpu.predict(decodes)
+    late = late_budget(True, base_s, 0.1, whole_budget(True, 0.1, 0.5))
+    assert late == pytest.approx(base_s + 0.1)
+    assert late_budget(False, 0.0, 0.1, 0.25) == 0.25               # no decodes: whole_s
+    kw = dict(max_partial=4, max_tokens=2048, whole_s=0.1, late_s=late)
+
+    def step_s(picks):
+        shape = decodes
+        for p in picks:
+            shape = add_chunk(shape, 0, p.num_tokens)
+        return cpu.predict(shape)
+
+    on_time = choose([Item("fresh", 0, 128, 128, 0.2)], decodes, cpu, 0.1, BUCKETS, **kw)
+    assert on_time[0].num_tokens < 128 and step_s(on_time) <= 0.1
+    overdue = [Item(f"late{i}", 0, 128, 128, 0.6 + i) for i in range(3)]
+    picks = choose(overdue, decodes, cpu, 0.1, BUCKETS, **kw)
+    assert picks == [Pick("late2", 128)]        # the oldest, whole: one fits late_s
+    assert 0.1 < step_s(picks) <= late
+    # a loaded machine: the decodes alone take the ITL target and no prompt fits late_s;
+    # the oldest late short still finishes, alone (the rule before gave it a 16-token chunk)
+    slow = Coefficients(overhead_s=0.002, per_token_s=2e-3, per_decode_s=3.5e-3)
+    slow_late = late_budget(True, slow.predict(decodes), 0.1, 0.1)
+    assert slow.predict(add_chunk(decodes, 0, 128)) > slow_late
+    picks = choose(overdue, decodes, slow, 0.1, BUCKETS, **{**kw, "late_s": slow_late})
+    assert picks == [Pick("late2", 128)]
+    # ...unless a long prompt has waited longer still: it keeps its turn (no short forced)
+    older = Item("long", 500, 2500, 3000, 9.0, True)
+    picks = choose([older, *overdue], decodes, slow, 0.1, BUCKETS,
+                   **{**kw, "late_s": slow_late})
+    assert all(p.num_tokens < 128 for p in picks if p.key != "long")
+    long_late = Item("long", 0, 600, 600, 2.5)  # 2 s target, missed: chunked as before
+    picks = choose([long_late], decodes, cpu, 0.1, BUCKETS, **kw)
+    assert picks[0].num_tokens < 600 and step_s(picks) <= 0.1
 
 
 def test_a_step_that_gives_a_short_prompt_its_first_token_is_not_stretched_by_a_long_one():

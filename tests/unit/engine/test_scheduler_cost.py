@@ -131,3 +131,35 @@ def test_advertised_queue_per_bucket():
     assert adv.queued_tokens == (3, 29, 0) and adv.queued_requests == (1, 1, 0)
     s.set_policy(TokenPolicy())
     assert s.advertised() is None                # the token policy predicts nothing
+
+
+def test_a_late_short_prompt_finishes_whole_beside_decodes_that_fill_the_itl_target():
+    """Decodes take most of the ITL target: an on-time short prompt gets a chunk of what they
+    leave; one already past its TTFT target finishes whole in one step (step_time.late_budget),
+    with the model's tokens either way."""
+    coef = Coefficients(overhead_s=0.001, per_token_s=0.001, per_decode_s=0.001)
+    tb = StepTimeBudget(Buckets((64,), (0.05, 1.0)), itl_target_s=0.03, prefill_step_s=0.03,
+                        max_partial=2)
+
+    def first_chunk(age_s: float) -> tuple[int, Request, Scheduler, FakeRunner]:
+        s = Scheduler(KVCacheManager(64, 4, False), max_num_seqs=16, max_num_batched_tokens=4096,
+                      policy=CostPolicy(tb), cost=CostModel(min_samples=0, prior=coef))
+        r = FakeRunner(64, 4)
+        for i in range(7):
+            s.add(_req(f"d{i}", [i + 1], SamplingParams(max_tokens=20, temperature=0.0,
+                                                        ignore_eos=True)))
+        _step(s, r)                                 # their one-token prompts: 7 decoding now
+        q = _req("short", range(1, 41))             # 40 tokens: 41 ms beside 8 ms of decodes
+        q.arrival_time -= age_s
+        s.add(q)
+        plan, _ = _step(s, r)
+        assert sum(c.num_new_tokens == 1 for c in plan.chunks) == 7
+        return next(c.num_new_tokens for c in plan.chunks if c.request is q), q, s, r
+
+    on_time, _, _, _ = first_chunk(0.0)
+    assert on_time < 40
+    late, q, s, r = first_chunk(0.2)
+    assert late == 40 and q.num_output_tokens == 1
+    while s.has_unfinished():
+        _step(s, r)
+    assert q.output_token_ids == _expected(q.prompt_token_ids, 4)
