@@ -16,7 +16,9 @@ from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice, NativeOnly
 from moed.model.kernels.quant import MAX_ROWS as QUANT_MAX_ROWS
+from moed.model.kernels.quant import blocked_unserved as quant_blocked_unserved
 from moed.model.kernels.quant import qlinear as quant_linear
+from moed.model.kernels.quant import qlinear_blocked as quant_linear_blocked
 from moed.model.kernels.quant import unserved as quant_unserved
 from moed.model.quant.linear import qlinear
 from moed.model.quant.weight import QuantWeight
@@ -38,11 +40,13 @@ class Linear:
     - Else (fp32, GPU) plain F.linear.
     - A quantized weight (moed/model/quant) with the kernels (ctx.for_weight gives them in fp32
       too): the native quantized matmul (kernels/quant.py, dequantized in registers, never
-      repacked) for up to qrows rows; more rows, or no kernels, take the reference path,
-      dequantized per call (quant/linear.py). `qpath` says which, for model_runner_ready."""
+      repacked) for up to qrows rows; more bf16 rows (prefill) the blocked kernel (each weight
+      block dequantized once per call to bf16, the reference's numerics); fp32 past qrows, or no
+      kernels, the reference path, dequantized per call (quant/linear.py). `qpath` says which
+      serves the few-row calls, for model_runner_ready."""
 
     __slots__ = ("weight", "bias", "packed", "gemv_rows", "kernels", "kpacked", "out_features", "choice",
-                 "quant", "qbias", "qrows", "qpath")
+                 "quant", "qbias", "qrows", "qblocked", "qpath")
 
     def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None, pack: bool = False,
                  kernels: CpuKernels | None = None, kpacked: torch.Tensor | None = None) -> None:
@@ -58,7 +62,11 @@ class Linear:
             # the kernel adds the bias in fp32; every row count native under batch invariance
             self.qbias = None if bias is None or why else bias.float().contiguous()
             self.qrows = 0 if why else (1 << 62) if isinstance(kernels.choose, NativeOnly) else QUANT_MAX_ROWS
+            # bf16 rows past qrows (prefill): each weight block dequantized once into the bf16
+            # kernel's packed layout, the reference path's numerics (kernels/quant.py)
+            self.qblocked = 0 < self.qrows == QUANT_MAX_ROWS and not quant_blocked_unserved(self.quant)
             return
+        self.qblocked = False
         self.kernels = kernels if pack and kernels is not None and weight.shape[1] % 2 == 0 else None
         self.kpacked = self.packed = None
         self.choice: LinearChoice | None = None     # kernels only: oneDNN for some row classes
@@ -94,6 +102,8 @@ class Linear:
             if self.quant is not None:
                 if x.shape[0] <= self.qrows and x.dim() == 2 and x.dtype in _QUANT_DTYPES and not x.is_cuda:
                     return quant_linear(self.kernels, x, self.quant, self.qbias)
+                if self.qblocked and x.dim() == 2 and x.dtype == torch.bfloat16 and not x.is_cuda:
+                    return quant_linear_blocked(self.kernels, x, self.quant, self.qbias)
                 if x.shape[0] <= 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
                     # the dequantized matrix through ATen's bf16 gemv, as plain weights (gemv)
                     return gemv(x, self.quant.dequantize(x.dtype), self.bias)

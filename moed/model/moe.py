@@ -29,8 +29,11 @@ tokens (fused_serves).
 Quantized experts (QuantWeight slots) with the kernels loaded: batches of up to 64 tokens run
 the experts and the weighted sum in one native call (moed_moe_q, kernels/quant.py;
 LocalExperts.qfused_serves; bf16 models routed in the same call by the bf16 kernel's router,
-fp32 ones by the torch Router first), the experts bf16 bitwise equal to the per-expert path that
-serves larger batches (one native quantized matmul per expert matrix, torch between them).
+fp32 ones by the torch Router first), the experts bf16 bitwise equal to the per-expert path (one
+native quantized matmul per expert matrix, torch between them). Larger bf16 batches (prefill)
+take the same call blocked (LocalExperts.qblocked_serves): each touched expert's weights
+dequantized once to bf16 and all its rows through the bf16 prefill kernel, bitwise equal to the
+per-expert path on the blocked matmul; fp32 ones and expert parallelism the per-expert path.
 """
 from __future__ import annotations
 
@@ -150,14 +153,18 @@ class LocalExperts(ExpertExecutor):
                 and self.experts[0][0].qrows <= kq.MAX_ROWS:
             self.qkernels = quant_kernels
             self.qrows = self.experts[0][0].qrows
+        # bf16 batches past qrows (prefill): moed_moe_q blocked, each touched expert's weights
+        # dequantized once per call to bf16 (the per-expert path's numerics past MAX_ROWS)
+        self.qblocked = self.qkernels is not None and self.experts[0][0].qblocked \
+            and not kq.experts_blocked_unserved(*self.quant)
 
     def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
         """The torch path, or for quantized experts one moed_moe_q call where qfused_serves
         (mode is for EP executors; the bf16 fused path is MoELayer's one call)."""
         t, k = routing.physical.shape
-        if self.qfused_serves(x):
+        if self.qfused_serves(x) or self.qblocked_serves(x):
             return kq.moe_q(self.qkernels, x, routing.physical, routing.weights, *self.quant,
-                            t == 1 and not routing.replicated)
+                            t == 1 and not routing.replicated, t > self.qrows)
         if t == 1 and not routing.replicated:
             return self._single_token(x, routing)
         phys = routing.physical.reshape(-1)
@@ -189,6 +196,11 @@ class LocalExperts(ExpertExecutor):
         """Whether moed_moe_q serves a batch x [T, H] (the mode EP=1 runs it in: QFUSED)."""
         return self.qkernels is not None and 0 < x.shape[0] <= self.qrows \
             and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+
+    def qblocked_serves(self, x: torch.Tensor) -> bool:
+        """Whether moed_moe_q's blocked mode serves x [T, H]: bf16 past qrows, EP=1 only (an
+        expert-parallel rank's rows are not the batch's, so it keeps the per-expert path)."""
+        return self.qkernels is not None and self.qblocked and x.shape[0] > self.qrows and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
     def _grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by expert (counts[e] rows each) -> unweighted outputs, same order."""
@@ -271,8 +283,8 @@ _logged_quantized = False
 def _log_quantized_experts(fmt: str, native: bool) -> None:
     global _logged_quantized
     if not _logged_quantized:
-        per_call = (f"moed_moe_q (one native call per layer) up to {kq.MAX_ROWS} tokens, then the native "
-                    "quantized matmul per expert call" if native
+        per_call = (f"moed_moe_q (one native call per layer), past {kq.MAX_ROWS} bf16 tokens blocked (each "
+                    "expert dequantized once to bf16)" if native
                     else "the reference path dequantizes per expert call")
         log.info("moe_quantized_path", reason=f"{fmt} experts: {per_call}")
         _logged_quantized = True
@@ -338,8 +350,9 @@ class MoELayer:
             return self.kernels.moe_bf16(x, self.router_p, r.num_experts, r.top_k, r.norm_topk,
                                          r.logical_to_physical, r.num_replicas, r.load,
                                          e.gate_up_p, e.down_p, e.intermediate, r.next_offset())
-        if self.qroute is not None and self.experts.qfused_serves(x):
-            return kq.moe_q_routed(self.experts.qkernels, x, self.router_p, self.router, *self.experts.quant)
+        if self.qroute is not None and (self.experts.qfused_serves(x) or self.experts.qblocked_serves(x)):
+            return kq.moe_q_routed(self.experts.qkernels, x, self.router_p, self.router, *self.experts.quant,
+                                   x.shape[0] > self.experts.qrows)
         return self.experts(x, self.router(x))
 
     def fused(self, tokens: int) -> bool:

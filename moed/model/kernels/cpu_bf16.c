@@ -396,6 +396,13 @@ static void gemm_packed(const bf16 *x, long R, long ldx, const bf16 *wp, long K,
     }
 }
 
+/* y[r][0..32) = x[r] . packed block wb (K/2 pairs) for R <= ROW_TILE rows of x [R][ldx] (bf16,
+ * ldx even), unrounded: cpu_quant.c's many-row path packs one block of a quantized weight at a
+ * time and streams every row through it here, so its sums are this kernel's, variant for variant. */
+void moed_block_rows_bf16(const bf16 *x, long R, long ldx, const bf16 *wb, long K, float *y, long ldy) {
+    block_rows_any(R, (const uint32_t *)x, ldx / 2, wb, K / 2, y, ldy);
+}
+
 /* out[R][N] (bf16) = x[R][K] @ W^T (+ bias[N]), W packed P32 from [N][K]; fp32 accumulation,
  * bias added in fp32, rounded once (as torch's addmm and oneDNN's fused bias do). Each tile of
  * 8 rows x 32 columns is rounded into out as soon as it is computed (no [R][N] fp32 scratch). */

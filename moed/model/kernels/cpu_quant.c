@@ -1,4 +1,5 @@
-/* Quantized-weight matmul for decode and small batches: y[m][n] = sum_k x[m][k] * W[n][k] with W
+/* Quantized-weight matmul (decode and small batches here; many-row bf16 calls: the blocked
+ * section below): y[m][n] = sum_k x[m][k] * W[n][k] with W
  * int8 / int4 / fp8 in moed's QuantWeight layout (moed/model/quant/weight.py), read as stored:
  *
  *     W[n][k] = (q[n][k] - zero[n][k / group]) * scale[n][k / group]
@@ -370,6 +371,194 @@ int moed_qlinear(const void *x_in, int x_f32, long R, long K, int fmt, const uin
     return oom ? -1 : 0;
 }
 
+/* ---- Many rows (prefill), bf16 activations: each weight block dequantized once -------------
+ *
+ * Past a few dozen rows the loop above re-reads every input row once per QNR output rows, and
+ * its FMAs take fp32 weights; cpu_bf16.c's prefill kernel is the fast many-row matmul here. So a
+ * bf16 call of many rows takes each block of 32 weight rows, dequantizes it once (unit_dequant's
+ * fp32 values, rounded to nearest even: exactly QuantWeight.dequantize(bfloat16)) into that
+ * kernel's packed layout (P32: [K/2][32] pairs) in a per-thread buffer, and streams every input
+ * row through it (moed_block_rows_bf16). Numerics: the reference path's own (the bf16-rounded
+ * weight, bf16 inputs, products exact in fp32, summed in fp32, bias added in fp32, one rounding)
+ * up to fp32 summation order; not the fp32-weight bits of the few-row loop above. K even. */
+
+#define QB 32        /* weight rows per packed block (cpu_bf16.c's NB) */
+#define QBT 8        /* input rows per moed_block_rows_bf16 call (its ROW_TILE) */
+
+void moed_block_rows_bf16(const uint16_t *x, long R, long ldx, const uint16_t *wb, long K, float *y, long ldy);
+
+static void unit_dequant_any(int fmt, int asym, const QMat *q, const long rows[QNR], float *wbuf) {
+    if (fmt == Q_INT8 && !asym) unit_dequant(Q_INT8, 0, q, rows, wbuf);
+    else if (fmt == Q_INT8) unit_dequant(Q_INT8, 1, q, rows, wbuf);
+    else if (fmt == Q_INT4 && !asym) unit_dequant(Q_INT4, 0, q, rows, wbuf);
+    else if (fmt == Q_INT4) unit_dequant(Q_INT4, 1, q, rows, wbuf);
+    else unit_dequant(Q_FP8, 0, q, rows, wbuf);
+}
+
+/* f's bf16 bits (q_f32_to_bf16) for n floats, written so the compiler vectorizes it: the
+ * same integer operations in every variant, so the same bits. */
+static inline void bf16_bits(const float *f, long n, uint16_t *h) {
+    for (long i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, f + i, 4);
+        const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        h[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)r;
+    }
+}
+
+/* d[i][j] = s[j][i] for an 8 x 8 tile of 32-bit values (AVX2, which every variant has: data
+ * movement only, so the same bits everywhere). */
+static inline void transpose8(const uint32_t *s, long ls, uint32_t *d, long ld) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(s + i * ls));
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps((float *)(d + i * ld), _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps((float *)(d + (i + 4) * ld), _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+/* Weight rows [n0, n0 + QB) of q (zeros past N) into wb, P32 pairs as uint32 [K/2][QB].
+ * fbuf: [QNR][KV] floats (unit_dequant's; int4 in [16 even, 16 odd] order per 32 columns),
+ * then hb: [QB][K/2] pairs row by row (bf16_bits), then transposed 8 x 8 into wb. */
+static void block_p32(int fmt, int asym, const QMat *q, long n0, long N, float *fbuf, uint32_t *wb) {
+    const long K2 = q->K / 2, KV = q->KV, K2r = (K2 + 7) / 8 * 8;
+    uint32_t *hb = (uint32_t *)(fbuf + ((QNR * KV + 15) / 16) * 16);
+    uint16_t *h16 = (uint16_t *)(hb + QB * K2r);                /* one row's bf16 bits [KV] */
+    for (long u = 0; u < QB / QNR; u++) {
+        long rows[QNR];
+        for (int j = 0; j < QNR; j++) rows[j] = n0 + u * QNR + j < N ? n0 + u * QNR + j : N - 1;
+        unit_dequant_any(fmt, asym, q, rows, fbuf);
+        for (int j = 0; j < QNR; j++) {
+            const long c = u * QNR + j, n = n0 + c;
+            uint32_t *pr = hb + c * K2r;
+            if (n >= N) {
+                memset(pr, 0, sizeof(uint32_t) * K2r);
+                continue;
+            }
+            if (fmt == Q_INT4) {
+                bf16_bits(fbuf + j * KV, KV, h16);
+                for (long b = 0; b < KV; b += 32)
+                    for (long i = 0; i < 16; i++) pr[b / 2 + i] = h16[b + i] | (uint32_t)h16[b + 16 + i] << 16;
+            } else {
+                bf16_bits(fbuf + j * KV, KV, (uint16_t *)pr);   /* little-endian: pair p = [2p, 2p + 1] */
+            }
+            float s = 0.0f, z = 0.0f;                           /* the tail columns (KV is even) */
+            const uint8_t *row = q->w + n * q->ldw;
+            for (long p = KV / 2, g = -1; p < K2r; p++) {
+                uint16_t hv[2] = {0, 0};
+                for (int e = 0; e < 2 && p < K2; e++) {
+                    const long k = 2 * p + e;
+                    if (k / q->group != g) { g = k / q->group; s = q->s[n * q->lds + g]; z = zero_at(fmt, q, n, g); }
+                    hv[e] = q_f32_to_bf16(weight_at(fmt, row, k, s, z));
+                }
+                pr[p] = hv[0] | (uint32_t)hv[1] << 16;
+            }
+        }
+    }
+    for (long p0 = 0; p0 + 8 <= K2; p0 += 8)
+        for (long c0 = 0; c0 < QB; c0 += 8) transpose8(hb + c0 * K2r + p0, K2r, wb + p0 * QB + c0, QB);
+    for (long p = K2 / 8 * 8; p < K2; p++)
+        for (long c = 0; c < QB; c++) wb[p * QB + c] = hb[c * K2r + p];
+}
+
+/* y [R][ldy] fp32 (or out bf16 [R][N] rounded, bias fp32 added first, when out is set), columns
+ * [n0, n0 + QB) clipped to N, for every row of x bf16 [R][K], through packed block wb. */
+static void block_all_rows(const uint16_t *x, long R, long K, const uint32_t *wb, long n0, long N,
+                           const float *bias, float *y, long ldy, uint16_t *out) {
+    float tile[QBT * QB] __attribute__((aligned(64)));
+    const long nc = N - n0 < QB ? N - n0 : QB;
+    for (long r0 = 0; r0 < R; r0 += QBT) {
+        const long rn = R - r0 < QBT ? R - r0 : QBT;
+        if (!out && nc == QB) {
+            moed_block_rows_bf16(x + r0 * K, rn, K, (const uint16_t *)wb, K, y + r0 * ldy + n0, ldy);
+            continue;
+        }
+        moed_block_rows_bf16(x + r0 * K, rn, K, (const uint16_t *)wb, K, tile, QB);
+        for (long r = 0; r < rn; r++)
+            for (long c = 0; c < nc; c++) {
+                const float v = tile[r * QB + c] + (bias ? bias[n0 + c] : 0.0f);
+                if (out) out[(r0 + r) * N + n0 + c] = q_f32_to_bf16(v);
+                else y[(r0 + r) * ldy + n0 + c] = v;
+            }
+    }
+}
+
+/* Packed blocks a thread holds at once (QCAP bytes, at least one) and input rows per pass over
+ * them (~256 KB of bf16, as cpu_bf16.c's row_chunk): the rows stay in L2 while the group's
+ * blocks stream past, and each block is still packed once per call. */
+#define QCAP (1L << 20)
+static inline long group_blocks(long K) { const long g = QCAP / (QB * K * 2); return g > 0 ? g : 1; }
+static inline long rows_per_pass(long K) { const long r = (128L * 1024) / K / QBT * QBT; return r > 4 * QBT ? r : 4 * QBT; }
+
+/* A thread's packing buffers for K up to kmax: fbuf [QNR][KV] floats, block_p32's rows of pairs
+ * [QB][K/2 + 8] and one row of bf16 [K], then the packed group at blocked_wb(fbuf, K). NULL: out
+ * of memory. */
+static inline uint32_t *blocked_wb(float *fbuf, long K) {
+    return (uint32_t *)(fbuf + ((QNR * K + 15) / 16) * 16) + QB * ((K / 2 + 7) / 8 * 8) + (K / 2 + 16);
+}
+static float *blocked_scratch(long kmax) {
+    const long wb = QB * kmax * 2 > QCAP ? QB * kmax * 2 : QCAP;
+    const long pairs = QB * ((kmax / 2 + 7) / 8 * 8) + kmax / 2 + 16;
+    return aligned_alloc(64, ((QNR * kmax + 16) * sizeof(float) + pairs * 4 + wb + 127) / 64 * 64);
+}
+
+/* Packed blocks [b0, b1) of q (N rows) through every row of x bf16 [R][K]: a group of blocks
+ * packed, then the rows a pass at a time over the group; y / out as block_all_rows. */
+static void blocks_through(int fmt, int asym, const QMat *q, long N, long b0, long b1, const uint16_t *x, long R,
+                           float *fbuf, const float *bias, float *y, long ldy, uint16_t *out) {
+    const long K = q->K, gb = group_blocks(K), rp = rows_per_pass(K), bw = QB * K / 2;
+    uint32_t *wb = blocked_wb(fbuf, K);
+    for (long g0 = b0; g0 < b1; g0 += gb) {
+        const long g1 = b1 - g0 < gb ? b1 : g0 + gb;
+        for (long b = g0; b < g1; b++) block_p32(fmt, asym, q, b * QB, N, fbuf, wb + (b - g0) * bw);
+        for (long c0 = 0; c0 < R; c0 += rp)
+            for (long b = g0; b < g1; b++)
+                block_all_rows(x + c0 * K, R - c0 < rp ? R - c0 : rp, K, wb + (b - g0) * bw, b * QB, N, bias,
+                               y ? y + c0 * ldy : NULL, ldy, out ? out + c0 * N : NULL);
+    }
+}
+
+/* moed_qlinear's product for bf16 x [R][K] and out [R][N] by packed blocks (the reference's
+ * numerics, above): blocks split contiguously between threads, each output by one thread, so
+ * the bits do not depend on the thread count. K even. Returns 0, -1 out of memory, -2 bad
+ * arguments. */
+int moed_qlinear_blocked(const uint16_t *x, long R, long K, int fmt, const uint8_t *w, long ldw,
+                         const float *s, long lds, const uint8_t *z, long ldz, long group, long N,
+                         const float *bias, uint16_t *out, int nthreads) {
+    const int step = fmt == Q_INT4 ? 32 : 16;
+    if (fmt < 0 || fmt > 2 || group <= 0 || (group < K && group % step) || (fmt == Q_FP8 && z) || K % 2) return -2;
+    if (R <= 0 || N <= 0) return 0;
+    const QMat q = {w, ldw, s, lds, z, ldz, group, K, K - K % step};
+    const long blocks = (N + QB - 1) / QB;
+    int oom = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        long b0, b1;
+        const long per = blocks / omp_get_num_threads(), extra = blocks % omp_get_num_threads();
+        const int tid = omp_get_thread_num();
+        b0 = tid * per + (tid < extra ? tid : extra);
+        b1 = b0 + per + (tid < extra);
+        float *fbuf = b1 > b0 ? blocked_scratch(K) : NULL;
+        if (b1 > b0 && !fbuf) {
+#pragma omp atomic write
+            oom = 1;
+        }
+        if (fbuf) blocks_through(fmt, z != NULL, &q, N, b0, b1, x, R, fbuf, bias, NULL, 0, out);
+        free(fbuf);
+    }
+    return oom ? -1 : 0;
+}
+
 /* ---- A whole MoE layer over quantized experts, routed rows in, weighted sum out ------------ */
 
 void moed_silu_mul_bf16_row(const float *gu, long I, uint16_t *act);   /* cpu_bf16.c */
@@ -429,11 +618,13 @@ static void act_rows(int x_f32, int fmt, long I, const float *gu, long r0, long 
  * order split contiguously between threads; each output by one thread, as moed_qlinear. With
  * gu set (the down phase), the thread first makes each of its experts' activations itself into
  * its own act buffer (a few rows: cheaper than a barrier between SiLU and down, which on shared
- * cores waits for the slowest thread's time slice). */
+ * cores waits for the slowest thread's time slice). blocked (moed_moe_q's): units of QB rows, x
+ * bf16 rows by slot, each expert by its row count as moed_moe_q says. */
 static void experts_phase(int fmt, int asym, const void *const ptr[3], const long dim[7], const long *count,
                           const long *touched, long nt_e, long K, long N, const float *x, float *out,
-                          float *wbuf, int tid, int nt, int x_f32, const float *gu, float *act, float *tmp) {
-    const long units = (N + QNR - 1) / QNR;
+                          float *wbuf, int tid, int nt, int x_f32, const float *gu, float *act, float *tmp,
+                          int blocked) {
+    const long units = blocked ? (N + QB - 1) / QB : (N + QNR - 1) / QNR;
     long lo, hi;
     q_split(nt_e * units, tid, nt, &lo, &hi);
     for (long i = lo / units; i < nt_e && i * units < hi; i++) {
@@ -441,7 +632,27 @@ static void experts_phase(int fmt, int asym, const void *const ptr[3], const lon
         const long u0 = lo > i * units ? lo - i * units : 0, u1 = hi < (i + 1) * units ? hi - i * units : units;
         if (u0 >= u1) continue;
         const QMat q = expert_mat(ptr, dim, e, K, fmt);
-        if (gu) {
+        if (blocked && n <= blocked) {
+            /* few rows: moed_qlinear's loop, as the per-expert path takes them (x: bf16 rows
+             * made fp32 here, act as act_rows makes it; the unit range of the same blocks) */
+            const long uq = (N + QNR - 1) / QNR, v1 = u1 * (QB / QNR) < uq ? u1 * (QB / QNR) : uq;
+            if (gu) {
+                act_rows(0, fmt, K, gu, r0, n, act, tmp);
+            } else {
+                for (long r = 0; r < n; r++) {
+                    for (long c = 0; c < K; c++) tmp[c] = q_bf16_to_f32(((const uint16_t *)x)[(r0 + r) * K + c]);
+                    put_row(fmt, K, q.KV, tmp, act + r * K);
+                }
+            }
+            run_units_any(fmt, asym, &q, act, n, N, u0 * (QB / QNR), v1, wbuf, out + r0 * N, 1);
+        } else if (blocked) {   /* x, act: bf16 rows; wbuf: blocked_scratch(K); each block packed once */
+            const uint16_t *xin = (const uint16_t *)x + r0 * K;
+            if (gu) {
+                for (long r = 0; r < n; r++) moed_silu_mul_bf16_row(gu + (r0 + r) * 2 * K, K, (uint16_t *)act + r * K);
+                xin = (const uint16_t *)act;
+            }
+            blocks_through(fmt, asym, &q, N, u0, u1, xin, n, wbuf, NULL, out + r0 * N, N, NULL);
+        } else if (gu) {
             act_rows(x_f32, fmt, K, gu, r0, n, act, tmp);
             run_units_any(fmt, asym, &q, act, n, N, u0, u1, wbuf, out + r0 * N, 1);
         } else {
@@ -465,12 +676,17 @@ static void experts_phase(int fmt, int asym, const void *const ptr[3], const lon
  *   fp32  act = silu(g) * u with expf (torch's vectorised exp may differ by an ulp: the only
  *         difference from the torch path); products and sums in fp32 in the same orders.
  * Two barriers (gate_up -> down -> sum), few rows' work between them.
+ * blocked > 0 (bf16, H and I even; prefill): an expert with more than `blocked` rows takes the
+ * packed-block path (moed_qlinear_blocked's numerics, each of its blocks packed once per call),
+ * one with fewer moed_qlinear's loop: what the per-expert path's Linears do past and within
+ * their qrows = blocked, so the layer stays bitwise equal to that path. 0: every expert the loop.
  * Returns 0; -1 out of memory; -2 a group or slot it cannot take. */
 int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_t *phys, const float *wts,
                int single, int fmt, long P, long I, const void *const gptr[3], const long gdim[7],
-               const void *const dptr[3], const long ddim[7], void *out, int nthreads) {
+               const void *const dptr[3], const long ddim[7], void *out, int blocked, int nthreads) {
     const int step = fmt == Q_INT4 ? 32 : 16, asym = gptr[2] != NULL;
     if (fmt < 0 || fmt > 2 || (fmt == Q_FP8 && asym) || (dptr[2] != NULL) != asym) return -2;
+    if (blocked < 0 || (blocked && (x_f32 || H % 2 || I % 2))) return -2;
     if (gdim[6] <= 0 || (gdim[6] < H && gdim[6] % step) || ddim[6] <= 0 || (ddim[6] < I && ddim[6] % step)) return -2;
     const long R = T * k;
     if (R <= 0) return 0;
@@ -493,8 +709,9 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
         count[e + 1] += count[e];                              /* count[e]: first sorted row of slot e */
     }
     for (int i = 0; i < nthreads; i++) {
-        wbuf[i] = aligned_alloc(64, (size_t)(QNR * kvmax + 16) * sizeof(float));
-        act[i] = malloc(sizeof(float) * (most * I + 16));
+        wbuf[i] = blocked ? blocked_scratch(kvmax) : aligned_alloc(64, (size_t)(QNR * kvmax + 16) * sizeof(float));
+        const long few = most < blocked ? most : blocked;           /* blocked: a few-row expert's x as fp32 */
+        act[i] = malloc(sizeof(float) * ((most * I > few * H ? most * I : few * H) + 16));
         tmp[i] = malloc(sizeof(float) * (2 * kvmax + 16));
         if (!wbuf[i] || !act[i] || !tmp[i]) { rc = -1; goto done; }
     }
@@ -502,20 +719,25 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
     for (long s = 0; s < R; s++) pos[s] = fill[phys[s]]++;     /* stable: flat order within a slot */
     long nt_e = 0;
     for (long e = 0; e < P; e++) if (count[e + 1] > count[e]) touched[nt_e++] = e;
-    for (long t = 0; t < T; t++) {         /* each token as fp32 (int4 permuted) into y, free till down */
-        for (long c = 0; c < H; c++)
-            tmp[0][c] = x_f32 ? ((const float *)x_in)[t * H + c] : q_bf16_to_f32(((const uint16_t *)x_in)[t * H + c]);
-        put_row(fmt, H, H - H % step, tmp[0], y + t * H);
+    if (blocked) {                         /* bf16 rows by slot, as they come */
+        for (long s = 0; s < R; s++)
+            memcpy((uint16_t *)xg + pos[s] * H, (const uint16_t *)x_in + s / k * H, sizeof(uint16_t) * H);
+    } else {
+        for (long t = 0; t < T; t++) {     /* each token as fp32 (int4 permuted) into y, free till down */
+            for (long c = 0; c < H; c++)
+                tmp[0][c] = x_f32 ? ((const float *)x_in)[t * H + c] : q_bf16_to_f32(((const uint16_t *)x_in)[t * H + c]);
+            put_row(fmt, H, H - H % step, tmp[0], y + t * H);
+        }
+        for (long s = 0; s < R; s++) memcpy(xg + pos[s] * H, y + s / k * H, sizeof(float) * H);   /* rows by slot */
     }
-    for (long s = 0; s < R; s++) memcpy(xg + pos[s] * H, y + s / k * H, sizeof(float) * H);   /* rows by slot */
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         experts_phase(fmt, asym, gptr, gdim, count, touched, nt_e, H, 2 * I, xg, gu, wbuf[tid], tid, nt, x_f32,
-                      NULL, NULL, NULL);
+                      NULL, act[tid], tmp[tid], blocked);
 #pragma omp barrier
         experts_phase(fmt, asym, dptr, ddim, count, touched, nt_e, I, H, NULL, y, wbuf[tid], tid, nt, x_f32,
-                      gu, act[tid], tmp[tid]);
+                      gu, act[tid], tmp[tid], blocked);
 #pragma omp barrier
         long lo, hi;
         q_split(T, tid, nt, &lo, &hi);                         /* weighted sum per token */
@@ -562,13 +784,13 @@ int moed_route_bf16(const uint16_t *x, long T, long H, const uint16_t *router, l
 int moed_moe_q_routed(const uint16_t *x, long T, long H, const uint16_t *router, long E, long k, int norm_topk,
                       const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
                       int fmt, long P, long I, const void *const gptr[3], const long gdim[7],
-                      const void *const dptr[3], const long ddim[7], uint16_t *out, int nthreads) {
+                      const void *const dptr[3], const long ddim[7], uint16_t *out, int blocked, int nthreads) {
     int64_t *phys = malloc(sizeof(int64_t) * (T * k + 1));
     float *wts = malloc(sizeof(float) * (T * k + 1));
     int rc = phys && wts ? 0 : -1;
     if (!rc) rc = moed_route_bf16(x, T, H, router, E, k, norm_topk, l2p, max_rep, nrep, offset, load, P, phys, wts, nthreads);
     if (!rc) rc = moed_moe_q(x, 0, T, H, k, phys, wts, T == 1 && max_rep == 1, fmt, P, I, gptr, gdim, dptr, ddim,
-                             out, nthreads);
+                             out, blocked, nthreads);
     free(phys);
     free(wts);
     return rc;

@@ -3,14 +3,18 @@ calls it serves, and the call.
 
 It serves a 2-D QuantWeight on CPU (int8, int4, fp8; symmetric or with zero points) whose groups
 the vector loop can take (a multiple of 16 input columns, int4 32, or one group per row), for
-bf16 or fp32 activations of at most MAX_ROWS rows. Larger batches take the reference path
-(quant/linear.py: dequantize, then one oneDNN/ATen matmul), whose one dequantization per call is
-spread over many rows there. Numerics: cpu_quant.c's header (the reference's fp32 matmul of the
-same dequantized weight, up to fp32 summation order).
+bf16 or fp32 activations of at most MAX_ROWS rows. Larger bf16 batches (prefill) take
+qlinear_blocked: each block of 32 weight rows dequantized once per call into the bf16 matmul's
+packed layout and every row streamed through it (cpu_bf16.c's prefill kernel), with the
+reference path's numerics (the bf16-rounded weight). Larger fp32 batches take the reference path
+(quant/linear.py). Numerics up to MAX_ROWS: cpu_quant.c's header (the reference's fp32 matmul of
+the same dequantized weight, up to fp32 summation order).
 
 moe_q / moe_q_routed: a quantized MoE layer's experts and weighted sum in one call (moed_moe_q,
 bf16 models routed in it too), for expert stacks experts_unserved() accepts; moe.LocalExperts
-and MoELayer call them for up to MAX_ROWS tokens (docs/quantization.md).
+and MoELayer call them for up to MAX_ROWS tokens, and for bf16 batches past it with
+blocked=True (each touched expert's blocks packed once per call, as qlinear_blocked;
+docs/quantization.md).
 """
 from __future__ import annotations
 
@@ -33,10 +37,12 @@ def bind(lib: ctypes.CDLL) -> None:
     """Declare moed_qlinear's signature on a loaded kernels library."""
     lib.moed_qlinear.argtypes = [_p, _i, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i, _i]
     lib.moed_qlinear.restype = _i
-    lib.moed_moe_q.argtypes = [_p, _i, _l, _l, _l, _p, _p, _i, _i, _l, _l, _p, _p, _p, _p, _p, _i]
+    lib.moed_qlinear_blocked.argtypes = [_p, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i]
+    lib.moed_qlinear_blocked.restype = _i
+    lib.moed_moe_q.argtypes = [_p, _i, _l, _l, _l, _p, _p, _i, _i, _l, _l, _p, _p, _p, _p, _p, _i, _i]
     lib.moed_moe_q.restype = _i
     lib.moed_moe_q_routed.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _i, _l, _l, _p, _p, _p, _p,
-                                      _p, _i]
+                                      _p, _i, _i]
     lib.moed_moe_q_routed.restype = _i
 
 
@@ -80,6 +86,32 @@ def qlinear(kernels: object, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor
     return out
 
 
+def blocked_unserved(w: QuantWeight) -> str:
+    """Why qlinear_blocked cannot read weight w ('' when it can): unserved(), or an odd K (the
+    packed layout holds column pairs)."""
+    return unserved(w) or (f"{w.in_features} input columns (odd)" if w.in_features % 2 else "")
+
+
+def qlinear_blocked(kernels: object, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, K] bf16 (CPU, many rows) @ W^T (+ bias fp32 [N]) -> [R, N] bf16, for a weight
+    blocked_unserved() accepts: the reference path's numbers (x @ w.dequantize(bf16)^T in fp32,
+    one rounding) up to fp32 summation order, each weight dequantized once per call."""
+    x = x.contiguous()
+    r, k = x.shape
+    if k != w.in_features or x.dtype != torch.bfloat16:
+        raise ValueError(f"qlinear_blocked: {x.dtype} [{r}, {k}] input for a weight of {w.in_features} columns (bf16)")
+    n = w.data.shape[0]
+    out = torch.empty((r, n), dtype=x.dtype)
+    z = w.zero
+    rc = kernels.lib.moed_qlinear_blocked(      # type: ignore[attr-defined]
+        x.data_ptr(), r, k, FORMAT_CODES[w.fmt], w.data.data_ptr(), w.data.stride(0), w.scale.data_ptr(),
+        w.scale.stride(0), None if z is None else z.data_ptr(), 0 if z is None else z.stride(0), w.group, n,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("moed_qlinear_blocked: " + ("out of memory" if rc == -1 else f"cannot take {w.describe()}"))
+    return out
+
+
 # ---- a whole MoE layer of quantized experts in one call (moed_moe_q) -------------------------
 
 def experts_unserved(gate_up: QuantWeight, down: QuantWeight) -> str:
@@ -92,6 +124,12 @@ def experts_unserved(gate_up: QuantWeight, down: QuantWeight) -> str:
     return unserved(gate_up[0]) or unserved(down[0])
 
 
+def experts_blocked_unserved(gate_up: QuantWeight, down: QuantWeight) -> str:
+    """Why moe_q(blocked=True) cannot take these stacks ('' when it can): experts_unserved(),
+    or an odd hidden or intermediate size."""
+    return experts_unserved(gate_up, down) or blocked_unserved(gate_up[0]) or blocked_unserved(down[0])
+
+
 def _mat(w: QuantWeight) -> tuple[ctypes.Array, ctypes.Array]:
     """moed_moe_q's {codes, scales, zeros} pointers and their row / expert strides (expert_mat)."""
     z = w.zero
@@ -102,11 +140,13 @@ def _mat(w: QuantWeight) -> tuple[ctypes.Array, ctypes.Array]:
 
 
 def moe_q(kernels: object, x: torch.Tensor, physical: torch.Tensor, weights: torch.Tensor,
-          gate_up: QuantWeight, down: QuantWeight, single: bool) -> torch.Tensor:
+          gate_up: QuantWeight, down: QuantWeight, single: bool, blocked: bool = False) -> torch.Tensor:
     """x [T, H] (bf16 or fp32) through the routed experts, weighted and summed -> [T, H] in x's
     dtype; physical [T, k] slots and weights [T, k] (x's dtype) as the router gives them.
     single: sum in top-k order rounding per add (LocalExperts._single_token) rather than in
-    ascending slot order. For expert stacks experts_unserved() accepts."""
+    ascending slot order. For expert stacks experts_unserved() accepts. blocked (bf16 x, stacks
+    experts_blocked_unserved() accepts; prefill): an expert with more than MAX_ROWS rows through
+    qlinear_blocked's kernel, one with fewer through qlinear's, as the per-expert path's Linears."""
     x = x.contiguous()
     t, h = x.shape
     phys = physical.to(torch.int64).contiguous()
@@ -117,14 +157,14 @@ def moe_q(kernels: object, x: torch.Tensor, physical: torch.Tensor, weights: tor
     rc = kernels.lib.moed_moe_q(        # type: ignore[attr-defined]
         x.data_ptr(), int(x.dtype == torch.float32), t, h, phys.shape[1], phys.data_ptr(), w.data_ptr(),
         int(single), FORMAT_CODES[gate_up.fmt], gate_up.data.shape[0], down.in_features, gp, gd, dp, dd,
-        out.data_ptr(), torch.get_num_threads())
+        out.data_ptr(), MAX_ROWS if blocked else 0, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("moed_moe_q: " + ("out of memory" if rc == -1 else "cannot take these experts or slots"))
     return out
 
 
 def moe_q_routed(kernels: object, x: torch.Tensor, router_p: torch.Tensor, router: object,
-                 gate_up: QuantWeight, down: QuantWeight) -> torch.Tensor:
+                 gate_up: QuantWeight, down: QuantWeight, blocked: bool = False) -> torch.Tensor:
     """moe_q with the bf16 MoE kernel's router in front (moed_route_bf16, in the same call): x
     [T, H] bf16; router_p the router packed (CpuKernels.pack); router a moe.Router (its map,
     replicas, load row and call offset)."""
@@ -138,7 +178,8 @@ def moe_q_routed(kernels: object, x: torch.Tensor, router_p: torch.Tensor, route
     rc = kernels.lib.moed_moe_q_routed(       # type: ignore[attr-defined]
         x.data_ptr(), t, h, router_p.data_ptr(), r.num_experts, r.top_k, int(r.norm_topk), l2p.data_ptr(),
         l2p.shape[1], r.num_replicas.data_ptr(), r.next_offset(), r.load.data_ptr(), FORMAT_CODES[gate_up.fmt],
-        gate_up.data.shape[0], down.in_features, gp, gd, dp, dd, out.data_ptr(), torch.get_num_threads())
+        gate_up.data.shape[0], down.in_features, gp, gd, dp, dd, out.data_ptr(), MAX_ROWS if blocked else 0,
+        torch.get_num_threads())
     if rc != 0:
         why = "out of memory" if rc == -1 else "expert map or experts out of range"
         raise RuntimeError(f"moed_moe_q_routed: {why}")
