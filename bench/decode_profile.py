@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the native kernels vs the Python and torch glue around them.
 
     .venv/bin/python bench/decode_profile.py [--batches 1,8] [--steps 200] [--threads 2]
+                                             [--quant int8|int4 [--lm-head none|int8|model]]
 
 The bench checkpoint (bench/engine.py's), prefix caching off, greedy, EOS ignored. For each batch
 size one request set decodes --steps tokens after a warm-up, once per path: `native` (the
@@ -16,8 +17,9 @@ microsecond a call). Per decode step it prints:
             decode_step_bf16, holding all of them)
   glue      forward - kernels: the torch ops and Python between the kernel calls
   plan      the attention backend's plan (inside forward), sample: the sampler (outside it)
-and the layered/native step ratio: what moving the glue into native code won. JSON to
-bench/results/decode_profile.json.
+and the layered/native step ratio: what moving the glue into native code won. --quant runs the
+model quantized at load (model.quantization; the native step refuses it: layered only), its head
+per --lm-head (model.quantization_lm_head). JSON to bench/results/decode_profile.json.
 """
 from __future__ import annotations
 
@@ -90,6 +92,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--quant", default="", choices=("", "int8", "int4", "fp8"), help="model.quantization")
+    ap.add_argument("--lm-head", default="none", choices=("none", "int8", "model"),
+                    help="model.quantization_lm_head (with --quant)")
     ap.add_argument("--cache", default=str(ROOT / ".cache" / "bench"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_profile.json"))
     a = ap.parse_args()
@@ -99,7 +104,8 @@ def main() -> int:
         torch.set_num_threads(a.threads)
     batches = [int(b) for b in a.batches.split(",")]
     model_dir = _checkpoint("qwen3_moe", Path(a.cache))
-    side = MoedSide(model_dir, max(batches), 128, a.steps + 8)
+    side = MoedSide(model_dir, max(batches), 128, a.steps + 8, quantization=a.quant,
+                    lm_head=a.lm_head if a.quant else "none")
     runner = side.engine.runner
     if runner.model.kernels is None:
         raise SystemExit("the CPU kernels are off here (MOED_CPU_KERNELS, or the log says why): nothing to split")
@@ -118,7 +124,8 @@ def main() -> int:
         elif st.num_decode_tokens:
             step_s.append(st.step_seconds)
     side.engine.subscribe_step(on_step)
-    print(f"qwen3_moe bench preset, bf16, {torch.get_num_threads()} torch threads; CPU: {cpu_model()}; "
+    fmt = f"{a.quant} (lm_head {a.lm_head})" if a.quant else "bf16"
+    print(f"qwen3_moe bench preset, {fmt}, {torch.get_num_threads()} torch threads; CPU: {cpu_model()}; "
           f"load {load_average()[0]:.2f}", flush=True)
     native = runner.native_decode
     paths = {"native": native, "layered": None} if native is not None else {"layered": None}
@@ -143,7 +150,8 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "decode_profile", "cpu": cpu_model(),
-                               "torch_threads": torch.get_num_threads(), "runs": rows,
+                               "torch_threads": torch.get_num_threads(), "quant": a.quant,
+                               "lm_head": a.lm_head if a.quant else "none", "runs": rows,
                                "load_average": load_average()}, indent=2))
     print(f"saved {out}")
     return 0

@@ -14,7 +14,10 @@ Then, in rounds with the order flipped each round:
            512,2048 -n 0` (avg t/s).
 --quant int8 / int4 runs moed with model.quantization int8 (per output channel) / int4
 (groups of 128) against the same GGUF quantized by that build's llama-quantize to Q8_0 /
-Q4_K_M (cached beside the bf16 one); bf16 (the default) against the bf16 GGUF.
+Q4_K_M (cached beside the bf16 one); bf16 (the default) against the bf16 GGUF. llama.cpp
+quantizes its output tensor too (Q8_0: Q8_0; Q4_K_M: Q6_K), so moed's side runs with
+model.quantization_lm_head int8 (--lm-head; `none` keeps moed's head bf16, as before), and the
+run's first line says which.
 --llama-repack 0 turns llama.cpp's weight repacking off from the start (its AMX
 path for quantized types crashes on this Xeon: a crash with it on turns it off too).
 Each run also prints the CPU's ISA flags, the machine's memory bandwidth (a 256 MiB copy,
@@ -55,6 +58,8 @@ from common import cpu_model, load_average, rss_bytes  # noqa: E402
 
 # --quant: moed's model.quantization and the llama.cpp type of the same checkpoint it runs against
 QUANT_PEERS = {"bf16": ("", "bf16"), "int8": ("int8", "Q8_0"), "int4": ("int4", "Q4_K_M")}
+# the output tensor's type in each llama.cpp format (llama-quantize's defaults): what --lm-head matches
+LLAMA_OUTPUT = {"bf16": "bf16", "Q8_0": "Q8_0", "Q4_K_M": "Q6_K"}
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16",
              "amx_int8")
 
@@ -292,21 +297,21 @@ def memory_bandwidth(threads: int) -> float:
     return 2 * src.numel() / best_of(lambda: dst.copy_(src), 5)
 
 
-def decode_bytes_per_token(spec, fmt: str) -> float:  # noqa: ANN001
+def decode_bytes_per_token(spec, fmt: str, head: str = "") -> float:  # noqa: ANN001
     """Weight bytes one decoded token reads: per layer q/k/v/o and its top-k experts in `fmt`
     (int8: 1 byte + a 4-byte scale per row; int4: half a byte + 4 bytes per 128-column group),
-    the router in bf16; then lm_head in bf16 (moed keeps routers and lm_head plain)."""
+    the router in bf16; then lm_head in `head` ("" = bf16; model.quantization_lm_head's format)."""
     from ceiling import model_shapes
     s = model_shapes(spec)
-    per = {"": 2.0, "int8": 1.0, "int4": 0.5}[fmt]
-    scale = {"": 0.0, "int8": 4.0, "int4": 4.0 / 128}[fmt]
 
-    def qbytes(n: int, k: int) -> float:
-        return n * k * per + n * (scale if fmt != "int4" else scale * k)
+    def qbytes(n: int, k: int, f: str = fmt) -> float:
+        per = {"": 2.0, "int8": 1.0, "int4": 0.5}[f]
+        scale = {"": 0.0, "int8": 4.0, "int4": 4.0 / 128}[f]
+        return n * k * per + n * (scale if f != "int4" else scale * k)
 
     per_layer = qbytes(*s["qkv"]) + qbytes(*s["o_proj"]) + 2.0 * s["router"][0] * s["router"][1]
     per_layer += spec.top_k * (qbytes(*s["expert_gate_up"]) + qbytes(*s["expert_down"]))
-    return per_layer * spec.num_layers + 2.0 * s["lm_head"][0] * s["lm_head"][1]
+    return per_layer * spec.num_layers + qbytes(*s["lm_head"], head)
 
 
 # ---- the comparison ---------------------------------------------------------------------------
@@ -353,6 +358,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds")
     ap.add_argument("--quant", default="bf16", choices=sorted(QUANT_PEERS),
                     help="moed's weight format and llama.cpp's (bf16, int8 vs Q8_0, int4 vs Q4_K_M)")
+    ap.add_argument("--lm-head", default="int8", choices=("none", "int8", "model"),
+                    help="moed's model.quantization_lm_head with --quant int8/int4 (llama.cpp "
+                         "quantizes its output tensor too: Q8_0, Q6_K in Q4_K_M); none: bf16")
     ap.add_argument("--llama-repack", type=int, choices=(0, 1), default=1,
                     help="llama.cpp's weight repacking (AMX / x8 layouts) from the start; a crash "
                          "with it on turns it off for the rest of the run either way")
@@ -386,7 +394,9 @@ def main() -> int:
     if moed_fmt:
         gguf = requantize(find_tool(build, "llama-quantize"), gguf, qtype, a.threads)
     cpu, isa = cpu_model(), isa_flags()
-    print(f"{model_dir.name}, moed {a.quant} vs llama.cpp {qtype}, {a.threads} threads, "
+    head = "none" if not moed_fmt else a.lm_head
+    print(f"{model_dir.name}, moed {a.quant} (lm_head {'bf16' if head == 'none' else head}) vs "
+          f"llama.cpp {qtype} (output {LLAMA_OUTPUT[qtype]}), {a.threads} threads, "
           f"{a.repeats} rounds; CPU: {cpu}; ISA: {' '.join(isa)}; load {load_average()[0]:.2f}",
           flush=True)
     from ceiling import ceiling, flops_per_token
@@ -403,7 +413,7 @@ def main() -> int:
     pool = torch.randint(0, vocab, (max(batches), longest), generator=g).tolist()
     ctx = max(max(batches) * (a.prompt + a.new), longest) + 64     # both engines' KV size
     side = eb.MoedSide(model_dir, max(batches), longest, a.new, kv_tokens=ctx,
-                       quantization=moed_fmt)
+                       quantization=moed_fmt, lm_head=head)
     moed_rss = rss_bytes()
     side.run([pool[0][:a.prompt]], 4)                                   # warm-up
     cmd_tg = [str(batched), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
@@ -447,7 +457,7 @@ def main() -> int:
         for k, v in rows.items():
             label = f"decode batch {k}" if kind == "decode" else f"prefill {k}"
             print(f"{label:<16} {v['moed']:9.1f} {v['llama_cpp']:9.1f} {v['ratio']:10.2f}")
-    per_tok = decode_bytes_per_token(spec, moed_fmt)
+    per_tok = decode_bytes_per_token(spec, moed_fmt, {"none": "", "int8": "int8", "model": moed_fmt}[head])
     b1 = table["decode"].get(1, {}).get("moed", float("nan"))
     roof = {"decode_bytes_per_token": per_tok, "memory_bytes_s": bandwidth, "flop_s": flop_s,
             "decode_b1_bandwidth_fraction": b1 * per_tok / bandwidth,
@@ -467,7 +477,7 @@ def main() -> int:
     out_path.write_text(json.dumps({
         "bench": "peers", "model_dir": str(model_dir), "threads": a.threads, "cpu": cpu,
         "gguf": str(gguf), "llama_cpp": str(build), "commands": {"decode": cmd_tg, "prefill": cmd_pp},
-        "quant": a.quant, "llama_type": qtype, "isa": isa, "roofline": roof,
+        "quant": a.quant, "llama_type": qtype, "lm_head": head, "isa": isa, "roofline": roof,
         "llama_repack": repack[0], "serving": serving,
         "prompt_len": a.prompt, "new_tokens": a.new, "table": table, "rounds": rounds,
         "rss_bytes": {"moed_after_load": moed_rss, "llama_cpp_peak": llama_rss},

@@ -142,7 +142,7 @@ def quantization(cfg: Config) -> None:
 
     m = cfg.model
     try:
-        plan = formats.plan(m.path, m.quantization, m.quantization_group_size)
+        plan = formats.plan(m.path, m.quantization, m.quantization_group_size, m.quantization_lm_head)
     except formats.QuantConfigError as e:
         raise ConfigError(str(e)) from None
     if plan.checkpoint is not None:
@@ -171,7 +171,7 @@ def memory_budget(cfg: Config, spec: object, dtype: object, num_blocks: int) -> 
         m = cfg.model
         b = rank_memory(spec, dtype, p.ep_size, p.ep_rank, num_blocks,  # type: ignore[arg-type]
                         cfg.engine.block_size, p.rank_memory_mb, p.redundant_experts,
-                        quant=formats.plan(m.path, m.quantization, m.quantization_group_size),
+                        quant=formats.plan(m.path, m.quantization, m.quantization_group_size, m.quantization_lm_head),
                         kv_dtype=kv_cache_dtype(cfg.engine.kv_cache_dtype, dtype),  # type: ignore[arg-type]
                         mtp=int(cfg.speculative.method == "mtp"),
                         resident_bytes=cfg.experts.resident_bytes)

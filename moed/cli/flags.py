@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moed import __version__
-from moed.config import (ATTENTION_BACKENDS, LOG_FORMATS, LOG_LEVELS, MODEL_DTYPES,
-                         QUANTIZATIONS, ROLES)
+from moed.config import (ATTENTION_BACKENDS, LM_HEAD_QUANTIZATIONS, LOG_FORMATS, LOG_LEVELS,
+                         MODEL_DTYPES, QUANTIZATIONS, ROLES)
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--quantization", "model.quantization", "quantize a bf16 checkpoint's weights at load "
          "(a quantized checkpoint's own format needs no flag)", choices=QUANTIZATIONS[1:],
          short="-q"),
+    Flag("--quantization-lm-head", "model.quantization_lm_head", "the logits head on a "
+         "quantized model: int8 (per output channel) or model (the model's format); none: "
+         "plain", choices=LM_HEAD_QUANTIZATIONS),
     Flag("--attention-backend", "engine.attention_backend", "attention kernels",
          choices=ATTENTION_BACKENDS),
     Flag("--log-format", "server.log_format", "console: human-readable lines instead of JSON",

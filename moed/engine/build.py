@@ -62,6 +62,7 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
                          placement=None if ep is None else ep.placement,
                          quantization=m.quantization,
                          quantization_group_size=m.quantization_group_size,
+                         quantization_lm_head=m.quantization_lm_head,
                          mtp=cfg.speculative.method == "mtp", batch_invariant=m.batch_invariant,
                          cold=cold_settings(cfg))
     if ep is not None:

@@ -79,7 +79,7 @@ def kv_memory_mb(cfg, spec, dtype, device) -> tuple[int, str, dict[str, float]]:
     from moed.model.quant import formats
 
     m = cfg.model
-    quant = formats.plan(m.path, m.quantization, m.quantization_group_size) if m.path else None
+    quant = formats.plan(m.path, m.quantization, m.quantization_group_size, m.quantization_lm_head) if m.path else None
     weights = rank_memory(spec, dtype, p.ep_size, p.ep_rank, 0, e.block_size, 0,
                           p.redundant_experts, quant,
                           mtp=int(cfg.speculative.method == "mtp")).weights_bytes

@@ -76,7 +76,7 @@ class MoEDecoder:
         # formats of the quantized weights (moed/model/quant): they take the reference path
         self.quantized = tuple(sorted({x.fmt for x in w.values() if isinstance(x, QuantWeight)}))
         self.embed, self.norm = w["embed"], w["norm"]
-        self.lm_head = Linear(w["lm_head"], pack=ctx.pack, kernels=ctx.kernels)
+        self.lm_head = Linear(w["lm_head"], pack=ctx.pack, kernels=ctx.for_weight(w["lm_head"]))
         # Tokens routed per logical expert since the last read ([layers, experts], int64).
         self.expert_load = torch.zeros((spec.num_layers, max(spec.num_experts, 1)), dtype=torch.long,
                                        device=ctx.device)

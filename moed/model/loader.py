@@ -49,7 +49,7 @@ import structlog
 import torch
 
 from moed.model import archs
-from moed.model.quant import bytes_by_format, quantizable
+from moed.model.quant import bytes_by_format, is_head, quantizable
 from moed.model.quant.checkpoint import Grouper, QuantSource
 from moed.model.quant.formats import Plan
 from moed.model.quant.quantize import quantize
@@ -177,7 +177,16 @@ class _Assembler:
             raise WeightError(f"unexpected tensor for {name} (not in this config)")
         if name not in self.out:
             shape, online = self.shapes[name], self.plan.online
-            if isinstance(first, QuantSource) and quantizable(name):
+            head, head_group = self.plan.head_format(shape[-1]) if is_head(name) else ("", 0)
+            if isinstance(first, QuantSource) and head:      # a quantized head kept as stored
+                if first.fmt != head:
+                    raise WeightError(f"{name}: the checkpoint's is {first.fmt}; "
+                                      f"model.quantization_lm_head {head} would requantize it "
+                                      f"(use model, which keeps it as stored, or none)")
+                self.out[name] = empty(first.fmt, shape, first.group, first.asymmetric, self.device)
+            elif head:
+                self.out[name] = empty(head, shape, head_group, False, self.device)
+            elif isinstance(first, QuantSource) and quantizable(name):
                 self.out[name] = empty(first.fmt, shape, first.group, first.asymmetric, self.device)
             elif online and quantizable(name):
                 self.out[name] = empty(online, shape, 128 if online == "fp8" else
@@ -197,7 +206,7 @@ class _Assembler:
         if isinstance(dst, QuantWeight):
             if isinstance(t, QuantSource):
                 q = t.read()
-            elif self.plan.online:      # quantized per checkpoint matrix, as a quantizer would
+            elif self.plan.online or is_head(name):     # per checkpoint matrix, as a quantizer would
                 q = quantize(t.read() if isinstance(t, Stored) else t, dst.fmt, dst.group)
             else:
                 raise WeightError(f"{src}: a plain tensor where the other parts of {name} are quantized")
@@ -205,7 +214,7 @@ class _Assembler:
                 dst.copy_(q, src)
             except ValueError as e:
                 raise WeightError(str(e)) from None
-        elif isinstance(t, QuantSource):    # a quantized matrix kept plain (lm_head, MLA's kv_b)
+        elif isinstance(t, QuantSource):    # a quantized matrix kept plain (a head, MLA's kv_b)
             dst.copy_(t.read().dequantize(torch.float32))
         elif isinstance(t, Stored):
             t.into(dst)
@@ -295,8 +304,10 @@ class _Assembler:
                 + "; ".join(f"{what}: {names[:6]}{' ...' if len(names) > 6 else ''}"
                             for what, names in (("missing", missing), ("incomplete", partial),
                                                 ("both fused and per-expert", mixed)) if names))
-        if self.spec.tie_word_embeddings:
-            self.out["lm_head"] = self.out["embed"]
+        if self.spec.tie_word_embeddings:   # the gather keeps reading the plain rows
+            fmt, group = self.plan.head_format(self.spec.hidden_size)
+            embed = self.out["embed"]
+            self.out["lm_head"] = quantize(embed, fmt, group) if fmt else embed
         return self.out
 
 

@@ -34,6 +34,7 @@ from moed.model.context import ComputeContext
 from moed.model.decoder import BuildLayer, DecoderLayer, MoEDecoder, Weights
 from moed.model.layers import Linear, Rotary, add_rms_norm
 from moed.model.moe import MoELayer
+from moed.model.quant.weight import QuantWeight
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +61,15 @@ def mtp_inputs(batch: ForwardBatch, next_ids: list[int],
     return ForwardBatch(tokens, list(batch.start_pos), batch.block_tables), rows
 
 
+def _equal(a: torch.Tensor | QuantWeight, b: torch.Tensor | QuantWeight) -> bool:
+    """Equal plain tensors, or equal quantized ones (the same quantizer on equal weights)."""
+    if isinstance(a, QuantWeight) or isinstance(b, QuantWeight):
+        if not (isinstance(a, QuantWeight) and isinstance(b, QuantWeight)) or a.describe() != b.describe():
+            return False
+        return all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
+    return torch.equal(a, b)
+
+
 @dataclass(frozen=True)
 class Shared:
     """Whether the MTP layer uses the main model's embedding and head (its copies were equal)."""
@@ -79,9 +89,10 @@ class MTPLayer:
         self.eh_proj = Linear(w[p + "eh_proj"], None, ctx.pack, ctx.kernels)
         self.block = block
         # copies equal to the main model's are dropped: one tensor in memory, the same numbers
-        self.shared = Shared(torch.equal(w[p + "embed"], main.embed), torch.equal(w[p + "head"], w["lm_head"]))
+        self.shared = Shared(torch.equal(w[p + "embed"], main.embed), _equal(w[p + "head"], w["lm_head"]))
         self.embed = main.embed if self.shared.embed else w[p + "embed"]
-        self.head = main.lm_head if self.shared.head else Linear(w[p + "head"], None, ctx.pack, ctx.kernels)
+        head = w[p + "head"]     # quantized as lm_head is (model.quantization_lm_head)
+        self.head = main.lm_head if self.shared.head else Linear(head, None, ctx.pack, ctx.for_weight(head))
 
     @classmethod
     def build(cls, w: Weights, build_layer: BuildLayer, ctx: ComputeContext, main: MoEDecoder,

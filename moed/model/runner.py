@@ -89,13 +89,15 @@ class ModelRunner:
                  num_blocks: int, block_size: int, spec: ModelSpec | None = None,
                  weights: Weights | None = None, placement: ExpertPlacement | None = None,
                  quantization: str = "", quantization_group_size: int = 128,
+                 quantization_lm_head: str = "none",
                  kv_dtype: str = "auto", mtp: bool = False, batch_invariant: bool = False,
                  cold: ColdSettings | None = None) -> None:
         """placement: expert parallelism (moed.parallel.dispatch.RankPlacement): only this rank's
         expert slots are loaded, and every MoE layer dispatches over the group.
         quantization: model.quantization ("" = the checkpoint's own format, or none; fp8, int8,
-        int4 quantize a plain checkpoint at load, moed/model/quant); a QuantConfigError for a
-        combination that is refused.
+        int4 quantize a plain checkpoint at load, moed/model/quant); quantization_lm_head:
+        model.quantization_lm_head (none, int8, model); a QuantConfigError for a combination
+        that is refused.
         kv_dtype: engine.kv_cache_dtype ("auto": the model's dtype; "fp8": float8 e4m3).
         mtp: also serve DeepSeek-V3's MTP layer (moed/model/mtp.py, forward_mtp): its weights and
         one more KV layer, which the layout id names; ValueError for a checkpoint without one.
@@ -119,7 +121,8 @@ class ModelRunner:
         self.kv_layout: KVLayout = archs.kv_layout(self.spec, block_size, kv_cache_dtype(kv_dtype, self.dtype),
                                                    n_mtp)
         own = weights is None
-        self.quant_plan = quant_formats.plan(model_dir, quantization, quantization_group_size) if own \
+        self.quant_plan = quant_formats.plan(model_dir, quantization, quantization_group_size,
+                                             quantization_lm_head) if own \
             else quant_formats.Plan(None)
         self.cold: ExpertStore | None = None if cold is None or not own else \
             cold_store(model_dir, self.spec, self.dtype, self.device, cold, placement, n_mtp, self.quant_plan)

@@ -77,6 +77,8 @@ def rank_memory(spec: ModelSpec, dtype: torch.dtype, ep_size: int, rank: int, nu
             experts += n
         else:
             dense += n
+    if spec.tie_word_embeddings and getattr(quant, "head", ""):     # a quantized copy of embed
+        dense += plan_bytes("lm_head", (spec.vocab_size, spec.hidden_size), item, quant)
     slots = spec.num_experts
     if ep_size > 1:
         slots = EPLayout.contiguous(spec.num_experts, ep_size, redundant).slots_per_rank

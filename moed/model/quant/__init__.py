@@ -8,7 +8,8 @@ from moed.model.quant.weight import QuantWeight
 
 # Canonical weights (loader names, the part after `layers.{i}.`) that a format applies to:
 # the projections of attention, the experts, dense and shared MLPs. Routers, norms, embeddings,
-# lm_head and biases stay in the checkpoint's dtype; MLA's kv_b too (its per-head halves are
+# the heads (unless model.quantization_lm_head: is_head) and biases stay in the checkpoint's
+# dtype; MLA's kv_b too (its per-head halves are
 # read as plain matrices by the absorbed decode).
 QUANTIZABLE = frozenset({"qkv", "o_proj", "experts.gate_up", "experts.down", "mlp.gate_up", "mlp.down",
                          "attn.q", "attn.q_a", "attn.q_b", "attn.kv_a",
@@ -17,6 +18,12 @@ QUANTIZABLE = frozenset({"qkv", "o_proj", "experts.gate_up", "experts.down", "ml
 
 def quantizable(name: str) -> bool:
     return name.startswith("layers.") and name.split(".", 2)[2] in QUANTIZABLE
+
+
+def is_head(name: str) -> bool:
+    """The logits heads, plain unless model.quantization_lm_head asks (formats.Plan.head):
+    lm_head and DeepSeek-V3's MTP shared head."""
+    return name == "lm_head" or name.endswith(".mtp.head")
 
 
 def bytes_by_format(weights: dict[str, torch.Tensor | QuantWeight]) -> dict[str, int]:
@@ -50,6 +57,9 @@ def plan_bytes(name: str, shape: tuple[int, ...], itemsize: int, plan: object | 
     import math
 
     fmt = getattr(plan, "fmt", "")
+    if is_head(name) and getattr(plan, "head", ""):
+        head, group = plan.head_format(shape[-1])          # type: ignore[attr-defined]
+        return held_bytes(shape, head, group)
     if not fmt or not quantizable(name):
         return math.prod(shape) * itemsize
     ck = getattr(plan, "checkpoint", None)

@@ -12,15 +12,19 @@ Served on load (moed/model/quant/checkpoint.py reads the tensors):
   awq                 bits 4, version gemm, zero_point true (AutoAWQ's GEMM packing)
 Everything else is refused by name (ConfigError-ready ValueError naming the key): bitsandbytes,
 GPTQ with desc_act (its g_idx permutes the groups), activation quantization, other bit widths.
+
+The heads (`lm_head`, DeepSeek-V3's MTP `shared_head.head`) stay plain unless
+model.quantization_lm_head asks (Plan.head): int8 per output channel, or the model's own format.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 ONLINE = ("fp8", "int8", "int4")
+LM_HEAD = ("none", "int8", "model")     # model.quantization_lm_head
 _CT_FORMATS = {"pack-quantized": (4, 8), "int-quantized": (8,), "naive-quantized": (8,)}
 
 
@@ -46,15 +50,25 @@ class Plan:
     checkpoint: CheckpointQuant | None
     online: str = ""                    # "" | fp8 | int8 | int4
     group_size: int = 128               # online int4
+    head: str = ""                      # the heads' format ("" = plain); model.quantization_lm_head
+    head_group: int = 0                 # their input columns per scale; 0 = one group per row
 
     @property
     def fmt(self) -> str:
         return self.checkpoint.fmt if self.checkpoint is not None else self.online
 
+    def head_format(self, in_features: int) -> tuple[str, int]:
+        """(format, group) a plain head is quantized to at load; ("", 0) when it stays plain."""
+        if not self.head:
+            return "", 0
+        return self.head, 128 if self.head == "fp8" else self.head_group or in_features
+
     def describe(self) -> str:
         if self.checkpoint is not None:
-            return f"{self.checkpoint.method} ({self.checkpoint.fmt}, from the checkpoint)"
-        return f"{self.online} (online)" if self.online else "none"
+            return f"{self.checkpoint.method} ({self.checkpoint.fmt}, from the checkpoint)" \
+                + (f", lm_head {self.head}" if self.head else "")
+        own = f"{self.online} (online)" if self.online else "none"
+        return own + (f", lm_head {self.head}" if self.head else "")
 
 
 def _err(key: str, msg: str) -> QuantConfigError:
@@ -182,8 +196,10 @@ def read_config(model_dir: str | Path) -> CheckpointQuant | None:
     return parse(json.loads(path.read_text()).get("quantization_config"))
 
 
-def plan(model_dir: str | Path, quantization: str = "", group_size: int = 128) -> Plan:
-    """The checkpoint's format and model.quantization, reconciled (QuantConfigError if not)."""
+def plan(model_dir: str | Path, quantization: str = "", group_size: int = 128,
+         lm_head: str = "none") -> Plan:
+    """The checkpoint's format, model.quantization and model.quantization_lm_head, reconciled
+    (QuantConfigError if not)."""
     if quantization not in ("",) + ONLINE:
         raise QuantConfigError(f"model.quantization: {quantization!r}; expected one of "
                                f"{', '.join(ONLINE)} or empty")
@@ -193,6 +209,27 @@ def plan(model_dir: str | Path, quantization: str = "", group_size: int = 128) -
             f"model.quantization: {quantization} asked, but the checkpoint is already quantized "
             f"(quantization_config.quant_method {ck.method}, {ck.fmt}); requantizing is not "
             f"supported: leave model.quantization empty")
-    if ck is not None:
-        return Plan(ck)
-    return Plan(None, quantization, group_size)
+    base = Plan(ck) if ck is not None else Plan(None, quantization, group_size)
+    return with_head(base, lm_head)
+
+
+def with_head(base: Plan, lm_head: str) -> Plan:
+    """base with model.quantization_lm_head applied: none (plain heads), int8 (per output
+    channel) or model (the model's format and group: int4's group size, a quantized
+    checkpoint's own group). Refused on a model that quantizes nothing: a quantized head
+    alone would take the bf16 model off its native decode step for a gain it does not need."""
+    if lm_head not in LM_HEAD:
+        raise QuantConfigError(f"model.quantization_lm_head: {lm_head!r}; expected one of "
+                               f"{', '.join(LM_HEAD)}")
+    if lm_head == "none":
+        return base
+    if not base.fmt:
+        raise QuantConfigError(f"model.quantization_lm_head: {lm_head} asks for a quantized "
+                               f"lm_head, but the model's weights are plain; set "
+                               f"model.quantization (or serve a quantized checkpoint), or leave "
+                               f"it none")
+    if lm_head == "int8":
+        return replace(base, head="int8", head_group=0)
+    ck = base.checkpoint
+    group = base.group_size if ck is None else (ck.group if ck.fmt != "fp8" else ck.block[1])
+    return replace(base, head=base.fmt, head_group=group if base.fmt == "int4" else 0)

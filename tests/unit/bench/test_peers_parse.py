@@ -263,6 +263,10 @@ def test_weight_bytes_a_decoded_token_reads():
     assert peers.decode_bytes_per_token(spec, "int8") == 3 * (weights + 4 * rows) + fixed
     assert peers.decode_bytes_per_token(spec, "int4") == pytest.approx(
         3 * (0.5 * weights + 4 / 128 * weights) + fixed)
+    # model.quantization_lm_head int8 (what --quant runs against llama.cpp's quantized output)
+    head = 2 * 10 * 8
+    assert peers.decode_bytes_per_token(spec, "int4", "int8") == pytest.approx(
+        3 * (0.5 * weights + 4 / 128 * weights) + fixed - head + (10 * 8 + 4 * 10))
 
 
 def test_a_llama_tool_that_crashes_with_repacking_is_rerun_without_it(tmp_path, capsys):

@@ -144,6 +144,27 @@ def test_mtp_logits_equal_the_training_modules(with_mtp):
         assert (got[k] - want).abs().max().item() < 1e-4, k
 
 
+def test_quantized_heads_shared_as_before_and_drafting(with_mtp):
+    """model.quantization_lm_head quantizes the MTP shared head too: the same quantizer on a
+    bitwise-equal copy gives an equal record, so the main head is still shared (else its own,
+    quantized); both take the native quantized matmul and their logits are the dequantized
+    heads' (fp32 summation order apart)."""
+    d, _, _, embed, _ = with_mtp
+    r = ModelRunner(d, dtype="float32", device="cpu", num_blocks=24, block_size=BS, mtp=True,
+                    quantization="int8", quantization_lm_head="int8")
+    own = not torch.equal(embed, r.model.embed)
+    assert (r.mtp.head is r.model.lm_head) == (not own)
+    native = r.ctx.for_weight(r.model.lm_head.quant) is not None      # the kernels load here
+    for head in (r.model.lm_head, r.mtp.head):
+        assert head.quant is not None and (head.qpath == "native" or not native), head.qpath
+    seqs = _seqs(r.spec.vocab_size)
+    hidden, got, main = _run(r, seqs, mtp=True)
+    x = torch.randn(3, r.spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    w = r.mtp.head.quant.dequantize()
+    assert (r.mtp.head(x) - x @ w.T).abs().max() < 1e-4
+    assert all(torch.isfinite(v).all() for v in got.values())
+
+
 # per SCHEDULE step, the drafts draft_mtp is asked for (A, B): none, one, a chain of 3 or 2
 DEPTHS = [(0, 1), (1, 0), (3, 1), (1, 2), (0, 0), (2, 3)]
 
