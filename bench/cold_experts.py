@@ -2,7 +2,7 @@
 to ~25%, under a skewed (Zipf) routing trace and a drifting one, against the same model with
 every expert resident (the peer, in the same run).
 
-    .venv/bin/python bench/cold_experts.py [--shares 1,0.75,0.5,0.3,0.25] [--batch 8]
+    .venv/bin/python bench/cold_experts.py [--shares 1,0.75,0.5,0.3,0.25,0.3p] [--batch 8]
                                            [--prompt 32] [--steps 48] [--zipf 1.2]
 
 The model: a random DeepSeek-V3 checkpoint (one expert group, so the choice is plain top-k over
@@ -15,6 +15,13 @@ Zipf(s)'s (both printed). "drift": after half of the decode steps every layer's 
 redrawn (the hot set changes at once), and the per-step hit rate shows how fast the store
 follows. The router's logits otherwise come from the model, so this is a real forward pass
 under that skew, not a replay.
+
+A share whose name ends in `p` (`--shares 1,0.3,0.3p`) runs with layer-ahead prefetch
+(experts.prefetch_experts = --prefetch, -1 auto; moed/model/cold/prefetch.py): the prediction
+works because the routing is the model's own, from the hidden state. "hit" is then an expert
+read in memory when its layer needed it (resident or a completed prefetch); the table also
+gives the resident share alone, the prefetches ready / waited for, the misses, the unused
+prefetch reads and the prediction's recall and precision.
 
 Per run: `prefills` prefills of `batch` prompts of `prompt` tokens (prefill tok/s from their
 median), then `steps` decode steps of the batch (decode tok/s from the median step; the mean
@@ -122,8 +129,11 @@ def calibrate(r: ModelRunner, s: float, a: argparse.Namespace) -> tuple[float, f
 class Run:
     """One runner (a resident share) going through a trace: its prefill, then its decode steps."""
 
-    def __init__(self, ck: Path, share: float, beta: float, a: argparse.Namespace, total: int) -> None:
-        cold = None if share >= 1.0 else ColdSettings(int(share * total), a.move_mb << 20, a.half_life)
+    def __init__(self, ck: Path, share: float, beta: float, a: argparse.Namespace, total: int,
+                 prefetch: bool = False) -> None:
+        cold = None if share >= 1.0 else ColdSettings(int(share * total), a.move_mb << 20, a.half_life,
+                                                      a.prefetch if prefetch else 0)
+        self.prefetch = prefetch
         self.r = ModelRunner(ck, dtype="bfloat16", device="cpu", num_blocks=a.batch * 8 + 8,
                              block_size=BLOCK, cold=cold)
         self.share, self.a, self.beta, self.total = share, a, beta, total
@@ -150,15 +160,17 @@ class Run:
         if drift_now:
             set_bias(self.r, self.a.zipf, self.beta, 2)         # the hot set changes at once
         st = self.r.cold.stats if self.r.cold is not None else None
-        h0, m0, r0, q0 = (st.hits, st.misses, st.hit_rows, st.miss_rows) if st else (0, 0, 0, 0)
+        h0, m0, r0, q0 = (st.hits + st.prefetch_ready, st.misses + st.prefetch_waited,
+                          st.hit_rows + st.prefetch_rows, st.miss_rows) if st else (0, 0, 0, 0)
         t0 = time.perf_counter()
         logits = self.r.forward(ForwardBatch(token_ids=self.toks, start_pos=list(self.start),
                                              block_tables=self.tables))
         self.step_s.append(time.perf_counter() - t0)
         if st:
-            dh, dm = st.hits - h0, st.misses - m0
+            # in memory when the layer needed it: resident, or a completed prefetch
+            dh, dm = st.hits + st.prefetch_ready - h0, st.misses + st.prefetch_waited - m0
             self.hit_series.append(dh / max(dh + dm, 1))
-            dr, dq = st.hit_rows - r0, st.miss_rows - q0
+            dr, dq = st.hit_rows + st.prefetch_rows - r0, st.miss_rows - q0
             self.row_series.append(dr / max(dr + dq, 1))
         self.out.append([t[0] for t in self.toks])
         self.start = [x + 1 for x in self.start]
@@ -167,7 +179,7 @@ class Run:
     def result(self, trace: str) -> dict:
         a, half = self.a, self.a.steps // 2
         # medians: a busy machine's bursts hit single steps; the mean is also kept
-        res = {"share": self.share, "trace": trace,
+        res = {"share": self.share, "trace": trace, "prefetch": self.prefetch,
                "prefill_tok_s": a.batch * a.prompt / statistics.median(self.prefill_s),
                "decode_tok_s": a.batch / statistics.median(self.step_s),
                "decode_tok_s_mean": a.batch * a.steps / sum(self.step_s),
@@ -177,8 +189,15 @@ class Run:
         store = self.r.cold
         if store is not None:
             st = store.stats
-            res.update(hit_rate=st.hits / max(st.hits + st.misses, 1),
-                       row_hit_rate=st.hit_rows / max(st.hit_rows + st.miss_rows, 1),
+            res.update(hit_rate=st.in_memory, resident_hit_rate=st.hits / max(
+                           st.hits + st.misses + st.prefetch_ready + st.prefetch_waited, 1),
+                       row_hit_rate=(st.hit_rows + st.prefetch_rows) / max(
+                           st.hit_rows + st.prefetch_rows + st.miss_rows, 1),
+                       prefetch_ready=st.prefetch_ready, prefetch_waited=st.prefetch_waited,
+                       prefetch_wait_s=st.prefetch_wait_s, prefetch_reads=st.prefetch_reads,
+                       prefetch_unused=st.prefetch_unused, hits=st.hits,
+                       prediction_recall=st.recall, prediction_precision=st.precision,
+                       prefetch_experts=store.prefetch.capacity if store.prefetch else 0,
                        hit_series=self.hit_series, row_hit_series=self.row_series, misses=st.misses, miss_stall_s=st.miss_stall_s,
                        promoted_mb=st.promoted_bytes / 2**20, miss_mb=st.miss_bytes / 2**20,
                        slots_per_layer=store.slots)
@@ -186,11 +205,11 @@ class Run:
         return res
 
 
-def run_trace(ck: Path, shares: list[float], trace: str, beta: float, a: argparse.Namespace,
+def run_trace(ck: Path, shares: list[str], trace: str, beta: float, a: argparse.Namespace,
               total: int) -> list[dict]:
     """Every share's runner through one trace, interleaved step by step (the order rotating),
     so a busy machine's noise falls on all of them alike."""
-    runs = [Run(ck, s, beta, a, total) for s in shares]
+    runs = [Run(ck, float(s.rstrip("p")), beta, a, total, s.endswith("p")) for s in shares]
     for rep in range(a.prefills):
         for i in range(len(runs)):
             runs[(i + rep) % len(runs)].prefill(10 + rep)
@@ -214,22 +233,28 @@ def plot(results: list[dict], path: Path, a: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for trace, mark in (("zipf", "o-"), ("drift", "s--")):
-        rows = sorted((r for r in results if r["trace"] == trace), key=lambda r: r["share"])
-        base = next(r for r in rows if r["share"] >= 1.0)
-        xs = [r["share"] * 100 for r in rows]
-        ax[0].plot(xs, [r["decode_tok_s"] / base["decode_tok_s"] for r in rows], mark, label=f"decode, {trace}")
-        ax[0].plot(xs, [r["prefill_tok_s"] / base["prefill_tok_s"] for r in rows], mark, alpha=0.5,
-                   label=f"prefill, {trace}")
+        base = next(r for r in results if r["trace"] == trace and r["share"] >= 1.0)
+        for pf in (False, True):
+            rows = sorted((r for r in results if r["trace"] == trace and (r["prefetch"] == pf
+                           or r["share"] >= 1.0)), key=lambda r: r["share"])
+            if len(rows) < 2:
+                continue
+            xs, tag = [r["share"] * 100 for r in rows], f"{trace}{', prefetch' if pf else ''}"
+            ax[0].plot(xs, [r["decode_tok_s"] / base["decode_tok_s"] for r in rows], mark,
+                       label=f"decode, {tag}")
+            ax[0].plot(xs, [r["prefill_tok_s"] / base["prefill_tok_s"] for r in rows], mark, alpha=0.5,
+                       label=f"prefill, {tag}")
     ax[0].set_xlabel("resident share of expert bytes (%)")
     ax[0].set_ylabel("tok/s / all-resident")
     ax[0].legend()
     ax[0].grid(alpha=0.3)
     for r in results:
         if r["trace"] == "drift" and "hit_series" in r:
-            ax[1].plot(r["hit_series"], label=f"{r['share'] * 100:.0f}% resident")
+            ax[1].plot(r["hit_series"], label=f"{r['share'] * 100:.0f}% resident"
+                       + (", prefetch" if r["prefetch"] else ""))
     ax[1].axvline(a.steps // 2, color="grey", ls=":")
     ax[1].set_xlabel("decode step (hot set redrawn at the dotted line)")
-    ax[1].set_ylabel("expert-read hit rate")
+    ax[1].set_ylabel("expert reads in memory when needed")
     ax[1].legend()
     ax[1].grid(alpha=0.3)
     fig.suptitle(f"cold experts, DeepSeek-V3-shaped random model, Zipf({a.zipf}), batch {a.batch}")
@@ -257,7 +282,10 @@ def rss_run(ck: Path, share: float, a: argparse.Namespace, total: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shares", default="1,0.75,0.5,0.3,0.25")
+    ap.add_argument("--shares", default="1,0.75,0.5,0.3,0.25,0.5p,0.3p,0.25p",
+                    help="resident shares; a trailing p: with layer-ahead prefetch (--prefetch)")
+    ap.add_argument("--prefetch", type=int, default=-1, help="experts.prefetch_experts of the "
+                    "p shares (-1: auto)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=48)
@@ -307,14 +335,16 @@ def main() -> None:
     del full
     print(f"routing skew: beta {beta}: top 30% of experts take {got:.1%} of token-choices "
           f"(Zipf({a.zipf}) over {MODEL['num_experts']}: {target:.1%})")
-    shares = [float(x) for x in a.shares.split(",")]
+    shares = a.shares.split(",")
     results = []
     for trace in ("zipf", "drift"):
         results += run_trace(ck, shares, trace, beta, a, total)
     print(f"\n{'trace':6} {'share':>6} {'slots':>5} {'prefill':>9} {'decode':>8} {'ratio':>6} "
-          f"{'hit':>6} {'hit 2nd½':>8} {'rows hit':>8} {'rows 2nd½':>9} {'stall s':>8} {'same':>5}")
+          f"{'hit':>6} {'hit 2nd½':>8} {'rows hit':>8} {'rows 2nd½':>9} {'stall s':>8} {'same':>5} "
+          f"{'resid':>6} {'pf rdy':>6} {'pf wait':>7} {'miss':>6} {'unused':>6} {'recall':>6} {'prec':>6}")
     for r in results:
         base = next(b for b in results if b["trace"] == r["trace"] and b["share"] >= 1.0)
+        r["name"] = f"{r['share']:.2f}{'p' if r['prefetch'] else ' '}"
         r["decode_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
         r["prefill_ratio"] = r["prefill_tok_s"] / base["prefill_tok_s"]
         r["same_tokens"] = r["tokens"] == base["tokens"]
@@ -325,15 +355,18 @@ def main() -> None:
         if r["trace"] == "drift" and hs:
             before = sum(hs[a.steps // 4:a.steps // 2]) / max(a.steps // 4, 1)
             r["recovery_steps_to_90pct_of_before"] = recovery_steps(hs, a.steps // 2, 0.9 * before)
-        print(f"{r['trace']:6} {r['share']:>6.2f} {r.get('slots_per_layer', MODEL['num_experts']):>5} "
+        print(f"{r['trace']:6} {r['name']:>6} {r.get('slots_per_layer', MODEL['num_experts']):>5} "
               f"{r['prefill_tok_s']:>9.1f} {r['decode_tok_s']:>8.1f} {r['decode_ratio']:>6.2f} "
               f"{r.get('hit_rate', 1.0):>6.1%} {r['hit_rate_second_half']:>8.1%} "
               f"{r.get('row_hit_rate', 1.0):>8.1%} {r['row_hit_rate_second_half']:>9.1%} "
               f"{r.get('miss_stall_s', 0.0):>8.3f} "
-              f"{'yes' if r['same_tokens'] else 'NO':>5}")
+              f"{'yes' if r['same_tokens'] else 'NO':>5} "
+              + (f"{r['resident_hit_rate']:>6.1%} {r['prefetch_ready']:>6} {r['prefetch_waited']:>7} "
+                 f"{r['misses']:>6} {r['prefetch_unused']:>6} {r['prediction_recall']:>6.1%} "
+                 f"{r['prediction_precision']:>6.1%}" if "hits" in r else ""))
     for r in results:
         if "recovery_steps_to_90pct_of_before" in r:
-            print(f"drift, {r['share']:.0%} resident: hit rate back to 90% of its pre-drift level "
+            print(f"drift, {r['name']} resident: hit rate back to 90% of its pre-drift level "
                   f"after {r['recovery_steps_to_90pct_of_before']} steps")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -100,6 +100,8 @@ FLAGS: tuple[Flag, ...] = (
          "experts promoted from disk between two steps", int, metavar="BYTES"),
     Flag("--experts-heat-half-life", "experts.heat_half_life_steps", "steps over which an "
          "expert's heat halves", float, metavar="STEPS"),
+    Flag("--experts-prefetch", "experts.prefetch_experts", "experts read ahead by layer-ahead "
+         "prediction, staged at most this many at a time (-1 auto, 0 off)", int, metavar="N"),
     Flag("--tool-call-parser", "model.tool_parser", "format of the model's tool calls (vLLM's "
          "hermes is qwen)", _tool_parser, metavar="NAME"),
     Flag("--vllm-metrics-path", "server.vllm_metrics_path", "also export the vLLM-named "

@@ -143,6 +143,10 @@ def experts(cfg: NodeSettings) -> None:
                           "resident slots; a tiered rank keeps most of its slots on disk): set "
                           "parallel.eplb_interval_s = 0 (static layouts and "
                           "parallel.redundant_experts work: each rank tiers its own slots)")
+    if cfg.experts.prefetch_experts > 0 and cfg.parallel.ep_size > 1:
+        raise ConfigError("experts.prefetch_experts under expert parallelism is not built yet "
+                          "(a rank does not route the tokens its slots receive): set it to 0, "
+                          "or -1 (auto: off under expert parallelism)")
     if cfg.speculative.method == "mtp":
         raise ConfigError("experts.resident_bytes with speculative.method mtp is not built yet "
                           "(the MTP layer's experts are not tiered)")

@@ -90,8 +90,9 @@ def cold_settings(cfg: Config) -> ColdSettings | None:
     x = cfg.experts
     if not x.tiered:
         return None
-    from moed.model.cold import ColdSettings
-    return ColdSettings(x.resident_bytes, x.move_bytes_per_step, x.heat_half_life_steps)
+    from moed.model.cold import ColdSettings, policy
+    return ColdSettings(x.resident_bytes, x.move_bytes_per_step, x.heat_half_life_steps,
+                        policy.prefetch_setting(x.prefetch_experts, cfg.parallel.ep_size))
 
 
 def make_tiers(engine: Engine, t: TiersConfig | None) -> TieredCache | None:

@@ -80,6 +80,9 @@ class MoEDecoder:
         # Tokens routed per logical expert since the last read ([layers, experts], int64).
         self.expert_load = torch.zeros((spec.num_layers, max(spec.num_experts, 1)), dtype=torch.long,
                                        device=ctx.device)
+        # called with the step's embeddings before the layers run: the cold-expert store's
+        # first-layer prefetch (moed/model/cold/prefetch.py); None without it
+        self.before_layers: Callable[[torch.Tensor], None] | None = None
         self.layers = []
         for i in range(spec.num_layers):
             self.layers.append(build_layer(spec, i, w, self.expert_load[i], ctx))
@@ -106,6 +109,8 @@ class MoEDecoder:
                 backend: AttentionBackend, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The residual stream after the last layer and that layer's not-yet-added output."""
         h = self.embed.index_select(0, input_ids)
+        if self.before_layers is not None:
+            self.before_layers(h)
         cos, sin = self.rotary.tables(positions, max_pos)
         delta = None
         for i, layer in enumerate(self.layers):

@@ -98,6 +98,11 @@ class Router:
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(x.dtype), idx
 
+    def choice_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, E] fp32 scores whose order is the order route() chooses experts in (the logits:
+        softmax keeps their order); for ranking past top-k (the cold store's prefetch)."""
+        return self.linear(x).float()
+
     def __call__(self, x: torch.Tensor) -> Routing:
         """Route x [T, H], map to physical experts and count the load."""
         weights, logical = self.route(x)

@@ -136,6 +136,8 @@ class ModelRunner:
         self.backend = get_backend(attention_backend, self.spec, self.kv_layout, self.ctx)
         self.model = MoEDecoder(self.spec, weights, arch.build_layer, self.ctx, consume=own)
         self.mtp = MTPLayer.build(weights, arch.build_layer, self.ctx, self.model, own) if n_mtp else None
+        if self.cold is not None:       # layer-ahead prefetch's routers and hook (cold/prefetch.py)
+            self.cold.attach(self.model)
         del weights
         self.kv_cache = self.kv_layout.allocate(num_blocks, self.device)
         self._planned: ForwardBatch | None = None      # the batch the backend's plan is for

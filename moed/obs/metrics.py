@@ -370,13 +370,22 @@ EXPERT_WEIGHT_RESIDENT_BYTES = Gauge("moed_expert_weight_resident_bytes", "Route
                                      "the checkpoint)", ["tier"], registry=ENGINE)
 EXPERT_WEIGHT_MOVED_BYTES = Counter("moed_expert_weight_moved_bytes", "Expert-weight bytes "
                                     "brought into resident slots: miss (read while a step "
-                                    "waited) or promote (read ahead, installed between steps)",
+                                    "waited), promote (read ahead, installed between steps) or "
+                                    "prefetch (predicted a layer ahead)",
                                     ["kind"], registry=ENGINE)
 EXPERT_WEIGHT_MISS_STALL = Counter("moed_expert_weight_miss_stall_seconds", "Seconds steps "
                                    "waited for expert weights read on a miss", registry=ENGINE)
 EXPERT_WEIGHT_READ_FAILURES = Counter("moed_expert_weight_read_failures", "Expert-weight reads "
                                       "that failed (miss: the step's requests failed; promote: "
-                                      "dropped)", ["kind"], registry=ENGINE)
+                                      "dropped; prefetch: read again as a miss)", ["kind"],
+                                      registry=ENGINE)
+EXPERT_WEIGHT_PREFETCHES = Counter("moed_expert_weight_prefetches", "Layer-ahead prefetch reads "
+                                   "of predicted experts: ready (complete when the layer needed "
+                                   "the expert), waited (the step waited for it in flight), "
+                                   "unused (read, not routed to: a wrong prediction)",
+                                   ["result"], registry=ENGINE)
+EXPERT_WEIGHT_PREFETCH_WAIT = Counter("moed_expert_weight_prefetch_wait_seconds", "Seconds steps "
+                                      "waited for prefetch reads still in flight", registry=ENGINE)
 EPLB_BALANCEDNESS = Gauge("moed_eplb_balancedness", "Per MoE layer, at the last expert-balancer "
                           "decision: mean / max rank load under the group's load window, for the "
                           "map in use then (before) and the map chosen (after); 1 = even",

@@ -21,6 +21,13 @@ class ExpertsConfig:
     heat_half_life_steps: float = _f(8.0, bounds=(1.0, 1e6),
                                      doc="steps over which an expert's routed-token count "
                                      "(its heat) halves")
+    prefetch_experts: int = _f(-1, bounds=(-1, 1 << 20),
+                               doc="experts read ahead of use by layer-ahead prediction (the "
+                               "next MoE layer's router on the current hidden state), staged "
+                               "at most this many at a time; their bytes come out of "
+                               "resident_bytes. -1 = auto: 16, at most an eighth of the "
+                               "budget's experts, in one process; off under expert "
+                               "parallelism (not built there); 0 = off")
 
     def __post_init__(self) -> None:
         _check_bounds("experts", self)

@@ -87,6 +87,10 @@ class GroupedRouter(Router):
                               self.norm_topk, self.scale)
         return w.to(x.dtype), idx
 
+    def choice_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Router.choice_scores: the biased sigmoid scores (the group limit not applied)."""
+        return F.linear(x.float(), self.weight_f32).sigmoid() + self.bias
+
 
 _logged_torch_path = False
 

@@ -6,6 +6,8 @@ checkpoint's safetensors files when a step routes to them (docs/cold-experts.md)
   reader.py   the disk tier: (layer, expert) -> its matrices' byte ranges; pread into buffers
   store.py    ExpertStore (the model's ExpertPlacement) and ColdExperts (a layer's executor):
               misses, heat, the between-steps mover, the counters and metrics
+  prefetch.py Prefetcher: layer-ahead prediction (the next MoE layer's router on the hidden
+              state at hand) and the reads of the predicted experts, staged in a bounded budget
 
 `cold_store` is the one entry: the runner calls it with `[experts]`'s settings.
 """

@@ -83,3 +83,48 @@ def promotions(layers_heat: Sequence[Sequence[float]], layers_expert_in: Sequenc
                 cands.append((h - floor, li, e))
     cands.sort(key=lambda c: (-c[0], c[1], c[2]))
     return [(li, e) for _, li, e in cands[:limit]]
+
+
+AUTO_STAGING = 16       # experts.prefetch_experts -1: at most this many, and an eighth of the budget
+
+
+def split_budget(resident_bytes: int, expert_bytes: int, moe_layers: int, num_units: int,
+                 staging: int) -> tuple[int, int]:
+    """(slots per layer, prefetch staging in experts) for a resident budget: the staging's bytes
+    (`staging` experts; -1 = auto, min(AUTO_STAGING, an eighth of the budget's experts)) come
+    out of the budget, so slots + staging stay within resident_bytes. A budget that holds every
+    unit needs no staging (0); one whose remainder after an explicit staging holds less than one
+    expert per MoE layer: ValueError naming the minimum."""
+    slots = slots_per_layer(resident_bytes, expert_bytes, moe_layers, num_units)
+    if staging < 0:
+        staging = min(AUTO_STAGING, resident_bytes // expert_bytes // 8,
+                      resident_bytes // expert_bytes - moe_layers)
+    if slots >= num_units or staging <= 0:
+        return slots, 0
+    need = expert_bytes * (moe_layers + staging)
+    if resident_bytes < need:
+        raise ValueError(f"experts.resident_bytes {resident_bytes} holds less than one expert per "
+                         f"MoE layer beside the prefetch staging: the minimum is {need} "
+                         f"({moe_layers} layers + experts.prefetch_experts {staging}, x "
+                         f"{expert_bytes} bytes an expert; or set experts.prefetch_experts = 0)")
+    return slots_per_layer(resident_bytes - staging * expert_bytes, expert_bytes, moe_layers,
+                           num_units), staging
+
+
+def prefetch_setting(setting: int, ep_size: int) -> int:
+    """experts.prefetch_experts as the store takes it: -1 (auto, sized by split_budget) in one
+    process, 0 under expert parallelism (prediction is not built there; the config rules refuse
+    an explicit value > 0 there), else the setting."""
+    return 0 if setting < 0 and ep_size > 1 else setting
+
+
+def prefetch_picks(predicted_rows: Sequence[int], resident: Sequence[bool], busy: set[int],
+                   limit: int) -> list[int]:
+    """Which predicted units to read ahead, at most `limit`: those a layer's prediction routes
+    rows to (predicted_rows[u] > 0) that are not resident nor already being read (`busy`), the
+    most predicted rows first (ties: lower unit)."""
+    if limit <= 0:
+        return []
+    cands = [u for u, n in enumerate(predicted_rows) if n > 0 and not resident[u] and u not in busy]
+    cands.sort(key=lambda u: (-predicted_rows[u], u))
+    return cands[:limit]

@@ -29,6 +29,12 @@ installed into the coldest slots under `move_bytes_per_step`; then the hottest n
 units (policy.promotions) are queued for reading ahead. Reads go into private buffers, so a
 slot is only ever written on the step thread. Miss reads go through their own thread, waited
 for with a timeout.
+
+Layer-ahead prefetch (prefetch.py, alone only): a layer call first predicts the next MoE
+layer's experts from its input and starts reading them; a miss that a prefetch staged is
+installed from its buffer instead of read (ready, or waited for while in flight), in the same
+victim slot a miss read would take. The staging's bytes come out of the budget
+(policy.split_budget).
 """
 from __future__ import annotations
 
@@ -36,17 +42,22 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
 from moed.model.cold import policy
+from moed.model.cold.prefetch import Prefetcher
 from moed.model.cold.reader import ExpertIndex, ExpertReadError
 from moed.model.context import ExpertPlacement
 from moed.model.executor import ExpertExecutor, MoEMode, Routing, SlotExperts, combine
-from moed.model.moe import LocalExperts
+from moed.model.moe import LocalExperts, MoELayer
 from moed.model.spec import ModelSpec
 from moed.obs import metrics
+
+if TYPE_CHECKING:
+    from moed.model.decoder import MoEDecoder
 
 log = structlog.get_logger(__name__)
 
@@ -58,16 +69,42 @@ class ColdSettings:
     resident_bytes: int             # experts.resident_bytes (> 0 here)
     move_bytes_per_step: int        # experts.move_bytes_per_step
     heat_half_life_steps: float     # experts.heat_half_life_steps
+    prefetch_experts: int = 0       # experts.prefetch_experts (-1 auto: policy.split_budget)
 
 
 @dataclass
 class ColdStats:
     """Counters since start (the metrics advance with them; tests and the bench read them)."""
     hits: int = 0                   # expert reads (an expert run by a layer call) resident
-    misses: int = 0                 # ... read from disk first
+    misses: int = 0                 # ... read from disk first, the step waiting (no prefetch)
+    prefetch_ready: int = 0         # ... served by a prefetch complete when the layer needed it
+    prefetch_waited: int = 0        # ... served by a prefetch still in flight (the step waited)
     hit_rows: int = 0               # token-expert choices whose expert was resident
-    miss_rows: int = 0
+    prefetch_rows: int = 0          # ... whose expert was a completed prefetch
+    miss_rows: int = 0              # ... the rest (read on a miss or waited for)
     miss_stall_s: float = 0.0
+    prefetch_wait_s: float = 0.0
+    prefetch_reads: int = 0         # prefetch reads started
+    prefetch_unused: int = 0        # ... read but not needed (a wrong prediction)
+    predicted: int = 0              # experts predicted for a layer (summed over layer calls)
+    predicted_needed: int = 0       # experts those layer calls ran
+    predicted_right: int = 0        # ... of them predicted
+
+    @property
+    def in_memory(self) -> float:
+        """Expert reads whose expert was in memory when its layer needed it (resident, or a
+        completed prefetch), over all expert reads."""
+        total = self.hits + self.misses + self.prefetch_ready + self.prefetch_waited
+        return (self.hits + self.prefetch_ready) / max(total, 1)
+
+    @property
+    def recall(self) -> float:
+        """Share of the experts layer calls ran that their prediction named."""
+        return self.predicted_right / max(self.predicted_needed, 1)
+
+    @property
+    def precision(self) -> float:
+        return self.predicted_right / max(self.predicted, 1)
     miss_bytes: int = 0
     promoted_bytes: int = 0
     read_failures: int = 0
@@ -90,8 +127,13 @@ class ExpertStore:
         self.name = "cold experts" if inner is None else f"{inner.name} with cold experts"
         self.moe_layers = [i for i in range(spec.num_layers) if i not in spec.dense_layers]
         self.expert_bytes = expert_bytes or index.expert_bytes()
-        self.slots = policy.slots_per_layer(settings.resident_bytes, self.expert_bytes,
-                                            len(self.moe_layers), len(self.units))
+        if inner is not None and settings.prefetch_experts > 0:
+            raise ValueError("experts.prefetch_experts under expert parallelism is not built yet "
+                             "(set it to 0 or -1, auto, which is off there)")
+        asked = settings.prefetch_experts if inner is None else 0     # auto: off under EP
+        self.slots, staging = policy.split_budget(settings.resident_bytes, self.expert_bytes,
+                                                  len(self.moe_layers), len(self.units), asked)
+        self.prefetch = Prefetcher(self, staging, self._read_ahead) if staging else None
         self.decay = 0.5 ** (1.0 / settings.heat_half_life_steps)
         self.per_step = max(1, settings.move_bytes_per_step // self.expert_bytes) \
             if settings.move_bytes_per_step else 0
@@ -134,6 +176,16 @@ class ExpertStore:
             raise ExpertReadError(f"expert weights could not be read from disk within "
                                   f"{READ_TIMEOUT_S:.0f} s (layer {layer})") from None
 
+    def attach(self, model: MoEDecoder) -> None:
+        """Layer-ahead prediction's hooks into the built model (prefetch.py): its MoE layers'
+        routers, and the first layer's input norm for the start-of-step prediction."""
+        if self.prefetch is None:
+            return
+        routers = [ly.mlp.router for ly in model.layers if isinstance(ly.mlp, MoELayer)]
+        first = model.layers[0]
+        self.prefetch.attach(routers, (first.input_norm, first.eps))
+        model.before_layers = self.prefetch.first
+
     def _read_ahead(self, pos: int, unit: int) -> list[torch.Tensor]:
         layer = self.layers[pos]
         gate_up, down = self.index.read(layer.layer, self.units[unit])
@@ -142,6 +194,8 @@ class ExpertStore:
     # ---- between steps --------------------------------------------------------------------
     def between_steps(self) -> None:
         """Heat, then installs of finished read-aheads, then new read-aheads (step thread)."""
+        if self.prefetch is not None:
+            self.prefetch.reset()
         for layer in self.layers:
             layer.cool(self.decay)
         self._install_ready()
@@ -172,15 +226,26 @@ class ExpertStore:
                 metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("promote").inc(self.expert_bytes)
 
     # ---- accounting -----------------------------------------------------------------------
-    def count(self, hits: int, misses: int, stall_s: float, hit_rows: int, rows: int) -> None:
+    def count(self, hits: int, misses: int, stall_s: float, hit_rows: int, rows: int,
+              fetched: LayerFetch) -> None:
         st = self.stats
         st.hits += hits
         st.misses += misses
         st.hit_rows += hit_rows
-        st.miss_rows += rows - hit_rows
+        st.prefetch_rows += fetched.ready_rows
+        st.miss_rows += rows - hit_rows - fetched.ready_rows
         st.miss_stall_s += stall_s
         st.miss_bytes += misses * self.expert_bytes
+        st.prefetch_ready += fetched.ready
+        st.prefetch_waited += fetched.waited
+        st.prefetch_wait_s += fetched.wait_s
         metrics.EXPERT_WEIGHT_HITS.inc(hits)
+        if fetched.ready or fetched.waited:
+            metrics.EXPERT_WEIGHT_PREFETCHES.labels("ready").inc(fetched.ready)
+            metrics.EXPERT_WEIGHT_PREFETCHES.labels("waited").inc(fetched.waited)
+            metrics.EXPERT_WEIGHT_PREFETCH_WAIT.inc(fetched.wait_s)
+            metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("prefetch").inc(
+                (fetched.ready + fetched.waited) * self.expert_bytes)
         if misses:
             metrics.EXPERT_WEIGHT_MISSES.inc(misses)
             metrics.EXPERT_WEIGHT_MISS_STALL.inc(stall_s)
@@ -191,7 +256,8 @@ class ExpertStore:
 
     def publish(self) -> None:
         total = len(self.units) * len(self.moe_layers) * self.expert_bytes
-        staged = sum(1 for f in self._ahead.values() if f.done()) * self.expert_bytes
+        staged = (sum(1 for f in self._ahead.values() if f.done())
+                  + (self.prefetch.held() if self.prefetch is not None else 0)) * self.expert_bytes
         metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("resident").set(self.resident_bytes())
         metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("staged").set(staged)
         metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("disk").set(total - self.resident_bytes())
@@ -203,9 +269,14 @@ class ExpertStore:
                 "expert_bytes": self.expert_bytes, "resident_bytes": self.resident_bytes(),
                 "resident_share": round(self.slots / max(len(self.units), 1), 3),
                 "move_experts_per_step": self.per_step,
+                "prefetch_experts": self.prefetch.capacity if self.prefetch is not None else 0,
+                "prefetch": "on" if self.prefetch is not None else
+                "off: expert parallelism" if self.inner is not None else "off",
                 "heat_half_life_steps": self.settings.heat_half_life_steps}
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
         self._miss_pool.shutdown(wait=False, cancel_futures=True)
         self._ahead_pool.shutdown(wait=False, cancel_futures=True)
         self.index.close()
@@ -254,22 +325,52 @@ class ColdExperts:
         self._set(slot, expert)
         return True
 
-    def _ensure(self, group: list[int], protect: set[int]) -> tuple[int, float]:
+    def _ensure(self, group: list[int], protect: set[int], n_rows: list[int],
+                fetched: LayerFetch) -> tuple[int, float]:
         """Every expert of `group` resident, never evicting one of `protect` -> (misses read,
-        seconds waited)."""
+        seconds waited for them). A staged prefetch is installed instead of a read, counted in
+        `fetched` as ready (complete when this round needed it) or waited for; one whose read
+        failed is read again as a miss (which fails the step as a miss does)."""
         misses = [e for e in group if int(self.slot_of[e]) < 0]
         if not misses:
             return 0, 0.0
+        pf = self.store.prefetch
+        futs = {e: f for e in misses if (f := pf.take(self.pos, e) if pf else None) is not None}
+        done = {e for e, f in futs.items() if f.done()}
+        cold = [e for e in misses if e not in futs]
         t0 = time.perf_counter()
-        weights = self.store.read_now(self.layer, misses)
+        got = {e: self.local.slot_format(*w)
+               for e, w in zip(cold, self.store.read_now(self.layer, cold) if cold else [])}
+        stall = time.perf_counter() - t0
+        for e, fut in futs.items():
+            t1 = time.perf_counter()
+            try:
+                got[e] = fut.result(timeout=READ_TIMEOUT_S)
+            except FutureTimeout:
+                raise ExpertReadError(f"expert weights could not be read from disk within "
+                                      f"{READ_TIMEOUT_S:.0f} s (layer {self.layer})") from None
+            except ExpertReadError:
+                self.store.stats.read_failures += 1
+                metrics.EXPERT_WEIGHT_READ_FAILURES.labels("prefetch").inc()
+                t2 = time.perf_counter()
+                got[e] = self.local.slot_format(*self.store.read_now(self.layer, [e])[0])
+                cold.append(e)
+                stall += time.perf_counter() - t2
+                continue
+            if e in done:
+                fetched.ready += 1
+                fetched.ready_rows += n_rows[e]
+            else:
+                fetched.waited += 1
+                fetched.wait_s += time.perf_counter() - t1
         keep = set(group) | protect
         heat = self.heat_list()
-        for e, (gate_up, down) in zip(misses, weights):
+        for e in misses:
             slot = policy.victim(self.expert_in, heat, keep)
             self._set(slot, -1)             # empty while written
-            self.local.load_slot(slot, self.local.slot_format(gate_up, down), repack=False)
+            self.local.load_slot(slot, got[e], repack=False)
             self._set(slot, e)
-        return len(misses), time.perf_counter() - t0
+        return len(cold), stall
 
     def run_grouped(self, xs: torch.Tensor, per_unit: torch.Tensor, mode: MoEMode) -> torch.Tensor:
         """executor.SlotExperts: rows grouped by unit (per_unit [U] rows each, in unit order) ->
@@ -277,21 +378,26 @@ class ColdExperts:
         kernels, as the all-resident slots would run them."""
         counts = per_unit.to(torch.long)
         self.window += counts
-        if xs.shape[0] == 0:
-            return xs
         needed = torch.nonzero(counts).squeeze(1).tolist()
+        pf = self.store.prefetch
+        if xs.shape[0] == 0:
+            if pf is not None:
+                pf.finish(self.pos, set())
+            return xs
         resident = (self.slot_of >= 0).tolist()
         hits = sum(1 for u in needed if resident[u])
         hit_rows = int(counts[self.slot_of >= 0].sum())
         start = (torch.cumsum(counts, 0) - counts).tolist()
         n_rows = counts.tolist()
+        if pf is not None:      # misses with a prefetch done first, in flight next, the rest last
+            needed.sort(key=lambda u: 0 if resident[u] else pf.state(self.pos, u))
         ys = torch.empty_like(xs)
-        misses, stall = 0, 0.0
+        misses, stall, fetched = 0, 0.0, LayerFetch()
         stream = policy.stream_slots(self.store.slots)
         protect = policy.hottest(self.expert_in, self.heat_list(), self.store.slots - stream)
         try:
             for group in policy.rounds(needed, resident, stream):
-                m, w = self._ensure(group, protect)
+                m, w = self._ensure(group, protect, n_rows, fetched)
                 misses, stall = misses + m, stall + w
                 by_slot = sorted((int(self.slot_of[u]), u) for u in group)
                 rows = torch.cat([torch.arange(start[u], start[u] + n_rows[u]) for _, u in by_slot])
@@ -303,8 +409,19 @@ class ColdExperts:
             metrics.EXPERT_WEIGHT_READ_FAILURES.labels("miss").inc()
             raise
         finally:
-            self.store.count(hits, misses, stall, hit_rows, xs.shape[0])
+            self.store.count(hits, misses, stall, hit_rows, xs.shape[0], fetched)
+            if pf is not None:
+                pf.finish(self.pos, set(needed))
         return ys
+
+
+@dataclass
+class LayerFetch:
+    """One layer call's prefetched experts: ready (complete when needed) or waited for."""
+    ready: int = 0
+    ready_rows: int = 0
+    waited: int = 0
+    wait_s: float = 0.0
 
 
 class ColdExecutor(ExpertExecutor):
@@ -320,6 +437,8 @@ class ColdExecutor(ExpertExecutor):
         h = x.shape[1]
         if t == 0:
             return x.new_empty((0, h))
+        if self.layer.store.prefetch is not None:     # the next MoE layer's, from this input
+            self.layer.store.prefetch.predict(self.layer.pos + 1, x)
         phys = routing.physical.reshape(-1)
         order = torch.argsort(phys, stable=True)                 # by expert, flat order within
         per_unit = torch.bincount(phys, minlength=self.layer.num_physical)

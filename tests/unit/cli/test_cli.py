@@ -106,7 +106,7 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to flags
     "--ep-size": ("4", 4), "--ep-rank": ("3", 3),
     "--ep-init": ("tcp://10.0.0.1:29500", "tcp://10.0.0.1:29500"),
     "--experts-resident-bytes": ("123456789", 123456789),
-    "--experts-move-bytes-per-step": ("4096", 4096), "--experts-heat-half-life": ("8.5", 8.5),
+    "--experts-move-bytes-per-step": ("4096", 4096), "--experts-heat-half-life": ("8.5", 8.5), "--experts-prefetch": ("4", 4),
     "--tool-call-parser": ("hermes", "qwen"),          # vLLM's name for the Qwen format
     "--vllm-metrics-path": ("/metrics/vllm", "/metrics/vllm"),
     "--kv-cache-dtype": ("fp8_e4m3", "fp8_e4m3"),

@@ -162,3 +162,13 @@ def test_experts_budget_from_env_toml_and_what_it_refuses(tmp_path: Path) -> Non
                          ({"MOED_MODEL_DEVICE": "cuda"}, "CPU nodes only")):
         with pytest.raises(ConfigError, match=match):
             config.load(environ={**env, **extra})
+    # layer-ahead prefetch: auto (-1) everywhere, off under EP; explicit under EP refused
+    from moed.engine.build import cold_settings
+    assert config.load(environ=env).experts.prefetch_experts == -1
+    assert cold_settings(config.load(environ=env)).prefetch_experts == -1
+    assert cold_settings(config.load(environ={**env, **ep})).prefetch_experts == 0
+    assert cold_settings(config.load(environ={**env, "MOED_EXPERTS_PREFETCH_EXPERTS": "0"})).prefetch_experts == 0
+    with pytest.raises(ConfigError, match="experts.prefetch_experts under expert parallelism"):
+        config.load(environ={**env, **ep, "MOED_EXPERTS_PREFETCH_EXPERTS": "4"})
+    with pytest.raises(ConfigError, match="experts.prefetch_experts"):
+        config.load(environ={**env, "MOED_EXPERTS_PREFETCH_EXPERTS": "-2"})

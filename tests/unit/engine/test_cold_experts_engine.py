@@ -1,8 +1,9 @@
 """Cold experts in the serving loop (the real runner, tiny Qwen3-MoE bf16, 30% of the expert
-bytes resident): greedy outputs equal the all-resident engine's; a disk read that fails (the
-checkpoint truncated under the running node) fails the requests of that step with a clear
-error and no path in it, every KV block comes back, and once the file is whole again the same
-engine serves the next requests with the all-resident output (no slot was left stale)."""
+bytes resident, layer-ahead prefetch on as by default): greedy outputs equal the all-resident
+engine's; a disk read that fails (the checkpoint truncated under the running node) fails the
+requests of that step with a clear error and no path in it, every KV block comes back, and once
+the file is whole again the same engine serves the next requests with the all-resident output
+(no slot was left stale)."""
 from __future__ import annotations
 
 import asyncio
@@ -49,13 +50,13 @@ async def test_cold_engine_equals_all_resident_and_survives_a_failed_read(tiny_q
     ck = tmp_path / "ck"
     shutil.copytree(tiny_qwen3, ck)
     want = _engine(ck, None).generate(PROMPTS, GREEDY)
-    eng = _engine(ck, ColdSettings(_budget(ck), 1 << 20, 4.0))
+    eng = _engine(ck, ColdSettings(_budget(ck), 1 << 20, 4.0, -1))     # prefetch auto, the default
     store = eng.runner.cold
-    assert store is not None and store.slots < store.spec.num_experts
+    assert store is not None and store.slots < store.spec.num_experts and store.prefetch is not None
     await eng.start()
     try:
         assert [_tokens(evs) for evs in await _run(eng, "a")] == want
-        assert store.stats.misses > 0
+        assert store.stats.misses > 0 and store.stats.prefetch_reads > 0
 
         (shard,) = sorted(ck.glob("*.safetensors"))
         whole = shard.read_bytes()
