@@ -348,6 +348,9 @@ def main() -> int:
     ap.add_argument("--serve-concurrency", default="1,8,32")
     ap.add_argument("--serve-requests", type=int, default=4, help="requests per concurrency x c "
                                                                   "(at least 8)")
+    ap.add_argument("--serve-rounds", type=int, default=1,
+                    help="1: one server at a time; N > 1: both up at once, each concurrency "
+                         "sent to each in turn for N rounds (order alternating), medians")
     ap.add_argument("--llama-cpp-src", type=Path, help="its source tree (default: found above)")
     ap.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "deepseek_v3"))
     ap.add_argument("--batches", default="1,8,32")
@@ -372,6 +375,8 @@ def main() -> int:
     a = ap.parse_args()
     if not a.llama_cpp and not a.vllm:
         ap.error("give --llama-cpp DIR, --vllm PY, or both")
+    if a.serve_rounds < 1:
+        ap.error("--serve-rounds must be >= 1")
     if a.vllm and a.quant != "bf16":
         ap.error("--vllm: the serving comparison runs bf16 (vLLM's CPU backend serves the "
                  "checkpoint as it is); drop --quant")
@@ -492,8 +497,10 @@ def serve_table(a, model_dir: Path) -> dict:  # noqa: ANN001
     cs = [int(x) for x in a.serve_concurrency.split(",")]
     print(f"\nserving: prompt {a.prompt}, {a.new} out, {a.threads} threads; load "
           f"{load_average()[0]:.2f}", flush=True)
-    res = serve_peers.compare(model_dir, a.vllm, cs, a.prompt, a.new, a.threads, a.serve_requests)
-    print(f"\n{'concurrency':<12} {'moed tok/s':>10} {'vLLM tok/s':>10} {'ratio':>6} | "
+    res = serve_peers.compare(model_dir, a.vllm, cs, a.prompt, a.new, a.threads, a.serve_requests,
+                              rounds=a.serve_rounds)
+    print(f"\nserving order: {res['order']}")
+    print(f"{'concurrency':<12} {'moed tok/s':>10} {'vLLM tok/s':>10} {'ratio':>6} | "
           f"{'moed TTFT p50':>13} {'vLLM':>8} {'ratio':>6} | failed moed / vLLM")
     for c in cs:
         m, v, r = res["moed"][c], res["vllm"][c], res["ratio"][c]
