@@ -63,7 +63,7 @@ serve: setup-serve $(DEMO_MODEL)/config.json
 	exec $(VENV)/bin/moed serve --config conf/moed.toml --model $(DEMO_MODEL) --host $(HOST) --port $(PORT)
 
 test: setup
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=20 --durations-min=10 tests
 
 test-unit: setup
 	$(PY) -m pytest -q -ra tests/unit
