@@ -21,9 +21,10 @@ run's first line says which.
 --llama-repack 0 turns llama.cpp's weight repacking off from the start (its AMX
 path for quantized types crashes on this Xeon: a crash with it on turns it off too).
 Each run also prints the CPU's ISA flags, the machine's memory bandwidth (a 256 MiB copy,
-best of 5, read + write bytes) and bf16 matmul ceiling (bench/ceiling.py), and what fraction of
-them moed's decode at batch 1 (the weight bytes one token reads: attention, router, top-k
-experts per layer and lm_head, in the run's format) and prefill (matmul FLOPs) reach.
+best of 5, read + write bytes) and bf16 matmul ceiling (bench/ceiling.py: a 1024 x 4096 x 4096
+product through torch and through moed's kernel, the higher), and what fraction of them moed's
+decode at batch 1 (the weight bytes one token reads: attention, router, top-k experts per
+layer and lm_head, in the run's format) and prefill (matmul FLOPs) reach.
 Both use --threads threads. Prints moed/llama.cpp ratios (> 1: moed faster), the RSS of each
 after load (llama.cpp's: the peak of its process, which holds its KV for -c), the load average
 of each round, and writes bench/results/peers.json.
@@ -408,7 +409,7 @@ def main() -> int:
     from moed.model.hf_config import load_spec
     from moed.model.kernels import cpu_kernels
     bandwidth = memory_bandwidth(a.threads)
-    flop_s = ceiling(3, cpu_kernels())["flop_s"]
+    flop_s = ceiling(3, cpu_kernels(), rows=1024)["flop_s"]   # both probes 1024 x 4096 x 4096
     spec = load_spec(model_dir)
     print(f"machine: memory {bandwidth / 1e9:.1f} GB/s (copy, {a.threads} threads), bf16 matmul "
           f"{flop_s / 1e9:.0f} GFLOP/s", flush=True)
