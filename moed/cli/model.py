@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -14,15 +16,21 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 def cmd_model_kernels(args: argparse.Namespace) -> int:
     """Build (or find) every variant of the native CPU kernels and print each .so path (one a
-    line, fastest variant first); load those this CPU runs. 1 with the reason if one fails."""
+    line, fastest variant first); load those this CPU runs. 1 with the reason if one fails.
+    The variants compile at once, one compiler each up to the CPU count (an image build's
+    cores)."""
     from moed.model import kernels
     from moed.obs import log as obslog
 
     obslog.configure("console")      # log lines on stderr: stdout is just the paths
     cache = Path(args.cache) if args.cache else None
-    for isa in kernels.ISAS:         # a cache made on one machine serves every CPU that shares it
+    # a cache made on one machine serves every CPU that shares it; build() installs each file
+    # atomically, so compilers running side by side never see each other's half-written .so
+    with ThreadPoolExecutor(max_workers=max(1, min(len(kernels.ISAS), os.cpu_count() or 1))) as pool:
+        builds = {isa: pool.submit(kernels.build, cache, isa) for isa in kernels.ISAS}
+    for isa in kernels.ISAS:
         try:
-            path = kernels.build(cache, isa)
+            path = builds[isa].result()
         except kernels.KernelUnavailable as e:
             print(f"moed: CPU kernels cannot be built here: {e}", file=sys.stderr)
             return 1

@@ -249,29 +249,30 @@ def test_build_is_cached_and_failures_are_clear(tmp_path, monkeypatch):
         K.build(blocker / "cache")
 
 
-def test_cli_builds_kernels_ahead_of_time(tmp_path, capsys):
+def test_cli_builds_kernels_ahead_of_time(tmp_path, capsys, monkeypatch):
+    """An image built on a machine without AVX512-BF16: every variant is built and its path
+    printed (stdout stays just the paths), the AVX512 loads are skipped and say why; the same
+    cache then serves this CPU without building again (one fresh build: ~7 s a variant)."""
     from moed.cli import main
 
+    real_flags = K.cpu_flags
+    monkeypatch.setattr(K, "cpu_flags", lambda: K.ISA_NEEDS["avx2"])        # an AVX2-only CPU
     assert main(["model", "kernels", "--cache", str(tmp_path / "k")]) == 0
-    paths = [Path(p) for p in capsys.readouterr().out.split()]      # every variant, one a line
-    assert paths == [K.build(tmp_path / "k", isa) for isa in K.ISAS]
-    assert all(p.parent == tmp_path / "k" and p.is_file() for p in paths)
+    out, err = capsys.readouterr()
+    paths = [Path(p) for p in out.split()]                                  # every variant, one a line
+    assert all(p.parent == tmp_path / "k" and p.is_file() for p in paths) and len(paths) == len(K.ISAS)
+    assert "avx512bf16 built, not loaded: CPU lacks avx512_bf16" in err
+    assert "avx512 built, not loaded: CPU lacks avx512bw, avx512f, avx512vl" in err
+
+    monkeypatch.setattr(K, "cpu_flags", real_flags)
+    mtimes = [p.stat().st_mtime_ns for p in paths]
+    assert main(["model", "kernels", "--cache", str(tmp_path / "k")]) == 0
+    assert [Path(p) for p in capsys.readouterr().out.split()] == paths == \
+        [K.build(tmp_path / "k", isa) for isa in K.ISAS]
+    assert [p.stat().st_mtime_ns for p in paths] == mtimes                 # found, not rebuilt
     (tmp_path / "f").write_text("")
     assert main(["model", "kernels", "--cache", str(tmp_path / "f" / "k")]) == 1
     assert "cannot be built here" in capsys.readouterr().err
-
-
-def test_cli_builds_for_another_cpu_without_loading(tmp_path, capsys, monkeypatch):
-    """An image built on a machine without AVX512-BF16: every variant is built and its path
-    printed (stdout stays just the paths), the AVX512 load is skipped and says why."""
-    from moed.cli import main
-
-    monkeypatch.setattr(K, "cpu_flags", lambda: K.ISA_NEEDS["avx2"])        # an AVX2-only CPU
-    assert main(["model", "kernels", "--cache", str(tmp_path)]) == 0
-    out, err = capsys.readouterr()
-    assert all(Path(p).is_file() for p in out.split()) and len(out.split()) == len(K.ISAS)
-    assert "avx512bf16 built, not loaded: CPU lacks avx512_bf16" in err
-    assert "avx512 built, not loaded: CPU lacks avx512bw, avx512f, avx512vl" in err
 
 
 def test_no_compiler_and_no_cache_serves_on_the_torch_path(tmp_path, monkeypatch, make_checkpoint):
