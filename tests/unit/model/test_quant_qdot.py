@@ -116,17 +116,15 @@ def test_close_to_the_exact_product():
 P, H, I, TOP_K = 6, 160, 96, 2
 
 
+def _stack(fmt: str, n: int, k: int, group: int, asym: bool, seeds: range) -> QuantWeight:
+    ws = [_weight(fmt, n, k, group, asym, seed) for seed in seeds]
+    zero = None if ws[0].zero is None else torch.stack([w.zero for w in ws])
+    return QuantWeight(fmt, torch.stack([w.data for w in ws]), torch.stack([w.scale for w in ws]), zero, group, k)
+
+
 def _experts(fmt: str, group: int, asym: bool, kernels) -> LocalExperts:
-    gate_up = torch.stack([_weight(fmt, 2 * I, H, group, asym, seed=e).data for e in range(P)])
-    down = torch.stack([_weight(fmt, H, I, group, asym, seed=50 + e).data for e in range(P)])
-    a, b = _weight(fmt, 2 * I, H, group, asym, seed=0), _weight(fmt, H, I, group, asym, seed=50)
-    gu = QuantWeight(fmt, gate_up, torch.stack([_weight(fmt, 2 * I, H, group, asym, seed=e).scale for e in range(P)]),
-                     None if a.zero is None else torch.stack([_weight(fmt, 2 * I, H, group, asym, seed=e).zero
-                                                              for e in range(P)]), group, H)
-    dn = QuantWeight(fmt, down, torch.stack([_weight(fmt, H, I, group, asym, seed=50 + e).scale for e in range(P)]),
-                     None if b.zero is None else torch.stack([_weight(fmt, H, I, group, asym, seed=50 + e).zero
-                                                              for e in range(P)]), group, I)
-    return LocalExperts(gu, dn, False, None, None, kernels)
+    return LocalExperts(_stack(fmt, 2 * I, H, group, asym, range(P)), _stack(fmt, H, I, group, asym, range(50, 50 + P)),
+                        False, None, None, kernels)
 
 
 @pytest.mark.parametrize("isa", isa_params())
