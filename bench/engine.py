@@ -85,17 +85,19 @@ class MoedSide:
 
     def __init__(self, model_dir: Path, max_batch: int, prompt_len: int, new: int,
                  kv_tokens: int | None = None, device: str = "cpu", attention: str = "torch",
-                 name: str = "moed", quantization: str = "", lm_head: str = "none") -> None:
+                 name: str = "moed", quantization: str = "", lm_head: str = "none",
+                 activations: str = "none") -> None:
         """kv_tokens: the KV cache's size (default: max_batch sequences of prompt + new);
         device/attention: where it runs and the attention backend (bench/gpu.py: cuda);
         quantization: model.quantization (int8, int4, fp8: quantized at load); lm_head:
-        model.quantization_lm_head (none, int8, model)."""
+        model.quantization_lm_head (none, int8, model); activations:
+        model.quantization_activations (none, int8)."""
         self.name = name
         per_seq = -(-(prompt_len + new) // 16)
         blocks = (-(-kv_tokens // 16) if kv_tokens else max_batch * per_seq) + 8
         runner = ModelRunner(model_dir, dtype="bfloat16", device=device, attention_backend=attention,
                              num_blocks=blocks, block_size=16, quantization=quantization,
-                             quantization_lm_head=lm_head)
+                             quantization_lm_head=lm_head, quantization_activations=activations)
         cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=max_batch,
                            max_num_batched_tokens=max(2048, prompt_len))
         self.engine = Engine(runner, Tokenizer.from_dir(model_dir), cfg)

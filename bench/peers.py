@@ -16,8 +16,9 @@ Then, in rounds with the order flipped each round:
 (groups of 128) against the same GGUF quantized by that build's llama-quantize to Q8_0 /
 Q4_K_M (cached beside the bf16 one); bf16 (the default) against the bf16 GGUF. llama.cpp
 quantizes its output tensor too (Q8_0: Q8_0; Q4_K_M: Q6_K), so moed's side runs with
-model.quantization_lm_head int8 (--lm-head; `none` keeps moed's head bf16, as before), and the
-run's first line says which.
+model.quantization_lm_head int8 (--lm-head; `none` keeps moed's head bf16, as before), and
+--activations int8 sets model.quantization_activations (integer dot products, as llama.cpp's);
+the run's first line says both.
 --llama-repack 0 turns llama.cpp's weight repacking off from the start (its AMX
 path for quantized types crashes on this Xeon: a crash with it on turns it off too).
 Each run also prints the CPU's ISA flags, the machine's memory bandwidth (a 256 MiB copy,
@@ -365,6 +366,8 @@ def main() -> int:
     ap.add_argument("--lm-head", default="int8", choices=("none", "int8", "model"),
                     help="moed's model.quantization_lm_head with --quant int8/int4 (llama.cpp "
                          "quantizes its output tensor too: Q8_0, Q6_K in Q4_K_M); none: bf16")
+    ap.add_argument("--activations", default="none", choices=("none", "int8"),
+                    help="moed's model.quantization_activations with --quant int8/int4")
     ap.add_argument("--llama-repack", type=int, choices=(0, 1), default=1,
                     help="llama.cpp's weight repacking (AMX / x8 layouts) from the start; a crash "
                          "with it on turns it off for the rest of the run either way")
@@ -400,8 +403,10 @@ def main() -> int:
     if moed_fmt:
         gguf = requantize(find_tool(build, "llama-quantize"), gguf, qtype, a.threads)
     cpu, isa = cpu_model(), isa_flags()
-    head = "none" if not moed_fmt else a.lm_head
-    print(f"{model_dir.name}, moed {a.quant} (lm_head {'bf16' if head == 'none' else head}) vs "
+    if a.activations != "none" and not moed_fmt:
+        raise SystemExit("--activations int8 needs --quant int8 or int4 (moed refuses it on bf16 weights)")
+    head, acts = ("none", "none") if not moed_fmt else (a.lm_head, a.activations)
+    print(f"{model_dir.name}, moed {a.quant} (lm_head {'bf16' if head == 'none' else head}, activations {acts}) vs "
           f"llama.cpp {qtype} (output {LLAMA_OUTPUT[qtype]}), {a.threads} threads, "
           f"{a.repeats} rounds; CPU: {cpu}; ISA: {' '.join(isa)}; load {load_average()[0]:.2f}",
           flush=True)
@@ -419,7 +424,7 @@ def main() -> int:
     pool = torch.randint(0, vocab, (max(batches), longest), generator=g).tolist()
     ctx = max(max(batches) * (a.prompt + a.new), longest) + 64     # both engines' KV size
     side = eb.MoedSide(model_dir, max(batches), longest, a.new, kv_tokens=ctx,
-                       quantization=moed_fmt, lm_head=head)
+                       quantization=moed_fmt, lm_head=head, activations=acts)
     moed_rss = rss_bytes()
     side.run([pool[0][:a.prompt]], 4)                                   # warm-up
     cmd_tg = [str(batched), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
@@ -483,7 +488,7 @@ def main() -> int:
     out_path.write_text(json.dumps({
         "bench": "peers", "model_dir": str(model_dir), "threads": a.threads, "cpu": cpu,
         "gguf": str(gguf), "llama_cpp": str(build), "commands": {"decode": cmd_tg, "prefill": cmd_pp},
-        "quant": a.quant, "llama_type": qtype, "lm_head": head, "isa": isa, "roofline": roof,
+        "quant": a.quant, "llama_type": qtype, "lm_head": head, "activations": acts, "isa": isa, "roofline": roof,
         "llama_repack": repack[0], "serving": serving,
         "prompt_len": a.prompt, "new_tokens": a.new, "table": table, "rounds": rounds,
         "rss_bytes": {"moed_after_load": moed_rss, "llama_cpp_peak": llama_rss},

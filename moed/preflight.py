@@ -143,6 +143,7 @@ def quantization(cfg: Config) -> None:
     m = cfg.model
     try:
         plan = formats.plan(m.path, m.quantization, m.quantization_group_size, m.quantization_lm_head)
+        formats.check_activations(plan, m.quantization_activations)
     except formats.QuantConfigError as e:
         raise ConfigError(str(e)) from None
     if plan.checkpoint is not None:

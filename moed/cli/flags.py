@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moed import __version__
-from moed.config import (ATTENTION_BACKENDS, LM_HEAD_QUANTIZATIONS, LOG_FORMATS, LOG_LEVELS,
+from moed.config import (ACT_QUANTIZATIONS, ATTENTION_BACKENDS, LM_HEAD_QUANTIZATIONS, LOG_FORMATS, LOG_LEVELS,
                          MODEL_DTYPES, QUANTIZATIONS, ROLES)
 
 
@@ -83,6 +83,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--quantization-lm-head", "model.quantization_lm_head", "the logits head on a "
          "quantized model: int8 (per output channel) or model (the model's format); none: "
          "plain", choices=LM_HEAD_QUANTIZATIONS),
+    Flag("--quantization-activations", "model.quantization_activations", "int8: the quantized "
+         "matmuls of decode on int8 activations (integer dot products); none: exact",
+         choices=ACT_QUANTIZATIONS),
     Flag("--attention-backend", "engine.attention_backend", "attention kernels",
          choices=ATTENTION_BACKENDS),
     Flag("--log-format", "server.log_format", "console: human-readable lines instead of JSON",

@@ -63,6 +63,7 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
                          quantization=m.quantization,
                          quantization_group_size=m.quantization_group_size,
                          quantization_lm_head=m.quantization_lm_head,
+                         quantization_activations=m.quantization_activations,
                          mtp=cfg.speculative.method == "mtp", batch_invariant=m.batch_invariant,
                          cold=cold_settings(cfg))
     if ep is not None:

@@ -18,6 +18,7 @@ import torch
 from moed.model.executor import ExpertExecutor, SlotExperts
 from moed.model.kernels import CpuKernels, cpu_kernels
 from moed.model.kernels.choice import native_only
+from moed.model.kernels.quant import with_act
 from moed.model.quant.weight import QuantWeight
 
 
@@ -45,11 +46,12 @@ class ComputeContext:
     kernels: CpuKernels | None = None   # the native CPU kernels; None = the torch path
     placement: ExpertPlacement | None = None   # expert parallelism: this rank's experts
     batch_invariant: bool = False       # model.batch_invariant (for_weight pins the native kernel)
+    quant_act: str = "none"             # model.quantization_activations (for_weight's quantized kernels)
 
     @classmethod
     def build(cls, device: torch.device | str, dtype: torch.dtype,
               placement: ExpertPlacement | None = None,
-              batch_invariant: bool = False) -> ComputeContext:
+              batch_invariant: bool = False, quant_act: str = "none") -> ComputeContext:
         """The one decision: packing where oneDNN's bf16 works, the kernels where they load.
         batch_invariant (model.batch_invariant): the native kernel at every row count; a
         ValueError where a row's result would still depend on its batch (bf16 without the
@@ -67,14 +69,18 @@ class ComputeContext:
                                  "cpu_kernels_off says why they are off), or model.dtype "
                                  "float32")
             kernels = native_only(kernels) if kernels is not None else None
-        return cls(device, dtype, pack, kernels, placement, batch_invariant)
+        return cls(device, dtype, pack, kernels, placement, batch_invariant, quant_act)
 
     def for_weight(self, w: object) -> CpuKernels | None:
         """The kernels a Linear of weight w takes: `kernels`; for a quantized weight on CPU the
         loaded kernels in float32 too (the quantized matmul takes fp32 activations; loaded on
-        the first such weight, so a plain fp32 model never builds them). None: the torch path."""
+        the first such weight, so a plain fp32 model never builds them), tagged with quant_act
+        (kernels/quant.py with_act). None: the torch path."""
         if not isinstance(w, QuantWeight):
             return self.kernels
+        return with_act(self._quant_kernels(), self.quant_act)
+
+    def _quant_kernels(self) -> CpuKernels | None:
         if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
             return None
         if self.kernels is not None:

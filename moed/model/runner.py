@@ -89,15 +89,16 @@ class ModelRunner:
                  num_blocks: int, block_size: int, spec: ModelSpec | None = None,
                  weights: Weights | None = None, placement: ExpertPlacement | None = None,
                  quantization: str = "", quantization_group_size: int = 128,
-                 quantization_lm_head: str = "none",
+                 quantization_lm_head: str = "none", quantization_activations: str = "none",
                  kv_dtype: str = "auto", mtp: bool = False, batch_invariant: bool = False,
                  cold: ColdSettings | None = None) -> None:
         """placement: expert parallelism (moed.parallel.dispatch.RankPlacement): only this rank's
         expert slots are loaded, and every MoE layer dispatches over the group.
         quantization: model.quantization ("" = the checkpoint's own format, or none; fp8, int8,
         int4 quantize a plain checkpoint at load, moed/model/quant); quantization_lm_head:
-        model.quantization_lm_head (none, int8, model); a QuantConfigError for a combination
-        that is refused.
+        model.quantization_lm_head (none, int8, model); quantization_activations:
+        model.quantization_activations (none, int8: the quantized matmuls of up to 64 rows on
+        int8 activations, ctx.quant_act); a QuantConfigError for a combination that is refused.
         kv_dtype: engine.kv_cache_dtype ("auto": the model's dtype; "fp8": float8 e4m3).
         mtp: also serve DeepSeek-V3's MTP layer (moed/model/mtp.py, forward_mtp): its weights and
         one more KV layer, which the layout id names; ValueError for a checkpoint without one.
@@ -124,11 +125,13 @@ class ModelRunner:
         self.quant_plan = quant_formats.plan(model_dir, quantization, quantization_group_size,
                                              quantization_lm_head) if own \
             else quant_formats.Plan(None)
+        if own:
+            quant_formats.check_activations(self.quant_plan, quantization_activations)
         self.cold: ExpertStore | None = None if cold is None or not own else \
             cold_store(model_dir, self.spec, self.dtype, self.device, cold, placement, n_mtp, self.quant_plan)
         if self.cold is not None:
             placement = self.cold
-        self.ctx = ComputeContext.build(self.device, self.dtype, placement, batch_invariant)
+        self.ctx = ComputeContext.build(self.device, self.dtype, placement, batch_invariant, quantization_activations)
         if own:
             weights = load_weights(model_dir, self.spec, self.dtype, self.device,
                                    None if placement is None else placement.local_slots, self.quant_plan, mtp)

@@ -6,7 +6,7 @@ from moed.config.sections.experts import ExpertsConfig
 from moed.config.sections.kv import (KV_EVENT_FORMATS, KV_EVENT_PUBLISHERS, KVEventsConfig,
                                      TiersConfig)
 from moed.config.sections.model import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, MODEL_DTYPES,
-                                        LM_HEAD_QUANTIZATIONS, QUANTIZATIONS, TOOL_PARSERS,
+                                        ACT_QUANTIZATIONS, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS, TOOL_PARSERS,
                                         EngineConfig, ModelConfig,
                                         ParallelConfig, StructuredConfig)
 from moed.config.sections.priority import (MAX_CLASSES, PRIORITY_MAX, PRIORITY_MIN,
@@ -22,7 +22,7 @@ __all__ = [
     "ATTENTION_BACKENDS", "BALANCE_POLICIES", "CANARY_HEADER_CHARS", "KV_CACHE_DTYPES",
     "KV_EVENT_FORMATS", "KV_EVENT_PUBLISHERS", "LABEL_CHARS", "LOG_FORMATS", "LOG_LEVELS",
     "METRICS_ACCESS", "MODEL_DTYPES", "MS_DAY", "MS_HOUR", "PREFIX_CACHE_ISOLATION",
-    "LM_HEAD_QUANTIZATIONS", "QUANTIZATIONS", "ROLES", "SPEC_METHODS", "TOOL_PARSERS",
+    "ACT_QUANTIZATIONS", "LM_HEAD_QUANTIZATIONS", "QUANTIZATIONS", "ROLES", "SPEC_METHODS", "TOOL_PARSERS",
     "MAX_CLASSES", "PRIORITY_MAX", "PRIORITY_MIN", "parse_classes",
     "AdmissionConfig", "BalanceConfig", "CanaryConfig", "ClusterConfig", "EngineConfig",
     "ExpertsConfig",

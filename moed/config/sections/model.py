@@ -8,6 +8,7 @@ from moed.config.schema import ConfigError, _check_bounds, _choice, _f, _short
 MODEL_DTYPES = ("auto", "bfloat16", "float32", "float16")
 QUANTIZATIONS = ("", "fp8", "int8", "int4")     # moed.model.quant.formats.ONLINE, "" = none/checkpoint's
 LM_HEAD_QUANTIZATIONS = ("none", "int8", "model")   # moed.model.quant.formats.LM_HEAD
+ACT_QUANTIZATIONS = ("none", "int8")    # moed.model.quant.actquant.ACTIVATIONS
 TOOL_PARSERS = ("auto", "none", "qwen", "mistral")   # moed.api.tool_parsers.PARSER_SETTINGS
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")       # moed.model.kv_layout.kv_cache_dtype
@@ -33,6 +34,10 @@ class ModelConfig:
                                    "(plain, the checkpoint's numbers) | int8 (per output "
                                    "channel) | model (the model's format; a checkpoint's "
                                    "quantized lm_head kept as stored)")
+    quantization_activations: str = _f("none", doc="activations of the quantized matmuls on "
+                                       "few rows (decode): none (exact, fp32 sums of the "
+                                       "dequantized weight) | int8 (each row quantized per "
+                                       "weight group, integer dot products; int8/int4 weights)")
     batch_invariant: bool = _f(False, doc="a row's result does not depend on the other rows of "
                                "its step: every bf16 matmul on the native CPU kernel at every "
                                "row count (no oneDNN class), so a migrated greedy stream is "
@@ -50,6 +55,7 @@ class ModelConfig:
         _choice("model.tool_parser", self.tool_parser, TOOL_PARSERS)
         _choice("model.quantization", self.quantization, QUANTIZATIONS)
         _choice("model.quantization_lm_head", self.quantization_lm_head, LM_HEAD_QUANTIZATIONS)
+        _choice("model.quantization_activations", self.quantization_activations, ACT_QUANTIZATIONS)
         if self.quantization_group_size % 2:
             raise ConfigError(f"model.quantization_group_size: {self.quantization_group_size} "
                               f"is odd; two int4 values share a byte")

@@ -42,17 +42,17 @@ from moed.model.kernels.quant import bind as bind_quant
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_bf16.c")
-# compiled into the same .so: quantized-weight matmuls (int8 / int4 / fp8, see the file)
-QUANT_SOURCE = Path(__file__).with_name("cpu_quant.c")
-HEADERS = (*(Path(__file__).with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h")), QUANT_SOURCE)
+# compiled into the same .so: quantized-weight matmuls (int8 / int4 / fp8) and their integer-dot
+# path for int8 activations (model.quantization_activations); see the files
+QUANT_SOURCE, QDOT_SOURCE = Path(__file__).with_name("cpu_quant.c"), Path(__file__).with_name("cpu_qdot.c")
+HEADERS = (*(Path(__file__).with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h")), QUANT_SOURCE, QDOT_SOURCE)
 # No -march=native: a cached .so must run on any CPU of its variant that shares the cache.
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 # -ffp-contract=off: no multiply-add fused unless the source spells it (the variants would part).
-COMMON_CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off", "-fPIC", "-shared",
-                 "-fopenmp")
+COMMON_CFLAGS = ("-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
 # The variants, fastest first: the flags each is compiled with and the /proc/cpuinfo flags a CPU
 # needs to run it. avx512bf16: Zen4, Sapphire Rapids and later; avx512: Skylake-SP to Ice Lake
-# (no VNNI: cpu_quant.c does not quantize activations); avx2 is x86-64-v3 (Haswell, Zen1 and
+# (VNNI, where present, is checked at run time by cpu_qdot.c); avx2 is x86-64-v3 (Haswell, Zen1 and
 # later). All compute the same bits (cpu_avx512.h and cpu_avx2.h say how).
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 ISA_CFLAGS: dict[str, tuple[str, ...]] = {"avx512bf16": (*_AVX512, "-mavx512bf16"), "avx512": _AVX512,
@@ -64,7 +64,7 @@ ISA_NEEDS: dict[str, frozenset[str]] = {
 }
 ISAS = tuple(ISA_CFLAGS)
 ISA_ENV = "MOED_CPU_ISA"
-ABI_VERSION = 10
+ABI_VERSION = 11
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -123,7 +123,7 @@ def build(cache: Path | None = None, isa: str | None = None) -> Path:
     except OSError as e:
         raise KernelUnavailable(f"kernel cache {cache} is not writable: {e}") from e
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), str(QUANT_SOURCE), "-lm"],
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), str(QUANT_SOURCE), str(QDOT_SOURCE), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} ({isa}) failed: {proc.stderr.strip()[-500:]}")

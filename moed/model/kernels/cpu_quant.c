@@ -22,8 +22,8 @@
  * any, added in fp32 first). So the result is the reference's fp32 matmul of the dequantized
  * weight up to fp32 summation order; in bf16 it is that fp32 result rounded, where the bf16
  * reference rounds the dequantized weight to bf16 first (the kernel is the closer of the two to
- * the exact product). Activations are not quantized: an integer dot product (vpdpbusd /
- * vpmaddubsw on x quantized per row to int8) would change the numerics to W8A8.
+ * the exact product). Activations are not quantized here; model.quantization_activations = int8
+ * runs these calls (and moed_moe_q's few-row experts, qact) on cpu_qdot.c's integer dot products.
  * e4m3 NaN codes (0x7f, 0xff) read as +-480 here: quantizers clamp to +-448, so no weight holds one.
  *
  * Layout and threads: W is read row-major, as stored (no repack: the same tensors serve the
@@ -573,6 +573,13 @@ static void run_units_any(int fmt, int asym, const QMat *q, const float *x, long
     else run_units(Q_FP8, 0, q, x, R, N, u0, u1, wbuf, NULL, out, out_f32);
 }
 
+/* cpu_qdot.c's integer-dot path (int8 activations): its matrix view (QDMat there) and calls. */
+typedef struct { const uint8_t *w; long ldw; const float *s; long lds; const uint8_t *z; long ldz; long G, K; } QDMat;
+long moed_qdot_bytes(long R, long K, long G);
+void moed_qdot_quantize(int fmt, const float *x, long ldx, long R, long K, long G, void *buf);
+void moed_qdot_units(int fmt, const QDMat *q, const void *buf, long R, long N, long u0, long u1,
+                     const float *bias, void *out, long ldo, int out_f32);
+
 /* Expert e's matrix of a [P][N][K] stack: ptr = {codes, scales, zeros}, dim = {ldw, expert stride
  * of codes, lds, of scales, ldz, of zeros, group} (elements). */
 static QMat expert_mat(const void *const ptr[3], const long dim[7], long e, long K, int fmt) {
@@ -623,7 +630,7 @@ static void act_rows(int x_f32, int fmt, long I, const float *gu, long r0, long 
 static void experts_phase(int fmt, int asym, const void *const ptr[3], const long dim[7], const long *count,
                           const long *touched, long nt_e, long K, long N, const float *x, float *out,
                           float *wbuf, int tid, int nt, int x_f32, const float *gu, float *act, float *tmp,
-                          int blocked) {
+                          int blocked, void *qbuf) {
     const long units = blocked ? (N + QB - 1) / QB : (N + QNR - 1) / QNR;
     long lo, hi;
     q_split(nt_e * units, tid, nt, &lo, &hi);
@@ -632,7 +639,22 @@ static void experts_phase(int fmt, int asym, const void *const ptr[3], const lon
         const long u0 = lo > i * units ? lo - i * units : 0, u1 = hi < (i + 1) * units ? hi - i * units : units;
         if (u0 >= u1) continue;
         const QMat q = expert_mat(ptr, dim, e, K, fmt);
-        if (blocked && n <= blocked) {
+        if (qbuf && !(blocked && n > blocked)) {
+            /* int8 activations (cpu_qdot.c): rows in column order as fp32, quantized once per
+             * expert and thread; units as the loop below would take them */
+            const float *xr = x ? x + r0 * K : act;
+            if (gu) {
+                act_rows(blocked ? 0 : x_f32, Q_INT8, K, gu, r0, n, act, tmp);
+            } else if (blocked) {
+                for (long i = 0; i < n * K; i++) act[i] = q_bf16_to_f32(((const uint16_t *)x)[r0 * K + i]);
+                xr = act;
+            }
+            const QDMat qd = {q.w, q.ldw, q.s, q.lds, q.z, q.ldz, q.group < K ? q.group : K, K};
+            const long uq = (N + QNR - 1) / QNR, v0 = blocked ? u0 * (QB / QNR) : u0;
+            const long v1 = !blocked ? u1 : u1 * (QB / QNR) < uq ? u1 * (QB / QNR) : uq;
+            moed_qdot_quantize(fmt, xr, K, n, K, qd.G, qbuf);
+            moed_qdot_units(fmt, &qd, qbuf, n, N, v0, v1, NULL, out + r0 * N, N, 1);
+        } else if (blocked && n <= blocked) {
             /* few rows: moed_qlinear's loop, as the per-expert path takes them (x: bf16 rows
              * made fp32 here, act as act_rows makes it; the unit range of the same blocks) */
             const long uq = (N + QNR - 1) / QNR, v1 = u1 * (QB / QNR) < uq ? u1 * (QB / QNR) : uq;
@@ -680,12 +702,15 @@ static void experts_phase(int fmt, int asym, const void *const ptr[3], const lon
  * packed-block path (moed_qlinear_blocked's numerics, each of its blocks packed once per call),
  * one with fewer moed_qlinear's loop: what the per-expert path's Linears do past and within
  * their qrows = blocked, so the layer stays bitwise equal to that path. 0: every expert the loop.
+ * qact (int8 / int4): every expert of at most `blocked` rows (all, when blocked is 0) on int8
+ * activations (cpu_qdot.c), as the per-expert path's Linears with the setting.
  * Returns 0; -1 out of memory; -2 a group or slot it cannot take. */
 int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_t *phys, const float *wts,
                int single, int fmt, long P, long I, const void *const gptr[3], const long gdim[7],
-               const void *const dptr[3], const long ddim[7], void *out, int blocked, int nthreads) {
-    const int step = fmt == Q_INT4 ? 32 : 16, asym = gptr[2] != NULL;
+               const void *const dptr[3], const long ddim[7], void *out, int blocked, int qact, int nthreads) {
+    const int step = fmt == Q_INT4 ? 32 : 16, asym = gptr[2] != NULL, pf = qact ? Q_INT8 : fmt;   /* pf: x's layout */
     if (fmt < 0 || fmt > 2 || (fmt == Q_FP8 && asym) || (dptr[2] != NULL) != asym) return -2;
+    if (qact && (fmt == Q_FP8 || (fmt == Q_INT4 && (H % 2 || I % 2)))) return -2;
     if (blocked < 0 || (blocked && (x_f32 || H % 2 || I % 2))) return -2;
     if (gdim[6] <= 0 || (gdim[6] < H && gdim[6] % step) || ddim[6] <= 0 || (ddim[6] < I && ddim[6] % step)) return -2;
     const long R = T * k;
@@ -701,8 +726,9 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
     /* per thread: dequantized unit [QNR][kvmax], an expert's activations [most][I], a row [2 kvmax] */
     float **wbuf = calloc(nthreads, sizeof(float *)), **act = calloc(nthreads, sizeof(float *));
     float **tmp = calloc(nthreads, sizeof(float *));
+    void **qbuf = calloc(nthreads, sizeof(void *));            /* int8 activations of an expert's rows */
     int rc = 0;
-    if (!count || !fill || !pos || !touched || !xg || !gu || !y || !wbuf || !act || !tmp) { rc = -1; goto done; }
+    if (!count || !fill || !pos || !touched || !xg || !gu || !y || !wbuf || !act || !tmp || !qbuf) { rc = -1; goto done; }
     for (long s = 0; s < R; s++) count[phys[s] + 1]++;
     for (long e = 0; e < P; e++) {
         if (count[e + 1] > most) most = count[e + 1];
@@ -713,7 +739,12 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
         const long few = most < blocked ? most : blocked;           /* blocked: a few-row expert's x as fp32 */
         act[i] = malloc(sizeof(float) * ((most * I > few * H ? most * I : few * H) + 16));
         tmp[i] = malloc(sizeof(float) * (2 * kvmax + 16));
-        if (!wbuf[i] || !act[i] || !tmp[i]) { rc = -1; goto done; }
+        if (qact) {
+            const long qr = blocked ? few : most, bh = moed_qdot_bytes(qr, H, gdim[6] < H ? gdim[6] : H);
+            const long bi = moed_qdot_bytes(qr, I, ddim[6] < I ? ddim[6] : I);
+            qbuf[i] = malloc(bh > bi ? bh : bi);
+        }
+        if (!wbuf[i] || !act[i] || !tmp[i] || (qact && !qbuf[i])) { rc = -1; goto done; }
     }
     memcpy(fill, count, sizeof(long) * P);
     for (long s = 0; s < R; s++) pos[s] = fill[phys[s]]++;     /* stable: flat order within a slot */
@@ -726,7 +757,7 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
         for (long t = 0; t < T; t++) {     /* each token as fp32 (int4 permuted) into y, free till down */
             for (long c = 0; c < H; c++)
                 tmp[0][c] = x_f32 ? ((const float *)x_in)[t * H + c] : q_bf16_to_f32(((const uint16_t *)x_in)[t * H + c]);
-            put_row(fmt, H, H - H % step, tmp[0], y + t * H);
+            put_row(pf, H, H - H % step, tmp[0], y + t * H);
         }
         for (long s = 0; s < R; s++) memcpy(xg + pos[s] * H, y + s / k * H, sizeof(float) * H);   /* rows by slot */
     }
@@ -734,10 +765,10 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         experts_phase(fmt, asym, gptr, gdim, count, touched, nt_e, H, 2 * I, xg, gu, wbuf[tid], tid, nt, x_f32,
-                      NULL, act[tid], tmp[tid], blocked);
+                      NULL, act[tid], tmp[tid], blocked, qbuf[tid]);
 #pragma omp barrier
         experts_phase(fmt, asym, dptr, ddim, count, touched, nt_e, I, H, NULL, y, wbuf[tid], tid, nt, x_f32,
-                      gu, act[tid], tmp[tid], blocked);
+                      gu, act[tid], tmp[tid], blocked, qbuf[tid]);
 #pragma omp barrier
         long lo, hi;
         q_split(T, tid, nt, &lo, &hi);                         /* weighted sum per token */
@@ -765,8 +796,8 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
         }
     }
 done:
-    for (int i = 0; i < nthreads && wbuf && act && tmp; i++) { free(wbuf[i]); free(act[i]); free(tmp[i]); }
-    free(wbuf); free(act); free(tmp);
+    for (int i = 0; i < nthreads && wbuf && act && tmp && qbuf; i++) { free(wbuf[i]); free(act[i]); free(tmp[i]); free(qbuf[i]); }
+    free(wbuf); free(act); free(tmp); free(qbuf);
     free(count); free(fill); free(pos); free(touched); free(xg); free(gu); free(y);
     return rc;
 }
@@ -784,13 +815,13 @@ int moed_route_bf16(const uint16_t *x, long T, long H, const uint16_t *router, l
 int moed_moe_q_routed(const uint16_t *x, long T, long H, const uint16_t *router, long E, long k, int norm_topk,
                       const int64_t *l2p, long max_rep, const int64_t *nrep, long offset, int64_t *load,
                       int fmt, long P, long I, const void *const gptr[3], const long gdim[7],
-                      const void *const dptr[3], const long ddim[7], uint16_t *out, int blocked, int nthreads) {
+                      const void *const dptr[3], const long ddim[7], uint16_t *out, int blocked, int qact, int nthreads) {
     int64_t *phys = malloc(sizeof(int64_t) * (T * k + 1));
     float *wts = malloc(sizeof(float) * (T * k + 1));
     int rc = phys && wts ? 0 : -1;
     if (!rc) rc = moed_route_bf16(x, T, H, router, E, k, norm_topk, l2p, max_rep, nrep, offset, load, P, phys, wts, nthreads);
     if (!rc) rc = moed_moe_q(x, 0, T, H, k, phys, wts, T == 1 && max_rep == 1, fmt, P, I, gptr, gdim, dptr, ddim,
-                             out, blocked, nthreads);
+                             out, blocked, qact, nthreads);
     free(phys);
     free(wts);
     return rc;

@@ -18,6 +18,7 @@ docs/quantization.md).
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 from typing import Any
 
@@ -39,11 +40,14 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.moed_qlinear.restype = _i
     lib.moed_qlinear_blocked.argtypes = [_p, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i]
     lib.moed_qlinear_blocked.restype = _i
-    lib.moed_moe_q.argtypes = [_p, _i, _l, _l, _l, _p, _p, _i, _i, _l, _l, _p, _p, _p, _p, _p, _i, _i]
+    lib.moed_moe_q.argtypes = [_p, _i, _l, _l, _l, _p, _p, _i, _i, _l, _l, _p, _p, _p, _p, _p, _i, _i, _i]
     lib.moed_moe_q.restype = _i
     lib.moed_moe_q_routed.argtypes = [_p, _l, _l, _p, _l, _l, _i, _p, _l, _p, _l, _p, _i, _l, _l, _p, _p, _p, _p,
-                                      _p, _i, _i]
+                                      _p, _i, _i, _i]
     lib.moed_moe_q_routed.restype = _i
+    lib.moed_qdot_linear.argtypes = lib.moed_qlinear.argtypes       # cpu_qdot.c: int8 activations
+    lib.moed_qdot_linear.restype = _i
+    lib.moed_qdot_vnni.argtypes, lib.moed_qdot_vnni.restype = [_i], _i
 
 
 def unserved(w: QuantWeight) -> str:
@@ -63,9 +67,18 @@ def unserved(w: QuantWeight) -> str:
     return ""
 
 
+def act_unserved(w: QuantWeight) -> str:
+    """Why cpu_qdot.c cannot take weight w with int8 activations ('' when it can)."""
+    if w.fmt not in ("int8", "int4"):
+        return f"{w.fmt} weights (int8 activations serve int8 and int4)"
+    return "int4 with an odd input size" if w.fmt == "int4" and w.in_features % 2 else ""
+
+
 def qlinear(kernels: object, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, K] (bf16 or fp32, CPU) @ W^T (+ bias fp32 [N]) -> [R, N] in x's dtype, for a weight
-    unserved() accepts. kernels: a loaded CpuKernels (its .lib)."""
+    unserved() accepts. kernels: a loaded CpuKernels (its .lib); with kernels.quant_act "int8"
+    (CpuKernels.with_quant_act) and a weight act_unserved() accepts, on int8 activations
+    (cpu_qdot.c, quant/actquant.py)."""
     x = x.contiguous()
     r, k = x.shape
     if k != w.in_features:
@@ -76,7 +89,8 @@ def qlinear(kernels: object, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor
     out = torch.empty((r, n), dtype=x.dtype)
     f32 = int(x.dtype == torch.float32)
     z = w.zero
-    rc = kernels.lib.moed_qlinear(      # type: ignore[attr-defined]
+    act = getattr(kernels, "quant_act", "none") == "int8" and not act_unserved(w)
+    rc = (kernels.lib.moed_qdot_linear if act else kernels.lib.moed_qlinear)(      # type: ignore[attr-defined]
         x.data_ptr(), f32, r, k, FORMAT_CODES[w.fmt], w.data.data_ptr(), w.data.stride(0),
         w.scale.data_ptr(), w.scale.stride(0), None if z is None else z.data_ptr(),
         0 if z is None else z.stride(0), w.group, n, None if bias is None else bias.data_ptr(),
@@ -130,6 +144,32 @@ def experts_blocked_unserved(gate_up: QuantWeight, down: QuantWeight) -> str:
     return experts_unserved(gate_up, down) or blocked_unserved(gate_up[0]) or blocked_unserved(down[0])
 
 
+def _experts_act(kernels: object, gate_up: QuantWeight, down: QuantWeight) -> int:
+    """1: moed_moe_q runs the experts (up to MAX_ROWS rows each) on int8 activations."""
+    return int(getattr(kernels, "quant_act", "none") == "int8" and not act_unserved(gate_up[0])
+               and not act_unserved(down[0]))
+
+
+def with_act(kernels: Any, act: str) -> Any:
+    """kernels as a model with model.quantization_activations `act` hands them to its quantized
+    Linears and experts: "none" the object itself; "int8" a shallow copy whose quant_act says so
+    (one per kernels object, as choice.native_only makes its copy)."""
+    if kernels is None or act == "none":
+        return kernels
+    views = kernels.__dict__.setdefault("_act_views", {})
+    if act not in views:
+        view = copy.copy(kernels)
+        view.quant_act = act
+        views[act] = view
+    return views[act]
+
+
+def qdot_vnni(kernels: Any, use: int = -1) -> bool:
+    """Whether the integer dots use vpdpbusd (cpu_qdot.c moed_qdot_vnni): use -1 asks, 0 turns
+    it off (the tests run the vpmaddubsw path on a VNNI CPU that way), 1 on where the CPU has it."""
+    return bool(kernels.lib.moed_qdot_vnni(use))
+
+
 def _mat(w: QuantWeight) -> tuple[ctypes.Array, ctypes.Array]:
     """moed_moe_q's {codes, scales, zeros} pointers and their row / expert strides (expert_mat)."""
     z = w.zero
@@ -157,7 +197,7 @@ def moe_q(kernels: object, x: torch.Tensor, physical: torch.Tensor, weights: tor
     rc = kernels.lib.moed_moe_q(        # type: ignore[attr-defined]
         x.data_ptr(), int(x.dtype == torch.float32), t, h, phys.shape[1], phys.data_ptr(), w.data_ptr(),
         int(single), FORMAT_CODES[gate_up.fmt], gate_up.data.shape[0], down.in_features, gp, gd, dp, dd,
-        out.data_ptr(), MAX_ROWS if blocked else 0, torch.get_num_threads())
+        out.data_ptr(), MAX_ROWS if blocked else 0, _experts_act(kernels, gate_up, down), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("moed_moe_q: " + ("out of memory" if rc == -1 else "cannot take these experts or slots"))
     return out
@@ -179,7 +219,7 @@ def moe_q_routed(kernels: object, x: torch.Tensor, router_p: torch.Tensor, route
         x.data_ptr(), t, h, router_p.data_ptr(), r.num_experts, r.top_k, int(r.norm_topk), l2p.data_ptr(),
         l2p.shape[1], r.num_replicas.data_ptr(), r.next_offset(), r.load.data_ptr(), FORMAT_CODES[gate_up.fmt],
         gate_up.data.shape[0], down.in_features, gp, gd, dp, dd, out.data_ptr(), MAX_ROWS if blocked else 0,
-        torch.get_num_threads())
+        _experts_act(kernels, gate_up, down), torch.get_num_threads())
     if rc != 0:
         why = "out of memory" if rc == -1 else "expert map or experts out of range"
         raise RuntimeError(f"moed_moe_q_routed: {why}")

@@ -233,3 +233,20 @@ def with_head(base: Plan, lm_head: str) -> Plan:
     ck = base.checkpoint
     group = base.group_size if ck is None else (ck.group if ck.fmt != "fp8" else ck.block[1])
     return replace(base, head=base.fmt, head_group=group if base.fmt == "int4" else 0)
+
+
+def check_activations(p: Plan, act: str) -> None:
+    """model.quantization_activations against the plan: int8 needs every quantized matmul in
+    int8 or int4 (the integer path, cpu_qdot.c); refused on plain weights and on fp8 (weights or
+    head), where it would do nothing or only part of what it says."""
+    if act not in ("none", "int8"):
+        raise QuantConfigError(f"model.quantization_activations: {act!r}; expected none or int8")
+    if act == "none":
+        return
+    if not p.fmt:
+        raise QuantConfigError("model.quantization_activations: int8 quantizes the activations of "
+                               "quantized matmuls, but the model's weights are plain; set "
+                               "model.quantization int8 or int4 (or serve such a checkpoint)")
+    if "fp8" in (p.fmt, p.head):
+        raise QuantConfigError("model.quantization_activations: int8 serves int8 and int4 weights; "
+                               "this model's are fp8 (no fp8 x int8 kernel): leave it none")

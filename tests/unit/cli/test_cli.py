@@ -101,6 +101,7 @@ FLAG_VALUES = {   # flag -> (argument, the field's value); a flag added to flags
     "--block-size": ("32", 32),
     "--dtype": ("half", "float16"), "--device": ("cuda:1", "cuda:1"),
     "--quantization": ("int4", "int4"), "--quantization-lm-head": ("int8", "int8"),
+    "--quantization-activations": ("int8", "int8"),
     "--attention-backend": ("torch", "torch"), "--log-format": ("console", "console"),
     "--log-level": ("debug", "debug"),
     "--ep-size": ("4", 4), "--ep-rank": ("3", 3),

@@ -1,0 +1,339 @@
+/* Integer dot products for int8 / int4 weights on few rows (decode): model.quantization_activations
+ * = "int8" (W8A8 / W4A8). Compiled into the same .so as cpu_bf16.c and cpu_quant.c, per variant.
+ *
+ * Numerics (kernels/qdot.py's reference computes the same bits in torch):
+ *  - Each activation row is quantized per weight group g (columns [gG, gG + G), G = the weight's
+ *    group, or K for one group per row): amax = max |x|, inv = 127 / amax, sx = amax / 127 (fp32
+ *    divisions; amax 0: inv 0), x_q = round-half-even(x * inv) clamped to [-127, 127]. The block
+ *    is the weight group so that the integer sum runs the whole group and the fp32 work is one
+ *    scale per (row, output, group); int8 per-channel weights get one scale per row.
+ *  - Within a group the columns are laid out in chunks of 64 bytes (int8: column order; int4:
+ *    the chunk's 32 even columns then its 32 odd ones, the low and high nibbles of 32 weight
+ *    bytes), zero padded. Lane l (0..15) of a chunk holds its bytes 4l..4l+3. Per lane, over the
+ *    group: I_l = sum (w_q - z) * x_q, exact in int32 (z: the zero point; int4 symmetric 8,
+ *    int8 symmetric 0), computed as sum w_q x_q - z * sum x_q.
+ *  - Per lane in fp32: acc_l = acc_l + float(I_l) * (sx_g * s_g), group by group, not fused.
+ *  - y = the 16 lanes summed in halves (l + l+8, then + 4, + 2, + 1), + bias (fp32), rounded once
+ *    to the output dtype.
+ * So a row's result depends on neither its batch nor the thread count, and the variants agree
+ * bit for bit (the integer sums are exact whichever instruction makes them).
+ *
+ * Instructions: vpdpbusd (AVX512-VNNI, u8 x s8 in 4-byte groups into int32, no saturation) where
+ * the CPU has it, checked at run time (the avx512 variant also runs on Skylake-SP, which lacks
+ * it; emitted by inline asm so no compiler flag puts VNNI anywhere else); else vpmaddubsw +
+ * vpmaddwd (AVX512BW, or AVX2 on 256-bit halves). The unsigned operand is the weight: int4 codes
+ * (0..15) as they are; int8 |w| with w's sign moved onto x (|x_q| <= 127, so a pair of products
+ * is at most 2 * 128 * 127 < 2^15: vpmaddubsw never saturates).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { QD_INT8 = 0, QD_INT4 = 1 };
+
+#if defined(__AVX512F__)
+#define QDN 4        /* output rows per unit: cpu_quant.c's QNR, so moed_moe_q's unit split fits */
+#define QDR 4        /* input rows per register tile */
+typedef __m512i vi;
+typedef __m512 vf;
+typedef struct { __m512i u; __mmask64 neg; } wv;
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_load(const int8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi vi_dp(const int vnni, vi acc, vi u, vi s) {
+    if (vnni) {
+        __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+        return acc;
+    }
+    const vi t = _mm512_maddubs_epi16(u, s);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(t, _mm512_set1_epi16(1)));
+}
+static inline vi vi_zcorr(vi acc, int z, vi xl) { return _mm512_sub_epi32(acc, _mm512_mullo_epi32(_mm512_set1_epi32(z), xl)); }
+static inline vi vi_neg8(vi xl) { return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(xl, 3)); }
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_acc(vf acc, vi i, float s) { return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(s))); }
+static inline float vf_sum(vf a) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 t = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+static inline wv w8_load(const uint8_t *p, long n) {
+    const __m512i v = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ULL : (1ULL << n) - 1, (const void *)p);
+    wv w = {_mm512_abs_epi8(v), _mm512_movepi8_mask(v)};
+    return w;
+}
+static inline wv w4_load(const uint8_t *p, long n) {      /* n <= 32 bytes: 2n nibbles */
+    const __m256i b = _mm256_maskz_loadu_epi8(n >= 32 ? ~0U : (1U << n) - 1, (const void *)p);
+    const __m256i f = _mm256_set1_epi8(15);
+    wv w = {_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, f)),
+                               _mm256_and_si256(_mm256_srli_epi16(b, 4), f), 1), 0};
+    return w;
+}
+static inline vi x_signed(vi x, wv w) { return _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QDN 2
+#define QDR 1
+typedef struct { __m256i a, b; } vi;      /* 16 int32 lanes: a = lanes 0..7, b = 8..15 */
+typedef struct { __m256 a, b; } vf;
+typedef struct { vi u, w; } wv;
+static inline vi vi_zero(void) { vi v = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return v; }
+static inline vi vi_load(const int8_t *p) {
+    vi v = {_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+    return v;
+}
+static inline __m256i dp8(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+static inline vi vi_dp(const int vnni, vi acc, vi u, vi s) {
+    (void)vnni;
+    vi v = {dp8(acc.a, u.a, s.a), dp8(acc.b, u.b, s.b)};
+    return v;
+}
+static inline vi vi_zcorr(vi acc, int z, vi xl) {
+    const __m256i zv = _mm256_set1_epi32(z);
+    vi v = {_mm256_sub_epi32(acc.a, _mm256_mullo_epi32(zv, xl.a)), _mm256_sub_epi32(acc.b, _mm256_mullo_epi32(zv, xl.b))};
+    return v;
+}
+static inline vi vi_neg8(vi xl) {
+    vi v = {_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(xl.a, 3)),
+            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(xl.b, 3))};
+    return v;
+}
+static inline vf vf_zero(void) { vf v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+static inline vf vf_acc(vf acc, vi i, float s) {
+    const __m256 sv = _mm256_set1_ps(s);
+    vf v = {_mm256_add_ps(acc.a, _mm256_mul_ps(_mm256_cvtepi32_ps(i.a), sv)),
+            _mm256_add_ps(acc.b, _mm256_mul_ps(_mm256_cvtepi32_ps(i.b), sv))};
+    return v;
+}
+static inline float vf_sum(vf a) {
+    const __m256 h = _mm256_add_ps(a.a, a.b);
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    const __m128 t = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+static inline const uint8_t *padded(const uint8_t *p, long n, long full, uint8_t *buf) {
+    if (n >= full) return p;
+    memset(buf, 0, 64);
+    memcpy(buf, p, n);
+    return buf;
+}
+static inline wv w8_load(const uint8_t *p, long n) {
+    uint8_t buf[64];
+    const vi v = vi_load((const int8_t *)padded(p, n, 64, buf));
+    wv w = {{_mm256_abs_epi8(v.a), _mm256_abs_epi8(v.b)}, v};
+    return w;
+}
+static inline wv w4_load(const uint8_t *p, long n) {
+    uint8_t buf[64];
+    const __m256i b = _mm256_loadu_si256((const __m256i *)padded(p, n, 32, buf)), f = _mm256_set1_epi8(15);
+    wv w = {{_mm256_and_si256(b, f), _mm256_and_si256(_mm256_srli_epi16(b, 4), f)}, vi_zero()};
+    return w;
+}
+static inline vi x_signed(vi x, wv w) { vi v = {_mm256_sign_epi8(x.a, w.w.a), _mm256_sign_epi8(x.b, w.w.b)}; return v; }
+#else
+#error "build with -mavx512f or -march=x86-64-v3"
+#endif
+
+#ifndef QPF
+#define QPF 512
+#endif
+
+typedef struct {
+    const uint8_t *w; long ldw; const float *s; long lds; const uint8_t *z; long ldz;
+    long G, K;              /* columns per group (<= K), input columns */
+} QDMat;
+
+/* Quantized rows: R x [ng groups][cg chunks][64] codes, then sx [R][ng], then lane sums [R][ng][16]. */
+typedef struct { long ng, cg, rowb; } QDShape;
+
+static inline QDShape qd_shape(long K, long G) {
+    QDShape s = {(K + G - 1) / G, (G + 63) / 64, 0};
+    s.rowb = s.ng * s.cg * 64;
+    return s;
+}
+
+static int use_vnni = -1;       /* -1: not decided yet; moed_qdot_vnni */
+
+/* Whether the integer dots use vpdpbusd. set -1: ask; 0: no (the tests' way to run the
+ * vpmaddubsw path on a VNNI CPU); 1: yes if this CPU has it. Same bits either way. */
+int moed_qdot_vnni(int set) {
+#if defined(__AVX512F__)
+    __builtin_cpu_init();
+    const int has = !!__builtin_cpu_supports("avx512vnni");
+#else
+    const int has = 0;
+#endif
+    if (set >= 0 || use_vnni < 0) use_vnni = set == 0 ? 0 : has;
+    return use_vnni;
+}
+
+/* Bytes moed_qdot_quantize writes for R rows of K columns in groups of G. */
+long moed_qdot_bytes(long R, long K, long G) {
+    const QDShape sh = qd_shape(K, G);
+    return R * (sh.rowb + sh.ng * (4 + 64)) + 64;
+}
+
+/* R rows of x (fp32, row stride ldx) into buf (layout above; numerics in the header). */
+void moed_qdot_quantize(int fmt, const float *x, long ldx, long R, long K, long G, void *buf) {
+    const QDShape sh = qd_shape(K, G);
+    int8_t *codes = buf;
+    float *sx = (float *)(codes + R * sh.rowb);
+    int32_t *xl = (int32_t *)(sx + R * sh.ng);
+    memset(codes, 0, R * sh.rowb);
+    memset(xl, 0, sizeof(int32_t) * R * sh.ng * 16);
+    for (long r = 0; r < R; r++)
+        for (long g = 0; g < sh.ng; g++) {
+            const float *xr = x + r * ldx;
+            const long k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
+            float amax = 0.0f;
+            for (long k = k0; k < k1; k++) { const float a = fabsf(xr[k]); if (a > amax) amax = a; }
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            sx[r * sh.ng + g] = amax / 127.0f;
+            int8_t *q = codes + r * sh.rowb + g * sh.cg * 64;
+            int32_t *l = xl + (r * sh.ng + g) * 16;
+            for (long k = k0; k < k1; k++) {
+                const long p = k - k0, c = p & 63, pos = (p >> 6) * 64 + (fmt == QD_INT4 ? (c >> 1) + ((c & 1) << 5) : c);
+                float v = nearbyintf(xr[k] * inv);
+                v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+                q[pos] = (int8_t)v;
+                l[(pos & 63) >> 2] += (int8_t)v;
+            }
+        }
+}
+
+static inline uint16_t qd_bf16(float f) {        /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* zk: 0 no zero point (int8 symmetric), 1 the constant 8 (int4 symmetric), 2 stored zeros. */
+static inline int zero_of(const int fmt, const int zk, const QDMat *q, long n, long g) {
+    if (zk == 0) return 0;
+    if (zk == 1) return 8;
+    const uint8_t b = q->z[n * q->ldz + g];
+    return fmt == QD_INT8 ? (int)(int8_t)b : (int)b;
+}
+
+/* RT input rows x QDN output rows (rows[]) over all groups -> out. */
+static inline __attribute__((always_inline)) void qd_tile(
+        const int fmt, const int zk, const int vnni, const int RT, const QDMat *q, QDShape sh,
+        const long rows[QDN], long n0, long N, const int8_t *codes, const float *sx, const int32_t *xl,
+        long r0, const float *bias, void *out, long ldo, int out_f32) {
+    vf facc[QDR][QDN];
+    const uint8_t *wr[QDN];
+    for (int j = 0; j < QDN; j++) wr[j] = q->w + rows[j] * q->ldw;
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < QDN; j++) facc[r][j] = vf_zero();
+    for (long g = 0; g < sh.ng; g++) {
+        vi acc[QDR][QDN];
+        for (int r = 0; r < RT; r++) {     /* int4 symmetric: start from -8 * sum x_q (per row) */
+            const vi a0 = zk == 1 ? vi_neg8(vi_load((const int8_t *)(xl + ((r0 + r) * sh.ng + g) * 16))) : vi_zero();
+            for (int j = 0; j < QDN; j++) acc[r][j] = a0;
+        }
+        const long k0 = g * q->G, k1 = k0 + q->G < q->K ? k0 + q->G : q->K;
+        for (long c = 0; c < sh.cg; c++) {
+            const long kc = k0 + c * 64, nv = k1 - kc < 64 ? k1 - kc : 64;
+            wv w[QDN];
+            for (int j = 0; j < QDN; j++) {
+                const uint8_t *p = wr[j] + (fmt == QD_INT4 ? kc / 2 : kc);
+                if (QPF) _mm_prefetch((const char *)p + QPF, _MM_HINT_T0);
+                w[j] = fmt == QD_INT4 ? w4_load(p, (nv + 1) / 2) : w8_load(p, nv);
+            }
+            for (int r = 0; r < RT; r++) {
+                const vi x = vi_load(codes + (r0 + r) * sh.rowb + (g * sh.cg + c) * 64);
+                for (int j = 0; j < QDN; j++)
+                    acc[r][j] = vi_dp(vnni, acc[r][j], w[j].u, fmt == QD_INT4 ? x : x_signed(x, w[j]));
+            }
+        }
+        for (int r = 0; r < RT; r++) {
+            const vi l = vi_load((const int8_t *)(xl + ((r0 + r) * sh.ng + g) * 16));
+            const float sxr = sx[(r0 + r) * sh.ng + g];
+            for (int j = 0; j < QDN; j++) {
+                const vi a = zk == 2 ? vi_zcorr(acc[r][j], zero_of(fmt, zk, q, rows[j], g), l) : acc[r][j];
+                facc[r][j] = vf_acc(facc[r][j], a, sxr * q->s[rows[j] * q->lds + g]);
+            }
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < QDN; j++) {
+            const long n = n0 + j;
+            if (n >= N) continue;
+            float y = vf_sum(facc[r][j]);
+            if (bias) y += bias[n];
+            if (out_f32) ((float *)out)[(r0 + r) * ldo + n] = y;
+            else ((uint16_t *)out)[(r0 + r) * ldo + n] = qd_bf16(y);
+        }
+}
+
+static inline __attribute__((always_inline)) void qd_units_t(
+        const int fmt, const int zk, const int vnni, const QDMat *q, const void *buf, long R, long N,
+        long u0, long u1, const float *bias, void *out, long ldo, int out_f32) {
+    const QDShape sh = qd_shape(q->K, q->G);
+    const int8_t *codes = buf;
+    const float *sx = (const float *)(codes + R * sh.rowb);
+    const int32_t *xl = (const int32_t *)(sx + R * sh.ng);
+    for (long u = u0; u < u1; u++) {
+        const long n0 = u * QDN;
+        long rows[QDN];
+        for (int j = 0; j < QDN; j++) rows[j] = n0 + j < N ? n0 + j : N - 1;
+        long r0 = 0;
+        for (; r0 + QDR <= R; r0 += QDR)
+            qd_tile(fmt, zk, vnni, QDR, q, sh, rows, n0, N, codes, sx, xl, r0, bias, out, ldo, out_f32);
+        for (; r0 < R; r0++)
+            qd_tile(fmt, zk, vnni, 1, q, sh, rows, n0, N, codes, sx, xl, r0, bias, out, ldo, out_f32);
+    }
+}
+
+/* Output units [u0, u1) (QDN rows each) of q for the R rows buf holds (moed_qdot_quantize's):
+ * out [R][ldo] (fp32 or bf16). For moed_qdot_linear and moed_moe_q. */
+void moed_qdot_units(int fmt, const QDMat *q, const void *buf, long R, long N, long u0, long u1,
+                     const float *bias, void *out, long ldo, int out_f32) {
+    const int zk = q->z ? 2 : fmt == QD_INT4 ? 1 : 0, vnni = use_vnni < 0 ? moed_qdot_vnni(-1) : use_vnni;
+#define QD_CASE(F, Z, V) if (fmt == F && zk == Z && vnni == V) { qd_units_t(F, Z, V, q, buf, R, N, u0, u1, bias, out, ldo, out_f32); return; }
+    QD_CASE(QD_INT8, 0, 1) QD_CASE(QD_INT8, 2, 1) QD_CASE(QD_INT4, 1, 1) QD_CASE(QD_INT4, 2, 1)
+    QD_CASE(QD_INT8, 0, 0) QD_CASE(QD_INT8, 2, 0) QD_CASE(QD_INT4, 1, 0) QD_CASE(QD_INT4, 2, 0)
+#undef QD_CASE
+}
+
+/* QDN: the unit size (rows) moed_qdot_units takes. */
+int moed_qdot_unit_rows(void) { return QDN; }
+
+/* moed_qlinear's call (same arguments; fmt int8 or int4 only) with int8 activations: out [R][N]
+ * = x [R][K] @ W^T (+ bias) as the header says. Returns 0, -1 out of memory, -2 an argument it
+ * cannot take (fp8, int4 with odd K). */
+int moed_qdot_linear(const void *x_in, int x_f32, long R, long K, int fmt, const uint8_t *w, long ldw,
+                     const float *s, long lds, const uint8_t *z, long ldz, long group, long N,
+                     const float *bias, void *out, int out_f32, int nthreads) {
+    if ((fmt != QD_INT8 && fmt != QD_INT4) || group <= 0 || (fmt == QD_INT4 && K % 2)) return -2;
+    if (R <= 0 || N <= 0) return 0;
+    const long G = group < K ? group : K;
+    float *xf = x_f32 ? NULL : malloc(sizeof(float) * (R * K + 1));
+    void *buf = malloc(moed_qdot_bytes(R, K, G));
+    if ((!x_f32 && !xf) || !buf) { free(xf); free(buf); return -1; }
+    if (!x_f32)
+        for (long i = 0; i < R * K; i++) {
+            const uint32_t u = (uint32_t)((const uint16_t *)x_in)[i] << 16;
+            memcpy(xf + i, &u, 4);
+        }
+    moed_qdot_quantize(fmt, x_f32 ? (const float *)x_in : xf, K, R, K, G, buf);
+    const QDMat q = {w, ldw, s, lds, z, ldz, G, K};
+    const long units = (N + QDN - 1) / QDN;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long per = units / nt, extra = units % nt;
+        const long u0 = tid * per + (tid < extra ? tid : extra), u1 = u0 + per + (tid < extra);
+        moed_qdot_units(fmt, &q, buf, R, N, u0, u1, bias, out, N, out_f32);
+    }
+    free(xf);
+    free(buf);
+    return 0;
+}
