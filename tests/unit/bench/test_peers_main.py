@@ -74,7 +74,7 @@ def test_peers_quant_requantizes_for_llama_and_quantizes_moed(tiny_qwen3, tmp_pa
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert json.loads(out.read_text())["quant"] == "int4"
-    assert "moed int4 (lm_head int8) vs llama.cpp Q4_K_M (output Q6_K)" in r.stdout
+    assert "moed int4 (lm_head int8, activations none) vs llama.cpp Q4_K_M (output Q6_K)" in r.stdout
     calls = (bin_dir / "calls.log").read_text().splitlines()
     quantized = tmp_path / "m.Q4_K_M.gguf"
     assert [c for c in calls if "llama-quantize" in c] == \
