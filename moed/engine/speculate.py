@@ -74,7 +74,7 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
             runner.mtp_exchanges(passes)
             return {}, d
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
-    next_ids, keep, depth = [], [], []
+    next_ids, keep, depth, final = [], [], [], []
     bs = runner.block_size
     for i, c in enumerate(plan.chunks):
         r, n = c.request, len(batch.token_ids[i])
@@ -94,6 +94,7 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         left = r.params.max_tokens - r.num_output_tokens - (keep[-1] if c.draft else 1) - 1
         chain = 1 if r.prefill_only else min(k, room, left)
         depth.append(chain if c.sample and drafting and chain > 0 else 0)
+        final.append(left <= 0)     # no later step drafts either: its entry may wait unwritten
     if backlog is None:
         mb, rows = mtp_inputs(batch, next_ids, keep)
         if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
@@ -101,7 +102,7 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         out = runner.draft_mtp(mb, hidden, depth, passes)
         return {c.request.request_id: tuple(out[i])
                 for i, c in enumerate(plan.chunks) if out[i]}, None
-    p = backlog.pass_inputs(batch, plan.chunks, hidden, next_ids, keep, depth, drafting)
+    p = backlog.pass_inputs(batch, plan.chunks, hidden, next_ids, keep, depth, drafting, final)
     if p.batch is None:         # every row waits: the group's exchanges only
         runner.mtp_exchanges(passes)
         return {}, p.deferral

@@ -20,6 +20,10 @@ steps held (~60 us per held step of 16 rows). The rules:
   blocks may be another request's by now), and its rows go at the next write;
 - only decoding rows wait (one token, sampled, not a prefill-only request's: a prefill node
   sends the prompt's KV with the MTP layer's; prompt chunks write theirs at once);
+- a decoding row whose request will draft no more (`final`: its next steps could verify no
+  draft, max_tokens or the context is near) waits even in a step that writes: no draft ever
+  reads its entry, and its request finishes within two steps, dropping it. A closed batch's
+  tail is such rows, and each drafting step there ran the MTP pass for them;
 - expert parallelism: a KV-only write makes no MoE exchange, so deferring changes nothing in
   what the group agrees (a step still makes Verdict.mtp_passes empty exchanges).
 Memory: at most MAX_STEPS hidden states per decoding request (DeepSeek-V3: 14 KB each).
@@ -156,14 +160,17 @@ class MTPBacklog:
 
     def pass_inputs(self, batch: ForwardBatch, chunks: Sequence[ScheduledChunk],
                     hidden: torch.Tensor, next_ids: list[int], keep: list[int],
-                    depth: list[int], drafting: bool) -> MTPPass:
+                    depth: list[int], drafting: bool,
+                    final: Sequence[bool] | None = None) -> MTPPass:
         """A step's MTP pass (the executor's; reads the backlog, changes nothing): which of its
         sequences (mtp.mtp_inputs' next ids, kept positions and depths) run now and which wait,
         and whether everything held is written with it: when the step drafts or MAX_STEPS
         steps are held. (A row that cannot wait is written at once, whatever its request
-        holds: an entry is written by position, read only by a draft.)"""
+        holds: an entry is written by position, read only by a draft.) final[i]: sequence
+        i's request drafts no more; its decoding row waits even when the step writes."""
         write = drafting or self.steps >= self.max_steps
-        defer = [not write and deferrable(c) for c in chunks]
+        fin = final or [False] * len(chunks)
+        defer = [(not write or f) and deferrable(c) for c, f in zip(chunks, fin)]
         mb, rows = mtp_inputs(batch, next_ids, keep)
         ends = [0]
         for n in keep:
@@ -191,7 +198,7 @@ class MTPBacklog:
             lr = [rows[ends[i]] for i in late]
             hid = hidden if len(lr) == hidden.shape[0] else \
                 hidden.index_select(0, torch.tensor(lr, device=hidden.device))
-            deferral = Deferral(False, hid, tuple(chunks[i].request for i in late),
+            deferral = Deferral(write, hid, tuple(chunks[i].request for i in late),
                                 [mb.start_pos[i] for i in late], [mb.block_tables[i] for i in late])
         if not toks:
             return MTPPass(None, None, [], [], deferral)

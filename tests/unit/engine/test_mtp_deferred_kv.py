@@ -96,7 +96,13 @@ def test_deferred_entries_are_the_eager_ones_once_written(plain, draft, new):
         assert deferring._mtp_kv.steps <= MAX_STEPS
         if deferring._mtp_kv.steps == 0:
             writes += held > 0
-            assert torch.equal(a[mtp], b[mtp])
+            # every live request's entries (a finished one's last, drafting no more, may be
+            # left unwritten: mtp_kv's `final`)
+            for r in reqs[:4]:
+                if r.state is RequestState.RUNNING:
+                    t, bs = deferring.kv.block_table(r.request_id), 4
+                    at = [(t[p // bs], p % bs) for p in range(r.num_computed_tokens - 1)]
+                    assert all(torch.equal(a[mtp][i, j], b[mtp][i, j]) for i, j in at)
         else:
             waited += not torch.equal(a[mtp], b[mtp])
     assert waited > 0 and writes > 0 and drafts[0] == drafts[1]
@@ -230,6 +236,33 @@ def test_a_step_that_drafts_writes_everything_held_first():
                       drafting=True)
     assert p.deferral.written and p.depth == [1, 0] and p.batch.start_pos == [11, 10]
 
+
+
+def test_a_row_that_drafts_no_more_waits_even_when_the_step_writes():
+    # a closed batch's tail: a drafting step whose request has no draft left to verify runs
+    # no MTP pass for it (no draft reads its entry; it finishes with it held)
+    from moed.engine.speculate import mtp_drafts
+
+    made = []
+    runner = SimpleNamespace(block_size=4, mtp_exchanges=made.append,
+                             draft_mtp=lambda *a: pytest.fail("no row runs the MTP layer"))
+    a = _req("a", list(range(20)))
+    a.params = SamplingParams(max_tokens=3)     # 1 out, this step's 1, the next step's 1
+    plan = SimpleNamespace(batch=ForwardBatch([[7]], [18], [[0, 1, 2, 3, 4]]),
+                           chunks=(ScheduledChunk(a, 1, True),))
+    b = MTPBacklog()
+    drafts, d = mtp_drafts(runner, plan, torch.zeros(1, 2), [0], [9], {}, 1, drafting=True,
+                           passes=1, backlog=b)
+    assert drafts == {} and made == [1] and d.written and d.reqs == (a,)
+    b.apply(d)
+    assert b.steps == 1 and a.mtp_pending_from == 18     # its blocks stay out of the cache
+    # with rows held, the step writes them and its final row still waits
+    c = _req("c", list(range(20)))
+    p = b.pass_inputs(ForwardBatch([[7], [8]], [19, 18], [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]),
+                      [ScheduledChunk(a, 1, True), ScheduledChunk(c, 1, True)], torch.ones(2, 2),
+                      [3, 4], [1, 1], [0, 1], drafting=True, final=[True, False])
+    assert p.chunks == [1] and p.batch.start_pos == [18, 18] and p.depth == [1, 0]
+    assert p.deferral.written and p.deferral.reqs == (a,) and p.deferral.starts == [19]
 
 def test_a_rank_with_every_row_waiting_still_makes_the_groups_exchanges():
     from moed.engine.speculate import mtp_drafts

@@ -14,7 +14,7 @@ import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
 from moed.engine.drafts.gate import (DRAFT_MARGIN, EMA_WEIGHT, EXPLORE_BUDGET, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN,
-                                     MIN_SAMPLES, SPIKE, ClassState, StepGate, Why, decide, observe,
+                                     MIN_SAMPLES, SPIKE, Arm, ClassState, StepGate, Why, decide, observe, seeded,
                                      size_class)
 from moed.engine.engine import Engine
 from moed.model.batch import ForwardBatch
@@ -180,6 +180,43 @@ def test_classes_are_measured_apart():
     assert g.choose(1) == (True, Why.WINNER)
     assert g.choose(16) == (False, Why.WINNER)
 
+
+
+def _warm(g: StepGate, rows: int, draft_wins: bool, steps: int = 3 * MIN_SAMPLES + 4) -> None:
+    for _ in range(steps):
+        d, _ = g.choose(rows)
+        g.observe(rows, d, 2 if d and draft_wins else 1, 1.0)
+
+
+@pytest.mark.parametrize("draft_wins", [True, False])
+def test_a_new_class_runs_its_larger_neighbours_verdict_at_once(draft_wins):
+    # a closed batch's tail: 16 rows measured, then 8, 4, 2, 1 with no warm-up of their own
+    g = StepGate()
+    _warm(g, 16, draft_wins)
+    for rows in (8, 4, 2, 1):
+        assert g.choose(rows) == (draft_wins, Why.WINNER)
+        g.observe(rows, draft_wins, 2 if draft_wins else 1, 0.5)
+
+
+def test_a_smaller_class_never_seeds_a_larger_one():
+    g = StepGate()
+    _warm(g, 1, True)
+    assert g.choose(16) == (True, Why.WARMUP)
+    assert g.classes[size_class(16)].seeded == (False, False)
+
+
+def test_a_seeded_arm_follows_the_measured_one_until_its_own_run():
+    big = ClassState(draft=Arm(6.0, 2.0, MIN_SAMPLES), plain=Arm(4.0, 2.0, MIN_SAMPLES), won=True)
+    s = seeded({4: big, 1: ClassState()}, 2)
+    assert (s.seeded, s.ratio, s.won) == ((True, True), 1.5, True)
+    assert seeded({1: big}, 2) == ClassState()     # only a larger class seeds
+    s = observe(s, True, 3, 3.0)        # this class's own draft step: 1 token a second
+    assert s.draft.rate == 1.0 and s.seeded == (False, True)
+    assert s.plain.rate == pytest.approx(1.0 / 1.5)     # the neighbour's ratio, not its rate
+    # plain truly wins here: the first exploration run measures it and takes over
+    s, arms = _run_gate(s, EXPLORE_EVERY + 2 * EXPLORE_RUN, lambda d: (3, 3.0) if d else (2, 1.0))
+    assert s.seeded == (False, False) and arms[-1] is False
+    assert arms.index(False) == EXPLORE_EVERY - EXPLORE_RUN     # the period's run
 
 # ---- wired into the engine, with a fake clock ---------------------------------------------
 
