@@ -47,23 +47,40 @@ def rounds(needed: Sequence[int], resident: Sequence[bool], stream: int) -> list
     return ([hit] if hit else []) + [miss[i:i + stream] for i in range(0, len(miss), stream)]
 
 
+LOST = -2       # expert_in of a slot a timed-out read may still write into: never used again
+
+
 def victim(expert_in: Sequence[int], heat: Sequence[float], keep: set[int]) -> int:
     """The slot to overwrite: an empty one first, else the one whose expert is coldest and not
     in `keep` (the experts the current group runs); -1 when every slot is kept."""
     best, best_heat = -1, 0.0
     for slot, e in enumerate(expert_in):
+        if e == LOST or e in keep:
+            continue
         if e < 0:
             return slot
-        if e in keep:
-            continue
         if best < 0 or heat[e] < best_heat:
             best, best_heat = slot, heat[e]
     return best
 
 
+def victims(expert_in: Sequence[int], heat: Sequence[float], keep: set[int], n: int) -> list[int]:
+    """n distinct slots for n misses, chosen before any is read (so each read can land straight
+    in its slot): the slots `victim` would pick one after the other, each filled slot then
+    holding one of the round's experts (kept)."""
+    held, out = list(expert_in), []
+    for _ in range(n):
+        slot = victim(held, heat, keep | {LOST - 1})
+        if slot < 0:
+            break
+        held[slot] = LOST - 1           # taken: kept from here on
+        out.append(slot)
+    return out
+
+
 def coldest(expert_in: Sequence[int], heat: Sequence[float]) -> float:
     """The heat of the coldest resident expert (0 with an empty slot)."""
-    return min((heat[e] if e >= 0 else 0.0) for e in expert_in)
+    return min(((heat[e] if e >= 0 else 0.0) for e in expert_in if e != LOST), default=0.0)
 
 
 def promotions(layers_heat: Sequence[Sequence[float]], layers_expert_in: Sequence[Sequence[int]],
