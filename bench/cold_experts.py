@@ -281,8 +281,9 @@ def plot(results: list[dict], path: Path, a: argparse.Namespace) -> None:
 
 def rss_run(ck: Path, share: float, a: argparse.Namespace, total: int) -> None:
     """--rss SHARE: one runner through the Zipf trace alone, then this process's RSS (run it
-    once per share, each in a fresh process, under a cgroup memory cap to see what fits)."""
-    r = Run(ck, share, None if a.checkpoint else a.rss_beta, a, total)
+    once per share, each in a fresh process, under a cgroup memory cap to see what fits), with
+    layer-ahead prefetch as --prefetch says (-1 auto, the serving default; 0 off)."""
+    r = Run(ck, share, None if a.checkpoint else a.rss_beta, a, total, prefetch=a.prefetch != 0)
     for rep in range(a.prefills):
         r.prefill(10 + rep)
     for _ in range(a.steps):
