@@ -25,7 +25,7 @@ class ExpertsConfig:
                                doc="experts read ahead of use by layer-ahead prediction (the "
                                "next MoE layer's router on the current hidden state), staged "
                                "at most this many at a time; their bytes come out of "
-                               "resident_bytes. -1 = auto: 48, at most an eighth of the "
+                               "resident_bytes. -1 = auto: 16, at most an eighth of the "
                                "budget's experts, in one process; off under expert "
                                "parallelism (not built there); 0 = off")
 

@@ -102,13 +102,12 @@ def promotions(layers_heat: Sequence[Sequence[float]], layers_expert_in: Sequenc
     return [(li, e) for _, li, e in cands[:limit]]
 
 
-# experts.prefetch_experts -1: at most this many, and an eighth of the budget. The staging holds
-# the reads of two layer calls (the one running and the one predicted): on bench/cold_experts.py
-# (16 MoE layers, 128 experts, top-4, batch 8, 30% resident) a layer call runs ~26 experts, ~9
-# of them not resident, and its top-2k prediction names ~2x those: ~20 reads a layer, ~40 for
-# two. Measured there: 16 staged put 82% of expert reads in memory in steady state, 48 put 94%
-# (docs/cold-experts.md); each staged expert costs a slot of one layer in 16 (35 vs 37 slots).
-AUTO_STAGING = 48
+# experts.prefetch_experts -1: at most this many, and an eighth of the budget. More staging buys
+# hit rate with CPU: on bench/cold_experts.py (16 MoE layers, 30% resident, batch 8, 2 threads
+# on 2 cores, 2026-12-05, docs/cold-experts.md) expert reads in memory in steady state were
+# 72% / 82% / 94% with 0 / 16 / 48 staged, and decode 0.53x / 0.43x / 0.31x all-resident: the
+# unused reads take the cores the experts compute on. 16 keeps the loss small.
+AUTO_STAGING = 16
 
 
 def split_budget(resident_bytes: int, expert_bytes: int, moe_layers: int, num_units: int,

@@ -21,8 +21,7 @@ def test_split_budget_takes_the_staging_out_of_the_budget():
     assert policy.split_budget(1200, 100, 4, 8, 4) == (2, 4)            # (1200 - 400) / 400
     assert policy.split_budget(10**9, 100, 4, 8, 4) == (8, 0)           # all resident: no staging
     assert policy.split_budget(1200, 100, 4, 8, -1) == (2, 1)           # auto: 12 experts / 8
-    assert policy.split_budget(100_000, 100, 4, 1000, -1) == (238, 48)  # auto: at most 48
-    assert policy.split_budget(20_000, 100, 4, 1000, -1) == (43, 25)    # auto: 200 experts / 8
+    assert policy.split_budget(100_000, 100, 4, 1000, -1) == (246, 16)  # auto: at most 16
     with pytest.raises(ValueError, match="the minimum is 800"):
         policy.split_budget(799, 100, 4, 8, 4)
     assert policy.prefetch_setting(-1, 1) == -1 and policy.prefetch_setting(-1, 2) == 0
