@@ -25,7 +25,8 @@ prefetch reads and the prediction's recall and precision.
 
 Per run: `prefills` prefills of `batch` prompts of `prompt` tokens (prefill tok/s from their
 median), then `steps` decode steps of the batch (decode tok/s from the median step; the mean
-is in the JSON). The runners of one trace (one per share) live side by side
+is in the JSON; "pairs" is the median over steps of the all-resident step's time over this
+run's for the same step, the ratio to trust on a busy machine). The runners of one trace (one per share) live side by side
 and take their steps in turn, the order rotating, so a busy machine's noise falls on all alike. The greedy tokens of every run are compared with the
 all-resident run of the same trace (they must be equal). Hit rate: expert reads (an expert run
 by a layer call) that found it resident; rows: the same weighted by the tokens routed.
@@ -213,10 +214,26 @@ def run_trace(ck: Path, shares: list[str], trace: str, beta: float, a: argparse.
     for rep in range(a.prefills):
         for i in range(len(runs)):
             runs[(i + rep) % len(runs)].prefill(10 + rep)
+    load0 = os.getloadavg()[0]
     for step in range(a.steps):
         for i in range(len(runs)):
             runs[(i + step) % len(runs)].step(trace == "drift" and step == a.steps // 2)
-    return [r.result(trace) for r in runs]
+    load = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    base = next((r for r in runs if r.share >= 1.0), None)
+    out = [r.result(trace) for r in runs]
+    for r, res in zip(runs, out):
+        res["loadavg_1m"] = load
+        if base is not None:
+            res["decode_pair_ratio"] = pair_ratio(base.step_s, r.step_s)
+    return out
+
+
+def pair_ratio(base_s: list[float], run_s: list[float]) -> float:
+    """Decode speed relative to the all-resident run: the median over steps of the ratio of the
+    two runners' times for the same step index. Both took that step in the same round (one
+    after the other, the order rotating), so a burst of load that slows one round slows the
+    pair; the ratio of two medians taken over different moments does not cancel it."""
+    return statistics.median(b / r for b, r in zip(base_s, run_s))
 
 
 def recovery_steps(series: list[float], at: int, level: float) -> int | None:
@@ -264,8 +281,9 @@ def plot(results: list[dict], path: Path, a: argparse.Namespace) -> None:
 
 def rss_run(ck: Path, share: float, a: argparse.Namespace, total: int) -> None:
     """--rss SHARE: one runner through the Zipf trace alone, then this process's RSS (run it
-    once per share, each in a fresh process, under a cgroup memory cap to see what fits)."""
-    r = Run(ck, share, None if a.checkpoint else a.rss_beta, a, total)
+    once per share, each in a fresh process, under a cgroup memory cap to see what fits), with
+    layer-ahead prefetch as --prefetch says (-1 auto, the serving default; 0 off)."""
+    r = Run(ck, share, None if a.checkpoint else a.rss_beta, a, total, prefetch=a.prefetch != 0)
     for rep in range(a.prefills):
         r.prefill(10 + rep)
     for _ in range(a.steps):
@@ -339,7 +357,7 @@ def main() -> None:
     results = []
     for trace in ("zipf", "drift"):
         results += run_trace(ck, shares, trace, beta, a, total)
-    print(f"\n{'trace':6} {'share':>6} {'slots':>5} {'prefill':>9} {'decode':>8} {'ratio':>6} "
+    print(f"\n{'trace':6} {'share':>6} {'slots':>5} {'prefill':>9} {'decode':>8} {'ratio':>6} {'pairs':>6} "
           f"{'hit':>6} {'hit 2nd½':>8} {'rows hit':>8} {'rows 2nd½':>9} {'stall s':>8} {'same':>5} "
           f"{'resid':>6} {'pf rdy':>6} {'pf wait':>7} {'miss':>6} {'unused':>6} {'recall':>6} {'prec':>6}")
     for r in results:
@@ -357,6 +375,7 @@ def main() -> None:
             r["recovery_steps_to_90pct_of_before"] = recovery_steps(hs, a.steps // 2, 0.9 * before)
         print(f"{r['trace']:6} {r['name']:>6} {r.get('slots_per_layer', MODEL['num_experts']):>5} "
               f"{r['prefill_tok_s']:>9.1f} {r['decode_tok_s']:>8.1f} {r['decode_ratio']:>6.2f} "
+              f"{r.get('decode_pair_ratio', 1.0):>6.2f} "
               f"{r.get('hit_rate', 1.0):>6.1%} {r['hit_rate_second_half']:>8.1%} "
               f"{r.get('row_hit_rate', 1.0):>8.1%} {r['row_hit_rate_second_half']:>9.1%} "
               f"{r.get('miss_stall_s', 0.0):>8.3f} "
@@ -364,6 +383,9 @@ def main() -> None:
               + (f"{r['resident_hit_rate']:>6.1%} {r['prefetch_ready']:>6} {r['prefetch_waited']:>7} "
                  f"{r['misses']:>6} {r['prefetch_unused']:>6} {r['prediction_recall']:>6.1%} "
                  f"{r['prediction_precision']:>6.1%}" if "hits" in r else ""))
+    for trace in ("zipf", "drift"):
+        print(f"{trace}: load average (1 min) {next(r for r in results if r['trace'] == trace)['loadavg_1m']} "
+              f"at the block's start and end")
     for r in results:
         if "recovery_steps_to_90pct_of_before" in r:
             print(f"drift, {r['name']} resident: hit rate back to 90% of its pre-drift level "

@@ -99,7 +99,8 @@ def llama_peer(ck: Path, a, total: int) -> None:  # noqa: ANN001 - cold_experts'
     moed_cmd = [sys.executable, str(ROOT / "bench" / "cold_experts.py"), "--rss", str(a.llama_share),
                 "--checkpoint", str(skewed), "--prefills", "1", "--steps", str(a.steps),
                 "--batch", str(a.batch), "--prompt", str(a.prompt), "--threads", str(a.threads or 2),
-                "--move-mb", str(a.move_mb), "--half-life", str(a.half_life), "--layers", str(a.layers)]
+                "--move-mb", str(a.move_mb), "--half-life", str(a.half_life), "--layers", str(a.layers),
+                "--prefetch", str(a.prefetch)]
     sized = memcap.run(moed_cmd, 64 << 30)              # the operator's measurement: no cap
     if sized.rc != 0:
         raise SystemExit(f"moed at {a.llama_share} failed uncapped:\n{(sized.out + sized.err)[-2000:]}")

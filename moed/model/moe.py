@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from moed.model.context import ComputeContext, ExpertPlacement
 from moed.model.executor import ExpertExecutor, MoEMode, Routing
 from moed.model.experts_route import split_over_replicas
+from moed.model.kernels import BLOCK as PACK_BLOCK
 from moed.model.kernels import CpuKernels
 from moed.model.kernels import quant as kq
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
@@ -241,6 +242,30 @@ class LocalExperts(ExpertExecutor):
         if self.gate_up_p is not None:
             return [CpuKernels.pack(gate_up), CpuKernels.pack(down)]
         return [gate_up, down]
+
+    def plain_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Slot `slot`'s own (gate_up, down) when it holds the plain weights (a read can land in
+        them: then mark_stale), or None (packed or quantized: fill_slot)."""
+        if self.gate_up_p is not None or self.quant is not None:
+            return None
+        gate_up, down = (lin.weight for lin in self.experts[slot])
+        return (gate_up, down) if gate_up.is_contiguous() and down.is_contiguous() else None
+
+    def mark_stale(self, slot: int) -> None:
+        """The slot's plain weights were overwritten in place: its oneDNN copies are packed again
+        the first time a call reads them (load_slot's repack=False)."""
+        self.stale.add(slot)
+
+    def fill_slot(self, slot: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """load_slot(slot, slot_format(gate_up, down), repack=False) with the kernels' packing
+        written straight into the slot (one copy, no packed buffer between)."""
+        if self.gate_up_p is None or any(w.shape[-2] % PACK_BLOCK for w in (gate_up, down)):
+            self.load_slot(slot, self.slot_format(gate_up, down), repack=False)
+            return
+        for dst, w in ((self.gate_up_p[slot], gate_up), (self.down_p[slot], down)):
+            n, k = w.shape      # CpuKernels.pack's layout, no padding rows here
+            dst.copy_(w.reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2, 2).transpose(-3, -2))
+        self.stale.add(slot)
 
     def load_slot(self, slot: int, weights: list[torch.Tensor], repack: bool = True) -> None:
         """Overwrite slot `slot` with another expert's weights (slot_weights' shapes), in place,

@@ -19,7 +19,8 @@ import structlog
 import torch
 
 from moed.model.cold.reader import ExpertIndex, ExpertReadError
-from moed.model.cold.store import ColdSettings, ColdStats, ExpertStore
+from moed.model.cold.stats import ColdStats
+from moed.model.cold.store import ColdSettings, ExpertStore
 from moed.model.context import ExpertPlacement
 from moed.model.quant.formats import Plan
 from moed.model.spec import ModelSpec

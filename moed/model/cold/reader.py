@@ -110,13 +110,19 @@ class ExpertIndex:
         i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
         gate_up = torch.empty((2 * i, h), dtype=self.dtype)
         down = torch.empty((h, i), dtype=self.dtype)
+        self.read_into(layer, expert, gate_up, down)
+        return gate_up, down
+
+    def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """read() into the caller's tensors (a resident slot's own: no buffer, no copy, where
+        the checkpoint's dtype is the compute dtype); on ExpertReadError they hold a part."""
+        i = self.spec.moe_intermediate_size
         for role, dst in (("gate", gate_up[:i]), ("up", gate_up[i:]), ("down", down)):
             ext = self.where[(layer, expert, role)]
             if ext.dtype == self.dtype and tuple(dst.shape) == ext.shape:
                 self._pread(ext, layer, expert, dst.view(-1).view(torch.uint8))   # no cast: in place
             else:
                 dst.copy_(self._pread(ext, layer, expert))
-        return gate_up, down
 
     def _pread(self, ext: Extent, layer: int, expert: int, into: torch.Tensor | None = None) -> torch.Tensor:
         raw = torch.empty(ext.nbytes, dtype=torch.uint8) if into is None else into

@@ -50,6 +50,7 @@ import torch
 from moed.model.cold import policy
 from moed.model.cold.prefetch import Prefetcher
 from moed.model.cold.reader import ExpertIndex, ExpertReadError
+from moed.model.cold.stats import ColdStats, LayerFetch
 from moed.model.context import ExpertPlacement
 from moed.model.executor import ExpertExecutor, MoEMode, Routing, SlotExperts, combine
 from moed.model.moe import LocalExperts, MoELayer
@@ -70,44 +71,6 @@ class ColdSettings:
     move_bytes_per_step: int        # experts.move_bytes_per_step
     heat_half_life_steps: float     # experts.heat_half_life_steps
     prefetch_experts: int = 0       # experts.prefetch_experts (-1 auto: policy.split_budget)
-
-
-@dataclass
-class ColdStats:
-    """Counters since start (the metrics advance with them; tests and the bench read them)."""
-    hits: int = 0                   # expert reads (an expert run by a layer call) resident
-    misses: int = 0                 # ... read from disk first, the step waiting (no prefetch)
-    prefetch_ready: int = 0         # ... served by a prefetch complete when the layer needed it
-    prefetch_waited: int = 0        # ... served by a prefetch still in flight (the step waited)
-    hit_rows: int = 0               # token-expert choices whose expert was resident
-    prefetch_rows: int = 0          # ... whose expert was a completed prefetch
-    miss_rows: int = 0              # ... the rest (read on a miss or waited for)
-    miss_stall_s: float = 0.0
-    prefetch_wait_s: float = 0.0
-    prefetch_reads: int = 0         # prefetch reads started
-    prefetch_unused: int = 0        # ... read but not needed (a wrong prediction)
-    predicted: int = 0              # experts predicted for a layer (summed over layer calls)
-    predicted_needed: int = 0       # experts those layer calls ran
-    predicted_right: int = 0        # ... of them predicted
-
-    @property
-    def in_memory(self) -> float:
-        """Expert reads whose expert was in memory when its layer needed it (resident, or a
-        completed prefetch), over all expert reads."""
-        total = self.hits + self.misses + self.prefetch_ready + self.prefetch_waited
-        return (self.hits + self.prefetch_ready) / max(total, 1)
-
-    @property
-    def recall(self) -> float:
-        """Share of the experts layer calls ran that their prediction named."""
-        return self.predicted_right / max(self.predicted_needed, 1)
-
-    @property
-    def precision(self) -> float:
-        return self.predicted_right / max(self.predicted, 1)
-    miss_bytes: int = 0
-    promoted_bytes: int = 0
-    read_failures: int = 0
 
 
 class ExpertStore:
@@ -164,17 +127,31 @@ class ExpertStore:
         return ColdExecutor(layer) if self.inner is None else self.inner.executor(layer)
 
     # ---- reads ----------------------------------------------------------------------------
-    def read_now(self, layer: int, units: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A round's misses: their weights, the step waiting (at most READ_TIMEOUT_S). One hand-off
-        to the reader thread per round, not per expert: on a busy machine each wake-up of
-        another thread can cost a scheduler slice."""
-        experts = [self.units[u] for u in units]
-        fut = self._miss_pool.submit(lambda: [self.index.read(layer, e) for e in experts])
+    def read_slots(self, pos: int, reads: list[tuple[int, int]]) -> None:
+        """A round's misses (unit, slot), read straight into their emptied slots on the miss
+        thread (the plain weights in place, else packed or quantized into the slot: no private
+        buffer, no second copy), the step waiting (at most READ_TIMEOUT_S). One hand-off per
+        round, not per expert: on a busy machine each wake-up of another thread can cost a
+        scheduler slice. A read that times out may still write: its slots are lost (never used
+        again) rather than reused under it."""
+        layer = self.layers[pos]
+        local, index, n = layer.local, self.index, layer.layer
+
+        def read() -> None:
+            for unit, slot in reads:
+                e, dst = self.units[unit], local.plain_slot(slot)
+                if dst is not None:
+                    index.read_into(n, e, *dst)
+                    local.mark_stale(slot)
+                else:
+                    local.fill_slot(slot, *index.read(n, e))
         try:
-            return fut.result(timeout=READ_TIMEOUT_S)
+            self._miss_pool.submit(read).result(timeout=READ_TIMEOUT_S)
         except FutureTimeout:
+            for _, slot in reads:
+                layer.expert_in[slot] = policy.LOST
             raise ExpertReadError(f"expert weights could not be read from disk within "
-                                  f"{READ_TIMEOUT_S:.0f} s (layer {layer})") from None
+                                  f"{READ_TIMEOUT_S:.0f} s (layer {n})") from None
 
     def attach(self, model: MoEDecoder) -> None:
         """Layer-ahead prediction's hooks into the built model (prefetch.py): its MoE layers'
@@ -337,25 +314,35 @@ class ColdExperts:
         pf = self.store.prefetch
         futs = {e: f for e in misses if (f := pf.take(self.pos, e) if pf else None) is not None}
         done = {e for e, f in futs.items() if f.done()}
+        # every miss's slot first, emptied (a failed read leaves no stale expert), so that the
+        # reads land in them
+        free = policy.victims(self.expert_in, self.heat_list(), set(group) | protect, len(misses))
+        if len(free) < len(misses):         # only after reads that hung lost every slot
+            raise ExpertReadError(f"no expert slot left to read into (layer {self.layer})")
+        slots = dict(zip(misses, free))
+        for e in misses:
+            self._set(slots[e], -1)
         cold = [e for e in misses if e not in futs]
         t0 = time.perf_counter()
-        got = {e: self.local.slot_format(*w)
-               for e, w in zip(cold, self.store.read_now(self.layer, cold) if cold else [])}
+        if cold:
+            self.store.read_slots(self.pos, [(e, slots[e]) for e in cold])
+            for e in cold:
+                self._set(slots[e], e)
         stall = time.perf_counter() - t0
         for e, fut in futs.items():
             t1 = time.perf_counter()
             try:
-                got[e] = fut.result(timeout=READ_TIMEOUT_S)
+                weights = fut.result(timeout=READ_TIMEOUT_S)
             except FutureTimeout:
                 raise ExpertReadError(f"expert weights could not be read from disk within "
                                       f"{READ_TIMEOUT_S:.0f} s (layer {self.layer})") from None
             except ExpertReadError:
                 self.store.stats.read_failures += 1
                 metrics.EXPERT_WEIGHT_READ_FAILURES.labels("prefetch").inc()
-                t2 = time.perf_counter()
-                got[e] = self.local.slot_format(*self.store.read_now(self.layer, [e])[0])
+                self.store.read_slots(self.pos, [(e, slots[e])])
+                self._set(slots[e], e)
                 cold.append(e)
-                stall += time.perf_counter() - t2
+                stall += time.perf_counter() - t1
                 continue
             if e in done:
                 fetched.ready += 1
@@ -363,13 +350,8 @@ class ColdExperts:
             else:
                 fetched.waited += 1
                 fetched.wait_s += time.perf_counter() - t1
-        keep = set(group) | protect
-        heat = self.heat_list()
-        for e in misses:
-            slot = policy.victim(self.expert_in, heat, keep)
-            self._set(slot, -1)             # empty while written
-            self.local.load_slot(slot, got[e], repack=False)
-            self._set(slot, e)
+            self.local.load_slot(slots[e], weights, repack=False)
+            self._set(slots[e], e)
         return len(cold), stall
 
     def run_grouped(self, xs: torch.Tensor, per_unit: torch.Tensor, mode: MoEMode) -> torch.Tensor:
@@ -393,8 +375,9 @@ class ColdExperts:
             needed.sort(key=lambda u: 0 if resident[u] else pf.state(self.pos, u))
         ys = torch.empty_like(xs)
         misses, stall, fetched = 0, 0.0, LayerFetch()
-        stream = policy.stream_slots(self.store.slots)
-        protect = policy.hottest(self.expert_in, self.heat_list(), self.store.slots - stream)
+        usable = sum(1 for e in self.expert_in if e != policy.LOST)     # all, unless a read hung
+        stream = policy.stream_slots(usable)
+        protect = policy.hottest(self.expert_in, self.heat_list(), usable - stream)
         try:
             for group in policy.rounds(needed, resident, stream):
                 m, w = self._ensure(group, protect, n_rows, fetched)
@@ -413,15 +396,6 @@ class ColdExperts:
             if pf is not None:
                 pf.finish(self.pos, set(needed))
         return ys
-
-
-@dataclass
-class LayerFetch:
-    """One layer call's prefetched experts: ready (complete when needed) or waited for."""
-    ready: int = 0
-    ready_rows: int = 0
-    waited: int = 0
-    wait_s: float = 0.0
 
 
 class ColdExecutor(ExpertExecutor):

@@ -1,0 +1,52 @@
+"""The cold-expert store's counters: since start (ColdStats, what the metrics advance with and
+the tests and the bench read) and one layer call's prefetched experts (LayerFetch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ColdStats:
+    """Counters since start (the metrics advance with them; tests and the bench read them)."""
+    hits: int = 0                   # expert reads (an expert run by a layer call) resident
+    misses: int = 0                 # ... read from disk first, the step waiting (no prefetch)
+    prefetch_ready: int = 0         # ... served by a prefetch complete when the layer needed it
+    prefetch_waited: int = 0        # ... served by a prefetch still in flight (the step waited)
+    hit_rows: int = 0               # token-expert choices whose expert was resident
+    prefetch_rows: int = 0          # ... whose expert was a completed prefetch
+    miss_rows: int = 0              # ... the rest (read on a miss or waited for)
+    miss_stall_s: float = 0.0
+    prefetch_wait_s: float = 0.0
+    prefetch_reads: int = 0         # prefetch reads started
+    prefetch_unused: int = 0        # ... read but not needed (a wrong prediction)
+    predicted: int = 0              # experts predicted for a layer (summed over layer calls)
+    predicted_needed: int = 0       # experts those layer calls ran
+    predicted_right: int = 0        # ... of them predicted
+
+    @property
+    def in_memory(self) -> float:
+        """Expert reads whose expert was in memory when its layer needed it (resident, or a
+        completed prefetch), over all expert reads."""
+        total = self.hits + self.misses + self.prefetch_ready + self.prefetch_waited
+        return (self.hits + self.prefetch_ready) / max(total, 1)
+
+    @property
+    def recall(self) -> float:
+        """Share of the experts layer calls ran that their prediction named."""
+        return self.predicted_right / max(self.predicted_needed, 1)
+
+    @property
+    def precision(self) -> float:
+        return self.predicted_right / max(self.predicted, 1)
+    miss_bytes: int = 0
+    promoted_bytes: int = 0
+    read_failures: int = 0
+
+
+@dataclass
+class LayerFetch:
+    """One layer call's prefetched experts: ready (complete when needed) or waited for."""
+    ready: int = 0
+    ready_rows: int = 0
+    waited: int = 0
+    wait_s: float = 0.0

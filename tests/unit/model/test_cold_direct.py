@@ -1,0 +1,73 @@
+"""Cold-expert misses read straight into their slots (moed/model/cold/store.py read_slots):
+the slots are chosen before the reads (policy.victims), a miss goes from the file into the
+slot with no private buffer and no second copy, the output stays the all-resident one bit for
+bit, and a read that hangs past the timeout loses its slots instead of letting them be reused
+under it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moed.model.cold import ColdSettings, ExpertReadError, policy
+from moed.model.cold import store as store_mod
+from moed.model.cold.reader import ExpertIndex
+from moed.model.moe import LocalExperts
+from test_cold_experts import _budget, _runner, _steps
+
+
+def test_victims_are_the_slots_victim_picks_in_turn():
+    heat = [5.0, 1.0, 3.0, 0.5, 2.0]
+    expert_in = [0, 1, -1, 2, 4]
+    assert policy.victims(expert_in, heat, set(), 3) == [2, 1, 4]    # empty, then coldest
+    assert policy.victims(expert_in, heat, {1}, 2) == [2, 4]
+    assert policy.victims(expert_in, heat, {0, 1, 2, 4}, 3) == [2]   # not enough: fewer
+
+
+def test_a_lost_slot_is_never_a_victim_nor_the_coldest():
+    heat = [5.0, 1.0, 3.0]
+    assert policy.victim([0, policy.LOST, 2], heat, set()) == 2
+    assert policy.victims([policy.LOST, -1, 2], heat, set(), 3) == [1, 2]
+    assert policy.coldest([policy.LOST, 0], heat) == 5.0
+
+
+@pytest.mark.parametrize("arch,dtype", [
+    ("qwen3_moe", "bfloat16"),      # the kernels' packed slots: packed straight into the slot
+    ("qwen3_moe", "float32"),       # plain slots: the file read into the slot itself
+])
+def test_misses_land_in_their_slots_without_a_copy(make_checkpoint, monkeypatch, arch, dtype):
+    ck = make_checkpoint(arch)
+    full = _runner(ck, dtype)
+    want = _steps(full, 4)
+    r = _runner(ck, dtype, ColdSettings(_budget(full, 0.3), 0, 4.0, 0))     # misses only
+    copies = []
+    for name in ("slot_format", "load_slot"):       # the buffer-then-copy path of a miss
+        orig = getattr(LocalExperts, name)
+        monkeypatch.setattr(LocalExperts, name, lambda self, *a, _o=orig, _n=name, **k:
+                            copies.append(_n) or _o(self, *a, **k))
+    got = _steps(r, 4)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
+    assert r.cold.stats.misses > 0
+    spec = r.spec       # packed slots: rows a multiple of the packing block, no padding
+    assert (2 * spec.moe_intermediate_size) % 32 == 0 and spec.hidden_size % 32 == 0
+    assert copies == []
+
+
+def test_a_read_that_hangs_loses_its_slots(tiny_qwen3, monkeypatch):
+    full = _runner(tiny_qwen3, "float32")
+    want = _steps(full, 2)
+    r = _runner(tiny_qwen3, "float32", ColdSettings(_budget(full, 0.3), 0, 4.0, 0))
+    orig = ExpertIndex.read_into
+    monkeypatch.setattr(store_mod, "READ_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(ExpertIndex, "read_into",
+                        lambda self, *a: (time.sleep(0.6), orig(self, *a))[1])
+    with pytest.raises(ExpertReadError, match="within"):
+        _steps(r, 2)
+    lost = [(ly.pos, s) for ly in r.cold.layers for s, e in enumerate(ly.expert_in) if e == policy.LOST]
+    assert lost, "a hung read's slots must not be reused"
+    monkeypatch.setattr(ExpertIndex, "read_into", orig)
+    time.sleep(1.0)                     # the hung read finishes writing into its lost slot
+    got = _steps(r, 2)                  # the other slots still serve the right output
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(r.cold.layers[p].expert_in[s] == policy.LOST for p, s in lost)
