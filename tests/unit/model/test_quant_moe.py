@@ -23,6 +23,7 @@ from moed.model.quant.quantize import quantize
 from moed.model.quant.weight import QuantWeight
 
 from conftest import isa_pair_params, isa_params     # tests/unit/model/conftest.py
+from test_quant_kernels import _greedy   # two prompts prefilled together, then greedy decode
 from torch_threads import threads   # tests/unit/model/torch_threads.py
 
 P, H, I, TOP_K = 8, 160, 96, 3          # H, I: a vector part and a scalar tail for int4's 32
@@ -148,20 +149,6 @@ def test_past_max_rows_and_unserved_keep_the_per_expert_path(monkeypatch):
 
 # ---- engine level ----------------------------------------------------------------------------
 
-def _greedy(runner, steps: int = 6) -> tuple[list[list[int]], list[torch.Tensor]]:
-    from moed.model.batch import ForwardBatch
-    prompts = [[5, 17, 33, 2, 9, 100, 7], [40, 41, 3, 3, 250, 12, 1, 90, 66, 4, 8]]
-    start, toks, out, logits_all = [0, 0], prompts, [[], []], []
-    for _ in range(steps):
-        logits = runner.forward(ForwardBatch(token_ids=toks, start_pos=list(start), block_tables=[[0, 1], [2, 3]]))
-        logits_all.append(logits.float().clone())
-        start = [s + len(t) for s, t in zip(start, toks)]
-        toks = [[int(v)] for v in logits.argmax(-1)]
-        for i, t in enumerate(toks):
-            out[i].append(t[0])
-    return out, logits_all
-
-
 def _moe_layers(runner) -> list:
     from moed.model.moe import MoELayer
     return [layer.mlp for layer in runner.model.layers if isinstance(layer.mlp, MoELayer)]
@@ -189,14 +176,14 @@ def test_engine_layers_take_the_fused_call(tiny_qwen3, monkeypatch, fmt, dtype):
     for name in ("moe_q", "moe_q_routed"):
         real = getattr(kq, name)
         monkeypatch.setattr(kq, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
-    got, got_logits = _greedy(fused)
+    got, got_logits = _greedy(fused, steps=6)
     # 18 prompt tokens, then 2-token decode steps: all fused, bf16 routed in the call
     assert calls == ["moe_q_routed" if dtype == "bfloat16" else "moe_q"] * (6 * len(layers))
     ref = runner()
     for m in _moe_layers(ref):
         m.experts.qkernels = None
     calls.clear()
-    want, want_logits = _greedy(ref)
+    want, want_logits = _greedy(ref, steps=6)
     assert not calls
     if dtype == "float32":
         assert got == want

@@ -15,27 +15,11 @@ from moed.model.executor import Routing
 from moed.model.kernels import quant as kq
 from moed.model.moe import LocalExperts
 from moed.model.quant.actquant import qdot_reference, quantize_rows
-from moed.model.quant.weight import QuantWeight, pack_int4
+from moed.model.quant.weight import QuantWeight
 
 from conftest import isa_params     # tests/unit/model/conftest.py
+from test_quant_kernels import _weight   # random int8 / int4 weights, every code
 from torch_threads import threads   # tests/unit/model/torch_threads.py
-
-
-def _weight(fmt: str, n: int, k: int, group: int, asym: bool, seed: int) -> QuantWeight:
-    """A random int8 / int4 QuantWeight with every code of the format, random zero points when asym."""
-    g = torch.Generator().manual_seed(seed)
-    groups = -(-k // group)
-    scale = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
-    zero = None
-    if fmt == "int8":
-        data = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-        if asym:
-            zero = torch.randint(-20, 20, (n, groups), generator=g, dtype=torch.int8)
-    else:
-        data = pack_int4(torch.randint(0, 16, (n, k), generator=g))
-        if asym:
-            zero = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8)
-    return QuantWeight(fmt, data, scale, zero, group, k)
 
 
 @pytest.fixture(autouse=True)
