@@ -76,7 +76,8 @@ def canary_cluster(tiny_qwen3, tmp_path_factory):
 
     conf = d / "router.toml"
     conf.write_text(ROUTER.format(port=g["R"], seed=g["A"], key_env=KEY_ENV, share=SHARE))
-    servers = {}
+    servers: dict = {}
+    ctx: dict = {}
     try:
         servers["A"] = node("A", "colocated", "base")
         servers["B"] = node("B", "colocated", "next")
@@ -84,10 +85,13 @@ def canary_cluster(tiny_qwen3, tmp_path_factory):
                                     env={KEY_ENV: key, "MOED_SERVER_NODE_NAME": "R"})
         for s in servers.values():
             _wait_ready(s, "/ready", time.monotonic() + 150)
-        yield {**servers, "_node": node, "_conf": conf, "_gossip": g, "_key": key}
+        ctx = {**servers, "_node": node, "_conf": conf, "_gossip": g, "_key": key}
+        yield ctx
     finally:
-        for s in servers.values():
-            s.stop(timeout=10)
+        # the nodes a test adds to the context (the failing canary C) are stopped too
+        for name, s in {**ctx, **servers}.items():
+            if not name.startswith("_"):
+                s.stop(timeout=10)
 
 
 def _alive(router, names: set[str]) -> bool:
