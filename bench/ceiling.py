@@ -21,7 +21,7 @@ def best_of(fn, repeats: int, min_s: float = 0.0) -> float:
 def ceiling(repeats: int, kernels=None, rows: int = 4096) -> dict:
     """The bf16 matmul rate: a [rows, 4096] x [4096, 4096] bf16 matmul through torch (oneDNN),
     best of `repeats`; with `kernels` (moed's CPU kernels) also a [1024, 4096] x [4096, 4096]
-    native call, and the higher of the two is the ceiling (a call stretched by another process
+    native call (fewer rows when `rows` is smaller), and the higher of the two is the ceiling (a call stretched by another process
     only lowers a figure, so the higher one is nearer the machine's own). rows=1024 gives both
     probes the same shape, a quarter of the work: on a CPU without AVX512-BF16 torch's bf16
     matmul converts element by element and a 4096^3 product takes seconds."""
@@ -31,9 +31,10 @@ def ceiling(repeats: int, kernels=None, rows: int = 4096) -> dict:
     out = {"shape": [rows, 4096, 4096], "seconds": t, "torch_flop_s": 2 * rows * 4096 ** 2 / t}
     out["flop_s"] = out["torch_flop_s"]
     if kernels is not None:
-        x, wp = a[:1024].contiguous(), kernels.pack(b)
+        nr = min(rows, 1024)
+        x, wp = a[:nr].contiguous(), kernels.pack(b)
         tn = best_of(lambda: kernels.linear_bf16(x, wp, 4096), max(repeats, 3))
-        out["native_flop_s"] = 2 * 1024 * 4096 ** 2 / tn
+        out["native_flop_s"] = 2 * nr * 4096 ** 2 / tn
         out["flop_s"] = max(out["flop_s"], out["native_flop_s"])
     return out
 

@@ -360,6 +360,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128, help="decode runs' prompt length")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--probe-rows", type=int, default=1024, help="rows of the compute-ceiling probe "
+                    "([rows, 4096] x [4096, 4096] bf16; fewer is quicker and reads lower)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds")
     ap.add_argument("--quant", default="bf16", choices=sorted(QUANT_PEERS),
                     help="moed's weight format and llama.cpp's (bf16, int8 vs Q8_0, int4 vs Q4_K_M)")
@@ -379,6 +381,8 @@ def main() -> int:
     a = ap.parse_args()
     if not a.llama_cpp and not a.vllm:
         ap.error("give --llama-cpp DIR, --vllm PY, or both")
+    if not 1 <= a.probe_rows <= 4096:
+        ap.error("--probe-rows must be in 1..4096")
     if a.serve_rounds < 1:
         ap.error("--serve-rounds must be >= 1")
     if a.vllm and a.quant != "bf16":
@@ -414,7 +418,7 @@ def main() -> int:
     from moed.model.hf_config import load_spec
     from moed.model.kernels import cpu_kernels
     bandwidth = memory_bandwidth(a.threads)
-    flop_s = ceiling(3, cpu_kernels(), rows=1024)["flop_s"]   # both probes 1024 x 4096 x 4096
+    flop_s = ceiling(3, cpu_kernels(), rows=a.probe_rows)["flop_s"]   # both probes rows x 4096 x 4096
     spec = load_spec(model_dir)
     print(f"machine: memory {bandwidth / 1e9:.1f} GB/s (copy, {a.threads} threads), bf16 matmul "
           f"{flop_s / 1e9:.0f} GFLOP/s", flush=True)

@@ -34,7 +34,7 @@ def test_peers_runs_the_tools_and_writes_ratios(tiny_qwen3, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--llama-cpp",
                         str(tmp_path / "build"), "--gguf", str(gguf), "--model", str(tiny_qwen3),
                         "--batches", "1,8", "--prefill", "512", "--prompt", "16", "--new", "4",
-                        "--threads", "1", "--repeats", "2", "--out", str(out)],
+                        "--threads", "1", "--repeats", "2", "--probe-rows", "64", "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     d = json.loads(out.read_text())
@@ -69,7 +69,7 @@ def test_peers_quant_requantizes_for_llama_and_quantizes_moed(tiny_qwen3, tmp_pa
     cmd = [sys.executable, str(ROOT / "bench" / "peers.py"), "--llama-cpp", str(tmp_path / "build"),
            "--gguf", str(gguf), "--model", str(tiny_qwen3), "--quant", "int4", "--batches", "1",
            "--prefill", "512", "--prompt", "16", "--new", "4", "--threads", "1", "--repeats", "1",
-           "--out", str(out)]
+           "--probe-rows", "64", "--out", str(out)]
     for _ in range(2):
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
