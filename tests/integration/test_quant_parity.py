@@ -15,6 +15,7 @@ the tensor or key, exit 2, before any weight is read.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 import os
 import subprocess
 import sys
@@ -151,7 +152,8 @@ def test_bad_quantized_checkpoints_refused_in_one_line(make_checkpoint, tmp_path
         "int4 on an fp8 checkpoint": ([fp8("requant"), "--quantization", "int4"],
                                       "model.quantization: int4 asked, but the checkpoint is already quantized"),
     }
-    for case, (argv, says) in cases.items():
-        for cmd in ("serve", "check-config"):
-            rc, line = _error([cmd, "--model", str(argv[0]), *argv[1:]])
-            assert rc == 2 and line.startswith("moed: config error: ") and says in line, (case, cmd, line)
+    runs = [(case, cmd, argv, says) for case, (argv, says) in cases.items() for cmd in ("serve", "check-config")]
+    with ThreadPoolExecutor(4) as pool:      # ten CLI starts, mostly imports: two at a time per core
+        got = list(pool.map(lambda r: _error([r[1], "--model", str(r[2][0]), *r[2][1:]]), runs))
+    for (case, cmd, _, says), (rc, line) in zip(runs, got):
+        assert rc == 2 and line.startswith("moed: config error: ") and says in line, (case, cmd, line)
