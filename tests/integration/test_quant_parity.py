@@ -15,10 +15,10 @@ the tensor or key, exit 2, before any weight is read.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -340,11 +341,15 @@ def _refusals(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], dict[st
 def test_check_config_refuses_what_serve_refuses_in_the_same_words(tmp_path, tiny_qwen3):
     base = {k: v for k, v in os.environ.items() if not k.startswith("MOED_")}
     base["OMP_NUM_THREADS"] = "1"
-    for case, (argv, env, says) in _refusals(tmp_path, tiny_qwen3).items():
-        env = {**base, **env}
-        # serve on a free port of loopback, in case it did not refuse
-        served = _error_line(["serve", *argv, "--port", "0"], env)
-        checked = _error_line(["check-config", *argv, "--port", "0"], env)
+    cases = _refusals(tmp_path, tiny_qwen3)
+    # serve on a free port of loopback, in case it did not refuse; the CLI starts (mostly
+    # imports) four at a time
+    runs = [(cmd, case) for case in cases for cmd in ("serve", "check-config")]
+    with ThreadPoolExecutor(4) as pool:
+        got = dict(zip(runs, pool.map(lambda r: _error_line(
+            [r[0], *cases[r[1]][0], "--port", "0"], {**base, **cases[r[1]][1]}), runs)))
+    for case, (_, _, says) in cases.items():
+        served, checked = got["serve", case], got["check-config", case]
         assert served == checked, case
         assert served[0] == 2 and served[1].startswith("moed: config error: ") and \
             says in served[1], (case, served)
