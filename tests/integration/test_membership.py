@@ -10,7 +10,7 @@ import socket
 import statistics
 import time
 
-from moed_server import ServerProcess, free_port
+from moed_server import ServerProcess, _wait_ready, free_port
 
 KEY_ENV = "CLUSTER_KEY_HEX"
 
@@ -49,11 +49,13 @@ def test_real_nodes_join_detect_crash_leave_and_restart(moed_server) -> None:
     gossip = [free_port() for _ in range(4)]
     names = [f"node{i}" for i in range(4)]
 
-    def start(i: int) -> ServerProcess:
+    def start(i: int, wait: str | None = "ready") -> ServerProcess:
         return moed_server(role="router", args=["--node-name", names[i]],
-                           env=_env(gossip[i], gossip[0], key), ready_timeout=30)
+                           env=_env(gossip[i], gossip[0], key), ready_timeout=30, wait=wait)
 
-    nodes = [start(i) for i in range(4)]
+    nodes = [start(i, wait=None) for i in range(4)]     # the four start at once
+    for n in nodes:
+        _wait_ready(n, "/ready", time.monotonic() + 30, started=True)
     joined = _wait(lambda: all(sum(m["state"] == "alive" for m in _cluster(n).values()) == 4
                                for n in nodes), 15.0)
     assert joined is not None, [_cluster(n) for n in nodes]
