@@ -14,8 +14,8 @@ import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
 from moed.engine.drafts.gate import (DRAFT_MARGIN, EMA_WEIGHT, EXPLORE_BUDGET, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN,
-                                     MIN_SAMPLES, SPIKE, Arm, ClassState, StepGate, Why, decide, observe, seeded,
-                                     size_class)
+                                     MIN_SAMPLES, SPIKE, SPREAD_MARGIN, Arm, ClassState, StepGate, Why, decide,
+                                     observe, seeded, size_class, spread)
 from moed.engine.engine import Engine
 from moed.model.batch import ForwardBatch
 from moed.model.runner import ModelRunner
@@ -180,6 +180,29 @@ def test_classes_are_measured_apart():
     assert g.choose(1) == (True, Why.WINNER)
     assert g.choose(16) == (False, Why.WINNER)
 
+
+
+@pytest.mark.parametrize("gain", [1.10, 1.20])
+def test_a_class_of_several_rows_wants_drafting_further_ahead(gain):
+    """Drafting 10% ahead runs alone (one row: no tail) but not beside other rows: there it
+    spreads the rows' progress and a closed batch pays a tail no step shows (SPREAD_MARGIN);
+    20% ahead it runs there too, and keeps running down to the spread margin, not to a tie."""
+    assert 1 + DRAFT_MARGIN < 1.10 < (1 + DRAFT_MARGIN) * (1 + SPREAD_MARGIN) < 1.20
+    assert spread(size_class(1)) == 0.0 and spread(size_class(2)) == SPREAD_MARGIN
+    g = StepGate()
+    for _ in range(3 * MIN_SAMPLES + 10):
+        for rows in (1, 16):
+            d, _ = g.choose(rows)
+            g.observe(rows, d, 16 * gain if d else 16, 1.0)
+    assert g.choose(1) == (True, Why.WINNER)
+    assert g.choose(16) == (gain > 1.15, Why.WINNER)
+    if gain > 1.15:     # the lead falls to 12%: still ahead of plain with the tail
+        for _ in range(8):
+            g.observe(16, True, 16 * 1.12, 1.0)
+        assert g.choose(16) == (True, Why.WINNER)
+        for _ in range(8):                  # 8%: behind plain with the tail
+            g.observe(16, True, 16 * 1.08, 1.0)
+        assert g.choose(16) == (False, Why.WINNER)
 
 
 def _warm(g: StepGate, rows: int, draft_wins: bool, steps: int = 3 * MIN_SAMPLES + 4) -> None:
