@@ -68,6 +68,13 @@ DRAFT_MARGIN = 0.05     # drafting wins when its rate is this much above plain's
 # length, so the share does not shrink with longer requests). One row has no tail.
 SPREAD_MARGIN = 0.10
 SPIKE = 4.0
+# tokens per step: the run's plain mean up to TOKEN_STEPS measured steps, then an EMA of weight
+# 1 / TOKEN_STEPS (seconds: up to MIN_SAMPLES, then EMA_WEIGHT). A drafting step's tokens are a
+# draw (each draft accepted or not: 1 or 2 tokens at batch 1, 75/25), so with the seconds'
+# weights two or three rejections in a row flipped batch 1 to plain, and its exploration runs'
+# 2-3 measured steps rarely won it back (demo model, mtp, held-out, batch 1: plain ran ~90% of
+# a third round's steps, drafting steps 20-40% ahead of plain ones step for step).
+TOKEN_STEPS = 16
 
 
 class Why(enum.Enum):
@@ -79,7 +86,7 @@ class Why(enum.Enum):
 
 @dataclass(frozen=True)
 class Arm:
-    tokens: float = 0.0     # EMA of emitted tokens per measured step
+    tokens: float = 0.0     # average of emitted tokens per measured step (TOKEN_STEPS long)
     seconds: float = 0.0    # EMA of seconds per measured step
     samples: int = 0
 
@@ -181,7 +188,8 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     step after a switch of arms is not measured (the switch's cost is neither arm's: an MTP
     draft is made a step before it is verified, so a draft run's first step has none). The
     run's first measured step replaces the arm's averages, its next ones make them the run's
-    plain mean (up to MIN_SAMPLES steps), later ones move them by EMA_WEIGHT; each step's
+    plain mean (up to MIN_SAMPLES steps; tokens up to TOKEN_STEPS), later ones move them by
+    EMA_WEIGHT (tokens by 1 / TOKEN_STEPS); each step's
     seconds capped at SPIKE times the arm's average (a step slowed by another process on the
     cores must not decide alone)."""
     if s.last is not None and drafted != s.last:
@@ -190,7 +198,8 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     mine = s.seeded[0 if drafted else 1]    # its figures are a neighbour's: no cap from them
     w = 1.0 / n if n <= MIN_SAMPLES else EMA_WEIGHT
     sec = max(seconds, 0.0) if a.samples == 0 or mine else min(max(seconds, 0.0), SPIKE * a.seconds)
-    a = Arm((1 - w) * a.tokens + w * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
+    wt = 1.0 / min(n, TOKEN_STEPS)
+    a = Arm((1 - wt) * a.tokens + wt * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
     s = replace(s, last=drafted, run=n)
     s = replace(s, draft=a, seeded=(False, s.seeded[1])) if drafted else \
         replace(s, plain=a, seeded=(s.seeded[0], False))
