@@ -68,12 +68,14 @@ DRAFT_MARGIN = 0.05     # drafting wins when its rate is this much above plain's
 # length, so the share does not shrink with longer requests). One row has no tail.
 SPREAD_MARGIN = 0.10
 SPIKE = 4.0
-# tokens per step: the run's plain mean up to TOKEN_STEPS measured steps, then an EMA of weight
-# 1 / TOKEN_STEPS (seconds: up to MIN_SAMPLES, then EMA_WEIGHT). A drafting step's tokens are a
-# draw (each draft accepted or not: 1 or 2 tokens at batch 1, 75/25), so with the seconds'
-# weights two or three rejections in a row flipped batch 1 to plain, and its exploration runs'
-# 2-3 measured steps rarely won it back (demo model, mtp, held-out, batch 1: plain ran ~90% of
-# a third round's steps, drafting steps 20-40% ahead of plain ones step for step).
+# tokens per step: a run starts from the arm's last figure counted as TOKEN_PRIOR steps (not
+# over: a drafting step's tokens are a draw, each draft accepted or not, 1 or 2 at batch 1),
+# then its plain mean up to TOKEN_STEPS steps, then an EMA of weight 1 / TOKEN_STEPS (seconds,
+# measured not drawn: each run starts over, up to MIN_SAMPLES, then EMA_WEIGHT). With the
+# seconds' weights for tokens one rejected first step of a run, or two or three in a row,
+# handed batch 1 to plain for the next period, doubled each time (demo model, mtp, batch 1:
+# plain ran ~90% of a bench round's steps while drafting steps were 20-40% ahead).
+TOKEN_PRIOR = 4
 TOKEN_STEPS = 16
 
 
@@ -188,9 +190,9 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     step after a switch of arms is not measured (the switch's cost is neither arm's: an MTP
     draft is made a step before it is verified, so a draft run's first step has none). The
     run's first measured step replaces the arm's averages, its next ones make them the run's
-    plain mean (up to MIN_SAMPLES steps; tokens up to TOKEN_STEPS), later ones move them by
-    EMA_WEIGHT (tokens by 1 / TOKEN_STEPS); each step's
-    seconds capped at SPIKE times the arm's average (a step slowed by another process on the
+    plain mean (up to MIN_SAMPLES steps), later ones move them by EMA_WEIGHT (tokens, a draw:
+    from the arm's last figure as TOKEN_PRIOR steps, over TOKEN_STEPS); each step's seconds
+    capped at SPIKE times the arm's average (a step slowed by another process on the
     cores must not decide alone)."""
     if s.last is not None and drafted != s.last:
         return replace(s, last=drafted, run=0)
@@ -198,7 +200,7 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     mine = s.seeded[0 if drafted else 1]    # its figures are a neighbour's: no cap from them
     w = 1.0 / n if n <= MIN_SAMPLES else EMA_WEIGHT
     sec = max(seconds, 0.0) if a.samples == 0 or mine else min(max(seconds, 0.0), SPIKE * a.seconds)
-    wt = 1.0 / min(n, TOKEN_STEPS)
+    wt = 1.0 / min(n + (0 if a.samples == 0 or mine else TOKEN_PRIOR), TOKEN_STEPS)
     a = Arm((1 - wt) * a.tokens + wt * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
     s = replace(s, last=drafted, run=n)
     s = replace(s, draft=a, seeded=(False, s.seeded[1])) if drafted else \

@@ -14,7 +14,7 @@ import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
 from moed.engine.drafts.gate import (DRAFT_MARGIN, EMA_WEIGHT, EXPLORE_BUDGET, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN,
-                                     MIN_SAMPLES, SPIKE, SPREAD_MARGIN, TOKEN_STEPS, Arm, ClassState, StepGate, Why, decide,
+                                     MIN_SAMPLES, SPIKE, SPREAD_MARGIN, TOKEN_PRIOR, TOKEN_STEPS, Arm, ClassState, StepGate, Why, decide,
                                      observe, seeded, size_class, spread)
 from moed.engine.engine import Engine
 from moed.model.batch import ForwardBatch
@@ -220,6 +220,14 @@ def test_a_few_rejections_in_a_row_do_not_hand_batch_1_to_plain():
     for _ in range(3):
         s = observe(s, True, 1, 1.5)
         assert decide(s)[:2] == (True, Why.WINNER)
+    # a plain run, then a drafting run whose first measured step is a rejection: the run
+    # starts from the arm's last figure (TOKEN_PRIOR steps' worth), not from that one draw
+    before = s.draft.tokens
+    for d in (False,) * 5 + (True,):
+        s = observe(s, d, 1, 1.0 if not d else 1.5)     # (the first after a switch: unmeasured)
+    s = observe(s, True, 1, 1.5)
+    assert s.draft.tokens == pytest.approx((TOKEN_PRIOR * before + 1) / (TOKEN_PRIOR + 1))
+    assert decide(s)[0]
 
 
 def _warm(g: StepGate, rows: int, draft_wins: bool, steps: int = 3 * MIN_SAMPLES + 4) -> None:
