@@ -74,7 +74,7 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
             runner.mtp_exchanges(passes)
             return {}, d
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
-    next_ids, keep, depth, final = [], [], [], []
+    next_ids, keep, depth, wait = [], [], [], []
     bs = runner.block_size
     for i, c in enumerate(plan.chunks):
         r, n = c.request, len(batch.token_ids[i])
@@ -93,8 +93,12 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         # this step's tokens leave it one to emit or none (a closed batch's last steps)
         left = r.params.max_tokens - r.num_output_tokens - (keep[-1] if c.draft else 1) - 1
         chain = 1 if r.prefill_only else min(k, room, left)
-        depth.append(chain if c.sample and drafting and chain > 0 else 0)
-        final.append(left <= 0)     # no later step drafts either: its entry may wait unwritten
+        # paused (propose.observe: its drafts were a loss): its next step drops any draft
+        # made now, so none is made; a closed batch's straggler is often such a row
+        paused = r.acceptance is not None and r.acceptance.skip > 0
+        depth.append(chain if c.sample and drafting and chain > 0 and not paused else 0)
+        # no draft reads its entry before a later write: it may wait unwritten
+        wait.append(left <= 0 or paused)
     if backlog is None:
         mb, rows = mtp_inputs(batch, next_ids, keep)
         if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
@@ -102,7 +106,7 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         out = runner.draft_mtp(mb, hidden, depth, passes)
         return {c.request.request_id: tuple(out[i])
                 for i, c in enumerate(plan.chunks) if out[i]}, None
-    p = backlog.pass_inputs(batch, plan.chunks, hidden, next_ids, keep, depth, drafting, final)
+    p = backlog.pass_inputs(batch, plan.chunks, hidden, next_ids, keep, depth, drafting, wait)
     if p.batch is None:         # every row waits: the group's exchanges only
         runner.mtp_exchanges(passes)
         return {}, p.deferral

@@ -138,7 +138,7 @@ class MTPLayer:
         cos, sin = rotary.tables(positions, max_pos)
         h, delta = self.block(x, None, cos, sin, backend, kv_layer, rows)
         x, out = add_rms_norm(h, delta, self.head_norm, self.eps, self.kernels)
-        return self.head(x).float().argmax(-1), out
+        return self.head(x).argmax(-1), out     # argmax needs no fp32 copy: the same index
 
     def empty_step(self) -> None:
         """Expert parallelism, a rank whose step does not run this layer in full while a peer's

@@ -316,12 +316,14 @@ class ModelRunner:
         first = None
         if len(q) == n:      # one row each, all drafting: one pass, as forward_mtp
             x, ent = self.mtp._input(hidden, input_ids), None
-        elif len(q) == len(depth) and max(len(t) for t in batch.token_ids) <= MTP_ONE_PASS_ROWS:
-            # every sequence drafts after a short chunk (a verify step's kept rows): one pass
-            # on this plan, attention on every row (its entries), MoE and head on the last rows
-            # only; a second pass's plan, inputs and entry writes cost ~20% of the demo's pass
+        elif q and max(len(t) for t in batch.token_ids) <= MTP_ONE_PASS_ROWS:
+            # short chunks only (a verify step's kept rows, a held decoding row's entry): one
+            # pass on this plan, attention on every row (its entries), MoE and head on the
+            # drafting sequences' last rows only; a second pass's plan, inputs and entry
+            # writes cost ~20% of the demo's pass at batch 1
             x, ent = self.mtp._input(hidden, input_ids), None
-            sel = torch.tensor(list(accumulate(len(t) for t in batch.token_ids)), device=x.device) - 1
+            ends = list(accumulate(len(t) for t in batch.token_ids))
+            sel = torch.tensor([ends[i] - 1 for i in q], device=x.device)
             first = self.mtp.draft(x, positions, max_pos, self.model.rotary, self.backend, kv, sel)
         else:
             x, ent = self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary,

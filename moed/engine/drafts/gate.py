@@ -32,7 +32,9 @@ period whose run costs at most EXPLORE_BUDGET of it (a run's EXPLORE_RUN + 1 los
 lose the time the winner would have taken less for their tokens: a drafting step that takes
 twice a plain step's time for as many tokens loses one plain step a step, so 64 -> 250 instead
 of 128; a bandit explores an arm the less, the farther behind it is); a period that ends with the arm its run explored as the winner starts the periods over
-at EXPLORE_EVERY. A new class first
+at EXPLORE_EVERY. In a class of two rows or more drafting must also stay SPREAD_MARGIN ahead,
+always (`spread`): it spreads the rows' progress, and a batch that ends together without drafts
+ends in a tail of ever smaller steps with them, a cost no measured step shows. A new class first
 runs each arm for MIN_SAMPLES measured steps, drafts first, unless a larger class has both
 arms measured: then it is seeded from the nearest such class (`seeded`), its verdict and the
 ratio of its arms' rates, and runs that verdict at once. A closed batch's tail passes through
@@ -58,7 +60,23 @@ EXPLORE_RUN = 4
 EXPLORE_CAP = 4 * EXPLORE_RUN  # the most decisions a run may take to measure its steps
 EXPLORE_BUDGET = 0.02   # the share of a period a confirmed loser's run may lose, at most
 DRAFT_MARGIN = 0.05     # drafting wins when its rate is this much above plain's
+# ... and, in a class of 2 rows or more, this much more, always (not a hysteresis): drafting
+# spreads the rows' progress (a request whose drafts keep failing, paused, falls behind), so a
+# batch that ends together without drafts ends in a tail of ever smaller steps with them,
+# which no measured step of the class shows: 12.6% of a batch-16 mtp run's time on the demo
+# model (edit prompts, 64 tokens, every step drafting; the straggler's lag grows with its
+# length, so the share does not shrink with longer requests). One row has no tail.
+SPREAD_MARGIN = 0.10
 SPIKE = 4.0
+# tokens per step: a run starts from the arm's last figure counted as TOKEN_PRIOR steps (not
+# over: a drafting step's tokens are a draw, each draft accepted or not, 1 or 2 at batch 1),
+# then its plain mean up to TOKEN_STEPS steps, then an EMA of weight 1 / TOKEN_STEPS (seconds,
+# measured not drawn: each run starts over, up to MIN_SAMPLES, then EMA_WEIGHT). With the
+# seconds' weights for tokens one rejected first step of a run, or two or three in a row,
+# handed batch 1 to plain for the next period, doubled each time (demo model, mtp, batch 1:
+# plain ran ~90% of a bench round's steps while drafting steps were 20-40% ahead).
+TOKEN_PRIOR = 4
+TOKEN_STEPS = 16
 
 
 class Why(enum.Enum):
@@ -70,7 +88,7 @@ class Why(enum.Enum):
 
 @dataclass(frozen=True)
 class Arm:
-    tokens: float = 0.0     # EMA of emitted tokens per measured step
+    tokens: float = 0.0     # average of emitted tokens per measured step (TOKEN_STEPS long)
     seconds: float = 0.0    # EMA of seconds per measured step
     samples: int = 0
 
@@ -102,15 +120,21 @@ def size_class(rows: int) -> int:
     return max(rows - 1, 0).bit_length()
 
 
-def decide(s: ClassState) -> tuple[bool, Why, ClassState]:
-    """(draft this step?, why, the state with its clock advanced)."""
+def spread(c: int) -> float:
+    """The margin drafting must keep over plain in class c for the tail it causes."""
+    return SPREAD_MARGIN if c > 0 else 0.0
+
+
+def decide(s: ClassState, spread: float = 0.0) -> tuple[bool, Why, ClassState]:
+    """(draft this step?, why, the state with its clock advanced); spread: the class's
+    `spread` margin."""
     if s.draft.samples < MIN_SAMPLES:
         return True, Why.WARMUP, s
     if s.plain.samples < MIN_SAMPLES:
         return False, Why.WARMUP, s
     # drafting takes over by the margin and keeps the lead down to a tie (hysteresis: a rate
     # inside the margin flips nothing either way)
-    winner = s.draft.rate >= (1.0 if s.won else 1 + DRAFT_MARGIN) * s.plain.rate
+    winner = s.draft.rate >= (1.0 if s.won else 1 + DRAFT_MARGIN) * (1 + spread) * s.plain.rate
     s = replace(s, won=winner)
     start = s.every - EXPLORE_RUN   # the decision the period's run begins at
     # a run ends once it has measured EXPLORE_RUN - 1 steps of its arm (the first after the
@@ -166,8 +190,9 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     step after a switch of arms is not measured (the switch's cost is neither arm's: an MTP
     draft is made a step before it is verified, so a draft run's first step has none). The
     run's first measured step replaces the arm's averages, its next ones make them the run's
-    plain mean (up to MIN_SAMPLES steps), later ones move them by EMA_WEIGHT; each step's
-    seconds capped at SPIKE times the arm's average (a step slowed by another process on the
+    plain mean (up to MIN_SAMPLES steps), later ones move them by EMA_WEIGHT (tokens, a draw:
+    from the arm's last figure as TOKEN_PRIOR steps, over TOKEN_STEPS); each step's seconds
+    capped at SPIKE times the arm's average (a step slowed by another process on the
     cores must not decide alone)."""
     if s.last is not None and drafted != s.last:
         return replace(s, last=drafted, run=0)
@@ -175,7 +200,8 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     mine = s.seeded[0 if drafted else 1]    # its figures are a neighbour's: no cap from them
     w = 1.0 / n if n <= MIN_SAMPLES else EMA_WEIGHT
     sec = max(seconds, 0.0) if a.samples == 0 or mine else min(max(seconds, 0.0), SPIKE * a.seconds)
-    a = Arm((1 - w) * a.tokens + w * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
+    wt = 1.0 / min(n + (0 if a.samples == 0 or mine else TOKEN_PRIOR), TOKEN_STEPS)
+    a = Arm((1 - wt) * a.tokens + wt * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
     s = replace(s, last=drafted, run=n)
     s = replace(s, draft=a, seeded=(False, s.seeded[1])) if drafted else \
         replace(s, plain=a, seeded=(s.seeded[0], False))
@@ -191,7 +217,7 @@ class StepGate:
     def choose(self, rows: int) -> tuple[bool, Why]:
         """Whether a step with `rows` decoding rows may draft, and why."""
         c = size_class(rows)
-        draft, why, self.classes[c] = decide(self._state(c))
+        draft, why, self.classes[c] = decide(self._state(c), spread(c))
         return draft, why
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:

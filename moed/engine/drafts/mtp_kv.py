@@ -20,10 +20,14 @@ steps held (~60 us per held step of 16 rows). The rules:
   blocks may be another request's by now), and its rows go at the next write;
 - only decoding rows wait (one token, sampled, not a prefill-only request's: a prefill node
   sends the prompt's KV with the MTP layer's; prompt chunks write theirs at once);
-- a decoding row whose request will draft no more (`final`: its next steps could verify no
-  draft, max_tokens or the context is near) waits even in a step that writes: no draft ever
-  reads its entry, and its request finishes within two steps, dropping it. A closed batch's
-  tail is such rows, and each drafting step there ran the MTP pass for them;
+- a decoding row whose request makes no draft next step waits even in a step that writes
+  (`wait`): one that will draft no more (its next steps could verify no draft, max_tokens or
+  the context is near: it finishes within two steps, dropping its entries), or one paused for
+  its acceptance (moed.engine.drafts.propose.observe: its entries go with the write of the
+  step it drafts again). A closed batch's tail is such rows: its straggler is often a paused
+  request alone, and each of its steps ran the MTP pass for a draft it then dropped;
+- a step writes only when one of its rows drafts (or MAX_STEPS steps are held): a step the
+  switch lets draft whose rows all wait runs no pass, as a plain step;
 - expert parallelism: a KV-only write makes no MoE exchange, so deferring changes nothing in
   what the group agrees (a step still makes Verdict.mtp_passes empty exchanges).
 Memory: at most MAX_STEPS hidden states per decoding request (DeepSeek-V3: 14 KB each).
@@ -161,15 +165,16 @@ class MTPBacklog:
     def pass_inputs(self, batch: ForwardBatch, chunks: Sequence[ScheduledChunk],
                     hidden: torch.Tensor, next_ids: list[int], keep: list[int],
                     depth: list[int], drafting: bool,
-                    final: Sequence[bool] | None = None) -> MTPPass:
+                    wait: Sequence[bool] | None = None) -> MTPPass:
         """A step's MTP pass (the executor's; reads the backlog, changes nothing): which of its
         sequences (mtp.mtp_inputs' next ids, kept positions and depths) run now and which wait,
-        and whether everything held is written with it: when the step drafts or MAX_STEPS
-        steps are held. (A row that cannot wait is written at once, whatever its request
-        holds: an entry is written by position, read only by a draft.) final[i]: sequence
-        i's request drafts no more; its decoding row waits even when the step writes."""
-        write = drafting or self.steps >= self.max_steps
-        fin = final or [False] * len(chunks)
+        and whether everything held is written with it: when a row of the step drafts or
+        MAX_STEPS steps are held. (A row that cannot wait is written at once, whatever its
+        request holds: an entry is written by position, read only by a draft.) wait[i]:
+        sequence i's request makes no draft before a later write (it drafts no more, or it
+        is paused); its decoding row waits even when the step writes."""
+        write = (drafting and any(depth)) or self.steps >= self.max_steps
+        fin = wait or [False] * len(chunks)
         defer = [(not write or f) and deferrable(c) for c, f in zip(chunks, fin)]
         mb, rows = mtp_inputs(batch, next_ids, keep)
         ends = [0]

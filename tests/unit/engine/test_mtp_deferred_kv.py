@@ -253,16 +253,52 @@ def test_a_row_that_drafts_no_more_waits_even_when_the_step_writes():
     b = MTPBacklog()
     drafts, d = mtp_drafts(runner, plan, torch.zeros(1, 2), [0], [9], {}, 1, drafting=True,
                            passes=1, backlog=b)
-    assert drafts == {} and made == [1] and d.written and d.reqs == (a,)
+    # nothing drafts, nothing is written: held rows would wait too
+    assert drafts == {} and made == [1] and not d.written and d.reqs == (a,)
     b.apply(d)
     assert b.steps == 1 and a.mtp_pending_from == 18     # its blocks stay out of the cache
     # with rows held, the step writes them and its final row still waits
     c = _req("c", list(range(20)))
     p = b.pass_inputs(ForwardBatch([[7], [8]], [19, 18], [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]),
                       [ScheduledChunk(a, 1, True), ScheduledChunk(c, 1, True)], torch.ones(2, 2),
-                      [3, 4], [1, 1], [0, 1], drafting=True, final=[True, False])
+                      [3, 4], [1, 1], [0, 1], drafting=True, wait=[True, False])
     assert p.chunks == [1] and p.batch.start_pos == [18, 18] and p.depth == [1, 0]
     assert p.deferral.written and p.deferral.reqs == (a,) and p.deferral.starts == [19]
+
+def test_a_paused_row_makes_no_draft_and_waits():
+    # a request paused for its acceptance drops any draft made for its next step: none is
+    # made, and its entry waits for the write of a step that drafts
+    from moed.engine.drafts.propose import Acceptance
+    from moed.engine.speculate import mtp_drafts
+
+    made, ran = [], []
+    runner = SimpleNamespace(block_size=4, mtp_exchanges=made.append,
+                             draft_mtp=lambda mb, h, depth, passes: ran.append(depth) or [[5]])
+    a, c = _req("a", list(range(30))), _req("c", list(range(30)))
+    a.acceptance = Acceptance(0.1, skip=3)
+    plan = SimpleNamespace(batch=ForwardBatch([[7]], [18], [[0, 1, 2, 3, 4]]),
+                           chunks=(ScheduledChunk(a, 1, True),))
+    b = MTPBacklog()
+    drafts, d = mtp_drafts(runner, plan, torch.zeros(1, 2), [0], [9], {}, 1, drafting=True,
+                           passes=1, backlog=b)
+    assert drafts == {} and ran == [] and made == [1] and not d.written and d.reqs == (a,)
+    b.apply(d)
+    assert a.mtp_pending_from == 18
+    # beside a drafting row: that one runs (and writes a's held entry first), a waits again
+    plan = SimpleNamespace(batch=ForwardBatch([[9], [8]], [19, 18], [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]),
+                           chunks=(ScheduledChunk(a, 1, True), ScheduledChunk(c, 1, True)))
+    drafts, d = mtp_drafts(runner, plan, torch.zeros(2, 2), [0, 1], [3, 4], {}, 1, drafting=True,
+                           passes=1, backlog=b)
+    assert drafts == {"c": (5,)} and ran == [[1, 0]] and d.written and d.reqs == (a,)
+    b.apply(d)
+    assert a.mtp_pending_from == 19
+    a.acceptance = Acceptance(0.1, skip=0)      # its next step drafts: so does this one
+    plan = SimpleNamespace(batch=ForwardBatch([[3]], [20], [[0, 1, 2, 3, 4, 10]]),
+                           chunks=(ScheduledChunk(a, 1, True),))
+    drafts, d = mtp_drafts(runner, plan, torch.zeros(1, 2), [0], [4], {}, 1, drafting=True,
+                           passes=1, backlog=b)
+    assert drafts == {"a": (5,)} and ran[-1] == [1, 0] and d.written and d.hidden is None
+
 
 def test_a_rank_with_every_row_waiting_still_makes_the_groups_exchanges():
     from moed.engine.speculate import mtp_drafts

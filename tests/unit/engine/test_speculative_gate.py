@@ -14,8 +14,8 @@ import torch
 
 from moed.config import EngineConfig, SpeculativeConfig
 from moed.engine.drafts.gate import (DRAFT_MARGIN, EMA_WEIGHT, EXPLORE_BUDGET, EXPLORE_EVERY, EXPLORE_MAX, EXPLORE_RUN,
-                                     MIN_SAMPLES, SPIKE, Arm, ClassState, StepGate, Why, decide, observe, seeded,
-                                     size_class)
+                                     MIN_SAMPLES, SPIKE, SPREAD_MARGIN, TOKEN_PRIOR, TOKEN_STEPS, Arm, ClassState, StepGate, Why, decide,
+                                     observe, seeded, size_class, spread)
 from moed.engine.engine import Engine
 from moed.model.batch import ForwardBatch
 from moed.model.runner import ModelRunner
@@ -180,6 +180,54 @@ def test_classes_are_measured_apart():
     assert g.choose(1) == (True, Why.WINNER)
     assert g.choose(16) == (False, Why.WINNER)
 
+
+
+@pytest.mark.parametrize("gain", [1.10, 1.20])
+def test_a_class_of_several_rows_wants_drafting_further_ahead(gain):
+    """Drafting 10% ahead runs alone (one row: no tail) but not beside other rows: there it
+    spreads the rows' progress and a closed batch pays a tail no step shows (SPREAD_MARGIN);
+    20% ahead it runs there too, and keeps running down to the spread margin, not to a tie."""
+    assert 1 + DRAFT_MARGIN < 1.10 < (1 + DRAFT_MARGIN) * (1 + SPREAD_MARGIN) < 1.20
+    assert spread(size_class(1)) == 0.0 and spread(size_class(2)) == SPREAD_MARGIN
+    g = StepGate()
+    for _ in range(3 * MIN_SAMPLES + 10):
+        for rows in (1, 16):
+            d, _ = g.choose(rows)
+            g.observe(rows, d, 16 * gain if d else 16, 1.0)
+    assert g.choose(1) == (True, Why.WINNER)
+    assert g.choose(16) == (gain > 1.15, Why.WINNER)
+    if gain > 1.15:     # the lead falls to 12%: still ahead of plain with the tail
+        for _ in range(4 * TOKEN_STEPS):
+            g.observe(16, True, 16 * 1.12, 1.0)
+        assert g.choose(16) == (True, Why.WINNER)
+        for _ in range(4 * TOKEN_STEPS):    # 8%: behind plain with the tail
+            g.observe(16, True, 16 * 1.08, 1.0)
+        assert g.choose(16) == (False, Why.WINNER)
+
+
+def test_a_few_rejections_in_a_row_do_not_hand_batch_1_to_plain():
+    """Batch 1, mtp: a drafting step emits 2 tokens (accepted) or 1 (rejected) in 1.5 plain
+    steps' time, 1.75 on average: drafting is 17% ahead. Three rejections in a row are a draw,
+    not a change: drafting keeps running (each step's tokens count over TOKEN_STEPS steps)."""
+    n = [0]
+
+    def cost(d: bool) -> tuple[float, float]:
+        n[0] += d
+        return ((2 if n[0] % 4 else 1), 1.5) if d else (1, 1.0)     # 3 of 4 accepted
+
+    s, _ = _run_gate(ClassState(), 40, cost)
+    assert decide(s)[:2] == (True, Why.WINNER)
+    for _ in range(3):
+        s = observe(s, True, 1, 1.5)
+        assert decide(s)[:2] == (True, Why.WINNER)
+    # a plain run, then a drafting run whose first measured step is a rejection: the run
+    # starts from the arm's last figure (TOKEN_PRIOR steps' worth), not from that one draw
+    before = s.draft.tokens
+    for d in (False,) * 5 + (True,):
+        s = observe(s, d, 1, 1.0 if not d else 1.5)     # (the first after a switch: unmeasured)
+    s = observe(s, True, 1, 1.5)
+    assert s.draft.tokens == pytest.approx((TOKEN_PRIOR * before + 1) / (TOKEN_PRIOR + 1))
+    assert decide(s)[0]
 
 
 def _warm(g: StepGate, rows: int, draft_wins: bool, steps: int = 3 * MIN_SAMPLES + 4) -> None:

@@ -230,6 +230,36 @@ def test_a_verify_shaped_mtp_step_runs_one_pass(with_mtp, monkeypatch):
     assert calls == ["write_kv"]        # the 6-row chunk only
 
 
+def test_a_short_sequence_that_does_not_draft_joins_the_one_pass(with_mtp, monkeypatch):
+    """A sequence that only writes its entries (depth 0: a held row, a paused request's) beside
+    drafting ones, all short: still one pass, no separate entry writes; the entries and the
+    drafting sequences' drafts are the full pass's."""
+    d = with_mtp[0]
+    full, cheap = _runner(d, mtp=True), _runner(d, mtp=True)
+    seqs = _seqs(full.spec.vocab_size)
+    tables = [list(range(0, 8)), list(range(8, 16))]
+    layer = full.spec.num_layers
+    calls = []
+    write_kv = cheap.mtp.write_kv
+    monkeypatch.setattr(cheap.mtp, "write_kv", lambda *a: calls.append("write_kv") or write_kv(*a))
+    done = 0
+    for n, depth in ((6, [1, 1]), (2, [0, 1]), (1, [1, 0]), (3, [0, 2])):
+        batch = ForwardBatch([seqs["A"][done:done + n], seqs["B"][done:done + n]], [done, done], tables)
+        mb, rows = mtp_inputs(batch, [seqs["A"][done + n], seqs["B"][done + n]])
+        _, h = full.forward(batch, hidden=True)
+        logits = full.forward_mtp(mb, h.index_select(0, torch.tensor(rows)))
+        _, h2 = cheap.forward(batch, hidden=True)
+        drafts = cheap.draft_mtp(mb, h2.index_select(0, torch.tensor(rows)), depth)
+        done += n
+        assert [len(x) for x in drafts] == depth
+        assert all(x[0] == int(logits[i].argmax()) for i, x in enumerate(drafts) if x)
+        flat = [t.view(-1, t.shape[-1]) for t in (full.kv_cache[layer], cheap.kv_cache[layer])]
+        for t in tables:
+            slots = [t[p // BS] * BS + p % BS for p in range(done)]
+            assert torch.equal(flat[0][slots], flat[1][slots]), done
+    assert calls == ["write_kv"]        # the 6-row chunk only
+
+
 def test_hidden_is_the_main_models_after_its_final_norm(with_mtp):
     """forward(hidden=True) gives transformers' last_hidden_state (after model.norm): the h
     that the training code feeds its MTP module."""
