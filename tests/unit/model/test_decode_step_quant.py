@@ -12,6 +12,7 @@ import torch
 from moed.model import decode_step as ds
 from moed.model.runner import ModelRunner
 
+import quant_ckpt       # tests/quant_ckpt.py
 from test_decode_step import BS, _Counting, _decode_rounds, pytestmark  # noqa: F401 (the skips)
 from torch_threads import threads
 
@@ -60,6 +61,17 @@ def test_quantized_native_step_is_bitwise_the_layered_path(kern, make_checkpoint
 def test_quantized_step_on_every_variant(isa_kern, make_checkpoint):
     """int4 weights on int8 activations (the integer dots) on each kernel variant this CPU runs."""
     native, layered = _pair(make_checkpoint("qwen3_moe"), "int4", "int8", "int8")
+    _decode_rounds(native, layered, [3, BS + 2], steps=2)
+
+
+@pytest.mark.parametrize("method,opt", [("gptq", dict(group=32, symmetric=False)),
+                                        ("ct", dict(bits=8, group=32, symmetric=False, packed=False))],
+                         ids=["gptq-int4-zeros", "ct-int8-zeros"])
+def test_quantized_checkpoint_with_zero_points(kern, make_checkpoint, tmp_path, method, opt):
+    """A checkpoint's own asymmetric int4 / int8 weights (zero points) on int8 activations."""
+    quant_ckpt.make(make_checkpoint("qwen3_moe"), tmp_path / "q", tmp_path / "oracle", method, **opt)
+    native, layered = _pair(tmp_path / "q", "", "int8", "none")
+    assert native.model.layers[0].attn.qkv.quant.zero is not None
     _decode_rounds(native, layered, [3, BS + 2], steps=2)
 
 
