@@ -14,12 +14,12 @@ microsecond a call). Per decode step it prints:
   step      the engine's own StepStats step_seconds (schedule + forward + sample + update)
   forward   ModelRunner.forward (embedding, plan, layers, final norm, lm_head, fp32 logits)
   kernels   the sum over the kernel calls, each kernel's share beside it (native: one call,
-            decode_step_bf16, holding all of them)
+            decode_step, holding all of them)
   glue      forward - kernels: the torch ops and Python between the kernel calls
   plan      the attention backend's plan (inside forward), sample: the sampler (outside it)
 and the layered/native step ratio: what moving the glue into native code won. --quant runs the
-model quantized at load (model.quantization; the native step refuses it: layered only), its head
-per --lm-head (model.quantization_lm_head). JSON to bench/results/decode_profile.json.
+model quantized at load (model.quantization; both paths: the native step serves quantized
+weights), its head per --lm-head (model.quantization_lm_head). JSON to bench/results/decode_profile.json.
 """
 from __future__ import annotations
 

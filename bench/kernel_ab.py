@@ -43,8 +43,9 @@ from moed.model.sampler import argmax_rows  # noqa: E402
 def compile_variant(src: Path, out: Path, isa: str = "avx512bf16") -> Path:
     cc = K._compiler()
     flags = K.COMMON_CFLAGS + K.ISA_CFLAGS[isa]
-    # with the project's cpu_quant.c: the loader binds its moed_qlinear too
-    p = subprocess.run([cc, *flags, "-I", str(K.SOURCE.parent), "-o", str(out), str(src), str(K.QUANT_SOURCE), "-lm"],
+    # with the project's cpu_quant.c, cpu_qdot.c and cpu_step.c: the loader binds their calls too
+    p = subprocess.run([cc, *flags, "-I", str(K.SOURCE.parent), "-o", str(out), str(src),
+                        *map(str, (K.QUANT_SOURCE, K.QDOT_SOURCE, K.STEP_SOURCE)), "-lm"],
                        capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         raise SystemExit(f"compiling {src} failed:\n{p.stderr[-2000:]}")

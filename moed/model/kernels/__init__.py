@@ -6,8 +6,8 @@ once per row. These kernels do it in five calls per layer: `moe_bf16` (router, t
 weighted sum; each touched expert read once), `linear_bf16` (skinny matmuls on a packed weight),
 `decode_attn_bf16` (paged attention straight from the KV blocks; `prefill_attn_bf16` for
 prompts, blocked over queries), `rms_norm_bf16` (with the residual add) and `qk_norm_rope_bf16`;
-`moed_decode_step_bf16` strings them together over a whole decode step (decode_step.py);
-`moed_qlinear` and `moed_moe_q` (cpu_quant.c, kernels/quant.py): int8/int4/fp8 weights. x86-64
+`moed_qlinear` and `moed_moe_q` (cpu_quant.c, kernels/quant.py): int8/int4/fp8 weights;
+`moed_decode_step` (cpu_step.c) strings them together over a whole decode step (decode_step.py). x86-64
 CPUs only; the sources built per ISA variant (ISAS: avx512bf16; avx512, AVX512F/BW/VL without BF16,
 through cpu_avx512.h; avx2, AVX2 + FMA, through cpu_avx2.h; all bitwise the same results), the
 fastest this CPU runs picked at load from /proc/cpuinfo, or the one MOED_CPU_ISA names (layouts, numerics: the C files).
@@ -42,10 +42,10 @@ from moed.model.kernels.quant import bind as bind_quant
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_bf16.c")
-# compiled into the same .so: quantized-weight matmuls (int8 / int4 / fp8) and their integer-dot
-# path for int8 activations (model.quantization_activations); see the files
-QUANT_SOURCE, QDOT_SOURCE = Path(__file__).with_name("cpu_quant.c"), Path(__file__).with_name("cpu_qdot.c")
-HEADERS = (*(Path(__file__).with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h")), QUANT_SOURCE, QDOT_SOURCE)
+# compiled into the same .so: quantized-weight matmuls (int8 / int4 / fp8), their integer-dot path
+# for int8 activations (model.quantization_activations), the decode step over all of them
+QUANT_SOURCE, QDOT_SOURCE, STEP_SOURCE = (SOURCE.with_name(f) for f in ("cpu_quant.c", "cpu_qdot.c", "cpu_step.c"))
+HEADERS = (*(SOURCE.with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h")), QUANT_SOURCE, QDOT_SOURCE, STEP_SOURCE)
 # No -march=native: a cached .so must run on any CPU of its variant that shares the cache.
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 # -ffp-contract=off: no multiply-add fused unless the source spells it (the variants would part).
@@ -64,7 +64,7 @@ ISA_NEEDS: dict[str, frozenset[str]] = {
 }
 ISAS = tuple(ISA_CFLAGS)
 ISA_ENV = "MOED_CPU_ISA"
-ABI_VERSION = 11
+ABI_VERSION = 12
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -123,8 +123,8 @@ def build(cache: Path | None = None, isa: str | None = None) -> Path:
     except OSError as e:
         raise KernelUnavailable(f"kernel cache {cache} is not writable: {e}") from e
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), str(QUANT_SOURCE), str(QDOT_SOURCE), "-lm"],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, (SOURCE, QUANT_SOURCE, QDOT_SOURCE, STEP_SOURCE)),
+                               "-lm"], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} ({isa}) failed: {proc.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)     # mkstemp made it 0600: other users sharing the cache load it too
@@ -174,9 +174,9 @@ class CpuKernels:
         lib.moed_qk_norm_rope_bf16.argtypes = [_p, _l, _l, _l, _l, _p, ctypes.c_float, _p, _p, _p, _i]
         lib.moed_qk_norm_rope_bf16.restype = None
         # (model struct, B, ids, pos, tables, max_blocks, offsets, cos, sin, scratch, logits,
-        # argmax, threads): the structs and the caller are moed/model/decode_step.py
-        lib.moed_decode_step_bf16.argtypes = [_p, _l, _p, _p, _p, _l, _p, _p, _p, _p, _p, _p, _i]
-        lib.moed_decode_step_bf16.restype = _i
+        # argmax, threads): cpu_step.c; the structs and the caller are moed/model/decode_step.py
+        lib.moed_decode_step.argtypes = [_p, _l, _p, _p, _p, _l, _p, _p, _p, _p, _p, _p, _i]
+        lib.moed_decode_step.restype = _i
         for f in (lib.moed_decode_step_scratch, lib.moed_decode_step_hidden_offset):
             f.argtypes, f.restype = [_p, _l], _l
         lib.moed_argmax_f32.argtypes, lib.moed_argmax_f32.restype = [_p, _l, _l, _p, _i], None

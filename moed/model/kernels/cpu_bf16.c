@@ -24,8 +24,8 @@
  * Prefill attention (moed_prefill_attn_bf16) is the same two matmuls on the same packed-block
  * kernel, K and V^T packed per call, blocked over 8 query rows: no [T, T] score matrix.
  *
- * A decode step (moed_decode_step_bf16, at the end) strings these kernels together over every
- * layer of a GQA MoE model in one call, so a decode step crosses from Python once.
+ * A decode step (moed_decode_step, cpu_step.c) strings these kernels (and cpu_quant.c's) together
+ * over every layer of a GQA MoE model in one call, so a decode step crosses from Python once.
  *
  * Threads: the caller passes the count; OpenMP is the libgomp torch already loaded (same
  * soname), so these are torch's own pool threads, never a second pool competing for cores.
@@ -73,7 +73,7 @@ typedef uint16_t bf16;
 #error "build with -mavx512f -mavx512bw -mavx512vl -mfma (and -mavx512bf16), or -march=x86-64-v3"
 #endif
 
-int moed_abi_version(void) { return 11; }
+int moed_abi_version(void) { return 12; }
 
 /* Which variant this .so is: the loader refuses one that is not the variant it asked for (a
  * cache shared by machines of different CPUs keeps each variant under its own name). */
@@ -1201,128 +1201,6 @@ int moed_prefill_attn_bf16(const bf16 *q, long q_stride, long n, long start, lon
     }
 done:
     free(kp); free(vt); free(sbuf); free(pbuf);
-    return rc;
-}
-
-/* ---- A whole decode step in one call ------------------------------------------------------
- * B sequences, one new token each, through every layer of a GQA MoE decoder and the lm_head:
- * the same kernels, in the same order, on the same inputs as the layer-by-layer path
- * (decoder.py's DecoderLayer, layers.AttentionBlock, attention/torch_backend.py), so the logits,
- * the KV written and the expert-load counts are bitwise the same. What it saves is the Python and
- * torch glue between those calls (~30 small ops and 6 ctypes calls a layer: ~0.25 ms a layer
- * on the 2-core bench, as much as a batch-1 layer's weights take to stream).
- *
- * Per layer:  x, h = rms_norm(h + delta)        (delta: the previous layer's MoE output)
- *             qkv = x Wqkv^T (+ b);  q, k = rope(qk_norm(qkv's q, k heads));  v = qkv's v heads
- *             cache[block of pos][K|V][pos % bs] = k, v;  a = attention over positions 0..pos
- *             x, h = rms_norm(h + a Wo^T (+ b));  delta = moe(x)
- * then logits = fp32(rms_norm(h + delta) Wlm^T). */
-typedef struct {
-    const bf16 *input_norm, *post_norm;       /* [H] */
-    const bf16 *qkv, *qkv_bias;               /* packed from [(Hq + 2 Hkv) D][H]; bias or NULL */
-    const bf16 *qk_norm;                      /* [Hq + Hkv][D], or NULL: no q/k norm */
-    const bf16 *o, *o_bias;                   /* packed from [H][Hq D]; bias or NULL */
-    bf16 *kv;                                 /* this layer's cache [num_blocks][2][bs][Hkv][D] */
-    const bf16 *router;                       /* packed from [E][H] */
-    const int64_t *l2p, *nrep;                /* expert map [E][max_rep], replicas [E] */
-    long max_rep;
-    int64_t *load;                            /* [E], tokens routed per expert (added to) */
-    const bf16 *gate_up, *down;               /* packed [P][2I][H], [P][H][I] */
-    long P;
-} DecodeLayer;
-
-typedef struct {
-    long L, H, Hq, Hkv, D, E, k, I, vocab, num_blocks, bs;
-    int norm_topk;
-    float eps, scale;
-    const bf16 *embed, *norm, *lm_head;       /* [vocab][H], [H], packed from [vocab][H] */
-    const DecodeLayer *layers;                /* [L] */
-} DecodeModel;
-
-/* Bytes of scratch moed_decode_step_bf16 needs for B sequences (the caller keeps one buffer,
- * so a step allocates nothing: fresh pages for the [B][vocab] logits cost ~0.3 ms at batch 8). */
-static long step_scratch(const DecodeModel *m, long B, long offs[8]) {
-    const long nqk = (m->Hq + m->Hkv) * m->D, nqkv = (m->Hq + 2 * m->Hkv) * m->D;
-    const long sizes[8] = {B * m->H, B * m->H, B * m->H, B * nqkv, B * nqk, B * m->Hq * m->D, 2 * B * m->D,
-                           B * m->vocab};
-    long off = 0;
-    for (int i = 0; i < 8; i++) {
-        if (offs) offs[i] = off;
-        off += (sizes[i] * (long)sizeof(bf16) + 63) / 64 * 64;      /* each part on its own lines */
-    }
-    return off;
-}
-
-long moed_decode_step_scratch(const DecodeModel *m, long B) { return step_scratch(m, B, NULL); }
-
-/* Where in the scratch the final norm's output x [B][H] bf16 is: a step called with logits NULL
- * stops there, for a caller whose lm_head runs elsewhere (oneDNN won its row class). */
-long moed_decode_step_hidden_offset(const DecodeModel *m, long B) {
-    long offs[8];
-    step_scratch(m, B, offs);
-    return offs[2];
-}
-
-/* ids, pos [B]; tables [B][max_blocks] (sequence b's blocks, covering positions 0..pos[b]);
- * offsets [L]: each layer's replica-split offset (moed_moe_bf16's); cos, sin: the rotary tables
- * [> max pos][D]; scratch: moed_decode_step_scratch(m, B) bytes, 64-byte aligned; logits
- * [B][vocab] fp32, or NULL: stop after the final norm, its output at
- * moed_decode_step_hidden_offset in the scratch; argmax [B] (or NULL): each row's moed_argmax_f32,
- * taken while the logits are in cache (the sampler's greedy pick otherwise reads them back
- * after the step). Returns 0; -1
- * out of memory; -2 a bad token id, block id or table (checked before anything is written) or
- * a bad expert map (as moed_moe_bf16). */
-void moed_argmax_f32(const float *x, long B, long V, int64_t *out, int nthreads);
-int moed_decode_step_bf16(const DecodeModel *m, long B, const int64_t *ids, const int64_t *pos,
-                          const int64_t *tables, long max_blocks, const int64_t *offsets,
-                          const bf16 *cos, const bf16 *sin, void *scratch, float *logits,
-                          int64_t *argmax, int nthreads) {
-    const long H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv, bs = m->bs;
-    const long nqk = (Hq + Hkv) * D, nqkv = (Hq + 2 * Hkv) * D;
-    for (long b = 0; b < B; b++) {
-        const long blk = pos[b] / bs;
-        if (pos[b] < 0 || blk >= max_blocks || ids[b] < 0 || ids[b] >= m->vocab) return -2;
-        for (long j = 0; j <= blk; j++)
-            if (tables[b * max_blocks + j] < 0 || tables[b * max_blocks + j] >= m->num_blocks) return -2;
-    }
-    bf16 *part[8];
-    long offs[8];
-    step_scratch(m, B, offs);
-    for (int i = 0; i < 8; i++) part[i] = (bf16 *)((char *)scratch + offs[i]);
-    bf16 *h = part[0], *delta = part[1], *x = part[2], *qkv = part[3], *qk = part[4], *att = part[5];
-    bf16 *cs = part[6], *lg = part[7];
-    int64_t lens[B];
-    int rc = 0;
-    for (long b = 0; b < B; b++) {
-        lens[b] = pos[b] + 1;
-        memcpy(h + b * H, m->embed + ids[b] * H, sizeof(bf16) * H);
-        memcpy(cs + b * D, cos + pos[b] * D, sizeof(bf16) * D);          /* the tokens' rows */
-        memcpy(cs + (B + b) * D, sin + pos[b] * D, sizeof(bf16) * D);
-    }
-    for (long l = 0; l < m->L; l++) {
-        const DecodeLayer *ly = m->layers + l;
-        moed_rms_norm_bf16(h, l ? delta : NULL, h, B, H, ly->input_norm, m->eps, x, nthreads);
-        if ((rc = moed_linear_bf16(x, B, H, ly->qkv, nqkv, ly->qkv_bias, qkv, nthreads))) goto done;
-        moed_qk_norm_rope_bf16(qkv, B, nqkv, Hq + Hkv, D, ly->qk_norm, m->eps, cs, cs + B * D, qk, nthreads);
-        for (long b = 0; b < B; b++) {      /* the new token's K and V into its block */
-            bf16 *slot = ly->kv + (tables[b * max_blocks + pos[b] / bs] * 2 * bs + pos[b] % bs) * Hkv * D;
-            memcpy(slot, qk + b * nqk + Hq * D, sizeof(bf16) * Hkv * D);
-            memcpy(slot + bs * Hkv * D, qkv + b * nqkv + nqk, sizeof(bf16) * Hkv * D);
-        }
-        if ((rc = moed_decode_attn_bf16(qk, nqk, B, Hq, Hkv, D, ly->kv, m->num_blocks, bs, tables,
-                                        max_blocks, lens, m->scale, att, nthreads))) goto done;
-        if ((rc = moed_linear_bf16(att, B, Hq * D, ly->o, H, ly->o_bias, delta, nthreads))) goto done;
-        moed_rms_norm_bf16(h, delta, h, B, H, ly->post_norm, m->eps, x, nthreads);
-        if ((rc = moed_moe_bf16(x, B, H, ly->router, m->E, m->k, m->norm_topk, ly->l2p, ly->max_rep,
-                                ly->nrep, offsets[l], ly->load, ly->gate_up, ly->down, ly->P, m->I,
-                                delta, nthreads))) goto done;
-    }
-    moed_rms_norm_bf16(h, m->L ? delta : NULL, h, B, H, m->norm, m->eps, x, nthreads);
-    if (!logits) goto done;     /* the caller runs lm_head on x (oneDNN's row class) */
-    if ((rc = moed_linear_bf16(x, B, H, m->lm_head, m->vocab, NULL, lg, nthreads))) goto done;
-    for (long i = 0; i < B * m->vocab; i++) logits[i] = bf16_to_f32(lg[i]);
-    if (argmax) moed_argmax_f32(logits, B, m->vocab, argmax, nthreads);
-done:
     return rc;
 }
 

@@ -74,6 +74,13 @@ def act_unserved(w: QuantWeight) -> str:
     return "int4 with an odd input size" if w.fmt == "int4" and w.in_features % 2 else ""
 
 
+def linear_act(kernels: object, w: QuantWeight) -> bool:
+    """Whether qlinear runs weight w on int8 activations (moed_qdot_linear) rather than
+    moed_qlinear: kernels.quant_act "int8" and a weight act_unserved() accepts. The native
+    decode step picks each projection's kernel with it too (decode_step.py)."""
+    return getattr(kernels, "quant_act", "none") == "int8" and not act_unserved(w)
+
+
 def qlinear(kernels: object, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, K] (bf16 or fp32, CPU) @ W^T (+ bias fp32 [N]) -> [R, N] in x's dtype, for a weight
     unserved() accepts. kernels: a loaded CpuKernels (its .lib); with kernels.quant_act "int8"
@@ -89,8 +96,7 @@ def qlinear(kernels: object, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor
     out = torch.empty((r, n), dtype=x.dtype)
     f32 = int(x.dtype == torch.float32)
     z = w.zero
-    act = getattr(kernels, "quant_act", "none") == "int8" and not act_unserved(w)
-    rc = (kernels.lib.moed_qdot_linear if act else kernels.lib.moed_qlinear)(      # type: ignore[attr-defined]
+    rc = (kernels.lib.moed_qdot_linear if linear_act(kernels, w) else kernels.lib.moed_qlinear)(      # type: ignore[attr-defined]
         x.data_ptr(), f32, r, k, FORMAT_CODES[w.fmt], w.data.data_ptr(), w.data.stride(0),
         w.scale.data_ptr(), w.scale.stride(0), None if z is None else z.data_ptr(),
         0 if z is None else z.stride(0), w.group, n, None if bias is None else bias.data_ptr(),
@@ -144,8 +150,9 @@ def experts_blocked_unserved(gate_up: QuantWeight, down: QuantWeight) -> str:
     return experts_unserved(gate_up, down) or blocked_unserved(gate_up[0]) or blocked_unserved(down[0])
 
 
-def _experts_act(kernels: object, gate_up: QuantWeight, down: QuantWeight) -> int:
-    """1: moed_moe_q runs the experts (up to MAX_ROWS rows each) on int8 activations."""
+def experts_act(kernels: object, gate_up: QuantWeight, down: QuantWeight) -> int:
+    """1: moed_moe_q runs the experts (up to MAX_ROWS rows each) on int8 activations (the
+    native decode step passes the same)."""
     return int(getattr(kernels, "quant_act", "none") == "int8" and not act_unserved(gate_up[0])
                and not act_unserved(down[0]))
 
@@ -170,8 +177,9 @@ def qdot_vnni(kernels: Any, use: int = -1) -> bool:
     return bool(kernels.lib.moed_qdot_vnni(use))
 
 
-def _mat(w: QuantWeight) -> tuple[ctypes.Array, ctypes.Array]:
-    """moed_moe_q's {codes, scales, zeros} pointers and their row / expert strides (expert_mat)."""
+def expert_mats(w: QuantWeight) -> tuple[ctypes.Array, ctypes.Array]:
+    """moed_moe_q's {codes, scales, zeros} pointers and their row / expert strides and group
+    (cpu_quant.c's expert_mat) of an expert stack w."""
     z = w.zero
     ptr = (_p * 3)(w.data.data_ptr(), w.scale.data_ptr(), None if z is None else z.data_ptr())
     dim = (_l * 7)(w.data.stride(1), w.data.stride(0), w.scale.stride(1), w.scale.stride(0),
@@ -192,12 +200,12 @@ def moe_q(kernels: object, x: torch.Tensor, physical: torch.Tensor, weights: tor
     phys = physical.to(torch.int64).contiguous()
     w = weights.float().contiguous()            # bf16 weights are exact in fp32
     out = torch.empty((t, h), dtype=x.dtype)
-    gp, gd = _mat(gate_up)
-    dp, dd = _mat(down)
+    gp, gd = expert_mats(gate_up)
+    dp, dd = expert_mats(down)
     rc = kernels.lib.moed_moe_q(        # type: ignore[attr-defined]
         x.data_ptr(), int(x.dtype == torch.float32), t, h, phys.shape[1], phys.data_ptr(), w.data_ptr(),
         int(single), FORMAT_CODES[gate_up.fmt], gate_up.data.shape[0], down.in_features, gp, gd, dp, dd,
-        out.data_ptr(), MAX_ROWS if blocked else 0, _experts_act(kernels, gate_up, down), torch.get_num_threads())
+        out.data_ptr(), MAX_ROWS if blocked else 0, experts_act(kernels, gate_up, down), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("moed_moe_q: " + ("out of memory" if rc == -1 else "cannot take these experts or slots"))
     return out
@@ -211,15 +219,15 @@ def moe_q_routed(kernels: object, x: torch.Tensor, router_p: torch.Tensor, route
     x = x.contiguous()
     t, h = x.shape
     out = torch.empty((t, h), dtype=x.dtype)
-    gp, gd = _mat(gate_up)
-    dp, dd = _mat(down)
+    gp, gd = expert_mats(gate_up)
+    dp, dd = expert_mats(down)
     r: Any = router
     l2p = r.logical_to_physical
     rc = kernels.lib.moed_moe_q_routed(       # type: ignore[attr-defined]
         x.data_ptr(), t, h, router_p.data_ptr(), r.num_experts, r.top_k, int(r.norm_topk), l2p.data_ptr(),
         l2p.shape[1], r.num_replicas.data_ptr(), r.next_offset(), r.load.data_ptr(), FORMAT_CODES[gate_up.fmt],
         gate_up.data.shape[0], down.in_features, gp, gd, dp, dd, out.data_ptr(), MAX_ROWS if blocked else 0,
-        _experts_act(kernels, gate_up, down), torch.get_num_threads())
+        experts_act(kernels, gate_up, down), torch.get_num_threads())
     if rc != 0:
         why = "out of memory" if rc == -1 else "expert map or experts out of range"
         raise RuntimeError(f"moed_moe_q_routed: {why}")

@@ -169,7 +169,8 @@ def test_engine_layers_take_the_fused_call(tiny_qwen3, monkeypatch, fmt, dtype):
         return ModelRunner(tiny_qwen3, dtype=dt, device="cpu", num_blocks=16, block_size=16,
                            quantization=fmt, quantization_group_size=32)
     fused = runner()
-    layers = _moe_layers(fused)
+    fused.native_decode = None      # the layered path's calls, counted (the native step makes the
+    layers = _moe_layers(fused)     # same ones in C: test_decode_step_quant.py)
     assert layers and all(m.experts.qkernels is not None for m in layers)
     assert all((m.qroute is not None) == (dtype == "bfloat16") for m in layers)
     calls = []
@@ -180,6 +181,7 @@ def test_engine_layers_take_the_fused_call(tiny_qwen3, monkeypatch, fmt, dtype):
     # 18 prompt tokens, then 2-token decode steps: all fused, bf16 routed in the call
     assert calls == ["moe_q_routed" if dtype == "bfloat16" else "moe_q"] * (6 * len(layers))
     ref = runner()
+    ref.native_decode = None        # it holds the fused kernels' pointers
     for m in _moe_layers(ref):
         m.experts.qkernels = None
     calls.clear()

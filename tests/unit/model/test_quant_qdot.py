@@ -118,7 +118,7 @@ def test_fused_moe_equals_the_per_expert_path_on_int8_activations(isa, fmt, grou
     """moe_q with int8 activations == the per-expert path whose Linears run qlinear on them (each
     expert matrix = qdot_reference: checked too), bf16 bit for bit; and the call does pass act."""
     le = _experts(fmt, group, asym, _kernels(isa, 1))
-    assert le.qkernels is not None and kq._experts_act(le.qkernels, *le.quant) == 1
+    assert le.qkernels is not None and kq.experts_act(le.qkernels, *le.quant) == 1
     ref = LocalExperts(*le.quant, False, None, None, le.qkernels)
     ref.qkernels = None
     for t in (1, 3, 9):
@@ -189,13 +189,16 @@ def test_engine_runs_the_integer_path_close_to_none(tiny_qwen3, monkeypatch, fmt
         return ModelRunner(tiny_qwen3, dtype="bfloat16", device="cpu", num_blocks=16, block_size=16,
                            quantization=fmt, quantization_group_size=32, quantization_activations=act)
     on = runner("int8")
+    on.native_decode = None     # the layered path's calls, spied (the native step: test_decode_step_quant.py)
     lib = on.ctx.for_weight(on.model.lm_head.quant if on.model.lm_head.quant is not None else
                             on.model.layers[0].attn.qkv.quant).lib
     calls, acts = [], []
-    real, real_act = lib.moed_qdot_linear, kq._experts_act
+    real, real_act = lib.moed_qdot_linear, kq.experts_act
     monkeypatch.setattr(lib, "moed_qdot_linear", lambda *a: calls.append(a[2]) or real(*a))
-    monkeypatch.setattr(kq, "_experts_act", lambda *a: acts.append(real_act(*a)) or acts[-1])
-    want, want_logits = _greedy(runner("none"))
+    monkeypatch.setattr(kq, "experts_act", lambda *a: acts.append(real_act(*a)) or acts[-1])
+    off = runner("none")
+    off.native_decode = None
+    want, want_logits = _greedy(off)
     assert not calls and not any(acts), "the default took the integer path"
     acts.clear()
     got, got_logits = _greedy(on, forced=want)
