@@ -7,6 +7,11 @@ into a private buffer, not a mapping: mapped pages would count in this process's
 dropped, and a budget on resident bytes is the point. The page cache still keeps what was read
 (the kernel reclaims it first under a cgroup's memory.max).
 
+`read_cached_into` / `read_cached` read only what the page cache holds (`RWF_NOWAIT`: the
+kernel copies cached pages and never waits for the disk), so the step thread can do them
+itself, with no hand-off to a reader thread and no timeout to guard; anything not cached is
+left to the blocking read on the miss thread (moed/model/cold/store.py read_slots).
+
 Each file stays open from the index on: a file removed after start is still read (the open
 descriptor holds it), so output stays correct. A read that comes back short (the file was
 truncated) or fails (EIO) raises ExpertReadError with a message fit for a client; the path and
@@ -66,6 +71,7 @@ class ExpertIndex:
         layer0 = next(i for i in range(spec.num_layers) if i not in spec.dense_layers)
         self.dtype = dtype if dtype is not None else self.where[(layer0, 0, "gate")].dtype
         self.fds = [os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) for p in self.paths]
+        self._nowait: int | None = getattr(os, "RWF_NOWAIT", None)    # Linux only: else no cached reads
 
     def _add(self, rules: tuple, n: int, key: str, offset: int, dtype: torch.dtype,
              shape: tuple[int, ...]) -> None:
@@ -123,6 +129,44 @@ class ExpertIndex:
                 self._pread(ext, layer, expert, dst.view(-1).view(torch.uint8))   # no cast: in place
             else:
                 dst.copy_(self._pread(ext, layer, expert))
+
+    def read_cached_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        """read_into from the page cache only, never waiting for the disk: True when every byte
+        was there; False otherwise (not cached, no RWF_NOWAIT here, or any error: the blocking
+        read_into gives the error its message and overwrites what was copied)."""
+        i = self.spec.moe_intermediate_size
+        for role, dst in (("gate", gate_up[:i]), ("up", gate_up[i:]), ("down", down)):
+            ext = self.where[(layer, expert, role)]
+            if ext.dtype == self.dtype and tuple(dst.shape) == ext.shape:
+                if not self._pread_cached(ext, dst.view(-1).view(torch.uint8)):
+                    return False
+            else:
+                raw = torch.empty(ext.nbytes, dtype=torch.uint8)
+                if not self._pread_cached(ext, raw):
+                    return False
+                dst.copy_(raw.view(ext.dtype).view(ext.shape))
+        return True
+
+    def read_cached(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """read() from the page cache only (read_cached_into), or None."""
+        i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
+        gate_up = torch.empty((2 * i, h), dtype=self.dtype)
+        down = torch.empty((h, i), dtype=self.dtype)
+        return (gate_up, down) if self.read_cached_into(layer, expert, gate_up, down) else None
+
+    def _pread_cached(self, ext: Extent, into: torch.Tensor) -> bool:
+        if self._nowait is None:
+            return False
+        view, got = memoryview(into.numpy()), 0
+        try:
+            while got < ext.nbytes:     # a partial read stops at a page not cached (or at EOF)
+                n = os.preadv(self.fds[ext.file], [view[got:]], ext.offset + got, self._nowait)
+                if n == 0:
+                    return False
+                got += n
+        except OSError:                 # EAGAIN: not cached; EOPNOTSUPP: not on this file system
+            return False
+        return True
 
     def _pread(self, ext: Extent, layer: int, expert: int, into: torch.Tensor | None = None) -> torch.Tensor:
         raw = torch.empty(ext.nbytes, dtype=torch.uint8) if into is None else into

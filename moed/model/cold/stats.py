@@ -39,6 +39,7 @@ class ColdStats:
     def precision(self) -> float:
         return self.predicted_right / max(self.predicted, 1)
     miss_bytes: int = 0
+    cached_reads: int = 0           # misses copied from the page cache on the step thread
     promoted_bytes: int = 0
     read_failures: int = 0
 

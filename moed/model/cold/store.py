@@ -11,7 +11,8 @@ loads only `local_slots` (the first R units of each MoE layer), and each MoE lay
 
   the units with rows -> the resident ones run first, then the misses in rounds of the stream
   slots (policy.rounds, stream_slots): a miss is read into the coldest slot that holds none of
-  the layer's hottest units nor one of its round, the step waiting (counted, timed) -> the rows
+  the layer's hottest units nor one of its round (copied on the step thread from the page
+  cache, else read on the miss thread), the step waiting (counted, timed) -> the rows
   of each round run through the slots (LocalExperts.run_grouped, the kernels EP=1 uses).
 
 Alone, `ColdExecutor` groups a layer's routed rows by expert, calls it, and combines each
@@ -128,27 +129,43 @@ class ExpertStore:
 
     # ---- reads ----------------------------------------------------------------------------
     def read_slots(self, pos: int, reads: list[tuple[int, int]]) -> None:
-        """A round's misses (unit, slot), read straight into their emptied slots on the miss
-        thread (the plain weights in place, else packed or quantized into the slot: no private
-        buffer, no second copy), the step waiting (at most READ_TIMEOUT_S). One hand-off per
-        round, not per expert: on a busy machine each wake-up of another thread can cost a
-        scheduler slice. A read that times out may still write: its slots are lost (never used
-        again) rather than reused under it."""
+        """A round's misses (unit, slot), read straight into their emptied slots (the plain
+        weights in place, else packed or quantized into the slot: no private buffer, no second
+        copy). What the page cache holds is copied here, on the step thread (read_cached_into:
+        it never waits for the disk); only the rest is handed to the miss thread, in one
+        hand-off, the step waiting at most READ_TIMEOUT_S (a read the disk must serve can hang; a
+        copy from the page cache cannot). Handing cached reads off too cost 5% of a cold step on
+        bench/cold_experts.py's 16-layer model (docs/cold-experts.md): the step thread sleeps
+        and wakes per round, and on a busy machine each wake-up can cost a scheduler slice.
+        A read that times out may still write: its slots are lost (never used again) rather
+        than reused under it."""
         layer = self.layers[pos]
         local, index, n = layer.local, self.index, layer.layer
 
-        def read() -> None:
-            for unit, slot in reads:
-                e, dst = self.units[unit], local.plain_slot(slot)
-                if dst is not None:
+        def read(unit: int, slot: int, cached: bool) -> bool:
+            e, dst = self.units[unit], local.plain_slot(slot)
+            if dst is not None:
+                if cached and not index.read_cached_into(n, e, *dst):
+                    return False
+                if not cached:
                     index.read_into(n, e, *dst)
-                    local.mark_stale(slot)
-                else:
-                    local.fill_slot(slot, *index.read(n, e))
+                local.mark_stale(slot)
+                return True
+            weights = index.read_cached(n, e) if cached else index.read(n, e)
+            if weights is None:
+                return False
+            local.fill_slot(slot, *weights)
+            return True
+
+        rest = [(u, s) for u, s in reads if not read(u, s, True)]
+        self.stats.cached_reads += len(reads) - len(rest)
+        if not rest:
+            return
         try:
-            self._miss_pool.submit(read).result(timeout=READ_TIMEOUT_S)
+            self._miss_pool.submit(lambda: [read(u, s, False) for u, s in rest]).result(
+                timeout=READ_TIMEOUT_S)
         except FutureTimeout:
-            for _, slot in reads:
+            for _, slot in rest:
                 layer.expert_in[slot] = policy.LOST
             raise ExpertReadError(f"expert weights could not be read from disk within "
                                   f"{READ_TIMEOUT_S:.0f} s (layer {n})") from None

@@ -60,6 +60,8 @@ def test_a_read_that_hangs_loses_its_slots(tiny_qwen3, monkeypatch):
     r = _runner(tiny_qwen3, "float32", ColdSettings(_budget(full, 0.3), 0, 4.0, 0))
     orig = ExpertIndex.read_into
     monkeypatch.setattr(store_mod, "READ_TIMEOUT_S", 0.2)
+    # a read that can hang is one the page cache does not hold: the miss thread's, timed
+    monkeypatch.setattr(ExpertIndex, "read_cached_into", lambda self, *a: False)
     monkeypatch.setattr(ExpertIndex, "read_into",
                         lambda self, *a: (time.sleep(0.6), orig(self, *a))[1])
     with pytest.raises(ExpertReadError, match="within"):
@@ -67,6 +69,7 @@ def test_a_read_that_hangs_loses_its_slots(tiny_qwen3, monkeypatch):
     lost = [(ly.pos, s) for ly in r.cold.layers for s, e in enumerate(ly.expert_in) if e == policy.LOST]
     assert lost, "a hung read's slots must not be reused"
     monkeypatch.setattr(ExpertIndex, "read_into", orig)
+    monkeypatch.undo()
     time.sleep(1.0)                     # the hung read finishes writing into its lost slot
     got = _steps(r, 2)                  # the other slots still serve the right output
     assert all(torch.equal(a, b) for a, b in zip(want, got))
