@@ -202,9 +202,17 @@ def test_draft_mtp_writes_forward_mtps_kv_and_drafts_its_argmax(with_mtp):
         cheap.draft_mtp(b, torch.zeros(1, cheap.spec.hidden_size), [2])
 
 
-def test_a_verify_shaped_mtp_step_runs_one_pass(with_mtp, monkeypatch):
-    """Every sequence drafting after a short chunk (a verify step's kept rows): one pass of the
-    layer, no separate entry writes; its entries and first drafts are the full pass's."""
+@pytest.mark.parametrize("steps", [
+    # every sequence drafting after a short chunk (a verify step's kept rows)
+    ((6, [1, 2]), (3, [1, 2]), (2, [1, 2])),
+    # a sequence that only writes its entries (depth 0: a held row, a paused request's)
+    # beside a drafting one, all short
+    ((6, [1, 1]), (2, [0, 1]), (1, [1, 0]), (3, [0, 2])),
+], ids=["verify-shaped", "with-depth-0"])
+def test_short_chunks_run_the_mtp_layer_in_one_pass(with_mtp, monkeypatch, steps):
+    """Prompt chunks then chunks under MTP_ONE_PASS_ROWS: one pass of the layer, no separate
+    entry writes after the first (6-row) chunk; the entries and every drafting sequence's
+    first draft are the full pass's."""
     d = with_mtp[0]
     full, cheap = _runner(d, mtp=True), _runner(d, mtp=True)
     seqs = _seqs(full.spec.vocab_size)
@@ -214,36 +222,7 @@ def test_a_verify_shaped_mtp_step_runs_one_pass(with_mtp, monkeypatch):
     write_kv = cheap.mtp.write_kv
     monkeypatch.setattr(cheap.mtp, "write_kv", lambda *a: calls.append("write_kv") or write_kv(*a))
     done = 0
-    for n in (6, 3, 2):       # prompt chunks, then verify-shaped chunks (< MTP_ONE_PASS_ROWS)
-        batch = ForwardBatch([seqs["A"][done:done + n], seqs["B"][done:done + n]], [done, done], tables)
-        mb, rows = mtp_inputs(batch, [seqs["A"][done + n], seqs["B"][done + n]])
-        _, h = full.forward(batch, hidden=True)
-        logits = full.forward_mtp(mb, h.index_select(0, torch.tensor(rows)))
-        _, h2 = cheap.forward(batch, hidden=True)
-        drafts = cheap.draft_mtp(mb, h2.index_select(0, torch.tensor(rows)), [1, 2])
-        done += n
-        assert [x[0] for x in drafts] == logits.argmax(-1).tolist() and len(drafts[1]) == 2
-        flat = [t.view(-1, t.shape[-1]) for t in (full.kv_cache[layer], cheap.kv_cache[layer])]
-        for t in tables:
-            slots = [t[p // BS] * BS + p % BS for p in range(done)]
-            assert torch.equal(flat[0][slots], flat[1][slots]), done
-    assert calls == ["write_kv"]        # the 6-row chunk only
-
-
-def test_a_short_sequence_that_does_not_draft_joins_the_one_pass(with_mtp, monkeypatch):
-    """A sequence that only writes its entries (depth 0: a held row, a paused request's) beside
-    drafting ones, all short: still one pass, no separate entry writes; the entries and the
-    drafting sequences' drafts are the full pass's."""
-    d = with_mtp[0]
-    full, cheap = _runner(d, mtp=True), _runner(d, mtp=True)
-    seqs = _seqs(full.spec.vocab_size)
-    tables = [list(range(0, 8)), list(range(8, 16))]
-    layer = full.spec.num_layers
-    calls = []
-    write_kv = cheap.mtp.write_kv
-    monkeypatch.setattr(cheap.mtp, "write_kv", lambda *a: calls.append("write_kv") or write_kv(*a))
-    done = 0
-    for n, depth in ((6, [1, 1]), (2, [0, 1]), (1, [1, 0]), (3, [0, 2])):
+    for n, depth in steps:
         batch = ForwardBatch([seqs["A"][done:done + n], seqs["B"][done:done + n]], [done, done], tables)
         mb, rows = mtp_inputs(batch, [seqs["A"][done + n], seqs["B"][done + n]])
         _, h = full.forward(batch, hidden=True)
