@@ -34,8 +34,11 @@ def test_cached_misses_are_read_on_the_step_thread(make_checkpoint, monkeypatch,
     got = _steps(r, 4)
     assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
     st = r.cold.stats
-    assert st.misses > 0 and st.cached_reads == st.misses
-    assert handed == []
+    # RWF_NOWAIT may still answer EAGAIN for a cached page now and then (a page locked for a
+    # moment: seen once in 74 reads on a CI run); such a read takes the miss thread, correctly
+    uncached = st.misses - st.cached_reads
+    assert st.misses > 0 and uncached <= st.misses // 10, st
+    assert len(handed) <= uncached          # a hand-off only for a round with an uncached read
 
 
 def test_reads_not_cached_go_to_the_miss_thread(tiny_qwen3, monkeypatch):
