@@ -23,7 +23,8 @@ the run's first line says both.
 path for quantized types crashes on this Xeon: a crash with it on turns it off too).
 Each run also prints the CPU's ISA flags, the machine's memory bandwidth (a 256 MiB copy,
 best of 5, read + write bytes) and bf16 matmul ceiling (bench/ceiling.py: a 1024 x 4096 x 4096
-product through torch and through moed's kernel, the higher), and what fraction of them moed's
+product through torch and through moed's kernel, the higher; --probe-rows sizes it, and fewer
+rows read lower), and what fraction of them moed's
 decode at batch 1 (the weight bytes one token reads: attention, router, top-k experts per
 layer and lm_head, in the run's format) and prefill (matmul FLOPs) reach.
 Both use --threads threads. Prints moed/llama.cpp ratios (> 1: moed faster), the RSS of each
