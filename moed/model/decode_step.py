@@ -145,9 +145,7 @@ def unsupported(model: MoEDecoder, backend: object, kv_cache: torch.Tensor) -> s
         mlp = layer.mlp
         if not isinstance(mlp, MoELayer):
             return f"layer {i} has a dense MLP"
-        if layer.kernels is None or layer.attn.kernels is None:
-            return f"layer {i} off the kernels"
-        if mlp.experts.quant is None and mlp.kernels is None:
+        if layer.kernels is None or layer.attn.kernels is None or (mlp.experts.quant is None and mlp.kernels is None):
             return f"layer {i} off the kernels"
         if mlp.experts.quant is not None and (mlp.qroute is None or mlp.experts.qkernels is None):
             return f"layer {i}: quantized experts off moed_moe_q_routed (the per-expert path)"

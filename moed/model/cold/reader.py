@@ -7,7 +7,7 @@ into a private buffer, not a mapping: mapped pages would count in this process's
 dropped, and a budget on resident bytes is the point. The page cache still keeps what was read
 (the kernel reclaims it first under a cgroup's memory.max).
 
-`read_cached_into` / `read_cached` read only what the page cache holds (`RWF_NOWAIT`: the
+`read_into` / `read` with `cached` read only what the page cache holds (`RWF_NOWAIT`: the
 kernel copies cached pages and never waits for the disk), so the step thread can do them
 itself, with no hand-off to a reader thread and no timeout to guard; anything not cached is
 left to the blocking read on the miss thread (moed/model/cold/store.py read_slots).
@@ -110,49 +110,35 @@ class ExpertIndex:
         i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
         return 3 * i * h * self.dtype.itemsize
 
-    def read(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, expert: int, cached: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate_up [2I, H] gate half first, down [H, I]) of one expert in the compute dtype,
-        cast as the loader casts them; ExpertReadError when the files cannot give them."""
+        cast as the loader casts them; ExpertReadError when the files cannot give them.
+        cached: from the page cache only (read_into), None where it did not hold them."""
         i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
         gate_up = torch.empty((2 * i, h), dtype=self.dtype)
         down = torch.empty((h, i), dtype=self.dtype)
-        self.read_into(layer, expert, gate_up, down)
-        return gate_up, down
+        return (gate_up, down) if self.read_into(layer, expert, gate_up, down, cached) else None
 
-    def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor,
+                  cached: bool = False) -> bool:
         """read() into the caller's tensors (a resident slot's own: no buffer, no copy, where
-        the checkpoint's dtype is the compute dtype); on ExpertReadError they hold a part."""
+        the checkpoint's dtype is the compute dtype); on ExpertReadError they hold a part.
+        cached: only what the page cache holds, never waiting for the disk (RWF_NOWAIT): False
+        when a byte was not there (or no RWF_NOWAIT here, or any error: the blocking read then
+        gives the error its message and overwrites what was copied). True otherwise."""
         i = self.spec.moe_intermediate_size
         for role, dst in (("gate", gate_up[:i]), ("up", gate_up[i:]), ("down", down)):
             ext = self.where[(layer, expert, role)]
-            if ext.dtype == self.dtype and tuple(dst.shape) == ext.shape:
-                self._pread(ext, layer, expert, dst.view(-1).view(torch.uint8))   # no cast: in place
-            else:
-                dst.copy_(self._pread(ext, layer, expert))
-
-    def read_cached_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-        """read_into from the page cache only, never waiting for the disk: True when every byte
-        was there; False otherwise (not cached, no RWF_NOWAIT here, or any error: the blocking
-        read_into gives the error its message and overwrites what was copied)."""
-        i = self.spec.moe_intermediate_size
-        for role, dst in (("gate", gate_up[:i]), ("up", gate_up[i:]), ("down", down)):
-            ext = self.where[(layer, expert, role)]
-            if ext.dtype == self.dtype and tuple(dst.shape) == ext.shape:
-                if not self._pread_cached(ext, dst.view(-1).view(torch.uint8)):
-                    return False
-            else:
-                raw = torch.empty(ext.nbytes, dtype=torch.uint8)
+            in_place = ext.dtype == self.dtype and tuple(dst.shape) == ext.shape     # no cast
+            raw = dst.view(-1).view(torch.uint8) if in_place else torch.empty(ext.nbytes, dtype=torch.uint8)
+            if cached:
                 if not self._pread_cached(ext, raw):
                     return False
+            else:
+                self._pread(ext, layer, expert, raw)
+            if not in_place:
                 dst.copy_(raw.view(ext.dtype).view(ext.shape))
         return True
-
-    def read_cached(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """read() from the page cache only (read_cached_into), or None."""
-        i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
-        gate_up = torch.empty((2 * i, h), dtype=self.dtype)
-        down = torch.empty((h, i), dtype=self.dtype)
-        return (gate_up, down) if self.read_cached_into(layer, expert, gate_up, down) else None
 
     def _pread_cached(self, ext: Extent, into: torch.Tensor) -> bool:
         if self._nowait is None:

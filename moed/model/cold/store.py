@@ -131,7 +131,7 @@ class ExpertStore:
     def read_slots(self, pos: int, reads: list[tuple[int, int]]) -> None:
         """A round's misses (unit, slot), read straight into their emptied slots (the plain
         weights in place, else packed or quantized into the slot: no private buffer, no second
-        copy). What the page cache holds is copied here, on the step thread (read_cached_into:
+        copy). What the page cache holds is copied here, on the step thread (read_into with cached:
         it never waits for the disk); only the rest is handed to the miss thread, in one
         hand-off, the step waiting at most READ_TIMEOUT_S (a read the disk must serve can hang; a
         copy from the page cache cannot). Handing cached reads off too cost 5% of a cold step on
@@ -145,13 +145,11 @@ class ExpertStore:
         def read(unit: int, slot: int, cached: bool) -> bool:
             e, dst = self.units[unit], local.plain_slot(slot)
             if dst is not None:
-                if cached and not index.read_cached_into(n, e, *dst):
+                if not index.read_into(n, e, *dst, cached=cached):
                     return False
-                if not cached:
-                    index.read_into(n, e, *dst)
                 local.mark_stale(slot)
                 return True
-            weights = index.read_cached(n, e) if cached else index.read(n, e)
+            weights = index.read(n, e, cached)
             if weights is None:
                 return False
             local.fill_slot(slot, *weights)

@@ -1,5 +1,5 @@
 """Cold-expert misses whose bytes the page cache holds are copied on the step thread
-(ExpertIndex.read_cached_into, RWF_NOWAIT), with no hand-off to the miss thread; only what is
+(ExpertIndex.read_into with cached, RWF_NOWAIT), with no hand-off to the miss thread; only what is
 not cached goes there (and with it the timeout). The output is the all-resident one either way."""
 from __future__ import annotations
 
@@ -74,4 +74,4 @@ def test_without_rwf_nowait_every_miss_goes_to_the_miss_thread(tiny_qwen3, monke
     got = _steps(r, 2)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert r.cold.stats.misses > 0 and r.cold.stats.cached_reads == 0
-    assert ExpertIndex.read_cached(r.cold.index, r.cold.layers[0].layer, 0) is None
+    assert ExpertIndex.read(r.cold.index, r.cold.layers[0].layer, 0, cached=True) is None

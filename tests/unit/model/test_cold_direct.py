@@ -61,9 +61,8 @@ def test_a_read_that_hangs_loses_its_slots(tiny_qwen3, monkeypatch):
     orig = ExpertIndex.read_into
     monkeypatch.setattr(store_mod, "READ_TIMEOUT_S", 0.2)
     # a read that can hang is one the page cache does not hold: the miss thread's, timed
-    monkeypatch.setattr(ExpertIndex, "read_cached_into", lambda self, *a: False)
-    monkeypatch.setattr(ExpertIndex, "read_into",
-                        lambda self, *a: (time.sleep(0.6), orig(self, *a))[1])
+    monkeypatch.setattr(ExpertIndex, "read_into", lambda self, *a, cached=False:
+                        False if cached else (time.sleep(0.6), orig(self, *a))[1])
     with pytest.raises(ExpertReadError, match="within"):
         _steps(r, 2)
     lost = [(ly.pos, s) for ly in r.cold.layers for s, e in enumerate(ly.expert_in) if e == policy.LOST]
