@@ -179,7 +179,13 @@ class Rotary:
     """cos/sin tables [max_pos, D] built once; per step gathered at the tokens' positions.
 
     sin is stored with its first half negated, so rotate_half(x) * sin == x.roll(D/2) * sin'
-    exactly (negation is exact): one roll instead of chunk, neg and cat."""
+    exactly (negation is exact): one roll instead of chunk, neg and cat.
+
+    The last gather is kept: a call with the same positions tensor (the same object: the runner
+    hands the MTP pass the main step's when their rows are the same) returns it again, as a
+    speculative step's MTP pass would otherwise gather the main forward's tables a second time.
+    Positions tensors are never written after they are built."""
+    _last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None     # positions, cos, sin
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -197,13 +203,19 @@ class Rotary:
 
     def tables(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin of shape [T, 1, D] (broadcast over heads) for positions [T] (all <= max_pos)."""
+        last = self._last
+        if last is not None and last[0] is positions:
+            return last[1], last[2]
         cos, sin = self.full_tables(max_pos)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        got = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        self._last = (positions, *got)
+        return got
 
     def full_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cos, signed sin tables [> max_pos, D], extended first if max_pos is past them."""
         if max_pos >= self.cos.shape[0]:      # past max_position_embeddings: extend, never fail
             self._build(max(max_pos + 1, 2 * self.cos.shape[0]), self.cos.device)
+            self._last = None
         return self.cos, self.sin
 
 

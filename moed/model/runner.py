@@ -143,7 +143,8 @@ class ModelRunner:
             self.cold.attach(self.model)
         del weights
         self.kv_cache = self.kv_layout.allocate(num_blocks, self.device)
-        self._planned: ForwardBatch | None = None      # the batch the backend's plan is for
+        # the batch the backend's plan is for, its positions tensor and largest position
+        self._planned: tuple[ForwardBatch, torch.Tensor, int] | None = None
         # Decode-only steps in one native call where the model allows (decode_step.py).
         self.native_decode, why_not = NativeDecodeStep.for_model(self.model, self.backend, self.kv_cache)
         self.native_decode_off = why_not or ""
@@ -194,24 +195,27 @@ class ModelRunner:
             if table and (min(table) < 0 or max(table) >= self.num_blocks):
                 raise ValueError(f"sequence {i}: block id out of range [0, {self.num_blocks})")
 
-    def _inputs(self, batch: ForwardBatch, reuse_plan: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-        """(token ids [T], positions [T], the largest position, logit rows) on the device; the
-        backend planned for them. reuse_plan: keep the backend's plan when the last batch it
-        planned had the same positions and block tables (the MTP step after a main step whose
-        drafts were all kept: ~0.1 ms of the demo model's 2 ms step)."""
+    def _inputs(self, batch: ForwardBatch, reuse_plan: bool = False, logits: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        """(token ids [T], positions [T], the largest position, logit rows or None without
+        `logits`) on the device; the backend planned for them. reuse_plan: when the last batch
+        the backend planned had the same positions and block tables (the MTP step after a main
+        step whose drafts were all kept), keep its plan (~0.1 ms of the demo model's 2 ms step)
+        and its positions tensor, whose rotary tables Rotary.tables then gives back ungathered."""
         dev = self.device
         ids = [t for toks in batch.token_ids for t in toks]
-        pos = [p for toks, s in zip(batch.token_ids, batch.start_pos) for p in range(s, s + len(toks))]
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        if batch.all_logits:
+        last_rows = None
+        if logits and batch.all_logits:
             last_rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=dev)
-        else:
+        elif logits:
             last_rows = torch.tensor([len(t) for t in batch.token_ids], device=dev).cumsum(0) - 1
-        if not (reuse_plan and _same_rows(batch, self._planned)):
-            self.backend.plan(batch, positions)
-            self._planned = batch
+        if reuse_plan and self._planned is not None and _same_rows(batch, self._planned[0]):
+            return input_ids, self._planned[1], self._planned[2], last_rows
+        pos = [p for toks, s in zip(batch.token_ids, batch.start_pos) for p in range(s, s + len(toks))]
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        self.backend.plan(batch, positions)
+        self._planned = (batch, positions, max(pos))
         return input_ids, positions, max(pos), last_rows
 
     @overload
@@ -255,7 +259,7 @@ class ModelRunner:
         if tuple(hidden.shape) != (batch.num_tokens, self.spec.hidden_size):
             raise ValueError(f"forward_mtp: hidden {tuple(hidden.shape)}, expected "
                              f"({batch.num_tokens}, {self.spec.hidden_size})")
-        input_ids, positions, max_pos, rows = self._inputs(batch, reuse_plan=True)
+        input_ids, positions, max_pos, rows = self._inputs(batch, reuse_plan=True, logits=not kv_only)
         hidden, kv = hidden.to(self.device, self.dtype), self.kv_cache[self.spec.num_layers]
         if kv_only:
             self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary, self.backend, kv)
@@ -309,13 +313,14 @@ class ModelRunner:
             if d > 1 and last[i] + d - 1 >= len(batch.block_tables[i]) * self.block_size:
                 raise ValueError(f"draft_mtp: sequence {i}'s chain of {d} needs slots to position "
                                  f"{last[i] + d - 1}, its block table holds fewer")
-        input_ids, positions, max_pos, _ = self._inputs(batch, reuse_plan=True)
+        input_ids, positions, max_pos, _ = self._inputs(batch, reuse_plan=True, logits=False)
         hidden, kv = hidden.to(self.device, self.dtype), self.kv_cache[self.spec.num_layers]
         q = [i for i, d in enumerate(depth) if d > 0]
         out: list[list[int]] = [[] for _ in depth]
         first = None
-        if len(q) == n:      # one row each, all drafting: one pass, as forward_mtp
+        if len(q) == n:      # one row each, all drafting: one pass, as forward_mtp, on this plan
             x, ent = self.mtp._input(hidden, input_ids), None
+            first = self.mtp.draft(x, positions, max_pos, self.model.rotary, self.backend, kv)
         elif q and max(len(t) for t in batch.token_ids) <= MTP_ONE_PASS_ROWS:
             # short chunks only (a verify step's kept rows, a held decoding row's entry): one
             # pass on this plan, attention on every row (its entries), MoE and head on the
@@ -339,7 +344,7 @@ class ModelRunner:
                 (tok, h), first = first, None
             else:
                 b = ForwardBatch([[0]] * len(q), [last[i] + j for i in q], chain)
-                _, pos, mp, _ = self._inputs(b, reuse_plan=True)
+                _, pos, mp, _ = self._inputs(b, reuse_plan=True, logits=False)
                 tok, h = self.mtp.draft(x, pos, mp, self.model.rotary, self.backend, kv)
             if ent is not None:     # the query rows' entries as the all-row pass wrote them
                 self.backend.write_latent(ent, kv)
@@ -347,11 +352,11 @@ class ModelRunner:
             for i, t in zip(q, tok.tolist()):
                 out[i].append(t)
             keep = [n for n, i in enumerate(q) if depth[i] > j + 1]
+            if not keep:        # the usual k = 1: no chain goes on, nothing to select
+                break
             if len(keep) != len(q):
                 q, chain = [q[n] for n in keep], [chain[n] for n in keep]
                 tok, h = tok[keep], h[keep]
-            if not q:
-                break
             x = self.mtp._input(h, tok)
         return out
 

@@ -120,6 +120,29 @@ def test_split_is_bit_identical_to_the_pre_split_layer(name, dtype, pack, top_k,
     assert torch.equal(old_load, new_load) and int(new_load.sum()) == 43 * top_k
 
 
+@pytest.mark.parametrize("name,dtype,pack", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_two_tokens_skip_the_sort_and_compute_what_it_does(name, dtype, pack, top_k, monkeypatch):
+    """Two tokens (batch 1 verifying a draft) of a top-1 or top-2 model take each touched
+    expert in turn, no sort, and equal the sorted path (the pre-split layer's), where they
+    share an expert and where not (top-3: the sorted path, test_split_is_bit_identical...)."""
+    spec = _spec(top_k, True)
+    w = _weights(dtype, seed=11, replicated=False)
+    old = PreSplitMoE(spec, *w, torch.zeros(E, dtype=torch.long), pack)
+    new = MoELayer(spec, *w, torch.zeros(E, dtype=torch.long), ComputeContext(CPU, dtype, pack=pack))
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(2, H, generator=g).to(dtype) for _ in range(40)]
+    want = [old(x) for x in xs]
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: pytest.fail("two tokens were sorted"))
+    shared = 0
+    for x, a in zip(xs, want):
+        ids = new.router.route(x)[1].tolist()
+        shared += bool(set(ids[0]) & set(ids[1]))
+        b = new(x)
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+    assert 0 < shared < len(xs)
+
+
 def test_router_maps_through_replicas_and_counts_logical_load():
     spec = _spec(2, True)
     router_w, gate_up, down = _weights(torch.float32, seed=1, replicated=True)

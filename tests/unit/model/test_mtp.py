@@ -239,6 +239,42 @@ def test_short_chunks_run_the_mtp_layer_in_one_pass(with_mtp, monkeypatch, steps
     assert calls == ["write_kv"]        # the 6-row chunk only
 
 
+def test_a_pass_over_the_main_steps_rows_takes_its_plan_positions_and_rotary_tables(with_mtp, monkeypatch):
+    """An MTP pass over the main step's own rows (one decode row each; a verify step's rows, its
+    drafts all kept) plans nothing, builds its inputs once and gathers no rotary tables: the
+    main forward's serve it. Its drafts and entries are forward_mtp's on the same rows."""
+    d = with_mtp[0]
+    full, cheap = _runner(d, mtp=True), _runner(d, mtp=True)
+    seqs = _seqs(full.spec.vocab_size)
+    tables = [list(range(0, 8)), list(range(8, 16))]
+    layer = full.spec.num_layers
+    calls: list[str] = []
+
+    def counted(name, fn):
+        return lambda *a, **k: calls.append(name) or fn(*a, **k)
+    monkeypatch.setattr(cheap.backend, "plan", counted("plan", cheap.backend.plan))
+    monkeypatch.setattr(cheap, "_inputs", counted("inputs", cheap._inputs))
+    rotary = cheap.model.rotary
+    monkeypatch.setattr(rotary, "full_tables", counted("tables", rotary.full_tables))
+    done = 0
+    for n in (6, 1, 2, 1, 2):
+        batch = ForwardBatch([seqs["A"][done:done + n], seqs["B"][done:done + n]], [done, done], tables)
+        mb, rows = mtp_inputs(batch, [seqs["A"][done + n], seqs["B"][done + n]])
+        _, h = full.forward(batch, hidden=True)
+        logits = full.forward_mtp(mb, h.index_select(0, torch.tensor(rows)))
+        _, h2 = cheap.forward(batch, hidden=True)
+        calls.clear()
+        drafts = cheap.draft_mtp(mb, h2.index_select(0, torch.tensor(rows)), [1, 1])
+        done += n
+        assert drafts == [[int(x.argmax())] for x in logits], done
+        if n < 6:
+            assert calls == ["inputs"], (n, calls)
+        flat = [t.view(-1, t.shape[-1]) for t in (full.kv_cache[layer], cheap.kv_cache[layer])]
+        for t in tables:
+            slots = [t[p // BS] * BS + p % BS for p in range(done)]
+            assert torch.equal(flat[0][slots], flat[1][slots]), done
+
+
 def test_hidden_is_the_main_models_after_its_final_norm(with_mtp):
     """forward(hidden=True) gives transformers' last_hidden_state (after model.norm): the h
     that the training code feeds its MTP module."""
