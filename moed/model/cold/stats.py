@@ -40,6 +40,8 @@ class ColdStats:
         return self.predicted_right / max(self.predicted, 1)
     miss_bytes: int = 0
     cached_reads: int = 0           # misses copied from the page cache on the step thread
+    onednn_restored: int = 0        # refilled slots' oneDNN copies copied back (onednn.py)
+    onednn_packed: int = 0          # ... packed (the first time, or not restored)
     promoted_bytes: int = 0
     read_failures: int = 0
 
