@@ -95,12 +95,33 @@ class Prefetcher:
         busy = {u for p, u in self._staged if p == pos}
         st = self.store.stats
         for u in policy.prefetch_picks(rows, resident, busy, self.capacity - self.held()):
-            self._staged[(pos, u)] = self._pool.submit(self.read, pos, u)
+            self._staged[(pos, u)] = self._pool.submit(self._read_uncached, pos, u)
             st.prefetch_reads += 1
 
+    def _read_uncached(self, pos: int, unit: int) -> list[torch.Tensor] | None:
+        """The read (reader thread), or None when the page cache holds the expert: its miss is
+        then one copy on the step thread, where a staged read costs two (here, then into the
+        slot), both beside the matmuls on the same cores (docs/cold-experts.md)."""
+        layer = self.store.layers[pos].layer
+        if self.store.index.cached(layer, self.store.units[unit]):
+            return None
+        return self.read(pos, unit)
+
+    def cached_after_all(self) -> None:
+        """A staged read found its expert page-cached (None): counted as such, not as a read."""
+        self.store.stats.prefetch_reads -= 1
+        self.store.stats.prefetch_cached += 1
+        metrics.EXPERT_WEIGHT_PREFETCHES.labels("cached").inc()
+
     def take(self, pos: int, unit: int) -> Future | None:
-        """The staged or in-flight read of `unit` for layer `pos` (now the caller's), or None."""
-        return self._staged.pop((pos, unit), None)
+        """The staged or in-flight read of `unit` for layer `pos` (now the caller's), or None
+        (none, or one that found the expert page-cached: a miss reads it). An in-flight read
+        may still end in None: the caller reads a miss then."""
+        fut = self._staged.pop((pos, unit), None)
+        if fut is not None and _cached(fut):
+            self.cached_after_all()
+            return None
+        return fut
 
     def state(self, pos: int, unit: int) -> int:
         """0: staged and complete, 1: being read, 2: no prefetch (the order a layer's misses run)."""
@@ -120,6 +141,9 @@ class Prefetcher:
             if fut.cancel():
                 st.prefetch_reads -= 1          # never read
                 continue
+            if _cached(fut):
+                self.cached_after_all()
+                continue
             self._dropped.append(fut)
             st.prefetch_unused += 1
             metrics.EXPERT_WEIGHT_PREFETCHES.labels("unused").inc()
@@ -131,3 +155,8 @@ class Prefetcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _cached(fut: Future) -> bool:
+    """A finished read that found its expert page-cached (and so read nothing)."""
+    return fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is None

@@ -19,6 +19,7 @@ class ColdStats:
     prefetch_wait_s: float = 0.0
     prefetch_reads: int = 0         # prefetch reads started
     prefetch_unused: int = 0        # ... read but not needed (a wrong prediction)
+    prefetch_cached: int = 0        # ... not staged: the page cache held it (a miss copies it)
     predicted: int = 0              # experts predicted for a layer (summed over layer calls)
     predicted_needed: int = 0       # experts those layer calls ran
     predicted_right: int = 0        # ... of them predicted

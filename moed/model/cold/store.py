@@ -364,6 +364,10 @@ class ColdExperts:
             except ExpertReadError:
                 self.store.stats.read_failures += 1
                 metrics.EXPERT_WEIGHT_READ_FAILURES.labels("prefetch").inc()
+                weights = []
+            if not weights:                 # failed ([]), or page-cached (None): a miss read
+                if weights is None:
+                    pf.cached_after_all()
                 self.store.read_slots(self.pos, [(e, slots[e])])
                 self._set(slots[e], e)
                 cold.append(e)
