@@ -131,6 +131,7 @@ class ExpertStore:
         if self.onednn is None and local.onednn_copies(0) and self.onednn_off == "unused":
             self.onednn_off = onednn.unavailable() or ""
             self.onednn = None if self.onednn_off else onednn.OnednnFile(self.stats)
+            log.info("cold_experts_onednn_file", state=self.onednn_off or "on")
         if self.onednn is not None:
             local.onednn_side = onednn.LayerOnednn(self.onednn, layer.pos, layer.expert_in)
         return ColdExecutor(layer) if self.inner is None else self.inner.executor(layer)
@@ -271,8 +272,7 @@ class ExpertStore:
                 "prefetch_experts": self.prefetch.capacity if self.prefetch is not None else 0,
                 "prefetch": "on" if self.prefetch is not None else
                 "off: expert parallelism" if self.inner is not None else "off",
-                "heat_half_life_steps": self.settings.heat_half_life_steps,
-                "onednn_file": self.onednn_off or "on"}
+                "heat_half_life_steps": self.settings.heat_half_life_steps}
 
     def close(self) -> None:
         if self.prefetch is not None:

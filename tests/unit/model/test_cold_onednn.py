@@ -21,7 +21,7 @@ def _cold(ck):
     full = _runner(ck, "bfloat16")
     want = _steps(full, 6)
     r = _runner(ck, "bfloat16", ColdSettings(_budget(full, 0.3), 1 << 30, 4.0, 0))
-    assert r.cold.onednn is not None, r.cold.describe()     # the torch path keeps oneDNN copies
+    assert r.cold.onednn is not None, r.cold.onednn_off     # the torch path keeps oneDNN copies
     return want, r
 
 
