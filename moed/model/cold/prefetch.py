@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 # layer runs (layers 2-15; 41% from layer 0 to 1, whose hidden state changes most); its top 2k
 # name 90-96% for ~1.9x the experts (docs/cold-experts.md). The reads are bounded by capacity.
 WIDEN = 2
+# While every checked expert is page-cached, predict one step in this many (policy.prediction_rest)
+PROBE_EVERY = 8
 
 
 class Prefetcher:
@@ -58,6 +60,9 @@ class Prefetcher:
         self._staged: dict[tuple[int, int], Future] = {}
         self._dropped: list[Future] = []        # unused reads still running: their buffers count
         self._predicted: dict[int, set[int]] = {}
+        # this step: predicted at all, experts checked, one found not cached (a check on the
+        # reader thread, or a miss that needed the disk: uncached()); steps rested so far
+        self._did, self._checked, self._uncached, self.rested = False, 0, False, 0
 
     def attach(self, routers: list[Router], first_norm: tuple[torch.Tensor, float]) -> None:
         """The MoE layers' routers in order, and the first layer's input norm (weight, eps)."""
@@ -81,8 +86,9 @@ class Prefetcher:
     def predict(self, pos: int, x: torch.Tensor) -> None:
         """Route x [T, H] through MoE layer `pos`'s router; start reading its predicted
         non-resident units, within the capacity."""
-        if pos >= len(self.routers) or x.shape[0] == 0:
+        if pos >= len(self.routers) or x.shape[0] == 0 or self.rested:
             return
+        self._did = True
         router = self.routers[pos]
         n = len(self.store.units)
         top = router.choice_scores(x).topk(min(WIDEN * router.top_k, n), dim=-1).indices
@@ -103,9 +109,15 @@ class Prefetcher:
         then one copy on the step thread, where a staged read costs two (here, then into the
         slot), both beside the matmuls on the same cores (docs/cold-experts.md)."""
         layer = self.store.layers[pos].layer
+        self._checked += 1
         if self.store.index.cached(layer, self.store.units[unit]):
             return None
+        self._uncached = True
         return self.read(pos, unit)
+
+    def uncached(self) -> None:
+        """A miss needed the disk: predict again from the next step."""
+        self._uncached = True
 
     def cached_after_all(self) -> None:
         """A staged read found its expert page-cached (None): counted as such, not as a read."""
@@ -152,6 +164,9 @@ class Prefetcher:
         """Between steps: drop whatever a step left (its last layer, a failed step)."""
         for pos in sorted({p for p, _ in self._staged} | set(self._predicted)):
             self.finish(pos, set())
+        self.rested = policy.prediction_rest(self._did, self._checked, self._uncached,
+                                             self.rested, PROBE_EVERY)
+        self._did, self._checked, self._uncached = False, 0, False
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

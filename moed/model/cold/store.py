@@ -103,8 +103,7 @@ class ExpertStore:
             if settings.move_bytes_per_step else 0
         self.layers: list[ColdExperts] = []
         self.stats = ColdStats()
-        # refilled slots' oneDNN copies copied back, not packed (onednn.py): on the torch path
-        self.onednn: onednn.OnednnFile | None = None
+        self.onednn: onednn.OnednnFile | None = None      # refilled slots' oneDNN copies
         self.onednn_off = "unused"          # "": on, else why off
         self._miss_pool = ThreadPoolExecutor(1, thread_name_prefix="moed-expert-miss")
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="moed-expert-ahead")
@@ -144,9 +143,8 @@ class ExpertStore:
         it never waits for the disk); only the rest is handed to the miss thread, in one
         hand-off, the step waiting at most READ_TIMEOUT_S (a read the disk must serve can hang; a
         copy from the page cache cannot; handing cached reads off too cost 5% of a cold step:
-        docs/cold-experts.md).
-        A read that times out may still write: its slots are lost (never used again) rather
-        than reused under it."""
+        docs/cold-experts.md). A read that times out may still write: its slots are lost (never
+        used again) rather than reused under it. A read the disk serves wakes the prediction."""
         layer = self.layers[pos]
         local, index, n = layer.local, self.index, layer.layer
 
@@ -167,6 +165,8 @@ class ExpertStore:
         self.stats.cached_reads += len(reads) - len(rest)
         if not rest:
             return
+        if self.prefetch is not None:
+            self.prefetch.uncached()
         try:
             self._miss_pool.submit(lambda: [read(u, s, False) for u, s in rest]).result(
                 timeout=READ_TIMEOUT_S)

@@ -3,7 +3,8 @@ its pure sizing and picks; with prefetch on, a runner at 30% of the expert bytes
 all-resident logits bit for bit while prefetched experts serve layer calls; a wrong prediction
 changes nothing but the counters; a failed prefetch read is read again as a miss (and fails
 the step as a miss does when the file is bad); an expert the page cache holds is not staged but
-left to its miss (one copy, not two); under expert parallelism it is off.
+left to its miss (one copy, not two), and while all it checks is cached the prediction rests;
+under expert parallelism it is off.
 
 The tests of staging make the store see the checkpoint as not page-cached (as under a memory
 cap): the tiny checkpoints are always cached here."""
@@ -82,6 +83,29 @@ def test_page_cached_experts_are_not_staged_but_left_to_their_miss(tiny_qwen3):
     # a check may rarely see a page not cached for a moment: then it is read, correctly
     assert st.prefetch_reads <= st.prefetch_cached // 10, st
     assert st.prefetch_ready + st.prefetch_waited == st.prefetch_reads - st.prefetch_unused, st
+
+
+def test_prediction_rests_while_the_page_cache_holds_the_experts(tiny_qwen3):
+    assert policy.prediction_rest(True, 5, False, 0, 8) == 1        # all 5 checked were cached
+    assert policy.prediction_rest(True, 0, False, 0, 8) == 0        # nothing to check: on
+    assert policy.prediction_rest(False, 0, False, 0, 8) == 0       # no prediction ran (start)
+    assert policy.prediction_rest(True, 5, True, 0, 8) == 0         # one needed the disk
+    assert policy.prediction_rest(False, 0, False, 1, 8) == 2
+    assert policy.prediction_rest(False, 0, False, 7, 8) == 0       # the probe step
+    assert policy.prediction_rest(False, 0, True, 3, 8) == 0        # a miss needed the disk
+    full = _runner(tiny_qwen3, "bfloat16")
+    want = _steps(full, 6)
+    r = _runner(tiny_qwen3, "bfloat16", ColdSettings(_budget(full, 0.3), 0, 4.0, 4))
+    pf, did = r.cold.prefetch, []
+    reset = pf.reset
+    pf.reset = lambda: (did.append(pf._did), reset())[1]
+    got = _steps(r, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert did[1] and len(did) > 4 and not any(did[2:]), did        # predicted once, then rests
+    pf.rested = 3
+    pf.uncached()                       # a miss read from the disk
+    reset()
+    assert pf.rested == 0
 
 
 class _WrongRouter:
