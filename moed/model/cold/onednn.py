@@ -10,9 +10,10 @@ first pack of an expert is kept here, and the next time a slot holding that expe
 copy the bytes are copied back into the slot's oneDNN tensor in place (one read from the page
 cache, ~0.1 ms) instead of packed.
 
-The file is an unlinked temporary file (TMPDIR): at most the store's non-resident experts'
-oneDNN bytes (the size of their plain weights), written once each, kept by the page cache
-like the checkpoint. Reads use RWF_NOWAIT (never waiting for the disk on the step thread);
+The file is an unlinked temporary file (TMPDIR), written once per expert and kept by the page
+cache like the checkpoint, and capped at `experts.resident_bytes` (the experts that come back
+first are kept; later ones pack as before): a model far bigger than memory must not fill the
+host's TMPDIR with a packed copy of every expert it has. Reads use RWF_NOWAIT (never waiting for the disk on the step thread);
 anything not restored whole (not cached, a short read, an error) is packed as before, and a
 write that fails turns the file off: both are the old path, so the output never depends on
 the file. Off where torch has no byte access to a oneDNN tensor or os no RWF_NOWAIT.
@@ -51,8 +52,8 @@ def unavailable() -> str | None:
 class OnednnFile:
     """(MoE layer position, unit) -> the oneDNN bytes of that expert's matrices, in one file."""
 
-    def __init__(self, stats: ColdStats) -> None:
-        self.stats = stats
+    def __init__(self, stats: ColdStats, cap: int) -> None:
+        self.stats, self.cap = stats, cap      # bytes the file may hold
         self._f = tempfile.TemporaryFile(prefix="moed-onednn-")
         self.fd = self._f.fileno()
         self.end = 0
@@ -84,6 +85,8 @@ class OnednnFile:
         if not self.on or not copies or key in self.where:
             return
         views = [_bytes(t) for t in copies]
+        if self.end + sum(len(v) for v in views) > self.cap:
+            return                  # full: this expert packs each time, as without the file
         try:
             for i, v in enumerate(views):
                 if os.pwrite(self.fd, v, self.end + sum(len(w) for w in views[:i])) != len(v):

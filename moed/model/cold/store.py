@@ -128,8 +128,8 @@ class ExpertStore:
         layer = ColdExperts(self, len(self.layers), self.moe_layers[len(self.layers)], local)
         self.layers.append(layer)
         if self.onednn is None and local.onednn_copies(0) and self.onednn_off == "unused":
-            self.onednn_off = onednn.unavailable() or ""
-            self.onednn = None if self.onednn_off else onednn.OnednnFile(self.stats)
+            off = self.onednn_off = onednn.unavailable() or ""
+            self.onednn = None if off else onednn.OnednnFile(self.stats, self.settings.resident_bytes)
             log.info("cold_experts_onednn_file", state=self.onednn_off or "on")
         if self.onednn is not None:
             local.onednn_side = onednn.LayerOnednn(self.onednn, layer.pos, layer.expert_in)

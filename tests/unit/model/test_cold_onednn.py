@@ -42,6 +42,7 @@ def _assert_fresh(r) -> int:
 
 def test_refilled_slots_copy_their_onednn_bytes_back(make_checkpoint):
     want, r = _cold(make_checkpoint("deepseek_v3"))
+    r.cold.onednn.cap = 1 << 40         # room for every expert (the cap has its own test)
     got = _steps(r, 6)
     assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
     st = r.cold.stats
@@ -67,3 +68,14 @@ def test_a_restore_that_cannot_read_packs_instead(make_checkpoint, monkeypatch):
     st = r.cold.stats
     assert st.onednn_restored == 0 and st.onednn_packed > len(r.cold.onednn.where), st
     assert _assert_fresh(r) > 0
+
+
+def test_the_side_file_holds_no_more_than_its_cap(make_checkpoint):
+    want, r = _cold(make_checkpoint("deepseek_v3"))
+    side = r.cold.onednn
+    assert side.cap == r.cold.settings.resident_bytes       # the operator's budget bounds it
+    side.cap = 3 * r.cold.expert_bytes // 2                 # room for one expert's copies
+    got = _steps(r, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
+    assert 0 < side.end <= side.cap and len(side.where) == 1, (side.end, side.cap, side.where)
+    assert r.cold.stats.onednn_packed > 1, r.cold.stats      # the rest packed as before
