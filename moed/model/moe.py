@@ -38,6 +38,8 @@ per-expert path on the blocked matmul; fp32 ones and expert parallelism the per-
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import structlog
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,12 @@ class Router:
         return Routing(weights, phys.view(logical.shape), replicated)
 
 
+class OnednnSide(Protocol):
+    """Where a slot's oneDNN copies are restored from instead of packed (cold/onednn.py)."""
+    def restore(self, slot: int, copies: list[torch.Tensor]) -> bool: ...
+    def keep(self, slot: int, copies: list[torch.Tensor]) -> None: ...
+
+
 class LocalExperts(ExpertExecutor):
     """Every physical expert in this process, as slices of the fused weights."""
 
@@ -148,6 +156,9 @@ class LocalExperts(ExpertExecutor):
         # slots loaded without their oneDNN copies re-packed (load_slot(repack=False)): packed
         # again the first time a call would read those copies
         self.stale: set[int] = set()
+        # the cold-expert store's side file of packed copies (cold/onednn.py): a re-pack
+        # restores a slot's copies from it when it can, and keeps a fresh pack there
+        self.onednn_side: OnednnSide | None = None
         # Quantized experts the native kernels read: the whole layer in one call (moed_moe_q)
         # for batches whose every expert call the per-expert path serves natively (qrows:
         # QUANT_MAX_ROWS; prefill keeps the per-expert path). Not under batch invariance (qrows
@@ -286,11 +297,19 @@ class LocalExperts(ExpertExecutor):
             self._repack(slot)
 
     def _repack(self, slot: int) -> None:
-        for dst, lin in zip(self.slot_weights(slot), self.experts[slot], strict=True):
-            if lin.packed is not None:   # with kernels, the plain weight comes back from dst
-                plain = lin.weight if lin.weight is not None else lin.kernels.unpack(dst, lin.out_features)
-                lin.packed = torch.ops.mkldnn._reorder_linear_weight(plain, ONEDNN_ROWS_HINT)
+        side = self.onednn_side
+        if side is None or not side.restore(slot, self.onednn_copies(slot)):
+            for dst, lin in zip(self.slot_weights(slot), self.experts[slot], strict=True):
+                if lin.packed is not None:   # with kernels, the plain weight comes back from dst
+                    plain = lin.weight if lin.weight is not None else lin.kernels.unpack(dst, lin.out_features)
+                    lin.packed = torch.ops.mkldnn._reorder_linear_weight(plain, ONEDNN_ROWS_HINT)
+            if side is not None:
+                side.keep(slot, self.onednn_copies(slot))
         self.stale.discard(slot)
+
+    def onednn_copies(self, slot: int) -> list[torch.Tensor]:
+        """Slot `slot`'s oneDNN-packed copies (none on the kernels-only and quantized paths)."""
+        return [lin.packed for lin in self.experts[slot] if lin.packed is not None]
 
     def _expert(self, e: int, rows: int) -> tuple[Linear, Linear]:
         """Slot e's two Linears for a call of `rows` rows, its oneDNN copies fresh if it reads them."""

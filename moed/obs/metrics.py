@@ -382,7 +382,8 @@ EXPERT_WEIGHT_READ_FAILURES = Counter("moed_expert_weight_read_failures", "Exper
 EXPERT_WEIGHT_PREFETCHES = Counter("moed_expert_weight_prefetches", "Layer-ahead prefetch reads "
                                    "of predicted experts: ready (complete when the layer needed "
                                    "the expert), waited (the step waited for it in flight), "
-                                   "unused (read, not routed to: a wrong prediction)",
+                                   "unused (read, not routed to: a wrong prediction), cached (not read: "
+                                   "the page cache held it)",
                                    ["result"], registry=ENGINE)
 EXPERT_WEIGHT_PREFETCH_WAIT = Counter("moed_expert_weight_prefetch_wait_seconds", "Seconds steps "
                                       "waited for prefetch reads still in flight", registry=ENGINE)

@@ -150,3 +150,17 @@ def prefetch_picks(predicted_rows: Sequence[int], resident: Sequence[bool], busy
     cands = [u for u, n in enumerate(predicted_rows) if n > 0 and not resident[u] and u not in busy]
     cands.sort(key=lambda u: (-predicted_rows[u], u))
     return cands[:limit]
+
+
+
+def prediction_rest(predicted: bool, checked: int, uncached: bool, rested: int, probe_every: int) -> int:
+    """Steps layer-ahead prediction has rested after this step (0: it predicts in the next).
+    Prediction pays only for experts the page cache lacks (a cached one is left to its miss)
+    and costs a router pass per MoE layer on the step thread, so after a step whose `checked`
+    (> 0) experts were all page-cached it rests, and predicts one step in every `probe_every`
+    to look again. A step that needed the disk (`uncached`: a check or a miss) ends a rest."""
+    if uncached:
+        return 0
+    if rested:
+        return 0 if rested + 1 >= probe_every else rested + 1
+    return 1 if predicted and checked else 0

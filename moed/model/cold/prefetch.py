@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 # layer runs (layers 2-15; 41% from layer 0 to 1, whose hidden state changes most); its top 2k
 # name 90-96% for ~1.9x the experts (docs/cold-experts.md). The reads are bounded by capacity.
 WIDEN = 2
+# While every checked expert is page-cached, predict one step in this many (policy.prediction_rest)
+PROBE_EVERY = 8
 
 
 class Prefetcher:
@@ -58,6 +60,9 @@ class Prefetcher:
         self._staged: dict[tuple[int, int], Future] = {}
         self._dropped: list[Future] = []        # unused reads still running: their buffers count
         self._predicted: dict[int, set[int]] = {}
+        # this step: predicted at all, experts checked, one found not cached (a check on the
+        # reader thread, or a miss that needed the disk: uncached()); steps rested so far
+        self._did, self._checked, self._uncached, self.rested = False, 0, False, 0
 
     def attach(self, routers: list[Router], first_norm: tuple[torch.Tensor, float]) -> None:
         """The MoE layers' routers in order, and the first layer's input norm (weight, eps)."""
@@ -81,8 +86,9 @@ class Prefetcher:
     def predict(self, pos: int, x: torch.Tensor) -> None:
         """Route x [T, H] through MoE layer `pos`'s router; start reading its predicted
         non-resident units, within the capacity."""
-        if pos >= len(self.routers) or x.shape[0] == 0:
+        if pos >= len(self.routers) or x.shape[0] == 0 or self.rested:
             return
+        self._did = True
         router = self.routers[pos]
         n = len(self.store.units)
         top = router.choice_scores(x).topk(min(WIDEN * router.top_k, n), dim=-1).indices
@@ -95,12 +101,39 @@ class Prefetcher:
         busy = {u for p, u in self._staged if p == pos}
         st = self.store.stats
         for u in policy.prefetch_picks(rows, resident, busy, self.capacity - self.held()):
-            self._staged[(pos, u)] = self._pool.submit(self.read, pos, u)
+            self._staged[(pos, u)] = self._pool.submit(self._read_uncached, pos, u)
             st.prefetch_reads += 1
 
+    def _read_uncached(self, pos: int, unit: int) -> list[torch.Tensor] | None:
+        """The read (reader thread), or None when the page cache holds the expert: its miss is
+        then one copy on the step thread, where a staged read costs two (here, then into the
+        slot), both beside the matmuls on the same cores (docs/cold-experts.md)."""
+        layer = self.store.layers[pos].layer
+        self._checked += 1
+        if self.store.index.cached(layer, self.store.units[unit]):
+            return None
+        self._uncached = True
+        return self.read(pos, unit)
+
+    def uncached(self) -> None:
+        """A miss needed the disk: predict again from the next step."""
+        self._uncached = True
+
+    def cached_after_all(self) -> None:
+        """A staged read found its expert page-cached (None): counted as such, not as a read."""
+        self.store.stats.prefetch_reads -= 1
+        self.store.stats.prefetch_cached += 1
+        metrics.EXPERT_WEIGHT_PREFETCHES.labels("cached").inc()
+
     def take(self, pos: int, unit: int) -> Future | None:
-        """The staged or in-flight read of `unit` for layer `pos` (now the caller's), or None."""
-        return self._staged.pop((pos, unit), None)
+        """The staged or in-flight read of `unit` for layer `pos` (now the caller's), or None
+        (none, or one that found the expert page-cached: a miss reads it). An in-flight read
+        may still end in None: the caller reads a miss then."""
+        fut = self._staged.pop((pos, unit), None)
+        if fut is not None and _cached(fut):
+            self.cached_after_all()
+            return None
+        return fut
 
     def state(self, pos: int, unit: int) -> int:
         """0: staged and complete, 1: being read, 2: no prefetch (the order a layer's misses run)."""
@@ -120,6 +153,9 @@ class Prefetcher:
             if fut.cancel():
                 st.prefetch_reads -= 1          # never read
                 continue
+            if _cached(fut):
+                self.cached_after_all()
+                continue
             self._dropped.append(fut)
             st.prefetch_unused += 1
             metrics.EXPERT_WEIGHT_PREFETCHES.labels("unused").inc()
@@ -128,6 +164,14 @@ class Prefetcher:
         """Between steps: drop whatever a step left (its last layer, a failed step)."""
         for pos in sorted({p for p, _ in self._staged} | set(self._predicted)):
             self.finish(pos, set())
+        self.rested = policy.prediction_rest(self._did, self._checked, self._uncached,
+                                             self.rested, PROBE_EVERY)
+        self._did, self._checked, self._uncached = False, 0, False
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _cached(fut: Future) -> bool:
+    """A finished read that found its expert page-cached (and so read nothing)."""
+    return fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is None

@@ -19,6 +19,8 @@ the OS error go to the log only.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,44 @@ from moed.model.safetensors_file import Mapped, WeightError, read_index
 from moed.model.spec import ModelSpec
 
 log = structlog.get_logger(__name__)
+
+
+def _libc_mincore() -> ctypes.CDLL | None:
+    """libc with mmap / mincore / munmap typed, or None where there is no mincore."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc_mincore()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def page_cached(fd: int, offset: int, nbytes: int) -> bool | None:
+    """Whether the page cache holds every page of fd's [offset, offset + nbytes), or None when
+    this cannot tell (no mincore, an error). mincore over a mapping never touched: no page is
+    read, none counts in the RSS; the mapping is gone when this returns."""
+    if _LIBC is None:
+        return None
+    start = offset - offset % mmap.PAGESIZE
+    length = offset + nbytes - start
+    addr = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    if addr in (None, _MAP_FAILED):
+        return None
+    try:
+        pages = (ctypes.c_ubyte * ((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+        if _LIBC.mincore(addr, length, pages) != 0:
+            return None
+        return all(b & 1 for b in pages)
+    finally:
+        _LIBC.munmap(addr, length)
 
 
 class ExpertReadError(RuntimeError):
@@ -109,6 +149,12 @@ class ExpertIndex:
         """Bytes of one expert's weights in the compute dtype (what a resident slot holds)."""
         i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
         return 3 * i * h * self.dtype.itemsize
+
+    def cached(self, layer: int, expert: int) -> bool | None:
+        """Whether the page cache holds all of one expert's bytes (None: cannot tell here)."""
+        got = [page_cached(self.fds[x.file], x.offset, x.nbytes)
+               for x in (self.where[(layer, expert, r)] for r in _ROLES)]
+        return None if None in got else all(got)
 
     def read(self, layer: int, expert: int, cached: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate_up [2I, H] gate half first, down [H, I]) of one expert in the compute dtype,

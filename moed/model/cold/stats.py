@@ -19,6 +19,7 @@ class ColdStats:
     prefetch_wait_s: float = 0.0
     prefetch_reads: int = 0         # prefetch reads started
     prefetch_unused: int = 0        # ... read but not needed (a wrong prediction)
+    prefetch_cached: int = 0        # ... not staged: the page cache held it (a miss copies it)
     predicted: int = 0              # experts predicted for a layer (summed over layer calls)
     predicted_needed: int = 0       # experts those layer calls ran
     predicted_right: int = 0        # ... of them predicted
@@ -40,6 +41,8 @@ class ColdStats:
         return self.predicted_right / max(self.predicted, 1)
     miss_bytes: int = 0
     cached_reads: int = 0           # misses copied from the page cache on the step thread
+    onednn_restored: int = 0        # refilled slots' oneDNN copies copied back (onednn.py)
+    onednn_packed: int = 0          # ... packed (the first time, or not restored)
     promoted_bytes: int = 0
     read_failures: int = 0
 

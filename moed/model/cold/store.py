@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from moed.model.cold import policy
+from moed.model.cold import onednn, policy
 from moed.model.cold.prefetch import Prefetcher
 from moed.model.cold.reader import ExpertIndex, ExpertReadError
 from moed.model.cold.stats import ColdStats, LayerFetch
@@ -103,6 +103,8 @@ class ExpertStore:
             if settings.move_bytes_per_step else 0
         self.layers: list[ColdExperts] = []
         self.stats = ColdStats()
+        self.onednn: onednn.OnednnFile | None = None      # refilled slots' oneDNN copies
+        self.onednn_off = "unused"          # "": on, else why off
         self._miss_pool = ThreadPoolExecutor(1, thread_name_prefix="moed-expert-miss")
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="moed-expert-ahead")
         self._ahead: dict[tuple[int, int], Future] = {}     # (layer position, expert) -> read
@@ -125,6 +127,12 @@ class ExpertStore:
             raise TypeError(f"cold experts load slots of LocalExperts, not {type(local).__name__}")
         layer = ColdExperts(self, len(self.layers), self.moe_layers[len(self.layers)], local)
         self.layers.append(layer)
+        if self.onednn is None and local.onednn_copies(0) and self.onednn_off == "unused":
+            off = self.onednn_off = onednn.unavailable() or ""
+            self.onednn = None if off else onednn.OnednnFile(self.stats, self.settings.resident_bytes)
+            log.info("cold_experts_onednn_file", state=self.onednn_off or "on")
+        if self.onednn is not None:
+            local.onednn_side = onednn.LayerOnednn(self.onednn, layer.pos, layer.expert_in)
         return ColdExecutor(layer) if self.inner is None else self.inner.executor(layer)
 
     # ---- reads ----------------------------------------------------------------------------
@@ -134,11 +142,9 @@ class ExpertStore:
         copy). What the page cache holds is copied here, on the step thread (read_into with cached:
         it never waits for the disk); only the rest is handed to the miss thread, in one
         hand-off, the step waiting at most READ_TIMEOUT_S (a read the disk must serve can hang; a
-        copy from the page cache cannot). Handing cached reads off too cost 5% of a cold step on
-        bench/cold_experts.py's 16-layer model (docs/cold-experts.md): the step thread sleeps
-        and wakes per round, and on a busy machine each wake-up can cost a scheduler slice.
-        A read that times out may still write: its slots are lost (never used again) rather
-        than reused under it."""
+        copy from the page cache cannot; handing cached reads off too cost 5% of a cold step:
+        docs/cold-experts.md). A read that times out may still write: its slots are lost (never
+        used again) rather than reused under it. A read the disk serves wakes the prediction."""
         layer = self.layers[pos]
         local, index, n = layer.local, self.index, layer.layer
 
@@ -159,6 +165,8 @@ class ExpertStore:
         self.stats.cached_reads += len(reads) - len(rest)
         if not rest:
             return
+        if self.prefetch is not None:
+            self.prefetch.uncached()
         try:
             self._miss_pool.submit(lambda: [read(u, s, False) for u, s in rest]).result(
                 timeout=READ_TIMEOUT_S)
@@ -272,6 +280,8 @@ class ExpertStore:
         self._miss_pool.shutdown(wait=False, cancel_futures=True)
         self._ahead_pool.shutdown(wait=False, cancel_futures=True)
         self.index.close()
+        if self.onednn is not None:
+            self.onednn.close()
 
 
 class ColdExperts:
@@ -354,6 +364,10 @@ class ColdExperts:
             except ExpertReadError:
                 self.store.stats.read_failures += 1
                 metrics.EXPERT_WEIGHT_READ_FAILURES.labels("prefetch").inc()
+                weights = []
+            if not weights:                 # failed ([]), or page-cached (None): a miss read
+                if weights is None:
+                    pf.cached_after_all()
                 self.store.read_slots(self.pos, [(e, slots[e])])
                 self._set(slots[e], e)
                 cold.append(e)

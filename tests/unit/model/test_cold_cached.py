@@ -75,3 +75,20 @@ def test_without_rwf_nowait_every_miss_goes_to_the_miss_thread(tiny_qwen3, monke
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert r.cold.stats.misses > 0 and r.cold.stats.cached_reads == 0
     assert ExpertIndex.read(r.cold.index, r.cold.layers[0].layer, 0, cached=True) is None
+
+
+def test_page_cached_tells_a_page_never_read_from_one_read(tmp_path):
+    from moed.model.cold.reader import page_cached
+    path = tmp_path / "sparse"
+    with open(path, "wb") as f:
+        f.truncate(64 << 20)                    # a hole: no page was ever read or written
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if page_cached(fd, 0, 4096) is None:
+            pytest.skip("no mincore here")
+        assert page_cached(fd, 5000, 300_000) is False
+        os.pread(fd, 400_000, 0)
+        assert page_cached(fd, 5000, 300_000) is True
+        assert page_cached(fd, 32 << 20, 4096) is False     # far past what was read (ahead)
+    finally:
+        os.close(fd)

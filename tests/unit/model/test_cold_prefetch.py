@@ -2,7 +2,12 @@
 its pure sizing and picks; with prefetch on, a runner at 30% of the expert bytes gives the
 all-resident logits bit for bit while prefetched experts serve layer calls; a wrong prediction
 changes nothing but the counters; a failed prefetch read is read again as a miss (and fails
-the step as a miss does when the file is bad); under expert parallelism it is off."""
+the step as a miss does when the file is bad); an expert the page cache holds is not staged but
+left to its miss (one copy, not two), and while all it checks is cached the prediction rests;
+under expert parallelism it is off.
+
+The tests of staging make the store see the checkpoint as not page-cached (as under a memory
+cap): the tiny checkpoints are always cached here."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from moed.model.cold import ColdSettings, ExpertReadError, policy
+from moed.model.cold import ColdSettings, ExpertIndex, ExpertReadError, policy
 from moed.model.runner import ModelRunner
 from test_cold_experts import BLOCK, _budget, _runner, _steps
 
@@ -37,12 +42,17 @@ def test_prefetch_picks_most_predicted_non_resident_first():
 
 
 # ---- the runner -------------------------------------------------------------------------------
+@pytest.fixture
+def uncached(monkeypatch):
+    monkeypatch.setattr(ExpertIndex, "cached", lambda self, layer, expert: False)
+
+
 @pytest.mark.parametrize("arch,dtype", [
     ("qwen3_moe", "bfloat16"),      # the fused CPU kernel's router and expert halves
     ("qwen3_moe", "float32"),       # the torch path
     ("deepseek_v3", "bfloat16"),    # grouped sigmoid routing (its choice scores), a dense layer
 ])
-def test_prefetch_on_equals_all_resident_and_serves_layer_calls(make_checkpoint, arch, dtype):
+def test_prefetch_on_equals_all_resident_and_serves_layer_calls(make_checkpoint, arch, dtype, uncached):
     ck = make_checkpoint(arch)
     full = _runner(ck, dtype)
     want = _steps(full, 6)
@@ -62,6 +72,42 @@ def test_prefetch_on_equals_all_resident_and_serves_layer_calls(make_checkpoint,
     assert not store.prefetch._staged and not store.prefetch._predicted
 
 
+def test_page_cached_experts_are_not_staged_but_left_to_their_miss(tiny_qwen3):
+    full = _runner(tiny_qwen3, "bfloat16")      # its load leaves the checkpoint page-cached
+    want = _steps(full, 4)
+    r = _runner(tiny_qwen3, "bfloat16", ColdSettings(_budget(full, 0.3), 0, 4.0, 4))
+    got = _steps(r, 4)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    st = r.cold.stats
+    assert st.prefetch_cached > 0 and st.misses > 0, st
+    # a check may rarely see a page not cached for a moment: then it is read, correctly
+    assert st.prefetch_reads <= st.prefetch_cached // 10, st
+    assert st.prefetch_ready + st.prefetch_waited == st.prefetch_reads - st.prefetch_unused, st
+
+
+def test_prediction_rests_while_the_page_cache_holds_the_experts(tiny_qwen3):
+    assert policy.prediction_rest(True, 5, False, 0, 8) == 1        # all 5 checked were cached
+    assert policy.prediction_rest(True, 0, False, 0, 8) == 0        # nothing to check: on
+    assert policy.prediction_rest(False, 0, False, 0, 8) == 0       # no prediction ran (start)
+    assert policy.prediction_rest(True, 5, True, 0, 8) == 0         # one needed the disk
+    assert policy.prediction_rest(False, 0, False, 1, 8) == 2
+    assert policy.prediction_rest(False, 0, False, 7, 8) == 0       # the probe step
+    assert policy.prediction_rest(False, 0, True, 3, 8) == 0        # a miss needed the disk
+    full = _runner(tiny_qwen3, "bfloat16")
+    want = _steps(full, 6)
+    r = _runner(tiny_qwen3, "bfloat16", ColdSettings(_budget(full, 0.3), 0, 4.0, 4))
+    pf, did = r.cold.prefetch, []
+    reset = pf.reset
+    pf.reset = lambda: (did.append(pf._did), reset())[1]
+    got = _steps(r, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert did[1] and len(did) > 4 and not any(did[2:]), did        # predicted once, then rests
+    pf.rested = 3
+    pf.uncached()                       # a miss read from the disk
+    reset()
+    assert pf.rested == 0
+
+
 class _WrongRouter:
     """Ranks first the experts the real router ranks last (of the tiny model's 8 experts a
     batch still needs some of them)."""
@@ -74,7 +120,7 @@ class _WrongRouter:
         return -self.real.choice_scores(x)
 
 
-def test_a_wrong_prediction_only_costs_reads(tiny_qwen3):
+def test_a_wrong_prediction_only_costs_reads(tiny_qwen3, uncached):
     full = _runner(tiny_qwen3, "bfloat16")
     want = _steps(full, 4)
     r = _runner(tiny_qwen3, "bfloat16", ColdSettings(_budget(full, 0.3), 0, 4.0, 4))
@@ -86,7 +132,7 @@ def test_a_wrong_prediction_only_costs_reads(tiny_qwen3):
     assert st.prefetch_unused > 0 and st.misses > 0       # read for nothing, the real routing ran
 
 
-def test_a_failed_prefetch_read_is_read_again_as_a_miss(tiny_qwen3):
+def test_a_failed_prefetch_read_is_read_again_as_a_miss(tiny_qwen3, uncached):
     full = _runner(tiny_qwen3, "bfloat16")
     want = _steps(full, 4)
     r = _runner(tiny_qwen3, "bfloat16", ColdSettings(_budget(full, 0.3), 0, 4.0, 4))
@@ -100,7 +146,7 @@ def test_a_failed_prefetch_read_is_read_again_as_a_miss(tiny_qwen3):
     assert st.read_failures > 0 and st.prefetch_ready == st.prefetch_waited == 0 and st.misses > 0
 
 
-def test_truncated_file_with_prefetch_fails_the_step_cleanly_and_recovers(tiny_qwen3, tmp_path):
+def test_truncated_file_with_prefetch_fails_the_step_cleanly_and_recovers(tiny_qwen3, tmp_path, uncached):
     ck = shutil.copytree(tiny_qwen3, tmp_path / "ck")
     full = _runner(ck, "bfloat16")
     want = _steps(full, 3)
