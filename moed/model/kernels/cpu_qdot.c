@@ -139,10 +139,6 @@ static inline vi x_signed(vi x, wv w) { vi v = {_mm256_sign_epi8(x.a, w.w.a), _m
 #error "build with -mavx512f or -march=x86-64-v3"
 #endif
 
-#ifndef QPF
-#define QPF 512
-#endif
-
 typedef struct {
     const uint8_t *w; long ldw; const float *s; long lds; const uint8_t *z; long ldz;
     long G, K;              /* columns per group (<= K), input columns */
@@ -244,7 +240,7 @@ static inline __attribute__((always_inline)) void qd_tile(
             wv w[QDN];
             for (int j = 0; j < QDN; j++) {
                 const uint8_t *p = wr[j] + (fmt == QD_INT4 ? kc / 2 : kc);
-                if (QPF) _mm_prefetch((const char *)p + QPF, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + QDN * q->ldw, _MM_HINT_T0);     /* the next unit's rows, as qd_row1 */
                 w[j] = fmt == QD_INT4 ? w4_load(p, (nv + 1) / 2) : w8_load(p, nv);
             }
             for (int r = 0; r < RT; r++) {
@@ -292,7 +288,10 @@ static inline __attribute__((always_inline)) void qd_row1(
         wr[j] = q->w + rows[j] * q->ldw;
         facc[j] = vf_zero();
     }
-    const long pairs = fmt == QD_INT4 ? sh.cg / 2 : 0;
+    /* prefetch: the same bytes of the next pass's rows (QD1 rows on). A fixed distance along the
+     * row is no use here: an int4 row of K = 1024 is 512 bytes, so +512 is the next row's line
+     * that this pass loads itself; one pass ahead is ~4-8 KiB, about a memory latency's worth. */
+    const long pf = QD1 * q->ldw, pairs = fmt == QD_INT4 ? sh.cg / 2 : 0;
     const __m512i f = _mm512_set1_epi8(15);
     for (long g = 0; g < sh.ng; g++) {
         const long k0 = g * q->G, k1 = k0 + q->G < q->K ? k0 + q->G : q->K;
@@ -306,7 +305,7 @@ static inline __attribute__((always_inline)) void qd_row1(
             const vi xa = _mm512_shuffle_i64x2(x0, x1, 0x44), xb = _mm512_shuffle_i64x2(x0, x1, 0xEE);
             for (int j = 0; j < NR; j++) {
                 const uint8_t *p = wr[j] + kc / 2;
-                if (QPF) _mm_prefetch((const char *)p + QPF, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
                 const __m512i v = _mm512_maskz_loadu_epi8(m, (const void *)p);
                 acc[j] = vi_dp(vnni, acc[j], _mm512_and_si512(v, f), xa);
                 acch[j] = vi_dp(vnni, acch[j], _mm512_and_si512(_mm512_srli_epi16(v, 4), f), xb);
@@ -321,7 +320,7 @@ static inline __attribute__((always_inline)) void qd_row1(
             const vi x = vi_load(xg + c * 64);
             for (int j = 0; j < NR; j++) {
                 const uint8_t *p = wr[j] + (fmt == QD_INT4 ? kc / 2 : kc);
-                if (QPF) _mm_prefetch((const char *)p + QPF, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
                 const wv w = fmt == QD_INT4 ? w4_load(p, (nv + 1) / 2) : w8_load(p, nv);
                 acc[j] = vi_dp(vnni, acc[j], w.u, fmt == QD_INT4 ? x : x_signed(x, w));
             }
