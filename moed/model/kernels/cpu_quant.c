@@ -700,8 +700,8 @@ static void experts_phase(int fmt, int asym, const void *const ptr[3], const lon
  *         in ascending slot order in fp32, rounded once (torch's index_add_);
  *   fp32  act = silu(g) * u with expf (torch's vectorised exp may differ by an ulp: the only
  *         difference from the torch path); products and sums in fp32 in the same orders.
- * One barrier in few-row mode (gate_up -> down and sum, each thread the down rows of its own
- * output columns); two when blocked (gate_up -> down -> sum).
+ * One barrier for one token (gate_up -> down and sum, each thread the down rows of its own
+ * output columns); two for more (gate_up -> down -> sum).
  * blocked > 0 (bf16, H and I even; prefill): an expert with more than `blocked` rows takes the
  * packed-block path (moed_qlinear_blocked's numerics, each of its blocks packed once per call),
  * one with fewer moed_qlinear's loop: what the per-expert path's Linears do past and within
@@ -771,13 +771,15 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
         experts_phase(fmt, asym, gptr, gdim, count, touched, nt_e, H, 2 * I, xg, gu, wbuf[tid], tid, nt, x_f32,
                       NULL, act[tid], tmp[tid], blocked, qbuf[tid], 0);
 #pragma omp barrier
-        /* few-row mode: the down rows by columns, each thread then sums its own columns (no
-         * second barrier; the same sums, made by another thread); blocked: by expert, a barrier,
-         * then the sum by tokens */
+        /* one token (decode at batch 1): the down rows by columns, each thread then sums its own
+         * columns (no second barrier; the same sums, made by another thread; each thread makes
+         * the k experts' activations itself, a few microseconds). More rows: by expert (each
+         * expert's activations made once), a barrier, then the sum by tokens */
+        const int bycol = !blocked && T == 1;
         experts_phase(fmt, asym, dptr, ddim, count, touched, nt_e, I, H, NULL, y, wbuf[tid], tid, nt, x_f32,
-                      gu, act[tid], tmp[tid], blocked, qbuf[tid], !blocked);
+                      gu, act[tid], tmp[tid], blocked, qbuf[tid], bycol);
         long lo = 0, hi = T, c0 = 0, c1 = H;
-        if (blocked) {
+        if (!bycol) {
 #pragma omp barrier
             q_split(T, tid, nt, &lo, &hi);
         } else {
