@@ -668,9 +668,11 @@ static void expert_rows(const bf16 *x, const long *src, long H, long I, const bf
 }
 
 /* Router logits [T][ldl] for x [T][H]: rows split between threads when there are enough (E is
- * often one or two blocks of 32), else blocks. Either way the same bits. */
+ * often one or two blocks of 32), else blocks. Either way the same bits. One block of few rows
+ * (decode with E <= 32) would leave the other threads idle: no parallel region then, which
+ * spares the step a fork and join per layer. */
 static void router_logits(const bf16 *x, long T, long H, const bf16 *router, long E, float *logits, long ldl, int nthreads) {
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) if (T >= ROW_TILE * nthreads || nblocks(E) > 1)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         long lo, hi;

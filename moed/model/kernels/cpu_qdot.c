@@ -139,10 +139,6 @@ static inline vi x_signed(vi x, wv w) { vi v = {_mm256_sign_epi8(x.a, w.w.a), _m
 #error "build with -mavx512f or -march=x86-64-v3"
 #endif
 
-#ifndef QPF
-#define QPF 512
-#endif
-
 typedef struct {
     const uint8_t *w; long ldw; const float *s; long lds; const uint8_t *z; long ldz;
     long G, K;              /* columns per group (<= K), input columns */
@@ -244,7 +240,7 @@ static inline __attribute__((always_inline)) void qd_tile(
             wv w[QDN];
             for (int j = 0; j < QDN; j++) {
                 const uint8_t *p = wr[j] + (fmt == QD_INT4 ? kc / 2 : kc);
-                if (QPF) _mm_prefetch((const char *)p + QPF, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + QDN * q->ldw, _MM_HINT_T0);     /* the next unit's rows, as qd_row1 */
                 w[j] = fmt == QD_INT4 ? w4_load(p, (nv + 1) / 2) : w8_load(p, nv);
             }
             for (int r = 0; r < RT; r++) {
@@ -273,6 +269,82 @@ static inline __attribute__((always_inline)) void qd_tile(
         }
 }
 
+#if defined(__AVX512F__)
+#define QD1 (2 * QDN)   /* batch 1: output rows per pass (two units) */
+/* One input row (R = 1) x NR output rows: what qd_tile computes, with twice its rows in flight
+ * and int4 read 64 bytes (two chunks) a load. Chunks c, c+1 of a row unpack to L = low nibbles
+ * [c | c+1] and H = high nibbles [c | c+1]; against x = [c's first half | c+1's first half] and
+ * [c's second half | c+1's second half], lane l < 8 of L's sums holds chunk c's lane l and lane
+ * l + 8 chunk c+1's lane l (H likewise for lanes 8..15), so one shuffle pair per group gives the
+ * per-lane sums I_l exactly (integer adds), and the fp32 work is qd_tile's, in its order. */
+static inline __attribute__((always_inline)) void qd_row1(
+        const int fmt, const int zk, const int vnni, const int NR, const QDMat *q, QDShape sh, long n0, long N,
+        const int8_t *codes, const float *sx, const int32_t *xl, const float *bias, void *out, int out_f32) {
+    const uint8_t *wr[QD1];
+    long rows[QD1];
+    vf facc[QD1];
+    for (int j = 0; j < NR; j++) {
+        rows[j] = n0 + j < N ? n0 + j : N - 1;
+        wr[j] = q->w + rows[j] * q->ldw;
+        facc[j] = vf_zero();
+    }
+    /* prefetch: the same bytes of the next pass's rows (QD1 rows on). A fixed distance along the
+     * row is no use here: an int4 row of K = 1024 is 512 bytes, so +512 is the next row's line
+     * that this pass loads itself; one pass ahead is ~4-8 KiB, about a memory latency's worth. */
+    const long pf = QD1 * q->ldw, pairs = fmt == QD_INT4 ? sh.cg / 2 : 0;
+    const __m512i f = _mm512_set1_epi8(15);
+    for (long g = 0; g < sh.ng; g++) {
+        const long k0 = g * q->G, k1 = k0 + q->G < q->K ? k0 + q->G : q->K;
+        const int8_t *xg = codes + g * sh.cg * 64;
+        vi acc[QD1], acch[QD1];
+        for (int j = 0; j < NR; j++) acc[j] = acch[j] = vi_zero();
+        for (long c = 0; c < pairs; c++) {
+            const long kc = k0 + c * 128, nb = k1 - kc >= 128 ? 64 : k1 - kc > 0 ? (k1 - kc + 1) / 2 : 0;
+            const __mmask64 m = nb >= 64 ? ~0ULL : (1ULL << nb) - 1;
+            const vi x0 = vi_load(xg + c * 128), x1 = vi_load(xg + c * 128 + 64);
+            const vi xa = _mm512_shuffle_i64x2(x0, x1, 0x44), xb = _mm512_shuffle_i64x2(x0, x1, 0xEE);
+            for (int j = 0; j < NR; j++) {
+                const uint8_t *p = wr[j] + kc / 2;
+                _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
+                const __m512i v = _mm512_maskz_loadu_epi8(m, (const void *)p);
+                acc[j] = vi_dp(vnni, acc[j], _mm512_and_si512(v, f), xa);
+                acch[j] = vi_dp(vnni, acch[j], _mm512_and_si512(_mm512_srli_epi16(v, 4), f), xb);
+            }
+        }
+        if (pairs)
+            for (int j = 0; j < NR; j++)
+                acc[j] = _mm512_add_epi32(_mm512_shuffle_i64x2(acc[j], acch[j], 0x44),
+                                          _mm512_shuffle_i64x2(acc[j], acch[j], 0xEE));
+        for (long c = 2 * pairs; c < sh.cg; c++) {     /* int8, or int4's odd chunk: qd_tile's way */
+            const long kc = k0 + c * 64, nv = k1 - kc < 64 ? k1 - kc : 64;
+            const vi x = vi_load(xg + c * 64);
+            for (int j = 0; j < NR; j++) {
+                const uint8_t *p = wr[j] + (fmt == QD_INT4 ? kc / 2 : kc);
+                _mm_prefetch((const char *)p + pf, _MM_HINT_T0);
+                const wv w = fmt == QD_INT4 ? w4_load(p, (nv + 1) / 2) : w8_load(p, nv);
+                acc[j] = vi_dp(vnni, acc[j], w.u, fmt == QD_INT4 ? x : x_signed(x, w));
+            }
+        }
+        const vi l = vi_load((const int8_t *)(xl + g * 16)), a0 = zk == 1 ? vi_neg8(l) : vi_zero();
+        const __m512 sxr = _mm512_set1_ps(sx[g]);
+        for (int j = 0; j < NR; j++) {     /* vf_acc, its scale product made in vector lanes */
+            const vi a = zk == 2 ? vi_zcorr(acc[j], zero_of(fmt, zk, q, rows[j], g), l)
+                                 : zk == 1 ? _mm512_add_epi32(a0, acc[j]) : acc[j];
+            const __m512 sv = _mm512_mul_ps(sxr, _mm512_set1_ps(q->s[rows[j] * q->lds + g]));
+            facc[j] = _mm512_add_ps(facc[j], _mm512_mul_ps(_mm512_cvtepi32_ps(a), sv));
+        }
+    }
+    for (int j = 0; j < NR; j++) {
+        const long n = n0 + j;
+        if (n >= N) continue;
+        float y = vf_sum(facc[j]);
+        if (bias) y += bias[n];
+        if (out_f32) ((float *)out)[n] = y;
+        else ((uint16_t *)out)[n] = qd_bf16(y);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void qd_units_t(
         const int fmt, const int zk, const int vnni, const QDMat *q, const void *buf, long R, long N,
         long u0, long u1, const float *bias, void *out, long ldo, int out_f32) {
@@ -280,6 +352,15 @@ static inline __attribute__((always_inline)) void qd_units_t(
     const int8_t *codes = buf;
     const float *sx = (const float *)(codes + R * sh.rowb);
     const int32_t *xl = (const int32_t *)(sx + R * sh.ng);
+#if defined(__AVX512F__)
+    if (R == 1) {
+        long u = u0;
+        for (; u + QD1 / QDN <= u1; u += QD1 / QDN)
+            qd_row1(fmt, zk, vnni, QD1, q, sh, u * QDN, N, codes, sx, xl, bias, out, out_f32);
+        for (; u < u1; u++) qd_row1(fmt, zk, vnni, QDN, q, sh, u * QDN, N, codes, sx, xl, bias, out, out_f32);
+        return;
+    }
+#endif
     for (long u = u0; u < u1; u++) {
         const long n0 = u * QDN;
         long rows[QDN];

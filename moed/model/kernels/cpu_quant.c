@@ -622,7 +622,9 @@ static void act_rows(int x_f32, int fmt, long I, const float *gu, long r0, long 
 }
 
 /* One matmul phase over every touched expert: units (QNR output rows) of all experts in slot
- * order split contiguously between threads; each output by one thread, as moed_qlinear. With
+ * order split contiguously between threads; each output by one thread, as moed_qlinear (bycol:
+ * each thread the same share of every expert's units instead, so that it holds all the rows of
+ * its output columns and can sum them without waiting for the others). With
  * gu set (the down phase), the thread first makes each of its experts' activations itself into
  * its own act buffer (a few rows: cheaper than a barrier between SiLU and down, which on shared
  * cores waits for the slowest thread's time slice). blocked (moed_moe_q's): units of QB rows, x
@@ -630,13 +632,14 @@ static void act_rows(int x_f32, int fmt, long I, const float *gu, long r0, long 
 static void experts_phase(int fmt, int asym, const void *const ptr[3], const long dim[7], const long *count,
                           const long *touched, long nt_e, long K, long N, const float *x, float *out,
                           float *wbuf, int tid, int nt, int x_f32, const float *gu, float *act, float *tmp,
-                          int blocked, void *qbuf) {
+                          int blocked, void *qbuf, int bycol) {
     const long units = blocked ? (N + QB - 1) / QB : (N + QNR - 1) / QNR;
     long lo, hi;
-    q_split(nt_e * units, tid, nt, &lo, &hi);
-    for (long i = lo / units; i < nt_e && i * units < hi; i++) {
+    q_split(bycol ? units : nt_e * units, tid, nt, &lo, &hi);
+    for (long i = bycol ? 0 : lo / units; i < nt_e && (bycol || i * units < hi); i++) {
         const long e = touched[i], r0 = count[e], n = count[e + 1] - r0;
-        const long u0 = lo > i * units ? lo - i * units : 0, u1 = hi < (i + 1) * units ? hi - i * units : units;
+        long u0 = lo > i * units ? lo - i * units : 0, u1 = hi < (i + 1) * units ? hi - i * units : units;
+        if (bycol) u0 = lo, u1 = hi;
         if (u0 >= u1) continue;
         const QMat q = expert_mat(ptr, dim, e, K, fmt);
         if (qbuf && !(blocked && n > blocked)) {
@@ -697,7 +700,8 @@ static void experts_phase(int fmt, int asym, const void *const ptr[3], const lon
  *         in ascending slot order in fp32, rounded once (torch's index_add_);
  *   fp32  act = silu(g) * u with expf (torch's vectorised exp may differ by an ulp: the only
  *         difference from the torch path); products and sums in fp32 in the same orders.
- * Two barriers (gate_up -> down -> sum), few rows' work between them.
+ * One barrier for one token (gate_up -> down and sum, each thread the down rows of its own
+ * output columns); two for more (gate_up -> down -> sum).
  * blocked > 0 (bf16, H and I even; prefill): an expert with more than `blocked` rows takes the
  * packed-block path (moed_qlinear_blocked's numerics, each of its blocks packed once per call),
  * one with fewer moed_qlinear's loop: what the per-expert path's Linears do past and within
@@ -765,14 +769,25 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         experts_phase(fmt, asym, gptr, gdim, count, touched, nt_e, H, 2 * I, xg, gu, wbuf[tid], tid, nt, x_f32,
-                      NULL, act[tid], tmp[tid], blocked, qbuf[tid]);
+                      NULL, act[tid], tmp[tid], blocked, qbuf[tid], 0);
 #pragma omp barrier
+        /* one token (decode at batch 1): the down rows by columns, each thread then sums its own
+         * columns (no second barrier; the same sums, made by another thread; each thread makes
+         * the k experts' activations itself, a few microseconds). More rows: by expert (each
+         * expert's activations made once), a barrier, then the sum by tokens */
+        const int bycol = !blocked && T == 1;
         experts_phase(fmt, asym, dptr, ddim, count, touched, nt_e, I, H, NULL, y, wbuf[tid], tid, nt, x_f32,
-                      gu, act[tid], tmp[tid], blocked, qbuf[tid]);
+                      gu, act[tid], tmp[tid], blocked, qbuf[tid], bycol);
+        long lo = 0, hi = T, c0 = 0, c1 = H;
+        if (!bycol) {
 #pragma omp barrier
-        long lo, hi;
-        q_split(T, tid, nt, &lo, &hi);                         /* weighted sum per token */
-        for (long t = lo; t < hi; t++) {
+            q_split(T, tid, nt, &lo, &hi);
+        } else {
+            q_split((H + QNR - 1) / QNR, tid, nt, &c0, &c1);
+            c0 *= QNR;
+            c1 = c1 * QNR < H ? c1 * QNR : H;
+        }
+        for (long t = lo; t < hi; t++) {                       /* weighted sum per token */
             long p[k];                                         /* single: top-k order; else ascending slot */
             float wv[k];
             for (long j = 0; j < k; j++) {
@@ -781,7 +796,7 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
                 p[q] = v;
                 wv[q] = wts[t * k + j];
             }
-            for (long c = 0; c < H; c++) {
+            for (long c = c0; c < c1; c++) {
                 float sum = 0.0f;
                 for (long j = 0; j < k; j++) {
                     const float yv = y[p[j] * H + c];

@@ -107,8 +107,12 @@ def test_independent_of_threads_and_of_other_tokens():
     with threads(1):
         one = le(x, r)
         alone = [le(x[i:i + 2], Routing(r.weights[i:i + 2], r.physical[i:i + 2], False)) for i in range(0, 8, 2)]
+    lone = Routing(r.weights[:1], r.physical[:1], False)   # one token: the down rows split by columns
+    with threads(1):
+        lone_one = le(x[:1], lone)
     with threads(2):
         assert torch.equal(le(x, r), one)
+        assert torch.equal(le(x[:1], lone), lone_one)
     assert torch.equal(torch.cat(alone), one[:8])
 
 

@@ -65,8 +65,10 @@ def test_kernel_equals_reference_bitwise(isa, vnni, fmt, asym, shape, group):
         x[1] = 0                                    # an all-zero row: scale 0
         got = kq.qlinear(k, x, w, bias)
         want = qdot_reference(x, w, bias)
-        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (fmt, dtype)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits), want.view(bits)), (fmt, dtype)
+        for r in (0, 2):                            # one row: the kernel's batch-1 tile
+            assert torch.equal(kq.qlinear(k, x[r:r + 1], w, bias).view(bits), want[r:r + 1].view(bits)), (fmt, dtype, r)
 
 
 @pytest.mark.parametrize("isa", isa_params())
