@@ -79,3 +79,22 @@ def test_the_side_file_holds_no_more_than_its_cap(make_checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
     assert 0 < side.end <= side.cap and len(side.where) == 1, (side.end, side.cap, side.where)
     assert r.cold.stats.onednn_packed > 1, r.cold.stats      # the rest packed as before
+
+
+def test_a_failing_write_turns_the_side_file_off_and_packs(make_checkpoint, monkeypatch):
+    """A full TMPDIR (ENOSPC on the side file): the file turns off, every re-pack packs, the
+    output stays the all-resident one."""
+    want, r = _cold(make_checkpoint("deepseek_v3"))
+    side, real = r.cold.onednn, os.pwrite
+
+    def pwrite(f, data, offset):
+        if f == side.fd:
+            raise OSError(28, "No space left on device")
+        return real(f, data, offset)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    got = _steps(r, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
+    st = r.cold.stats
+    assert not side.on and side.where == {} and side.end == 0, (side.on, side.where)
+    assert st.onednn_restored == 0 and st.onednn_packed > 1, st
+    assert _assert_fresh(r) > 0
