@@ -10,7 +10,7 @@ emitted tokens through the normal stop checks (the matcher advances by those onl
 back the KV of the rejected ones (Scheduler._apply_verified).
 
 Whether a step may draft at all is the per-step switch's (moed.engine.drafts.gate, measured
-per batch-size class); the step loop asks it before scheduling and tells it each decode step's
+per decoding row count); the step loop asks it before scheduling and tells it each decode step's
 emitted tokens and seconds (`gate_rows`, `emitted`), and `STEPS` counts its decisions.
 
 A step with drafts is not decode-only (k + 1 tokens in a row), so the runner's native decode
@@ -149,7 +149,7 @@ def verify_rows(logits: torch.Tensor, last: Sequence[int], chunks: Sequence[Sche
 
 
 def gate_rows(running: Sequence[Request]) -> int:
-    """The decoding rows a step is about to have: the per-step switch's batch-size class."""
+    """The decoding rows a step is about to have: the per-step switch's class."""
     return sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1
                and r.num_output_tokens > 0)
 
@@ -178,7 +178,7 @@ def log_start(spec: SpecSettings | None) -> None:
         return
     log.info("speculative_decoding", method=spec.method, num_speculative_tokens=spec.k,
              prompt_lookup_min=spec.n_min, prompt_lookup_max=spec.n_max,
-             adaptive="measured per batch-size class" if spec.adaptive else "off",
+             adaptive="measured per decoding row count" if spec.adaptive else "off",
              grammar_rows="speculated: drafts cut to the grammar-valid prefix, one mask per "
                           "verified position",
              native_decode="steps with drafts take the layered path (the native decode "

@@ -66,7 +66,7 @@ def test_greedy_equal_with_and_without_speculation(tiny_qwen3, tmp_path_factory)
     assert 0 < m.get("moed_spec_decode_num_accepted_tokens_total", 0) < drafts
     assert len(starts) == 1 and starts[0]["method"] == "ngram" \
         and starts[0]["num_speculative_tokens"] == 3 \
-        and starts[0]["adaptive"] == "measured per batch-size class" \
+        and starts[0]["adaptive"] == "measured per decoding row count" \
         and starts[0]["grammar_rows"].startswith("speculated")
 
 

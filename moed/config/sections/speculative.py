@@ -24,7 +24,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _f(5, bounds=(1, 64), doc="ngram: the longest suffix n-gram "
                                 "tried first (vLLM's default 5)")
     # moed's one key beyond vLLM's: the measured per-step switch (moed/engine/drafts/gate.py)
-    adaptive: bool = _f(True, doc="per batch-size class, draft only in the steps where drafting "
+    adaptive: bool = _f(True, doc="per decoding row count, draft only in the steps where drafting "
                         "measured more tokens per second than not drafting (false: every step "
                         "may draft)")
 

@@ -8,5 +8,5 @@ Proposers are per-request and pure (tokens in, token ids out); the engine owns w
 ngram.py: prompt lookup (vLLM's `ngram` method), an incremental n-gram index.
 propose.py: when a request drafts and how many tokens (the scheduler's side, no torch);
 `[speculative]` turns it on (docs/speculative.md).
-gate.py: the per-step switch, whether a step may draft at all (measured per batch-size class).
+gate.py: the per-step switch, whether a step may draft at all (measured per decoding row count).
 """

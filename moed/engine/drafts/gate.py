@@ -5,7 +5,11 @@ and lose where it is bound by compute or by per-row overhead (batch 16 on the 2-
 ngram 0.78x, mtp 0.59x with most drafts accepted). Which one a step is depends on the batch,
 the model and the machine, so the switch measures instead of predicting:
 
-    class       the step's decoding rows in power-of-two classes: 1, 2, 3-4, 5-8, 9-16, ...
+    class       the step's number of decoding rows, each count its own class: the arms are
+                compared at equal rows. (Power-of-two classes, 9-16 rows in one, compared a
+                closed batch's drafting at 16 rows with plain in its tail at 9-12, where a
+                step's fixed cost is spread over fewer tokens: plain read 25-35% slow and
+                drafting won batch-16 runs it lost, issue 32.)
     arm         "draft" (the step may draft) or "plain" (it may not)
     rate        emitted tokens per second of the arm's steps in the class: averages of tokens
                 and of seconds, their ratio; only steps without a prompt chunk are measured (a
@@ -35,14 +39,17 @@ of 128; a bandit explores an arm the less, the farther behind it is); a period t
 at EXPLORE_EVERY. In a class of two rows or more drafting must also stay SPREAD_MARGIN ahead,
 always (`spread`): it spreads the rows' progress, and a batch that ends together without drafts
 ends in a tail of ever smaller steps with them, a cost no measured step shows. A new class first
-runs each arm for MIN_SAMPLES measured steps, drafts first, unless a larger class has both
-arms measured: then it is seeded from the nearest such class (`seeded`), its verdict and the
+runs each arm for MIN_SAMPLES measured steps, drafts first, unless a neighbour has both arms
+measured: then it is seeded from the nearest larger such class (`seeded`), its verdict and the
 ratio of its arms' rates, and runs that verdict at once. A closed batch's tail passes through
 ever smaller classes in a few steps each, and warming each up from scratch cost ~11% of a
-batch-16 MTP run (issue 32). Each arm's first run in the class replaces its seeded figures;
-until then an arm still seeded follows the other's measured rate at the neighbour's ratio
-(rates at different row counts are not comparable, their ratio roughly is). Only a larger
-class seeds: a large batch never inherits a small one's drafting. The classes live as long as
+batch-16 MTP run (issue 32). Where no larger class is measured, the nearest smaller one seeds
+only a plain verdict: drafting pays the less the more rows share a step's weight reads, so a
+verdict against it carries upward (a serving batch whose rows move 30, 31, 29, ... does not
+warm up drafting at each new count), a verdict for it does not: a large batch never inherits a
+small one's drafting. Each arm's first run in the class replaces its seeded figures; until
+then an arm still seeded follows the other's measured rate at the neighbour's ratio (rates at
+different row counts are not comparable, their ratio roughly is). The classes live as long as
 the step loop: what one batch learned serves the next requests. The decision is `decide` and the measurement `observe`, pure; `StepGate` holds the
 classes' states for the engine (one writer: the step loop).
 """
@@ -115,14 +122,13 @@ class ClassState:
 
 
 def size_class(rows: int) -> int:
-    """The power-of-two class of a step with `rows` decoding rows: 1 -> 0, 2 -> 1, 3-4 -> 2,
-    5-8 -> 3, ... (0 rows counts as 1)."""
-    return max(rows - 1, 0).bit_length()
+    """The class of a step with `rows` decoding rows: the row count (0 rows counts as 1)."""
+    return max(rows, 1)
 
 
 def spread(c: int) -> float:
     """The margin drafting must keep over plain in class c for the tail it causes."""
-    return SPREAD_MARGIN if c > 0 else 0.0
+    return SPREAD_MARGIN if c > 1 else 0.0
 
 
 def decide(s: ClassState, spread: float = 0.0) -> tuple[bool, Why, ClassState]:
@@ -164,15 +170,20 @@ def budgeted(s: ClassState, winner: bool) -> int:
 
 
 def seeded(classes: dict[int, ClassState], c: int) -> ClassState:
-    """A new class c's first state: from the nearest larger class with both arms measured
-    (its arms, verdict and rate ratio, the exploration clock started over), else empty (the
-    warm-up measures both arms)."""
-    for n in sorted(k for k in classes if k > c):
-        s = classes[n]
-        if min(s.draft.samples, s.plain.samples) >= MIN_SAMPLES and s.draft.rate > 0 and s.plain.rate > 0:
-            return ClassState(draft=s.draft, plain=s.plain, won=s.won, seeded=(True, True),
-                              ratio=s.draft.rate / s.plain.rate)
-    return ClassState()
+    """A new class c's first state: from the nearest larger class with both arms measured, else
+    from the nearest smaller one whose verdict is plain (its arms, verdict and rate ratio, the
+    exploration clock started over); else empty (the warm-up measures both arms)."""
+    def measured(s: ClassState) -> bool:
+        return min(s.draft.samples, s.plain.samples) >= MIN_SAMPLES and s.draft.rate > 0 and s.plain.rate > 0
+
+    larger = [classes[k] for k in sorted(k for k in classes if k > c) if measured(classes[k])]
+    smaller = [classes[k] for k in sorted((k for k in classes if k < c), reverse=True)
+               if measured(classes[k])]
+    src = larger[0] if larger else smaller[0] if smaller and not smaller[0].won else None
+    if src is None:
+        return ClassState()
+    return ClassState(draft=src.draft, plain=src.plain, won=src.won, seeded=(True, True),
+                      ratio=src.draft.rate / src.plain.rate)
 
 
 def _follow(s: ClassState) -> ClassState:

@@ -38,9 +38,33 @@ def _run_gate(state: ClassState, steps: int, cost) -> tuple[ClassState, list[boo
     return state, arms
 
 
-def test_size_classes_are_powers_of_two():
+def test_each_row_count_is_its_own_class():
     assert [size_class(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17)] == \
-        [0, 0, 1, 2, 2, 3, 3, 4, 4, 5]
+        [1, 1, 2, 3, 4, 5, 8, 9, 16, 17]
+
+
+def _plain_s(rows: int) -> float:
+    """A step's seconds: a fixed part (the weights' reads) and a part per row."""
+    return 0.5 + 0.03 * rows
+
+
+def test_arms_are_compared_at_equal_rows():
+    """A closed batch drafts its first steps at 16 rows, then its rows fall to 10. At equal
+    rows drafting is 6.5% ahead (1.3x the tokens in 1.22x the seconds): behind plain once the
+    spread margin counts. Drafting at 16 rows against plain at 10 would read 39% ahead (a
+    step's fixed part spread over fewer rows), so a switch that mixes the two row counts in
+    one class drafts on; one that compares at equal rows runs plain."""
+    g = StepGate()
+
+    def step(rows: int) -> bool:
+        d, _ = g.choose(rows)
+        g.observe(rows, d, rows * (1.3 if d else 1.0), _plain_s(rows) * (1.22 if d else 1.0))
+        return d
+
+    assert [step(16) for _ in range(MIN_SAMPLES + 1)] == [True] * MIN_SAMPLES + [False]
+    arms = [step(10) for _ in range(3 * MIN_SAMPLES + 20)]
+    assert arms[-20:] == [False] * 20
+    assert g.choose(10) == (False, Why.WINNER)
 
 
 def test_warmup_measures_both_arms_drafts_first_then_the_winner_runs():
@@ -188,7 +212,7 @@ def test_a_class_of_several_rows_wants_drafting_further_ahead(gain):
     spreads the rows' progress and a closed batch pays a tail no step shows (SPREAD_MARGIN);
     20% ahead it runs there too, and keeps running down to the spread margin, not to a tie."""
     assert 1 + DRAFT_MARGIN < 1.10 < (1 + DRAFT_MARGIN) * (1 + SPREAD_MARGIN) < 1.20
-    assert spread(size_class(1)) == 0.0 and spread(size_class(2)) == SPREAD_MARGIN
+    assert spread(size_class(1)) == 0.0 and spread(size_class(2)) == SPREAD_MARGIN == spread(size_class(16))
     g = StepGate()
     for _ in range(3 * MIN_SAMPLES + 10):
         for rows in (1, 16):
@@ -246,11 +270,26 @@ def test_a_new_class_runs_its_larger_neighbours_verdict_at_once(draft_wins):
         g.observe(rows, draft_wins, 2 if draft_wins else 1, 0.5)
 
 
-def test_a_smaller_class_never_seeds_a_larger_one():
+def test_a_smaller_class_never_seeds_a_larger_one_with_drafting():
     g = StepGate()
     _warm(g, 1, True)
     assert g.choose(16) == (True, Why.WARMUP)
     assert g.classes[size_class(16)].seeded == (False, False)
+
+
+def test_a_smaller_class_seeds_a_larger_one_with_plain():
+    """Drafting pays the less the more rows share a step: a plain verdict at 30 rows carries
+    to 31 (no warm-up drafting at each new row count of a serving batch), and a larger
+    measured class is still preferred."""
+    g = StepGate()
+    _warm(g, 30, False)
+    assert g.choose(31) == (False, Why.WINNER)
+    assert g.classes[31].seeded == (True, True)
+    draft = ClassState(draft=Arm(6.0, 2.0, MIN_SAMPLES), plain=Arm(4.0, 2.0, MIN_SAMPLES), won=True)
+    plain = ClassState(draft=Arm(4.0, 2.0, MIN_SAMPLES), plain=Arm(6.0, 2.0, MIN_SAMPLES), won=False)
+    assert seeded({40: draft, 30: plain}, 35).won       # the nearest larger one first
+    assert seeded({30: plain, 20: draft}, 35).seeded == (True, True)    # the nearest smaller
+    assert seeded({30: draft, 20: plain}, 35) == ClassState()   # ... only with plain
 
 
 def test_a_seeded_arm_follows_the_measured_one_until_its_own_run():
