@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,8 +16,8 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 def cmd_model_kernels(args: argparse.Namespace) -> int:
     """Build (or find) every variant of the native CPU kernels and print each .so path (one a
     line, fastest variant first); load those this CPU runs. 1 with the reason if one fails.
-    The variants compile at once, one compiler each up to the CPU count (an image build's
-    cores)."""
+    The variants build at once, their sources too: one compiler a core over all of them
+    (kernels/compile.py holds the slots), so an image build's cores all work."""
     from moed.model import kernels
     from moed.obs import log as obslog
 
@@ -26,7 +25,7 @@ def cmd_model_kernels(args: argparse.Namespace) -> int:
     cache = Path(args.cache) if args.cache else None
     # a cache made on one machine serves every CPU that shares it; build() installs each file
     # atomically, so compilers running side by side never see each other's half-written .so
-    with ThreadPoolExecutor(max_workers=max(1, min(len(kernels.ISAS), os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=len(kernels.ISAS)) as pool:
         builds = {isa: pool.submit(kernels.build, cache, isa) for isa in kernels.ISAS}
     for isa in kernels.ISAS:
         try:

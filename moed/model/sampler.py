@@ -124,14 +124,15 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
     pen = [i for i, r in enumerate(rows) if r.params.penalized]
     if pen:
         logits = _penalize(logits, rows, pen)
-    if any(r.banned_ids for r in rows):
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+    if banned:
         before = logits
         logits = logits.clone()
-        for i, r in enumerate(rows):
-            if r.banned_ids:
-                logits[i, list(r.banned_ids)] = float("-inf")
-                if r.grammar is not None and bool(torch.isneginf(logits[i]).all()):
-                    logits[i] = before[i]       # the grammar allows only banned ids: it wins
+        ri, ti = zip(*banned)       # one write for every row (a write a row added up at 10k rows)
+        logits[torch.tensor(ri, device=logits.device), torch.tensor(ti, device=logits.device)] = float("-inf")
+        for i in gram:
+            if rows[i].banned_ids and bool(torch.isneginf(logits[i]).all()):
+                logits[i] = before[i]       # the grammar allows only banned ids: it wins
     return logits
 
 

@@ -95,8 +95,11 @@ def position_rows(d: DraftRow) -> list[SampleRow]:
         mask = r.mask if d.masks is None else d.masks[i]
         if r.grammar is not None and mask is None:     # position 0: the matcher's own state
             mask = fill_bitmask([r.grammar])[0]
-        hist = list(r.token_ids) + list(d.draft[:i]) if p.penalized else r.token_ids
-        out.append(replace(r, generator=None, banned_ids=banned, token_ids=hist, mask=mask))
+        hist = list(r.token_ids) + list(d.draft[:i]) if p.penalized and i else r.token_ids
+        if r.generator is None and banned is r.banned_ids and mask is r.mask and hist is r.token_ids:
+            out.append(r)       # nothing differs: the row itself (replace() per position added up)
+        else:
+            out.append(replace(r, generator=None, banned_ids=banned, token_ids=hist, mask=mask))
     return out
 
 
@@ -177,9 +180,13 @@ def _sampled(probs: torch.Tensor, reqs: Sequence[DraftRow]) -> list[tuple[int, i
     if dpos:
         toks = torch.tensor([t for d in reqs for t in d.draft], device=dev)
         p_d = probs[torch.tensor(dpos, device=dev), toks]
-        q_d = torch.cat([torch.ones(k, device=dev) if d.draft_probs is None else
-                         d.draft_probs.to(dev, torch.float32)[torch.arange(k, device=dev), list(d.draft)]
-                         for d, k in zip(reqs, ks)])
+        q_d = torch.ones(len(dpos), device=dev)         # a point draft: q = 1
+        has_q = [d.draft_probs is not None and k > 0 for d, k in zip(reqs, ks)]
+        if any(has_q):      # one gather over every q row (per-request indexing added up)
+            at = torch.tensor([c + i for c, k, h in zip(_cumsum(ks), ks, has_q) if h for i in range(k)],
+                              device=dev)
+            q_rows = torch.cat([d.draft_probs.to(dev, torch.float32) for d, h in zip(reqs, has_q) if h])
+            q_d[at] = q_rows[torch.arange(len(at), device=dev), toks[at]]
         acc = (u < p_d / q_d).tolist()      # q = 0: inf accepts (p > 0), nan (p = 0) rejects
     accepted, c = [], 0
     for k in ks:
@@ -201,6 +208,15 @@ def _sampled(probs: torch.Tensor, reqs: Sequence[DraftRow]) -> list[tuple[int, i
     res = torch.clamp(p_last - q_last, min=0.0)
     res = torch.where(res.sum(dim=-1, keepdim=True) > 0, res, p_last)
     return list(zip(accepted, argmax_rows(res / _race_noise(reqs, vocab, dev)).tolist()))
+
+
+def _cumsum(ks: list[int]) -> list[int]:
+    """Where each request's drafts start among all drafts."""
+    out, c = [], 0
+    for k in ks:
+        out.append(c)
+        c += k
+    return out
 
 
 def _uniforms(reqs: Sequence[DraftRow], ks: list[int], dev: torch.device) -> torch.Tensor:

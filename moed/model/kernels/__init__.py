@@ -13,8 +13,8 @@ through cpu_avx512.h; avx2, AVX2 + FMA, through cpu_avx2.h; all bitwise the same
 fastest this CPU runs picked at load from /proc/cpuinfo, or the one MOED_CPU_ISA names (layouts, numerics: the C files).
 
 Why build at run time rather than ship a wheel: the project installs as pure Python (no build
-step that could break a GPU install); the C file compiles in about a second with the C
-compiler any Debian/Ubuntu host has. The .so is cached by variant and a hash of the source and flags in
+step that could break a GPU install); the C files compile (compile.py: at once, a compiler a
+core; ~8 s a variant on two cores) with the C compiler any Debian/Ubuntu host has. The .so is cached by variant and a hash of the source and flags in
 $MOED_KERNEL_CACHE, else systemd's $CACHE_DIRECTORY (the unit has CacheDirectory=),
 else $XDG_CACHE_HOME/moed or ~/.cache/moed. If anything is missing (no compiler, other CPU,
 read-only cache, MOED_CPU_KERNELS=0) callers get None and keep the torch path, which computes
@@ -37,6 +37,7 @@ import structlog
 import torch
 
 from moed.model.kernels.choice import KernelChooser
+from moed.model.kernels.compile import CompileFailed, compile_shared
 from moed.model.kernels.quant import bind as bind_quant
 
 log = structlog.get_logger(__name__)
@@ -123,12 +124,11 @@ def build(cache: Path | None = None, isa: str | None = None) -> Path:
     except OSError as e:
         raise KernelUnavailable(f"kernel cache {cache} is not writable: {e}") from e
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, (SOURCE, QUANT_SOURCE, QDOT_SOURCE, STEP_SOURCE)),
-                               "-lm"], capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} ({isa}) failed: {proc.stderr.strip()[-500:]}")
+        compile_shared(cc, flags, (SOURCE, QUANT_SOURCE, QDOT_SOURCE, STEP_SOURCE), Path(tmp))
         os.chmod(tmp, 0o755)     # mkstemp made it 0600: other users sharing the cache load it too
         os.replace(tmp, out)     # atomic: processes building at once each install a whole file
+    except CompileFailed as e:
+        raise KernelUnavailable(f"compiling {e.step} ({isa}) failed: {e.stderr.strip()[-500:]}") from e
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"compiling {SOURCE.name} failed: {e}") from e
     finally:
