@@ -174,6 +174,35 @@ long moed_qdot_bytes(long R, long K, long G) {
     return R * (sh.rowb + sh.ng * (4 + 64)) + 64;
 }
 
+#if defined(__AVX512BW__)
+/* The scalar loop below for one full chunk (64 columns x, codes to q in layout order, their
+ * 4-byte lane sums added to l), 16 lanes at a time and bit for bit: x * inv rounded once,
+ * roundscale to nearest even (nearbyintf's default mode), the clamps in the order that keeps a
+ * NaN (vminps / vmaxps return their second operand on NaN), then truncation to int32 and to a
+ * byte as the scalar (int8_t) cast compiles (cvttss2si: NaN -> 0x80000000 -> byte 0). */
+static inline void qd_chunk64(const int fmt, const float *x, __m512 inv, int8_t *q, int32_t *l) {
+    __m512 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm512_loadu_ps(x + 16 * i);
+    if (fmt == QD_INT4) {          /* positions 0..31 the even columns, 32..63 the odd */
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+        const __m512 e0 = _mm512_permutex2var_ps(v[0], ev, v[1]), e1 = _mm512_permutex2var_ps(v[2], ev, v[3]);
+        const __m512 o0 = _mm512_permutex2var_ps(v[0], od, v[1]), o1 = _mm512_permutex2var_ps(v[2], od, v[3]);
+        v[0] = e0, v[1] = e1, v[2] = o0, v[3] = o1;
+    }
+    __m128i b[4];
+    for (int i = 0; i < 4; i++) {
+        __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm512_max_ps(_mm512_set1_ps(-127.0f), _mm512_min_ps(_mm512_set1_ps(127.0f), t));
+        b[i] = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t));
+    }
+    const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(b[1], b[0])), _mm256_set_m128i(b[3], b[2]), 1);
+    _mm512_storeu_si512((void *)q, c);
+    const __m512i sums = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), c), _mm512_set1_epi16(1));
+    _mm512_storeu_si512((void *)l, _mm512_add_epi32(_mm512_loadu_si512((const void *)l), sums));
+}
+#endif
+
 /* R rows of x (fp32, row stride ldx) into buf (layout above; numerics in the header). */
 void moed_qdot_quantize(int fmt, const float *x, long ldx, long R, long K, long G, void *buf) {
     const QDShape sh = qd_shape(K, G);
@@ -187,12 +216,22 @@ void moed_qdot_quantize(int fmt, const float *x, long ldx, long R, long K, long 
             const float *xr = x + r * ldx;
             const long k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
             float amax = 0.0f;
-            for (long k = k0; k < k1; k++) { const float a = fabsf(xr[k]); if (a > amax) amax = a; }
+            long k = k0;
+#if defined(__AVX512BW__)
+            __m512 m = _mm512_setzero_ps();   /* vmaxps(|x|, m) keeps m where |x| is NaN, as `a > amax` does */
+            for (; k + 16 <= k1; k += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xr + k)), m);
+            amax = _mm512_reduce_max_ps(m);
+#endif
+            for (; k < k1; k++) { const float a = fabsf(xr[k]); if (a > amax) amax = a; }
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             sx[r * sh.ng + g] = amax / 127.0f;
             int8_t *q = codes + r * sh.rowb + g * sh.cg * 64;
             int32_t *l = xl + (r * sh.ng + g) * 16;
-            for (long k = k0; k < k1; k++) {
+            k = k0;
+#if defined(__AVX512BW__)
+            for (; k + 64 <= k1; k += 64) qd_chunk64(fmt, xr + k, _mm512_set1_ps(inv), q + (k - k0), l);
+#endif
+            for (; k < k1; k++) {
                 const long p = k - k0, c = p & 63, pos = (p >> 6) * 64 + (fmt == QD_INT4 ? (c >> 1) + ((c & 1) << 5) : c);
                 float v = nearbyintf(xr[k] * inv);
                 v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;

@@ -36,6 +36,7 @@ CASES = [  # fmt, asym, (N, K), group: partial blocks of 32 rows, scalar column 
     ("int8", True, (33, 256), 32),
     ("int4", False, (70, 208), 32),         # K % 32 = 16
     ("int4", True, (40, 256), 64),
+    ("int4", False, (48, 200), 200),        # one group a row; K / 2 % 16 = 4 (the nibble table's tail)
     ("fp8", False, (70, 256), 128),
 ]
 IDS = [f"{f}{'-asym' if a else ''}-{n}x{k}" for f, a, (n, k), _ in CASES]
