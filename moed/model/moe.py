@@ -171,11 +171,16 @@ class LocalExperts(ExpertExecutor):
         for e, n in enumerate(counts):           # one pass per touched expert, never per token
             if n == 0:
                 continue
-            gate_up, down = self._expert(e, n)
-            g, u = gate_up(xs[start:start + n]).chunk(2, dim=-1)
-            ys.append(down(F.silu(g) * u))
+            ys.append(self.expert_rows(e, xs[start:start + n]))
             start += n
         return torch.cat(ys)
+
+    def expert_rows(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """Slot `slot`'s unweighted output for its rows x [n, H] (one call of its Linears: the
+        grouped torch path's, which the cold-expert store calls slot by slot)."""
+        gate_up, down = self._expert(slot, x.shape[0])
+        g, u = gate_up(x).chunk(2, dim=-1)
+        return down(F.silu(g) * u)
 
     def slot_weights(self, slot: int) -> list[torch.Tensor]:
         """The tensors that hold physical slot `slot` (what the expert balancer moves between

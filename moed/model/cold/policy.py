@@ -38,13 +38,22 @@ def hottest(expert_in: Sequence[int], heat: Sequence[float], n: int) -> set[int]
     return set(held[:max(0, n)])
 
 
-def rounds(needed: Sequence[int], resident: Sequence[bool], stream: int) -> list[list[int]]:
+def rounds(needed: Sequence[int], resident: Sequence[bool], stream: int, room: int = 0) -> list[list[int]]:
     """The experts a layer call needs, in groups run one after the other: the resident ones
     first (no read), then the misses, `stream` per group (each group is read into the stream
-    slots, see stream_slots)."""
+    slots, see stream_slots). When the misses fit `room` (the slots a miss may take while every
+    resident expert of the call is kept) they are read first and one group runs them all:
+    one compute pass over the layer's rows instead of two or more (docs/cold-experts.md)."""
     hit = [e for e in needed if resident[e]]
     miss = [e for e in needed if not resident[e]]
+    if miss and hit and len(miss) <= room:
+        return [list(needed)]
     return ([hit] if hit else []) + [miss[i:i + stream] for i in range(0, len(miss), stream)]
+
+
+def room(expert_in: Sequence[int], keep: set[int]) -> int:
+    """Slots a miss may be read into while `keep` stays resident (victims' candidates)."""
+    return sum(1 for e in expert_in if e != LOST and e not in keep)
 
 
 LOST = -2       # expert_in of a slot a timed-out read may still write into: never used again

@@ -97,7 +97,7 @@ class Prefetcher:
         rows = (torch.bincount(units.reshape(-1), minlength=n)
                 + torch.bincount(units[:, :router.top_k].reshape(-1), minlength=n)).tolist()
         self._predicted[pos] = {u for u, c in enumerate(rows) if c}
-        resident = (self.store.layers[pos].slot_of >= 0).tolist()
+        resident = [s >= 0 for s in self.store.layers[pos].slot_of]
         busy = {u for p, u in self._staged if p == pos}
         st = self.store.stats
         for u in policy.prefetch_picks(rows, resident, busy, self.capacity - self.held()):

@@ -24,6 +24,20 @@ class ColdStats:
     predicted_needed: int = 0       # experts those layer calls ran
     predicted_right: int = 0        # ... of them predicted
 
+    def count(self, hits: int, misses: int, stall_s: float, hit_rows: int, rows: int,
+              fetched: LayerFetch, expert_bytes: int) -> None:
+        """One layer call's expert reads (rows: the call's token-expert choices)."""
+        self.hits += hits
+        self.misses += misses
+        self.hit_rows += hit_rows
+        self.prefetch_rows += fetched.ready_rows
+        self.miss_rows += rows - hit_rows - fetched.ready_rows
+        self.miss_stall_s += stall_s
+        self.miss_bytes += misses * expert_bytes
+        self.prefetch_ready += fetched.ready
+        self.prefetch_waited += fetched.waited
+        self.prefetch_wait_s += fetched.wait_s
+
     @property
     def in_memory(self) -> float:
         """Expert reads whose expert was in memory when its layer needed it (resident, or a

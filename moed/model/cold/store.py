@@ -9,11 +9,11 @@ EP, so the order in which a token's k outputs are summed is the all-resident one
 loads only `local_slots` (the first R units of each MoE layer), and each MoE layer's
 `ColdExperts` runs rows grouped by unit through its R resident slots (executor.SlotExperts):
 
-  the units with rows -> the resident ones run first, then the misses in rounds of the stream
-  slots (policy.rounds, stream_slots): a miss is read into the coldest slot that holds none of
-  the layer's hottest units nor one of its round (copied on the step thread from the page
-  cache, else read on the miss thread), the step waiting (counted, timed) -> the rows
-  of each round run through the slots (LocalExperts.run_grouped, the kernels EP=1 uses).
+  the units with rows -> their misses read into the coldest slots that hold none of the
+  layer's hottest units nor one the call runs (copied on the step thread from the page cache,
+  else read on the miss thread; the step waits, counted, timed), then every unit's rows run
+  through its slot (one round; policy.rounds splits the call only when the misses outnumber
+  those slots), with the kernels EP=1 uses.
 
 Alone, `ColdExecutor` groups a layer's routed rows by expert, calls it, and combines each
 token's k outputs as the all-resident path does (executor.combine); under EP the group's
@@ -33,9 +33,8 @@ for with a timeout.
 
 Layer-ahead prefetch (prefetch.py, alone only): a layer call first predicts the next MoE
 layer's experts from its input and starts reading them; a miss that a prefetch staged is
-installed from its buffer instead of read (ready, or waited for while in flight), in the same
-victim slot a miss read would take. The staging's bytes come out of the budget
-(policy.split_budget).
+installed from its buffer instead of read (ready, or waited for while in flight), into the
+victim slot a miss read would take. The staging is within the budget (policy.split_budget).
 """
 from __future__ import annotations
 
@@ -228,17 +227,7 @@ class ExpertStore:
     # ---- accounting -----------------------------------------------------------------------
     def count(self, hits: int, misses: int, stall_s: float, hit_rows: int, rows: int,
               fetched: LayerFetch) -> None:
-        st = self.stats
-        st.hits += hits
-        st.misses += misses
-        st.hit_rows += hit_rows
-        st.prefetch_rows += fetched.ready_rows
-        st.miss_rows += rows - hit_rows - fetched.ready_rows
-        st.miss_stall_s += stall_s
-        st.miss_bytes += misses * self.expert_bytes
-        st.prefetch_ready += fetched.ready
-        st.prefetch_waited += fetched.waited
-        st.prefetch_wait_s += fetched.wait_s
+        self.stats.count(hits, misses, stall_s, hit_rows, rows, fetched, self.expert_bytes)
         metrics.EXPERT_WEIGHT_HITS.inc(hits)
         if fetched.ready or fetched.waited:
             metrics.EXPERT_WEIGHT_PREFETCHES.labels("ready").inc(fetched.ready)
@@ -294,8 +283,7 @@ class ColdExperts:
         n, s = len(store.units), store.slots
         self.num_physical = n                           # SlotExperts: the units
         self.expert_in = list(range(s))                 # slot -> unit (-1 empty)
-        self.slot_of = torch.full((n,), -1, dtype=torch.long)
-        self.slot_of[:s] = torch.arange(s)
+        self.slot_of = list(range(s)) + [-1] * (n - s)  # unit -> slot (-1 not resident)
         self.heat = torch.zeros(n, dtype=torch.float64)
         self.window = torch.zeros(n, dtype=torch.long)  # routed tokens since the last cool()
 
@@ -316,7 +304,7 @@ class ColdExperts:
 
     def promote(self, expert: int, weights: list[torch.Tensor]) -> bool:
         """Install a read-ahead expert into the coldest slot, if it is still worth it."""
-        if int(self.slot_of[expert]) >= 0:
+        if self.slot_of[expert] >= 0:
             return False
         heat = self.heat_list()
         if heat[expert] <= policy.coldest(self.expert_in, heat):
@@ -328,12 +316,12 @@ class ColdExperts:
         return True
 
     def _ensure(self, group: list[int], protect: set[int], n_rows: list[int],
-                fetched: LayerFetch) -> tuple[int, float]:
+                fetched: LayerFetch, heat: list[float]) -> tuple[int, float]:
         """Every expert of `group` resident, never evicting one of `protect` -> (misses read,
         seconds waited for them). A staged prefetch is installed instead of a read, counted in
         `fetched` as ready (complete when this round needed it) or waited for; one whose read
         failed is read again as a miss (which fails the step as a miss does)."""
-        misses = [e for e in group if int(self.slot_of[e]) < 0]
+        misses = [e for e in group if self.slot_of[e] < 0]
         if not misses:
             return 0, 0.0
         pf = self.store.prefetch
@@ -341,7 +329,7 @@ class ColdExperts:
         done = {e for e, f in futs.items() if f.done()}
         # every miss's slot first, emptied (a failed read leaves no stale expert), so that the
         # reads land in them
-        free = policy.victims(self.expert_in, self.heat_list(), set(group) | protect, len(misses))
+        free = policy.victims(self.expert_in, heat, set(group) | protect, len(misses))
         if len(free) < len(misses):         # only after reads that hung lost every slot
             raise ExpertReadError(f"no expert slot left to read into (layer {self.layer})")
         slots = dict(zip(misses, free))
@@ -386,32 +374,40 @@ class ColdExperts:
     def run_grouped(self, xs: torch.Tensor, per_unit: torch.Tensor, mode: MoEMode) -> torch.Tensor:
         """executor.SlotExperts: rows grouped by unit (per_unit [U] rows each, in unit order) ->
         their expert outputs, unweighted, same order; each unit's rows in one call of the
-        kernels, as the all-resident slots would run them."""
-        counts = per_unit.to(torch.long)
-        self.window += counts
-        needed = torch.nonzero(counts).squeeze(1).tolist()
+        kernels, as the all-resident slots would run them. Usually one round: the misses read
+        first, then every unit run (policy.rounds); the torch path runs each unit's rows in
+        place (LocalExperts.expert_rows: no gather, no scatter)."""
+        n_rows = per_unit.tolist()
+        self.window += per_unit.to(torch.long)
+        needed, start, acc = [u for u, c in enumerate(n_rows) if c], [0] * len(n_rows), 0
         pf = self.store.prefetch
         if xs.shape[0] == 0:
             if pf is not None:
                 pf.finish(self.pos, set())
             return xs
-        resident = (self.slot_of >= 0).tolist()
-        hits = sum(1 for u in needed if resident[u])
-        hit_rows = int(counts[self.slot_of >= 0].sum())
-        start = (torch.cumsum(counts, 0) - counts).tolist()
-        n_rows = counts.tolist()
+        slot_of, heat = self.slot_of, self.heat_list()
+        resident = [slot_of[u] >= 0 for u in range(len(n_rows))]
+        hits, hit_rows = sum(1 for u in needed if resident[u]), sum(n_rows[u] for u in needed if resident[u])
+        for u in needed:
+            start[u], acc = acc, acc + n_rows[u]
         if pf is not None:      # misses with a prefetch done first, in flight next, the rest last
             needed.sort(key=lambda u: 0 if resident[u] else pf.state(self.pos, u))
-        ys = torch.empty_like(xs)
         misses, stall, fetched = 0, 0.0, LayerFetch()
         usable = sum(1 for e in self.expert_in if e != policy.LOST)     # all, unless a read hung
         stream = policy.stream_slots(usable)
-        protect = policy.hottest(self.expert_in, self.heat_list(), usable - stream)
+        protect = policy.hottest(self.expert_in, heat, usable - stream)
+        room = policy.room(self.expert_in, protect | {u for u in needed if resident[u]})
+        outs: dict[int, torch.Tensor] = {}
+        ys = torch.empty_like(xs)       # the fused kernels' modes: a gather and a scatter a round
         try:
-            for group in policy.rounds(needed, resident, stream):
-                m, w = self._ensure(group, protect, n_rows, fetched)
+            for group in policy.rounds(needed, resident, stream, room):
+                m, w = self._ensure(group, protect, n_rows, fetched, heat)
                 misses, stall = misses + m, stall + w
-                by_slot = sorted((int(self.slot_of[u]), u) for u in group)
+                if mode == MoEMode.TORCH:
+                    for u in group:
+                        outs[u] = self.local.expert_rows(slot_of[u], xs[start[u]:start[u] + n_rows[u]])
+                    continue
+                by_slot = sorted((slot_of[u], u) for u in group)
                 rows = torch.cat([torch.arange(start[u], start[u] + n_rows[u]) for _, u in by_slot])
                 per_slot = torch.zeros(self.store.slots, dtype=torch.long)
                 per_slot[[sl for sl, _ in by_slot]] = torch.tensor([n_rows[u] for _, u in by_slot])
@@ -424,7 +420,7 @@ class ColdExperts:
             self.store.count(hits, misses, stall, hit_rows, xs.shape[0], fetched)
             if pf is not None:
                 pf.finish(self.pos, set(needed))
-        return ys
+        return torch.cat([outs[u] for u in sorted(outs)]) if mode == MoEMode.TORCH else ys
 
 
 class ColdExecutor(ExpertExecutor):
