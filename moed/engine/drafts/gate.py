@@ -33,9 +33,11 @@ EXPLORE_CAP decisions): a step that might draft but had no draft measures nothin
 doubles the next period (up to EXPLORE_MAX): a loser that keeps losing costs its runs ever
 more rarely (4 steps in 64, then in 128, ... 1024), and a loser far behind skips ahead to the
 period whose run costs at most EXPLORE_BUDGET of it (a run's EXPLORE_RUN + 1 loser steps each
-lose the time the winner would have taken less for their tokens: a drafting step that takes
-twice a plain step's time for as many tokens loses one plain step a step, so 64 -> 250 instead
-of 128; a bandit explores an arm the less, the farther behind it is); a period that ends with the arm its run explored as the winner starts the periods over
+lose the time the winner would have taken less for their tokens, and its two switches what
+they cost beyond their first steps' tokens (`ClassState.switch`: an MTP run's first step
+writes the KV entries plain steps deferred, a few plain steps at batch 16): a drafting step
+that takes twice a plain step's time for as many tokens, its first 1 s over, goes 64 -> 700
+instead of 128; a bandit explores an arm the less, the farther behind it is); a period that ends with the arm its run explored as the winner starts the periods over
 at EXPLORE_EVERY. In a class of two rows or more drafting must also stay SPREAD_MARGIN ahead,
 always (`spread`): it spreads the rows' progress, and a batch that ends together without drafts
 ends in a tail of ever smaller steps with them, a cost no measured step shows. A new class first
@@ -65,7 +67,9 @@ EXPLORE_EVERY = 64
 EXPLORE_MAX = 1024     # 4 steps in 1024: a recovery within ~2000 steps at worst
 EXPLORE_RUN = 4
 EXPLORE_CAP = 4 * EXPLORE_RUN  # the most decisions a run may take to measure its steps
-EXPLORE_BUDGET = 0.02   # the share of a period a confirmed loser's run may lose, at most
+EXPLORE_BUDGET = 0.01   # the share of a period a confirmed loser's run may lose, at most
+# (2% let a closed batch-16 mtp bench round hold a run at 64 and at 192 decisions: both a
+# switch's catch-up pass, 3-4% of those rounds)
 DRAFT_MARGIN = 0.05     # drafting wins when its rate is this much above plain's
 # ... and, in a class of 2 rows or more, this much more, always (not a hysteresis): drafting
 # spreads the rows' progress (a request whose drafts keep failing, paused, falls behind), so a
@@ -119,6 +123,10 @@ class ClassState:
     # rate is kept at `ratio` times the other's (ratio: draft's rate over plain's)
     seeded: tuple[bool, bool] = (False, False)
     ratio: float = 1.0
+    # seconds a switch of arms costs beyond its first step's tokens at the left arm's rate
+    # (an MTP draft run's first step writes the KV entries plain steps deferred): what no
+    # measured step shows, charged to the exploration budget
+    switch: float = 0.0
 
 
 def size_class(rows: int) -> int:
@@ -161,12 +169,13 @@ def decide(s: ClassState, spread: float = 0.0) -> tuple[bool, Why, ClassState]:
 def budgeted(s: ClassState, winner: bool) -> int:
     """The shortest period whose exploration run, EXPLORE_RUN + 1 steps of the loser (the
     first unmeasured), loses at most EXPLORE_BUDGET of it: a loser step loses its seconds
-    less what the winner takes for its tokens, in winner steps."""
+    less what the winner takes for its tokens, in winner steps, and the run's two switches
+    what they cost beyond that (`ClassState.switch`)."""
     w, lose = (s.draft, s.plain) if winner else (s.plain, s.draft)
     if w.rate <= 0:
         return EXPLORE_EVERY
     lost = max(lose.seconds - lose.tokens / w.rate, 0.0) / w.seconds
-    return math.ceil((EXPLORE_RUN + 1) * lost / EXPLORE_BUDGET)
+    return math.ceil(((EXPLORE_RUN + 1) * lost + 2 * s.switch / w.seconds) / EXPLORE_BUDGET)
 
 
 def seeded(classes: dict[int, ClassState], c: int) -> ClassState:
@@ -206,7 +215,10 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     capped at SPIKE times the arm's average (a step slowed by another process on the
     cores must not decide alone)."""
     if s.last is not None and drafted != s.last:
-        return replace(s, last=drafted, run=0)
+        left = s.plain if drafted else s.draft      # the arm this step took over from
+        extra = max(seconds - tokens / left.rate, 0.0) if left.rate > 0 else 0.0
+        return replace(s, last=drafted, run=0, switch=extra if s.switch == 0 else
+                       (1 - EMA_WEIGHT) * s.switch + EMA_WEIGHT * extra)
     a, n = (s.draft if drafted else s.plain), s.run + 1
     mine = s.seeded[0 if drafted else 1]    # its figures are a neighbour's: no cap from them
     w = 1.0 / n if n <= MIN_SAMPLES else EMA_WEIGHT

@@ -114,15 +114,16 @@ def test_a_spike_moves_an_arm_at_most_by_the_cap():
 
 @pytest.mark.parametrize("draft_s,periods", [
     (1.05, [64, 128, 256, 512, 1024, 1024, 1024]),  # a near tie: every period doubles
-    # twice a plain step for its one token: a run (5 steps) loses 5 plain steps, at most
-    # EXPLORE_BUDGET of a period: 250 after the first, then doubling
-    (2.0, [64, 250, 500, 1000, 1024, 1024, 1024]),
+    # twice a plain step for its one token: a run (5 steps) loses 5 plain steps, and its
+    # switch into drafting 1 more (its first step's 1 token in 2 s: 1 s over plain's rate,
+    # counted for both switches), at most EXPLORE_BUDGET of a period: 700 after the first
+    (2.0, [64, 700, 1024, 1024, 1024, 1024, 1024]),
 ])
 def test_the_loser_is_explored_in_runs_ever_more_rarely_and_never_otherwise(draft_s, periods):
     """Drafts always lose: only exploration runs draft, each period ending with one, and a
     run that changes nothing doubles the next period (64, 128, ... up to EXPLORE_MAX), or
     more: to the period a run costs at most EXPLORE_BUDGET of, for a loser far behind."""
-    assert (EXPLORE_RUN + 1) * (2.0 - 1.0) / EXPLORE_BUDGET == 250
+    assert ((EXPLORE_RUN + 1) * (2.0 - 1.0) + 2 * 1.0) / EXPLORE_BUDGET == 700
     warmup = 2 * MIN_SAMPLES + 1        # + the unmeasured first step after the switch
     s, arms = _run_gate(ClassState(), warmup + sum(periods),
                         lambda d: (1, draft_s) if d else (1, 1.0))
@@ -136,8 +137,9 @@ def test_the_loser_is_explored_in_runs_ever_more_rarely_and_never_otherwise(draf
 def test_recovers_when_the_losing_arm_becomes_the_winner():
     s, arms = _run_gate(ClassState(), 300, lambda d: (1, 2.0) if d else (1, 1.0))
     assert sum(arms[-200:]) <= 4 * EXPLORE_RUN
-    # the batch's text turns repetitive: a drafting step now emits 4 tokens in 2 s
-    s, arms = _run_gate(s, 3 * EXPLORE_EVERY, lambda d: (4, 2.0) if d else (1, 1.0))
+    # the batch's text turns repetitive: a drafting step now emits 4 tokens in 2 s; found at
+    # the period's run (a loser this far behind was given a long period: EXPLORE_BUDGET)
+    s, arms = _run_gate(s, s.every - s.decisions + 2 * EXPLORE_EVERY, lambda d: (4, 2.0) if d else (1, 1.0))
     first = arms.index(True)
     assert all(arms[first:first + EXPLORE_RUN + 8])     # the exploration run, then it wins
     rest = arms[first + EXPLORE_RUN:]
@@ -425,3 +427,21 @@ def test_mtp_with_the_switch_equals_plain_and_drafts_after_kv_only_steps(make_ch
     assert any(kv_only) and not all(kv_only)
     assert metrics.SPEC_DRAFTS._value.get() - d0 > 0
     assert e.kv.num_used_blocks == 0
+
+
+def test_a_switch_that_costs_what_no_measured_step_shows_is_explored_more_rarely():
+    """Drafting steps measure a tie with plain's less the margin, but a run's first drafting
+    step costs 4 plain steps (an MTP run's first step writes the KV entries plain steps
+    deferred): each run loses ~3 plain steps no measured step shows, so the period after a
+    confirmed loss is the one that costs EXPLORE_BUDGET (600), not the doubled 128."""
+    first = [True]
+
+    def cost(d: bool) -> tuple[float, float]:
+        if d and first[0]:
+            first[0] = False
+            return 1, 4.0
+        first[0] = not d
+        return (1.02, 1.0) if d else (1, 1.0)
+    s, arms = _run_gate(ClassState(), 2 * MIN_SAMPLES + 1 + EXPLORE_EVERY + 8, cost)
+    assert s.switch == pytest.approx(3.0, rel=0.3)
+    assert s.every >= 2 * 3.0 * 0.7 / EXPLORE_BUDGET > 2 * EXPLORE_EVERY
