@@ -317,12 +317,14 @@ def _log_quantized_experts(fmt: str, native: bool) -> None:
 class MoELayer:
     def __init__(self, spec: ModelSpec, router: torch.Tensor, gate_up: torch.Tensor,
                  down: torch.Tensor, load: torch.Tensor, ctx: ComputeContext,
-                 placement: ExpertPlacement | None = None) -> None:
+                 placement: ExpertPlacement | None = None, fused: bool = True) -> None:
         """router [E, H]; gate_up [P, 2I, H] (gate half first); down [P, H, I]; load [E] int64
         (this layer's row of the runner's expert-load counter, updated in place). ctx.pack: plus
         oneDNN copies per expert (CPU bf16); ctx.kernels: the native CPU kernels, which serve a
         batch in one fused call (fused_serves). placement: expert parallelism (then
-        gate_up/down hold only this rank's slots, [S, ...])."""
+        gate_up/down hold only this rank's slots, [S, ...]). fused=False: the native kernels
+        serve the router's and each expert's matmuls, never the fused call (a router the fused
+        kernel does not compute: deepseek_v3's grouped sigmoid)."""
         h, i = router.shape[1], down.shape[2]
         self.hidden = h
         k = ctx.kernels if ctx.kernels is not None and h % 2 == 0 and i % 2 == 0 else None
@@ -330,7 +332,7 @@ class MoELayer:
         if isinstance(gate_up, QuantWeight) and ctx.device.type == "cpu":
             _log_quantized_experts(gate_up.fmt, qk is not None)
             k = None
-        self.kernels = k          # the fused fast path; None: router then executor, in torch
+        self.kernels = k if fused else None     # the fused fast path; None: router then executor
         if k is not None:
             # The kernels' packed copies serve the fused path and the experts' skinny matmuls.
             self.router_p, gate_up_p, down_p = (k.pack(w) for w in (router, gate_up, down))

@@ -106,7 +106,11 @@ class SharedExpertMoE(MoELayer):
             log.info("moe_torch_path", arch=spec.arch,
                      reason="the fused CPU MoE kernel routes softmax top-k; grouped sigmoid routing runs in torch")
             _logged_torch_path = True
-        super().__init__(spec, router, gate_up, down, load, dataclasses.replace(ctx, kernels=None), placement)
+        # model.batch_invariant: the native kernels for the router's and experts' matmuls too
+        # (ATen's 1-2 row gemv and oneDNN past that differ by an ulp: a row's bits would depend
+        # on how many rows its experts had); otherwise they stay on oneDNN, as measured
+        native = ctx if ctx.batch_invariant else dataclasses.replace(ctx, kernels=None)
+        super().__init__(spec, router, gate_up, down, load, native, placement, fused=False)
         r = self.router
         grouped = GroupedRouter(router, bias, spec, r.num_physical, load, r.linear)
         grouped.set_expert_map(r.logical_to_physical, r.num_replicas)

@@ -93,3 +93,30 @@ def test_a_prompt_cut_into_chunks_equals_it_whole(runner) -> None:
         out = runner.forward(ForwardBatch([p[s:s + 4]], [s], [table], prompt=(True,)))
     assert torch.equal(out, whole)
     assert torch.equal(runner.kv_cache[:, table], kv_whole)
+
+
+@needs_kernels
+def test_deepseek_rows_equal_alone_and_in_company() -> None:
+    """deepseek_v3 (the demo model: grouped sigmoid routing, so the torch MoE path, MLA): with
+    batch invariance its router and experts run the native kernels too, so an expert's rows
+    are their own alone bit for bit (ATen's 1-2 row gemv against oneDNN past that differed by
+    an ulp in ~10% of 3-5 row calls), and a prompt's logits in a 12-prompt step are its own."""
+    from pathlib import Path
+    demo = Path(__file__).resolve().parents[3] / "models" / "stdlib-ds3-tiny"
+    r = ModelRunner(demo, dtype="bfloat16", num_blocks=256, block_size=16, batch_invariant=True)
+    moe = [layer.mlp for layer in r.model.layers if hasattr(layer.mlp, "experts")]
+    assert moe
+    g = torch.Generator().manual_seed(0)
+    for trial in range(120):
+        experts = moe[trial % len(moe)].experts
+        rows = 3 + trial % 3
+        for lin in experts._expert(trial % experts.num_physical, rows):
+            k = lin.kpacked.shape[-1] * 2 if lin.kpacked is not None else lin.weight.shape[1]
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
+            assert torch.equal(lin(x), alone), (trial, rows)
+    prompts = [_prompt(i, 12 + i) for i in range(12)]
+    tables = [list(range(2 * i, 2 * i + 2)) for i in range(12)]
+    together = r.forward(ForwardBatch(prompts, [0] * 12, tables))
+    for i, p in enumerate(prompts):
+        assert torch.equal(r.forward(ForwardBatch([p], [0], [tables[i]]))[0], together[i]), i
