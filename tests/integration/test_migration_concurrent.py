@@ -133,11 +133,17 @@ def test_concurrent_greedy_streams_survive_a_killed_node_identical(cluster) -> N
     killed: list[str] = []
 
     def kill(streams: list[Stream]) -> None:
-        _wait_until(lambda: any(s.is_alive() and at <= s.tokens() < TOKENS - 8
-                                for s in streams), 30, "a stream under way", 0.01)
-        victim = next(s.backend for s in streams if s.is_alive() and s.tokens() >= at)
-        cluster[victim].proc.send_signal(signal.SIGKILL)
-        killed.append(victim)
+        # the victim is the node of the stream the wait found under way (a stream picked by
+        # tokens >= at alone could be one about to finish: killed with nothing left on it,
+        # no stream moved)
+        under: list[str] = []
+
+        def under_way() -> bool:
+            under[:] = [s.backend for s in streams if s.is_alive() and at <= s.tokens() < TOKENS - 8]
+            return bool(under)
+        _wait_until(under_way, 30, "a stream under way", 0.01)
+        cluster[under[0]].proc.send_signal(signal.SIGKILL)
+        killed.append(under[0])
 
     got = _run(r.url, kill)
     for i, (a, b) in enumerate(zip(base, got)):
