@@ -28,16 +28,17 @@ def build_engine(cfg: Config, cls: type[E], **kw: Any) -> E:
 
     from moed.model.runner import ModelRunner, auto_num_blocks, resolve_device, resolve_dtype
     from moed.model.hf_config import load_spec
+    from moed.model.kernels.compile import cores_available
     from moed.model.tokenizer import Tokenizer
 
     e, m = cfg.engine, cfg.model
-    threads, why = step_threads(e.num_threads, _cores_available(), os.environ)
+    threads, why = step_threads(e.num_threads, cores_available(), os.environ)
     if threads:
         torch.set_num_threads(threads)
     # libgomp read these when torch loaded; with one pool (moed.engine.step_thread) a barrier
     # spins GOMP_SPINCOUNT times (default 300000) before it sleeps
     log.info("engine_threads", torch_threads=torch.get_num_threads(),
-             cores_available=_cores_available(), chosen_by=why,
+             cores_available=cores_available(), chosen_by=why,
              gomp_spincount=os.environ.get("GOMP_SPINCOUNT") or "default",
              omp_wait_policy=os.environ.get("OMP_WAIT_POLICY") or "default")
     spec = load_spec(m.path)
@@ -158,8 +159,3 @@ def step_threads(configured: int, cores: int, environ: Mapping[str, str]) -> tup
     return max(1, cores - 1), "auto: cores available - 1"
 
 
-def _cores_available() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:      # not Linux
-        return os.cpu_count() or 1

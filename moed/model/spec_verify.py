@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 
@@ -183,7 +184,7 @@ def _sampled(probs: torch.Tensor, reqs: Sequence[DraftRow]) -> list[tuple[int, i
         q_d = torch.ones(len(dpos), device=dev)         # a point draft: q = 1
         has_q = [d.draft_probs is not None and k > 0 for d, k in zip(reqs, ks)]
         if any(has_q):      # one gather over every q row (per-request indexing added up)
-            at = torch.tensor([c + i for c, k, h in zip(_cumsum(ks), ks, has_q) if h for i in range(k)],
+            at = torch.tensor([c + i for c, k, h in zip(accumulate(ks, initial=0), ks, has_q) if h for i in range(k)],
                               device=dev)
             q_rows = torch.cat([d.draft_probs.to(dev, torch.float32) for d, h in zip(reqs, has_q) if h])
             q_d[at] = q_rows[torch.arange(len(at), device=dev), toks[at]]
@@ -208,15 +209,6 @@ def _sampled(probs: torch.Tensor, reqs: Sequence[DraftRow]) -> list[tuple[int, i
     res = torch.clamp(p_last - q_last, min=0.0)
     res = torch.where(res.sum(dim=-1, keepdim=True) > 0, res, p_last)
     return list(zip(accepted, argmax_rows(res / _race_noise(reqs, vocab, dev)).tolist()))
-
-
-def _cumsum(ks: list[int]) -> list[int]:
-    """Where each request's drafts start among all drafts."""
-    out, c = [], 0
-    for k in ks:
-        out.append(c)
-        c += k
-    return out
 
 
 def _uniforms(reqs: Sequence[DraftRow], ks: list[int], dev: torch.device) -> torch.Tensor:

@@ -18,15 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def _cores() -> int:
+def cores_available() -> int:
+    """The cores this process may use (its affinity mask; the CPU count off Linux)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))      # the cores this process may use
-    except AttributeError:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:      # not Linux
         return max(1, os.cpu_count() or 1)
 
 
 # compiler processes running at once, process-wide (every build, every variant)
-_SLOTS = threading.BoundedSemaphore(_cores())
+_SLOTS = threading.BoundedSemaphore(cores_available())
 
 
 class CompileFailed(Exception):
