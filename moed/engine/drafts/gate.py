@@ -185,10 +185,9 @@ def seeded(classes: dict[int, ClassState], c: int) -> ClassState:
     def measured(s: ClassState) -> bool:
         return min(s.draft.samples, s.plain.samples) >= MIN_SAMPLES and s.draft.rate > 0 and s.plain.rate > 0
 
-    larger = [classes[k] for k in sorted(k for k in classes if k > c) if measured(classes[k])]
-    smaller = [classes[k] for k in sorted((k for k in classes if k < c), reverse=True)
-               if measured(classes[k])]
-    src = larger[0] if larger else smaller[0] if smaller and not smaller[0].won else None
+    larger = next((classes[k] for k in sorted(classes) if k > c and measured(classes[k])), None)
+    smaller = next((classes[k] for k in sorted(classes, reverse=True) if k < c and measured(classes[k])), None)
+    src = larger if larger is not None else smaller if smaller is not None and not smaller.won else None
     if src is None:
         return ClassState()
     return ClassState(draft=src.draft, plain=src.plain, won=src.won, seeded=(True, True),
@@ -216,7 +215,9 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     cores must not decide alone)."""
     if s.last is not None and drafted != s.last:
         left = s.plain if drafted else s.draft      # the arm this step took over from
-        extra = max(seconds - tokens / left.rate, 0.0) if left.rate > 0 else 0.0
+        # capped as a measured step's seconds are: a switch step stalled by another process
+        # must not push the exploration out to EXPLORE_MAX alone
+        extra = min(max(seconds - tokens / left.rate, 0.0), SPIKE * left.seconds) if left.rate > 0 else 0.0
         return replace(s, last=drafted, run=0, switch=extra if s.switch == 0 else
                        (1 - EMA_WEIGHT) * s.switch + EMA_WEIGHT * extra)
     a, n = (s.draft if drafted else s.plain), s.run + 1

@@ -445,3 +445,11 @@ def test_a_switch_that_costs_what_no_measured_step_shows_is_explored_more_rarely
     s, arms = _run_gate(ClassState(), 2 * MIN_SAMPLES + 1 + EXPLORE_EVERY + 8, cost)
     assert s.switch == pytest.approx(3.0, rel=0.3)
     assert s.every >= 2 * 3.0 * 0.7 / EXPLORE_BUDGET > 2 * EXPLORE_EVERY
+
+
+def test_a_stalled_switch_step_moves_the_switch_cost_at_most_by_the_cap():
+    s = ClassState()
+    for _ in range(MIN_SAMPLES):
+        s = observe(s, True, 2, 1.0)
+    s = observe(s, False, 1, 1000.0)    # the switch to plain, stalled by another process
+    assert s.switch == pytest.approx(SPIKE * s.draft.seconds)
