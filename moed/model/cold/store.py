@@ -398,7 +398,7 @@ class ColdExperts:
         protect = policy.hottest(self.expert_in, heat, usable - stream)
         room = policy.room(self.expert_in, protect | {u for u in needed if resident[u]})
         outs: dict[int, torch.Tensor] = {}
-        ys = torch.empty_like(xs)       # the fused kernels' modes: a gather and a scatter a round
+        ys = None if mode == MoEMode.TORCH else torch.empty_like(xs)   # the fused modes: gather, scatter
         try:
             for group in policy.rounds(needed, resident, stream, room):
                 m, w = self._ensure(group, protect, n_rows, fetched, heat)
