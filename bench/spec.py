@@ -4,6 +4,7 @@ at batch 1, 4 and 16 on the trained demo model, one run (issue 32).
     .venv/bin/python bench/spec.py [--model models/stdlib-ds3-tiny] [--batches 1,4,16]
                                    [--methods ngram,mtp] [--new 64] [--repeats 3] [--threads 2]
                                    [--prompts 8] [--mtp-k 1] [--clock wall|cpu]
+                                   [--batch-invariant]
 
 Workloads (greedy, the prompts cut from the demo model's held-out split, split.json):
   edit      edit-style: a held-out window W (96 tokens), a line "# the same again:", then W's
@@ -55,7 +56,7 @@ def prompts_for(model_dir: Path, workload: str, count: int) -> list[list[int]]:
 
 
 def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int, mtp_k: int = 1,
-                adaptive: bool = True):
+                adaptive: bool = True, batch_invariant: bool = False):
     from moed.config import EngineConfig, SpeculativeConfig
     from moed.engine.engine import Engine
     from moed.model.runner import ModelRunner
@@ -69,7 +70,7 @@ def make_engine(model_dir: Path, method: str, dtype: str, batch: int, new: int, 
         spec = SpeculativeConfig(method="mtp", num_speculative_tokens=mtp_k, adaptive=adaptive)
     per_seq = -(-(160 + new + 8) // 16)
     runner = ModelRunner(model_dir, dtype=dtype, device="cpu", num_blocks=batch * per_seq + 8,
-                         block_size=16, mtp=method == "mtp")
+                         block_size=16, mtp=method == "mtp", batch_invariant=batch_invariant)
     cfg = EngineConfig(block_size=16, enable_prefix_caching=False, max_num_seqs=batch,
                        max_num_batched_tokens=2048)
     return Engine(runner, Tokenizer.from_dir(model_dir), cfg, speculative=spec)
@@ -104,7 +105,8 @@ def timed(engine, prompts: list[list[int]], n: int) -> tuple[float, list[list[in
 def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) -> dict:
     prompts = prompts_for(model_dir, workload, max(batch, a.prompts))
     n = len(prompts)
-    engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new, a.mtp_k, a.adaptive == "on")
+    engines = {m: make_engine(model_dir, m, a.dtype, batch, a.new, a.mtp_k, a.adaptive == "on",
+                              a.batch_invariant)
                for m in ["plain", *methods]}
     for e in engines.values():  # the per-step switch measures with the bench's clock
         e._clock = CLOCK
@@ -189,6 +191,8 @@ def main() -> int:
     ap.add_argument("--mtp-k", type=int, default=1, help="mtp's num_speculative_tokens (1..4, "
                     "chained past the first)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch-invariant", action="store_true", help="model.batch_invariant for "
+                    "every engine (bf16: each row's bits its own, so outputs equal plain's)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec.json")
     a = ap.parse_args()
     global CLOCK
@@ -201,7 +205,7 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     methods = [m for m in a.methods.split(",") if m]
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs, {a.threads} threads, load {load_average()}; "
-          f"{a.model.name}, {a.dtype}, {a.new} tokens, median of {a.repeats}, {a.clock} clock", flush=True)
+          f"{a.model.name}, {a.dtype}{', batch-invariant' if a.batch_invariant else ''}, {a.new} tokens, median of {a.repeats}, {a.clock} clock", flush=True)
     rows = []
     for w in [x for x in a.workloads.split(",") if x]:
         for b in [int(x) for x in a.batches.split(",")]:
@@ -220,6 +224,7 @@ def main() -> int:
     png = plot(rows, methods, a.out.with_suffix(".png"))
     a.out.write_text(json.dumps({"bench": "spec", "cpu": cpu_model(), "threads": a.threads,
                                  "model": str(a.model), "dtype": a.dtype, "new": a.new,
+                                 "batch_invariant": a.batch_invariant,
                                  "repeats": a.repeats, "prompts": a.prompts, "mtp_k": a.mtp_k,
                                  "load_average": load_average(), "clock": a.clock,
                                  "rows": rows, "png": png}, indent=1))

@@ -86,10 +86,8 @@ def sections(cfg: NodeSettings) -> None:
                           "parallel.collective_timeout_s: a late token mask fails its "
                           "request, never the expert-parallel group")
     speculative(cfg)
-    if cfg.model.batch_invariant and (cfg.speculative.enabled or cfg.parallel.ep_size > 1):
-        raise ConfigError("model.batch_invariant: not with speculative decoding (a verified "
-                          "token is computed as a prefill row, and whether a step drafts "
-                          "depends on its batch) or parallel.ep_size > 1 (not measured)")
+    if cfg.model.batch_invariant and cfg.parallel.ep_size > 1:
+        raise ConfigError("model.batch_invariant: not with parallel.ep_size > 1 (not measured)")
     experts(cfg)
     if cfg.server.role == "router" and cfg.canary.share > 0 and not cfg.canary.label:
         raise ConfigError("canary.share: a share needs canary.label (the canary's version "

@@ -41,8 +41,9 @@ class ModelConfig:
     batch_invariant: bool = _f(False, doc="a row's result does not depend on the other rows of "
                                "its step: every bf16 matmul on the native CPU kernel at every "
                                "row count (no oneDNN class), so a migrated greedy stream is "
-                               "identical at any concurrency (docs/migration.md); costs the "
-                               "AMX speed-up of large batches and prefill")
+                               "identical at any concurrency (docs/migration.md), and "
+                               "speculative decoding's greedy output is plain decoding's token "
+                               "for token; costs the AMX speed-up of large batches and prefill")
 
     def __post_init__(self) -> None:
         _check_bounds("model", self)

@@ -45,6 +45,20 @@ class Paging:
         return table_t[seq_of_token, positions // block_size]
 
 
+# the longest chunk of decoded tokens after a history that a backend may attend as decode rows:
+# a speculative step's known token and up to 8 drafts (speculative.num_speculative_tokens <= 8)
+DECODED_CHUNK = 9
+
+
+def decoded_chunks(batch: ForwardBatch) -> list[int]:
+    """Sequences whose new tokens are a short chunk of decoded tokens after a history (a
+    speculative step's known token and drafts), not prompt tokens: attended as one decode row
+    per token, each over its own history, they get the bits plain decoding gives those
+    positions (a prompt chunk keeps the prefill path: docs/migration.md)."""
+    return [i for i, t in enumerate(batch.token_ids) if 1 < len(t) <= DECODED_CHUNK
+            and batch.start_pos[i] > 0 and not (batch.prompt and batch.prompt[i])]
+
+
 def paging(batch: ForwardBatch, block_size: int) -> Paging:
     """The batch's paging; ValueError when a block table is too short for its sequence."""
     q_lens = [len(t) for t in batch.token_ids]

@@ -29,7 +29,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from moed.model.attention.base import AttentionBackend, paging
+from moed.model.attention.base import AttentionBackend, decoded_chunks, paging
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
@@ -60,6 +60,12 @@ class TorchBackend(AttentionBackend):
         self.prefill_kernels: CpuKernels | None = ctx.kernels if fits else None
         self.kernels_off = "fp8 KV cache (the CPU decode attention kernel reads bf16 blocks)" \
             if self.fp8 and self.prefill_kernels is not None else ""
+        if ctx.batch_invariant and ctx.dtype == torch.bfloat16 and self.kernels is None:
+            # the torch decode path pads every history to the longest: a row's bits would
+            # depend on its company
+            raise ValueError(f"model.batch_invariant in bf16 needs the native attention kernel "
+                             f"(head_dim 32, 64, 128 or 256 and a bf16 KV cache; this model: "
+                             f"head_dim {self.d}, KV {kv.dtype_name})")
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
@@ -72,15 +78,23 @@ class TorchBackend(AttentionBackend):
 
         row_of = list(accumulate(q_lens, initial=0))                       # first row per sequence
         dec = batch.decode_seqs                  # one prompt token is a prefill (batch.py)
-        self.has_dec, self.dec_all = bool(dec), len(dec) == len(q_lens)
+        # With the native decode kernel a speculative step's verified chunk is attended as
+        # decode rows too, row j over its history and j + 1 new tokens: the bits plain
+        # decoding gives those positions (the prefill kernel rounds otherwise)
+        chunks = decoded_chunks(batch) if self.kernels is not None else []
+        # per decode row: its sequence and how many of the sequence's new tokens it sees
+        rows = sorted([(i, 1) for i in dec] + [(i, j + 1) for i in chunks for j in range(q_lens[i])])
+        self.has_dec, self.dec_all = bool(rows), len(rows) == row_of[-1]
         self.dec_rows: torch.Tensor | None = None
-        if dec:
+        self.decoded = set(dec) | set(chunks)
+        if rows:
+            seqs = [i for i, _ in rows]
             if not self.dec_all:
-                self.dec_rows = torch.tensor([row_of[i] for i in dec], device=dev)
-            nblk = max(len(tables[i]) for i in dec)
+                self.dec_rows = torch.tensor([row_of[i] + j - 1 for i, j in rows], device=dev)
+            nblk = max(len(tables[i]) for i in seqs)
             length = nblk * bs
-            dt = table_t[:, :nblk] if self.dec_all else table_t[dec, :nblk]
-            lens = torch.tensor([kv_lens[i] for i in dec], device=dev)
+            dt = table_t[:, :nblk] if self.dec_all and not chunks else table_t[seqs, :nblk]
+            lens = torch.tensor([kv_lens[i] - q_lens[i] + j for i, j in rows], device=dev)
             if self.kernels is not None:       # the kernel reads the blocks itself: no gather
                 self.dec_tables, self.dec_lens = dt.contiguous(), lens
             else:
@@ -105,9 +119,8 @@ class TorchBackend(AttentionBackend):
     def _plan_prefills(self, batch: ForwardBatch, q_lens: list[int], row_of: list[int],
                        table_t: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
-        dec = set(batch.decode_seqs)
         for i, n in enumerate(q_lens):
-            if i in dec:
+            if i in self.decoded:
                 continue
             start = batch.start_pos[i]
             k_rows = mask = None

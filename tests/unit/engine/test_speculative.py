@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import threading
 import time
 from dataclasses import replace
@@ -19,6 +20,7 @@ from moed.config import EngineConfig, SpeculativeConfig, StructuredConfig
 from moed.engine.drivers import SyncDriver, run_sync
 from moed.engine.engine import Engine
 from moed.kvcache.manager import KVCacheManager
+from moed.model.kernels import cpu_flags_ok
 from moed.model.grammar import compiler_for
 from moed.model.runner import ModelRunner
 from moed.model.tokenizer import Tokenizer
@@ -44,9 +46,9 @@ def ckpt(request, make_checkpoint):
     return make_checkpoint(request.param, "tiny", 3, **ARCHS[request.param])
 
 
-def _engine(d, spec=None, batched=16, blocks=512, seqs=8) -> Engine:
-    r = ModelRunner(d, dtype="float32", device="cpu", attention_backend="torch",
-                    num_blocks=blocks, block_size=BS)
+def _engine(d, spec=None, batched=16, blocks=512, seqs=8, dtype="float32") -> Engine:
+    r = ModelRunner(d, dtype=dtype, device="cpu", attention_backend="torch",
+                    num_blocks=blocks, block_size=BS, batch_invariant=dtype == "bfloat16")
     cfg = EngineConfig(block_size=BS, max_num_batched_tokens=batched, max_num_seqs=seqs)
     return Engine(r, Tokenizer.from_dir(d), cfg, speculative=spec)
 
@@ -89,6 +91,27 @@ def test_greedy_equals_plain_chunked_and_prefix_hits(ckpt):
     assert accepted < drafted, "no draft rejected: the test does not exercise rollback"
     assert spec.kv.stats().prefix_hit_tokens > hits0
     assert spec.kv.num_used_blocks == 0
+
+
+@pytest.mark.skipif(not (cpu_flags_ok() and (shutil.which("cc") or shutil.which("gcc"))),
+                    reason="bf16 batch invariance needs a native kernel variant this CPU runs "
+                           "and a C compiler")
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
+def test_bf16_batch_invariant_greedy_equals_plain(arch, make_checkpoint):
+    """bf16 (model.batch_invariant: every row's bits its own): speculation's verified rows are
+    computed as plain decoding computes those positions, so greedy output is token for token
+    the plain engine's at every batch shape, drafts accepted and rejected."""
+    d = make_checkpoint(arch, "tiny", 3, **{**ARCHS[arch], "hidden_size": 128})   # head_dim 32: the kernel's
+    plain = _engine(d, batched=32, dtype="bfloat16")
+    spec = _engine(d, NGRAM, batched=32, dtype="bfloat16")
+    prompts = _prompts(plain.runner.spec.vocab_size, 24, 1)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [plain.generate(prompts[i:i + 8], params) for i in range(0, len(prompts), 8)]
+    d0, a0 = _spec_counts()
+    got = [spec.generate(prompts[i:i + 8], params) for i in range(0, len(prompts), 8)]
+    drafted, accepted = _spec_counts()[0] - d0, _spec_counts()[1] - a0
+    assert got == want
+    assert 0 < accepted < drafted
 
 
 DEMO = Path(__file__).resolve().parents[3] / "models" / "stdlib-ds3-tiny"

@@ -36,7 +36,7 @@ def test_a_one_token_prompt_chunk_is_not_a_decode_row() -> None:
 @pytest.mark.parametrize("over", [{"model": {"batch_invariant": True, "quantization": "int8"}},
                                   {"model": {"batch_invariant": True, "dtype": "float16"}},
                                   {"model": {"batch_invariant": True},
-                                   "speculative": {"method": "ngram"}}])
+                                   "parallel": {"ep_size": 2}}])
 def test_settings_where_it_cannot_hold_are_refused(over: dict) -> None:
     with pytest.raises(ConfigError, match="batch_invariant"):
         load(environ={}, overrides={"model": {"path": "/m", **over.pop("model")}, **over})
@@ -45,6 +45,13 @@ def test_settings_where_it_cannot_hold_are_refused(over: dict) -> None:
 def test_the_env_var_sets_it() -> None:
     cfg = load(environ={"MOED_MODEL_BATCH_INVARIANT": "true", "MOED_MODEL_PATH": "/m"})
     assert cfg.model.batch_invariant is True
+
+
+def test_speculative_decoding_is_allowed_with_it() -> None:
+    """A verified chunk is attended as decode rows (test_a_verified_chunk_equals_decoding_it)."""
+    cfg = load(environ={}, overrides={"model": {"path": "/m", "batch_invariant": True},
+                                      "speculative": {"method": "ngram"}})
+    assert cfg.model.batch_invariant and cfg.speculative.method == "ngram"
 
 
 def test_bf16_without_the_native_kernels_is_refused(monkeypatch) -> None:
@@ -120,3 +127,36 @@ def test_deepseek_rows_equal_alone_and_in_company() -> None:
     together = r.forward(ForwardBatch(prompts, [0] * 12, tables))
     for i, p in enumerate(prompts):
         assert torch.equal(r.forward(ForwardBatch([p], [0], [tables[i]]))[0], together[i]), i
+
+
+def _verify_equals_decoding(r: ModelRunner, company: bool) -> None:
+    """A speculative step's verified chunk (a known token and 4 drafts after a history, all
+    logits) against decoding those 5 positions one step at a time: the same logits and KV
+    bit for bit, alone or beside another sequence's decode row."""
+    p, table, other = _prompt(2, 29), list(range(60, 63)), list(range(70, 73))
+    r.forward(ForwardBatch([p], [0], [table]))
+    r.forward(ForwardBatch([_prompt(5, 17)], [0], [other]))
+    chunk = _prompt(7, 5)
+    stepped = [r.forward(ForwardBatch([[t]], [len(p) + k], [table]))[0] for k, t in enumerate(chunk)]
+    kv_stepped = r.kv_cache[:, table].clone()
+    ids, starts, tables = [chunk], [len(p)], [table]
+    if company:
+        ids, starts, tables = [[9], chunk], [17, len(p)], [other, table]
+    out = r.forward(ForwardBatch(ids, starts, tables, all_logits=(False, True)[-len(ids):]))
+    assert torch.equal(out[-5:], torch.stack(stepped))
+    assert torch.equal(r.kv_cache[:, table], kv_stepped)
+
+
+@needs_kernels
+@pytest.mark.parametrize("company", [False, True])
+def test_a_verified_chunk_equals_decoding_it(runner, company: bool) -> None:
+    _verify_equals_decoding(runner, company)
+
+
+@needs_kernels
+def test_attention_off_the_native_kernel_is_refused(make_checkpoint) -> None:
+    """head_dim 16 (not a size the attention kernel is built for) would decode on the torch
+    path, whose rows are padded to the step's longest history: refused, not silently variant."""
+    d = make_checkpoint("qwen3_moe", "tiny", 0, hidden_size=64, num_heads=4, num_layers=1)
+    with pytest.raises(ValueError, match="native attention kernel.*head_dim 16"):
+        ModelRunner(d, dtype="bfloat16", num_blocks=16, block_size=16, batch_invariant=True)
