@@ -27,6 +27,10 @@ product through torch and through moed's kernel, the higher; --probe-rows sizes 
 rows read lower), and what fraction of them moed's
 decode at batch 1 (the weight bytes one token reads: attention, router, top-k experts per
 layer and lm_head, in the run's format) and prefill (matmul FLOPs) reach.
+A smaller CPU on this one (issue 30's rows for a CPU kind not at hand): MOED_CPU_ISA=avx2
+ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 (moed's kernels, oneDNN and ATen all held to
+AVX2) against a llama.cpp built for it (-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_AVX512=OFF); the run prints and saves what was forced.
 Both use --threads threads. Prints moed/llama.cpp ratios (> 1: moed faster), the RSS of each
 after load (llama.cpp's: the peak of its process, which holds its KV for -c), the load average
 of each round, and writes bench/results/peers.json.
@@ -279,6 +283,15 @@ def run_llama(cmds: dict[str, list[str]], repack: list[bool]) -> dict[str, tuple
     return out
 
 
+FORCING_ENV = ("MOED_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def forced_isa() -> dict[str, str]:
+    """The settings that run a smaller CPU's code here (moed's kernel variant, oneDNN's and
+    ATen's ISA caps: set all three to stand in for that CPU, beside a llama.cpp built for it)."""
+    return {k: os.environ[k] for k in FORCING_ENV if os.environ.get(k)}
+
+
 def isa_flags() -> list[str]:
     """The ISA flags that choose kernels (moed's and llama.cpp's), as /proc/cpuinfo says."""
     try:
@@ -407,7 +420,7 @@ def main() -> int:
         convert(a.llama_cpp_src or find_source(build), model_dir, gguf)
     if moed_fmt:
         gguf = requantize(find_tool(build, "llama-quantize"), gguf, qtype, a.threads)
-    cpu, isa = cpu_model(), isa_flags()
+    cpu, isa, forced = cpu_model(), isa_flags(), forced_isa()
     if a.activations != "none" and not moed_fmt:
         raise SystemExit("--activations int8 needs --quant int8 or int4 (moed refuses it on bf16 weights)")
     head, acts = ("none", "none") if not moed_fmt else (a.lm_head, a.activations)
@@ -415,6 +428,9 @@ def main() -> int:
           f"llama.cpp {qtype} (output {LLAMA_OUTPUT[qtype]}), {a.threads} threads, "
           f"{a.repeats} rounds; CPU: {cpu}; ISA: {' '.join(isa)}; load {load_average()[0]:.2f}",
           flush=True)
+    if forced:
+        print("forced (a smaller CPU's code on this one): " + " ".join(f"{k}={v}" for k, v in forced.items()),
+              flush=True)
     from ceiling import ceiling, flops_per_token
     from moed.model.hf_config import load_spec
     from moed.model.kernels import cpu_kernels
@@ -493,7 +509,7 @@ def main() -> int:
     out_path.write_text(json.dumps({
         "bench": "peers", "model_dir": str(model_dir), "threads": a.threads, "cpu": cpu,
         "gguf": str(gguf), "llama_cpp": str(build), "commands": {"decode": cmd_tg, "prefill": cmd_pp},
-        "quant": a.quant, "llama_type": qtype, "lm_head": head, "activations": acts, "isa": isa, "roofline": roof,
+        "quant": a.quant, "llama_type": qtype, "lm_head": head, "activations": acts, "isa": isa, "forced_isa": forced, "roofline": roof,
         "llama_repack": repack[0], "serving": serving,
         "prompt_len": a.prompt, "new_tokens": a.new, "table": table, "rounds": rounds,
         "rss_bytes": {"moed_after_load": moed_rss, "llama_cpp_peak": llama_rss},
