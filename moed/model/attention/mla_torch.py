@@ -3,14 +3,21 @@
 The layer's cache [num_blocks, bs, r + rope] is viewed as rows [num_blocks * bs, r + rope]
 (slot s of block b at row b * bs + s); plan() turns block tables into those row indices once per
 step. forward_mla writes the new tokens' [c_kv | k_rope] with one index_copy_, then:
-  decode rows: batched, absorbed form over their gathered latent rows with a length mask (no
-    per-head K/V): a decode sequence's one new token, and (in a step of ABSORBED_MIN_SEQS
-    such sequences or more) each token of a short chunk of decoded tokens after a history (a
-    speculative step's known token and drafts, at most ABSORBED_CHUNK), each row over its own
-    history, the history read once per sequence: verified as plain decoding computes those
-    positions (bf16: bitwise its logits), and at batch 16 on the demo model a step verifying
-    one draft a row costs 13 ms instead of 25 (the expanded form re-expanded every history
-    per sequence: 16 rows x 2 tokens cost more than 32 decode rows)
+  absorbed rows: a decode sequence's one new token, and each token of a short chunk of decoded
+    tokens after a history (a speculative step's known token and drafts, at most
+    ABSORBED_CHUNK), each row over its own causal history, so a verified position is computed
+    as plain decoding computes it.
+    bf16 on CPU over a bf16 cache with the native kernels (ComputeContext.kernels): all of
+    them, a lone chunk too, in one native call per layer (kernels/cpu_mla.c: reads the cache
+    through the block tables, a row's bits depend only on its query and its own history, not
+    on its company, the thread count or the variant; demo model, 1 thread: 44 us a layer for
+    one decode row against 239 for the torch absorbed form, 94 against 371 (absorbed) and 453
+    (expanded) for a lone 5-row chunk, 427 against 691 for 16 x 2-row chunks).
+    Otherwise (fp32, float16, an fp8 cache, CUDA) batched in torch, the absorbed form over
+    their gathered latent rows with a length mask, the history read once per sequence, in a
+    step of ABSORBED_MIN_SEQS such sequences or more (a lone chunk takes the expanded form):
+    at batch 16 on the demo model a step verifying one draft a row costs 13 ms instead of 25
+    (the expanded form re-expanded every history per sequence)
   prefill / chunked prompt sequences: one expanded-form SDPA call each (causal, offset by the
     tokens already cached; the history is read back from the cache)
 An fp8 cache (moed/model/kv_layout.py) is written through quantize_kv and read through
@@ -44,11 +51,12 @@ class _Prefill:
 # the longest chunk of decoded tokens whose rows take the absorbed form: a speculative step's
 # known token and up to 8 drafts (speculative.num_speculative_tokens <= 8)
 ABSORBED_CHUNK = 9
-# ... when the absorbed form has this many sequences at least: a lone chunk keeps the expanded
-# form (one call either way, and on the demo model's sizes the expanded one is ~12% cheaper
-# for 5 tokens: CPU bf16 batched matmuls of these shapes take a slow path); from two
-# sequences the one batched call wins (demo, bf16, a 150-token history, whole step: 2 x 5
-# tokens 12.7 ms vs 12.8, 4 x 5 14.7 vs 18.0, 16 x 2 13.4 vs 24.6)
+# ... on the torch path (not the native kernel's), when the absorbed form has this many
+# sequences at least: a lone chunk keeps the expanded form (one call either way, and on the
+# demo model's sizes the expanded one is ~12% cheaper for 5 tokens: CPU bf16 batched matmuls of
+# these shapes take a slow path); from two sequences the one batched call wins (demo, bf16, a
+# 150-token history, whole step: 2 x 5 tokens 12.7 ms vs 12.8, 4 x 5 14.7 vs 18.0, 16 x 2 13.4
+# vs 24.6)
 ABSORBED_MIN_SEQS = 2
 
 
