@@ -208,3 +208,25 @@ def test_demo_verify_chunk_logits_are_plain_decodings_bitwise():
     mixed = r.forward(ForwardBatch([[9], cont], [len(other), len(prompt)], tables[::-1],
                                    all_logits=(False, True)))
     assert torch.equal(mixed[1:], want)
+
+
+def test_demo_mtp_layer_verify_chunk_is_per_position_bitwise():
+    """The MTP layer attends through the same backend, so the same holds for it: its logits over
+    a 5-token chunk (the main model's hidden states of that chunk) are those of running it one
+    position at a time."""
+    from moed.model.mtp import mtp_inputs
+    from moed.model.runner import ModelRunner
+
+    r = ModelRunner(DEMO, dtype="bfloat16", num_blocks=32, block_size=4, batch_invariant=True, mtp=True)
+    prompt, cont, table = list(range(40, 77)), [71, 72, 73, 74, 75, 76], [list(range(12))]
+
+    def step(toks: list[int], start: int, nxt: int, kv_only: bool = False):
+        b = ForwardBatch([toks], [start], table, all_logits=(True,))
+        _, hidden = r.forward(b, hidden=True)
+        mb, rows = mtp_inputs(b, [nxt])
+        mb = ForwardBatch(mb.token_ids, mb.start_pos, mb.block_tables, all_logits=(True,))
+        return r.forward_mtp(mb, hidden.index_select(0, torch.tensor(rows)), kv_only=kv_only)
+
+    step(prompt, 0, cont[0], kv_only=True)
+    want = torch.cat([step([t], len(prompt) + j, cont[j + 1]) for j, t in enumerate(cont[:5])])
+    assert torch.equal(step(cont[:5], len(prompt), cont[5]), want)
