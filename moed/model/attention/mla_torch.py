@@ -13,8 +13,8 @@ step. forward_mla writes the new tokens' [c_kv | k_rope] with one index_copy_, t
     on its company, the thread count or the variant; demo model, 150-token histories, 1
     Ice Lake thread, two runs at load 3-4.5: 44-84 us a layer for one decode row against
     239-296 for the torch absorbed form, 94-104 against 371-589 (absorbed) and 453-526
-    (expanded) for a lone 5-row chunk, 138-191 against 521-667 for 16 decode rows, 315-427
-    against 691-727 for 16 x 2-row chunks).
+    (expanded) for a lone 5-row chunk, 185-191 against 521-537 for 16 decode rows, 357-427
+    against 691-707 for 16 x 2-row chunks).
     Otherwise (fp32, float16, an fp8 cache, CUDA) batched in torch, the absorbed form over
     their gathered latent rows with a length mask, the history read once per sequence, in a
     step of ABSORBED_MIN_SEQS such sequences or more (a lone chunk takes the expanded form):
