@@ -44,9 +44,9 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_bf16.c")
 # compiled into the same .so: quantized-weight matmuls (int8 / int4 / fp8), their integer-dot path
-# for int8 activations (model.quantization_activations), the decode step over all of them
-QUANT_SOURCE, QDOT_SOURCE, STEP_SOURCE = (SOURCE.with_name(f) for f in ("cpu_quant.c", "cpu_qdot.c", "cpu_step.c"))
-HEADERS = (*(SOURCE.with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h")), QUANT_SOURCE, QDOT_SOURCE, STEP_SOURCE)
+# for int8 activations (model.quantization_activations), the decode step, absorbed MLA attention (mla.py)
+EXTRA_SOURCES = tuple(SOURCE.with_name(f) for f in ("cpu_quant.c", "cpu_qdot.c", "cpu_step.c", "cpu_mla.c"))
+HEADERS = (*(SOURCE.with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h")), *EXTRA_SOURCES)
 # No -march=native: a cached .so must run on any CPU of its variant that shares the cache.
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 # -ffp-contract=off: no multiply-add fused unless the source spells it (the variants would part).
@@ -65,7 +65,7 @@ ISA_NEEDS: dict[str, frozenset[str]] = {
 }
 ISAS = tuple(ISA_CFLAGS)
 ISA_ENV = "MOED_CPU_ISA"
-ABI_VERSION = 12
+ABI_VERSION = 13
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -124,7 +124,7 @@ def build(cache: Path | None = None, isa: str | None = None) -> Path:
     except OSError as e:
         raise KernelUnavailable(f"kernel cache {cache} is not writable: {e}") from e
     try:
-        compile_shared(cc, flags, (SOURCE, QUANT_SOURCE, QDOT_SOURCE, STEP_SOURCE), Path(tmp))
+        compile_shared(cc, flags, (SOURCE, *EXTRA_SOURCES), Path(tmp))
         os.chmod(tmp, 0o755)     # mkstemp made it 0600: other users sharing the cache load it too
         os.replace(tmp, out)     # atomic: processes building at once each install a whole file
     except CompileFailed as e:

@@ -73,7 +73,7 @@ typedef uint16_t bf16;
 #error "build with -mavx512f -mavx512bw -mavx512vl -mfma (and -mavx512bf16), or -march=x86-64-v3"
 #endif
 
-int moed_abi_version(void) { return 12; }
+int moed_abi_version(void) { return 13; }
 
 /* Which variant this .so is: the loader refuses one that is not the variant it asked for (a
  * cache shared by machines of different CPUs keeps each variant under its own name). */
@@ -861,6 +861,9 @@ static void softmax_bf16(float *p, long n) {
         _mm512_mask_storeu_ps(p + l, m, round_bf16_x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + l), inv)));
     }
 }
+
+/* softmax_bf16 for cpu_mla.c's absorbed MLA attention (the same softmax as decode attention's). */
+void moed_softmax_bf16_f32(float *p, long n) { softmax_bf16(p, n); }
 
 /* Decode attention over the paged cache: one query token per sequence, all its cached keys.
  * q [B][Hq][D] (row stride q_stride elements between tokens, heads contiguous); cache: this
