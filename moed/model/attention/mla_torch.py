@@ -33,7 +33,7 @@ from itertools import accumulate
 import torch
 
 from moed.model.attention import mla
-from moed.model.attention.base import paging
+from moed.model.attention.base import DECODED_CHUNK, decoded_chunks, paging
 from moed.model.batch import ForwardBatch
 from moed.model.context import ComputeContext
 from moed.model.kernels import CpuKernels
@@ -50,9 +50,8 @@ class _Prefill:
     mask: torch.Tensor | None         # [n, start + n] bool (None: plain causal)
 
 
-# the longest chunk of decoded tokens whose rows take the absorbed form: a speculative step's
-# known token and up to 8 drafts (speculative.num_speculative_tokens <= 8)
-ABSORBED_CHUNK = 9
+# the longest chunk of decoded tokens whose rows take the absorbed form (base.decoded_chunks)
+ABSORBED_CHUNK = DECODED_CHUNK
 # ... on the torch path (not the native kernel's), when the absorbed form has this many
 # sequences at least: a lone chunk keeps the expanded form (one call either way, and on the
 # demo model's sizes the expanded one is ~12% cheaper for 5 tokens: CPU bf16 batched matmuls of
@@ -70,6 +69,11 @@ class TorchMLABackend(mla.MLABackend):
         # the native absorbed kernel (kernels/cpu_mla.c): bf16 on CPU over a bf16 cache
         self.kernels: CpuKernels | None = ctx.kernels if ctx.device.type == "cpu" and \
             ctx.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16 else None
+        if ctx.batch_invariant and ctx.dtype == torch.bfloat16 and self.kernels is None:
+            # the torch path pads every history to the longest, and a lone chunk takes the
+            # expanded form: a row's bits would depend on its company
+            raise ValueError(f"model.batch_invariant in bf16 needs the native MLA attention "
+                             f"kernel (a bf16 KV cache; this one: {kv.dtype_name})")
 
     def plan(self, batch: ForwardBatch, positions: torch.Tensor) -> None:
         bs, dev = self.block_size, self.device
@@ -84,8 +88,7 @@ class TorchMLABackend(mla.MLABackend):
         # known token and drafts: verified as decode rows, as plain decoding computes those
         # positions), m queries each (the longest chunk's; a shorter one repeats its last row,
         # whose extra outputs are dropped), each query over its own history
-        short = [i for i, n in enumerate(q_lens) if 1 < n <= ABSORBED_CHUNK
-                 and batch.start_pos[i] > 0 and not (batch.prompt and batch.prompt[i])]
+        short = decoded_chunks(batch)
         if self.kernels is not None:       # every such row, a lone chunk too: one native call
             dec = sorted(set(batch.decode_seqs) | set(short))
             self._plan_native(dec, q_lens, kv_lens, row_of, table_t)

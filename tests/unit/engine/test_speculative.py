@@ -125,11 +125,15 @@ SNIPPETS = [
 NAMES = ["os", "sys", "re", "json", "path", "item", "value", "key"]
 
 
-def test_demo_model_greedy_equals_plain_with_acceptance():
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not (cpu_flags_ok() and (shutil.which("cc") or shutil.which("gcc"))),
+    reason="bf16 batch invariance needs a native kernel variant this CPU runs and a C compiler"))])
+def test_demo_model_greedy_equals_plain_with_acceptance(dtype):
     """The trained DeepSeek-V3 demo model (MLA, shared experts) on edit-style code prompts
     (chunked prefill, repeats hit the prefix cache): token for token plain greedy decoding,
-    drafts accepted and rejected."""
-    plain, spec = _engine(DEMO, batched=24), _engine(DEMO, NGRAM, batched=24)
+    drafts accepted and rejected; in bf16 with model.batch_invariant too (the verified rows on
+    the native absorbed-MLA kernel, as plain decoding's rows)."""
+    plain, spec = _engine(DEMO, batched=24, dtype=dtype), _engine(DEMO, NGRAM, batched=24, dtype=dtype)
     tok = plain.tokenizer
     prompts = [tok.encode(t.format(a=NAMES[i % 8], b=NAMES[(i + 3) % 8], c=NAMES[(i + 5) % 8]))
                for i, t in enumerate(SNIPPETS * 4)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from moed.config import EngineConfig, SpeculativeConfig
 from moed.engine.drivers import SyncDriver, run_sync
 from moed.engine.engine import Engine
+from moed.model.kernels import cpu_flags_ok
 from moed.model.runner import ModelRunner
 from moed.model.tokenizer import Tokenizer
 from moed.obs import metrics
@@ -38,9 +40,9 @@ SNIPPETS = [
 NAMES = ["os", "sys", "re", "json", "path", "item", "value", "key"]
 
 
-def _engine(d, spec=None, batched=24, blocks=512) -> Engine:
-    r = ModelRunner(d, dtype="float32", device="cpu", num_blocks=blocks, block_size=4,
-                    mtp=spec is not None)
+def _engine(d, spec=None, batched=24, blocks=512, dtype="float32") -> Engine:
+    r = ModelRunner(d, dtype=dtype, device="cpu", num_blocks=blocks, block_size=4,
+                    mtp=spec is not None, batch_invariant=dtype == "bfloat16")
     return Engine(r, Tokenizer.from_dir(d), EngineConfig(block_size=4, max_num_seqs=6,
                                                          max_num_batched_tokens=batched),
                   speculative=spec)
@@ -65,8 +67,13 @@ def _compare(d, prompts, params, sc=MTP, **kw) -> tuple[float, float, Engine]:
     return _counts()[0] - d0, _counts()[1] - a0, spec
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_demo_model_mtp_greedy_equals_plain_and_mostly_accepted(k):
+@pytest.mark.parametrize("k,dtype", [(1, "float32"), (3, "float32"), pytest.param(
+    1, "bfloat16", marks=pytest.mark.skipif(
+        not (cpu_flags_ok() and (shutil.which("cc") or shutil.which("gcc"))),
+        reason="bf16 batch invariance needs a native kernel variant this CPU runs and a C compiler"))])
+def test_demo_model_mtp_greedy_equals_plain_and_mostly_accepted(k, dtype):
+    """fp32, and bf16 with model.batch_invariant (each row's bits its own: a verified position
+    is computed as plain decoding computes it)."""
     tok = Tokenizer.from_dir(DEMO)
     prompts = [tok.encode(t.format(a=NAMES[i % 8], b=NAMES[(i + 3) % 8], c=NAMES[(i + 5) % 8]))
                for i, t in enumerate(SNIPPETS * 8)]      # 40 prompts
@@ -74,7 +81,7 @@ def test_demo_model_mtp_greedy_equals_plain_and_mostly_accepted(k):
     n0, p0 = metrics.SPEC_DRAFTS._value.get(), _per_position()
     drafted, accepted, spec = _compare(DEMO, prompts, SamplingParams(
         max_tokens=24, temperature=0.0, ignore_eos=True),
-        SpeculativeConfig(method="mtp", num_speculative_tokens=k, adaptive=False))
+        SpeculativeConfig(method="mtp", num_speculative_tokens=k, adaptive=False), dtype=dtype)
     n, p = metrics.SPEC_DRAFTS._value.get() - n0, _per_position()
     rate = [(p.get(str(i), 0) - p0.get(str(i), 0)) / n for i in range(k)]
     assert drafted > 0 and 0.5 * drafted < accepted < drafted     # measured ~85% (k = 1)

@@ -160,3 +160,13 @@ def test_attention_off_the_native_kernel_is_refused(make_checkpoint) -> None:
     d = make_checkpoint("qwen3_moe", "tiny", 0, hidden_size=64, num_heads=4, num_layers=1)
     with pytest.raises(ValueError, match="native attention kernel.*head_dim 16"):
         ModelRunner(d, dtype="bfloat16", num_blocks=16, block_size=16, batch_invariant=True)
+
+
+@needs_kernels
+def test_mla_attention_off_the_native_kernel_is_refused() -> None:
+    """An fp8 KV cache keeps MLA's torch path (the native absorbed kernel reads bf16 rows)."""
+    from pathlib import Path
+    demo = Path(__file__).resolve().parents[3] / "models" / "stdlib-ds3-tiny"
+    with pytest.raises(ValueError, match="native MLA attention kernel"):
+        ModelRunner(demo, dtype="bfloat16", num_blocks=16, block_size=16, kv_dtype="fp8",
+                    batch_invariant=True)
