@@ -6,7 +6,9 @@ every expert resident (the peer, in the same run).
                                            [--prompt 32] [--steps 48] [--zipf 1.2]
 
 The model: a random DeepSeek-V3 checkpoint (one expert group, so the choice is plain top-k over
-bias-corrected sigmoid scores), bf16, built once into the cache. Forcing a routing trace on
+bias-corrected sigmoid scores), bf16, built once into the cache; `--layers` and `--expert-width`
+(moe_intermediate_size) size it (`--layers 16 --expert-width 768`: 4.5 GiB of experts, grown
+from a 2-layer build by bench/cold_checkpoint.py past 1.5 GiB). Forcing a routing trace on
 random weights: DeepSeek-V3's `e_score_correction_bias` moves the *choice* of experts and not
 their weights, so the bench sets each layer's bias (in memory, identically for every run) to
 beta * log p, p a Zipf(s) popularity over a random permutation of the experts per layer; beta
@@ -52,6 +54,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -71,15 +74,33 @@ MODEL = dict(hidden_size=512, num_layers=4, num_heads=8, num_experts=128, top_k=
              qk_rope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=0,
              n_shared_experts=1)
 BLOCK = 16
+GROW_OVER = 3 << 29     # expert bytes past which checkpoint() grows a 2-layer build (1.5 GiB)
 
 
 def checkpoint(cache: Path) -> Path:
     """MODEL's checkpoint, built once (MODEL["num_layers"] is --layers)."""
     from moed.dev.checkpoint import init_checkpoint
-    out = cache / ("cold-deepseek_v3" + ("" if MODEL["num_layers"] == 4 else f"-L{MODEL['num_layers']}"))
-    if not (out / "config.json").exists():
+    width = MODEL["moe_intermediate_size"]
+    out = cache / ("cold-deepseek_v3" + ("" if MODEL["num_layers"] == 4 else f"-L{MODEL['num_layers']}")
+                   + ("" if width == 192 else f"-I{width}"))
+    if (out / "model.safetensors").exists():
+        return out
+    if expert_bytes() <= GROW_OVER:
         init_checkpoint("deepseek_v3", out, preset="tiny", seed=0, **MODEL)
+    else:       # init_checkpoint holds the model in fp32: grow it from a 2-layer one instead
+        from cold_checkpoint import grow         # bench/cold_checkpoint.py
+        template = cache / f"{out.name}-template2"
+        if not (template / "model.safetensors").exists():
+            init_checkpoint("deepseek_v3", template, preset="tiny", seed=0, **{**MODEL, "num_layers": 2})
+        grow(template, out, MODEL["num_layers"])
+        shutil.rmtree(template)
     return out
+
+
+def expert_bytes() -> int:
+    """MODEL's routed-expert bytes (bf16)."""
+    moe = MODEL["num_layers"] - MODEL["first_k_dense_replace"]
+    return MODEL["num_experts"] * moe * 3 * MODEL["hidden_size"] * MODEL["moe_intermediate_size"] * 2
 
 
 def zipf_bias(experts: int, s: float, beta: float, g: torch.Generator) -> torch.Tensor:
@@ -289,13 +310,15 @@ def rss_run(ck: Path, share: float, a: argparse.Namespace, total: int) -> None:
     for _ in range(a.steps):
         r.step(False)
     st = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
+    hs = r.hit_series[a.steps // 2:]        # expert reads in memory when needed (cold only)
+    hits = {"hit_rate": r.r.cold.stats.in_memory, "hit_rate_second_half": sum(hs) / len(hs)} if hs else {}
     print(json.dumps({"share": share, "resident_expert_mib": r.r.resident_expert_bytes() >> 20,
                       "total_expert_mib": total >> 20, "vm_rss": st["VmRSS"].strip(),
                       "vm_hwm": st["VmHWM"].strip(), "last_tokens": r.out[-1],
                       "decode_tok_s": a.batch * a.steps / sum(r.step_s),
                       "decode_tok_s_second_half": a.batch * (a.steps - a.steps // 2) / sum(r.step_s[a.steps // 2:]),
                       "decode_tok_s_median_step": a.batch / statistics.median(r.step_s),
-                      "threads": torch.get_num_threads()}))
+                      "threads": torch.get_num_threads(), **hits}))
 
 
 def main() -> None:
@@ -314,6 +337,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--layers", type=int, default=4, help="MoE layers of the model (4: 288 MiB of "
                     "experts; more layers, more expert bytes per byte of runtime)")
+    ap.add_argument("--expert-width", type=int, default=192, help="moe_intermediate_size of the "
+                    "model (192: 72 MiB of experts a layer; 768 with --layers 16: 4.5 GiB)")
     ap.add_argument("--cache", default=os.environ.get("MOED_BENCH_CACHE", str(ROOT / ".cache" / "bench")))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cold_experts.json"))
     ap.add_argument("--rss", type=float, default=None, help="only: one share through the Zipf "
@@ -337,9 +362,9 @@ def main() -> None:
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     MODEL["num_layers"] = a.layers
+    MODEL["moe_intermediate_size"] = a.expert_width
     ck = checkpoint(cache)
-    moe = MODEL["num_layers"] - MODEL["first_k_dense_replace"]
-    total = MODEL["num_experts"] * moe * 3 * MODEL["hidden_size"] * MODEL["moe_intermediate_size"] * 2
+    total = expert_bytes()
     if a.rss is not None:
         rss_run(a.checkpoint or ck, a.rss, a, total)
         return

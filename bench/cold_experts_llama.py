@@ -35,8 +35,9 @@ from peers import convert, find_source, find_tool, parse_batched_bench
 
 
 def skewed_checkpoint(ck: Path, cache: Path, zipf: float, beta: float) -> Path:
-    """A copy of ck whose e_score_correction_bias is the Zipf trace's (set_bias, seed 1)."""
-    from safetensors.torch import load_file, save_file
+    """A copy of ck whose e_score_correction_bias is the Zipf trace's (set_bias, seed 1), each
+    layer's bias written over the copy's bytes in place (no load of the whole file)."""
+    from cold_checkpoint import patch_tensor            # bench/cold_checkpoint.py
     out = cache / f"{ck.name}-zipf{zipf}-beta{beta}"
     if (out / "model.safetensors").is_file():
         return out
@@ -44,13 +45,14 @@ def skewed_checkpoint(ck: Path, cache: Path, zipf: float, beta: float) -> Path:
     for f in ck.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
+    part = out / "model.safetensors.part"
+    shutil.copyfile(ck / "model.safetensors", part)
     g = torch.Generator().manual_seed(1)
-    tensors = load_file(str(ck / "model.safetensors"))
     layers = json.loads((ck / "config.json").read_text())["num_hidden_layers"]
     for i in range(layers):                     # every layer is MoE here (first_k_dense_replace 0)
-        key = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
-        tensors[key] = zipf_bias(MODEL["num_experts"], zipf, beta, g).to(tensors[key].dtype)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        patch_tensor(part, f"model.layers.{i}.mlp.gate.e_score_correction_bias",
+                     zipf_bias(MODEL["num_experts"], zipf, beta, g))
+    part.rename(out / "model.safetensors")
     return out
 
 
@@ -100,6 +102,7 @@ def llama_peer(ck: Path, a, total: int) -> None:  # noqa: ANN001 - cold_experts'
                 "--checkpoint", str(skewed), "--prefills", "1", "--steps", str(a.steps),
                 "--batch", str(a.batch), "--prompt", str(a.prompt), "--threads", str(a.threads or 2),
                 "--move-mb", str(a.move_mb), "--half-life", str(a.half_life), "--layers", str(a.layers),
+                "--expert-width", str(a.expert_width),
                 "--prefetch", str(a.prefetch)]
     sized = memcap.run(moed_cmd, 64 << 30)              # the operator's measurement: no cap
     if sized.rc != 0:
@@ -139,19 +142,23 @@ def llama_peer(ck: Path, a, total: int) -> None:  # noqa: ANN001 - cold_experts'
                 "oom_kills": c.oom_kills, "decode_tok_s": res.get("decode_tok_s"),
                 "decode_tok_s_steady": res.get("decode_tok_s_second_half"),
                 "vm_hwm": res.get("vm_hwm"), "resident_expert_mib": res.get("resident_expert_mib"),
+                "hit_rate": res.get("hit_rate"), "hit_rate_second_half": res.get("hit_rate_second_half"),
                 "load": load_average(), "tail": "" if res else (c.out + c.err)[-1500:]}
 
     first = json.loads(sized.out.strip().splitlines()[-1])
     runs = [{"who": "moed", "capped": False, "rc": 0, "peak_mib": sized.peak_bytes / 2**20, "oom_kills": 0,
              "decode_tok_s": first["decode_tok_s"], "decode_tok_s_steady": first["decode_tok_s_second_half"],
-             "vm_hwm": first["vm_hwm"], "load": load_average(), "tail": ""}, llama(0)]
+             "vm_hwm": first["vm_hwm"], "hit_rate": first.get("hit_rate"),
+             "hit_rate_second_half": first.get("hit_rate_second_half"), "load": load_average(), "tail": ""},
+            llama(0)]
     for r in range(a.rounds):
         for who in (("llama", "moed") if r % 2 == 0 else ("moed", "llama")):
             runs.append(llama(cap) if who == "llama" else moed())
     for x in runs:
         print(f"  {x['who']:9} capped={x['capped']!s:5} rc {x['rc']:>4} decode {x['decode_tok_s'] or 0:7.1f} "
               f"steady {x['decode_tok_s_steady'] or 0:7.1f} tok/s  cgroup peak {x['peak_mib']:6.0f} MiB  "
-              f"oom_kills {x['oom_kills']}  load {x['load'][0]:.2f}" + (f"\n{x['tail']}" if x["tail"] else ""),
+              f"oom_kills {x['oom_kills']}  load {x['load'][0]:.2f}"
+              + (f"  in memory {x['hit_rate']:.1%} (2nd half {x['hit_rate_second_half']:.1%})" if x.get("hit_rate") else "") + (f"\n{x['tail']}" if x["tail"] else ""),
               flush=True)
 
     def med(who: str, capped: bool, key: str) -> float | None:
@@ -169,10 +176,10 @@ def llama_peer(ck: Path, a, total: int) -> None:  # noqa: ANN001 - cold_experts'
         print(f"  {what}: moed {fig[f'moed_capped_{k}'] or 0:.1f}, llama.cpp {fig[f'llama_capped_{k}'] or 0:.1f} "
               f"(uncapped {fig[f'llama_uncapped_{k}'] or 0:.1f}); moed / llama.cpp "
               f"{'-' if ratios[k] is None else f'{ratios[k]:.2f}'}")
-    out = Path(a.out).with_name("cold_experts_llama.json")
+    out = Path(a.out).with_name(Path(a.out).stem + "_llama.json")     # cold_experts_llama.json by default
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cap_bytes": cap, "cap_parts": parts, "share": a.llama_share,
-                               "layers": a.layers, "total_expert_bytes": total,
+                               "layers": a.layers, "expert_width": a.expert_width, "total_expert_bytes": total,
                                "batch": a.batch, "prompt": a.prompt, "steps": a.steps,
                                "gguf": str(gguf), "commands": {"llama": llama_cmd, "moed": moed_cmd},
                                "figures": fig, "ratios": ratios, "runs": runs,

@@ -226,7 +226,10 @@ class LocalExperts(ExpertExecutor):
             return
         for dst, w in ((self.gate_up_p[slot], gate_up), (self.down_p[slot], down)):
             n, k = w.shape      # CpuKernels.pack's layout, no padding rows here
-            dst.copy_(w.reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2, 2).transpose(-3, -2))
+            # each bf16 pair moved as one int32: the same bytes, ~4x faster than torch's copy
+            # of a 2-element inner dim (a miss's fill was ~0.5 ms of a page-cached miss's ~0.7)
+            src = w.contiguous().view(torch.int32).reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2)
+            dst.view(torch.int32).view(n // PACK_BLOCK, k // 2, PACK_BLOCK).copy_(src.transpose(-2, -1))
         self.stale.add(slot)
 
     def load_slot(self, slot: int, weights: list[torch.Tensor], repack: bool = True) -> None:

@@ -17,7 +17,8 @@ Particular to it:
               token of a MoE layer (on every rank under expert parallelism: it is not an expert
               slot)
 The fused CPU MoE kernel routes softmax top-k only, so these MoE layers take the torch path
-(logged once, `moe_torch_path`); dense MLPs, attention projections and norms still use the kernels.
+(logged once, `moe_torch_path`): the grouped router in torch, then each expert's rows through
+its Linears, which (like the dense MLPs, attention projections and norms) use the kernels.
 Not served: scoring_func other than sigmoid, topk_method other than noaux_tc, moe_layer_freq != 1.
 The MTP layer (`num_nextn_predict_layers`: layer num_hidden_layers in the checkpoint, a whole
 decoder layer plus enorm, hnorm, eh_proj and a copy of the embedding and head) is read only when
@@ -26,7 +27,6 @@ one, those layers are skipped unread (Arch.skip_layers_past_end).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import structlog
@@ -106,11 +106,13 @@ class SharedExpertMoE(MoELayer):
             log.info("moe_torch_path", arch=spec.arch,
                      reason="the fused CPU MoE kernel routes softmax top-k; grouped sigmoid routing runs in torch")
             _logged_torch_path = True
-        # model.batch_invariant: the native kernels for the router's and experts' matmuls too
-        # (ATen's 1-2 row gemv and oneDNN past that differ by an ulp: a row's bits would depend
-        # on how many rows its experts had); otherwise they stay on oneDNN, as measured
-        native = ctx if ctx.batch_invariant else dataclasses.replace(ctx, kernels=None)
-        super().__init__(spec, router, gate_up, down, load, native, placement, fused=False)
+        # The router's and experts' matmuls on the native kernels, each shape's row classes as
+        # measured (kernels/choice.py; every class pinned native under model.batch_invariant):
+        # an expert is then held once, in the kernels' layout, where ATen's gemv (1-2 rows) and
+        # oneDNN (more) needed the plain weight and a oneDNN copy beside it (twice the bytes a
+        # cold-expert slot counts); the native kernel is 2.5-4x oneDNN at 3-512 rows here
+        # (docs/cold-experts.md, 2026-12-05 coldbig)
+        super().__init__(spec, router, gate_up, down, load, ctx, placement, fused=False)
         r = self.router
         grouped = GroupedRouter(router, bias, spec, r.num_physical, load, r.linear)
         grouped.set_expert_map(r.logical_to_physical, r.num_replicas)

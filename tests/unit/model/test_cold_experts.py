@@ -107,6 +107,28 @@ def test_thirty_percent_resident_equals_all_resident(make_checkpoint, arch, dtyp
     assert (st.promoted_bytes > 0) == (move > 0)
 
 
+def test_deepseek_experts_are_held_once_in_the_kernels_layout(make_checkpoint):
+    """DeepSeek-V3's experts (the torch MoE path, its router in torch) run on the native
+    kernels: all-resident and cold, a slot is its packed copy alone, with no plain weight and no
+    oneDNN copy beside it (kept only for a row class oneDNN was measured to win), so the
+    process holds the bytes the budget counts, not twice them."""
+    ck = make_checkpoint("deepseek_v3")
+    full = _runner(ck, "bfloat16")
+    if full.ctx.kernels is None:
+        pytest.skip("no native CPU kernels here")
+    cold = _runner(ck, "bfloat16", ColdSettings(_budget(full, 0.30), 0, 4.0))
+    assert cold.cold is not None and cold.cold.onednn is None       # no oneDNN copies to restore
+    for r in (full, cold):
+        moes = [layer.mlp.experts for layer in r.model.layers if hasattr(layer.mlp, "experts")]
+        assert moes
+        for local in moes:
+            assert local.gate_up_p is not None and local.down_p is not None
+            for lin in (lin for pair in local.experts for lin in pair):
+                assert lin.weight is None
+                assert lin.packed is None or lin.choice.any_onednn
+        assert r.resident_expert_bytes() == sum(e.gate_up_p.nbytes + e.down_p.nbytes for e in moes)
+
+
 def test_budget_of_everything_is_todays_path(tiny_qwen3):
     full = _runner(tiny_qwen3, "bfloat16")
     same = _runner(tiny_qwen3, "bfloat16", ColdSettings(full.resident_expert_bytes(), 0, 4.0))

@@ -217,3 +217,23 @@ def test_the_executor_is_a_seam():
     assert torch.equal(layer(x), want) and len(rec.seen) == 1 and rec.seen[0].physical.shape == (9, 2)
     with pytest.raises(TypeError):
         ExpertExecutor()        # abstract: one method to implement
+
+
+def test_fill_slot_writes_the_kernels_packing_byte_for_byte():
+    """LocalExperts.fill_slot (a cold miss read into a packed slot) writes what CpuKernels.pack
+    gives for that expert, and only into that slot."""
+    from moed.model.kernels import BLOCK, CpuKernels
+    g = torch.Generator().manual_seed(11)
+    i, h = 2 * BLOCK, 3 * BLOCK * 2                  # whole blocks of rows, even columns
+    gate_up = torch.randn(3, 2 * i, h, generator=g).to(torch.bfloat16)
+    down = torch.randn(3, h, i, generator=g).to(torch.bfloat16)
+    packed = (CpuKernels.pack(gate_up), CpuKernels.pack(down))
+    ex = LocalExperts(gate_up, down, pack=False, kernels=None, packed=packed)
+    before = [t.clone() for t in packed]
+    new_gu = torch.randn(2 * i, h, generator=g).to(torch.bfloat16)
+    new_dn = torch.randn(h, i, generator=g).to(torch.bfloat16)
+    ex.fill_slot(1, new_gu, new_dn)
+    for got, want, old in zip(packed, (CpuKernels.pack(new_gu), CpuKernels.pack(new_dn)), before):
+        assert torch.equal(got[1].view(torch.int16), want.view(torch.int16))
+        assert torch.equal(got[0].view(torch.int16), old[0].view(torch.int16))
+        assert torch.equal(got[2].view(torch.int16), old[2].view(torch.int16))
