@@ -30,7 +30,9 @@ not one step: an MTP draft is made one step before it is verified, so the first 
 draft run has none), so a loser that has become the winner (the batch's prompts turned
 repetitive, the machine got quieter) is found again. A run lasts until EXPLORE_RUN - 1 of its steps were measured (at most
 EXPLORE_CAP decisions): a step that might draft but had no draft measures nothing. A run that leaves the winner as it was
-doubles the next period (up to EXPLORE_MAX): a loser that keeps losing costs its runs ever
+doubles the next period (up to EXPLORE_MAX) unless the loser is within NEAR_TIE of the winner
+(then the period is the budget's, below, at least EXPLORE_EVERY: a near tie's verdict is
+re-measured often, cheaply): a clear loser that keeps losing costs its runs ever
 more rarely (4 steps in 64, then in 128, ... 1024), and a loser far behind skips ahead to the
 period whose run costs at most EXPLORE_BUDGET of it (a run's EXPLORE_RUN + 1 loser steps each
 lose the time the winner would have taken less for their tokens, and its two switches what
@@ -78,6 +80,9 @@ DRAFT_MARGIN = 0.05     # drafting wins when its rate is this much above plain's
 # model (edit prompts, 64 tokens, every step drafting; the straggler's lag grows with its
 # length, so the share does not shrink with longer requests). One row has no tail.
 SPREAD_MARGIN = 0.10
+# a loser within this share of the winner's rate is a near tie: its period is not doubled
+# (bench/spec.py's rounds: a step's rate moves 10-20% with the prompt and the machine)
+NEAR_TIE = 0.15
 SPIKE = 4.0
 # tokens per step: a run starts from the arm's last figure counted as TOKEN_PRIOR steps (not
 # over: a drafting step's tokens are a draw, each draft accepted or not, 1 or 2 at batch 1),
@@ -157,13 +162,24 @@ def decide(s: ClassState, spread: float = 0.0) -> tuple[bool, Why, ClassState]:
     measured = s.last == s.explored and s.run >= EXPLORE_RUN - 1
     if s.decisions >= start + EXPLORE_CAP or (s.decisions >= s.every and measured):
         same = winner != s.explored     # the period ended: its run explored its start's loser
-        nxt = max(2 * s.every, budgeted(s, winner)) if same else EXPLORE_EVERY
+        nxt = next_period(s, winner) if same else EXPLORE_EVERY
         s = replace(s, decisions=0, every=min(nxt, EXPLORE_MAX))
     phase = s.decisions - (s.every - EXPLORE_RUN)
     if phase < 0:
         return winner, Why.WINNER, replace(s, decisions=s.decisions + 1)
     arm = not winner if phase == 0 else s.explored      # one arm for the whole run
     return arm, Why.EXPLORE, replace(s, decisions=s.decisions + 1, explored=arm)
+
+
+def next_period(s: ClassState, winner: bool) -> int:
+    """The period after a run that left the winner as it was: doubled (at least the budget's)
+    for a clear loser; for one within NEAR_TIE of the winner, only the budget's (at least
+    EXPLORE_EVERY): a near tie's verdict is as noisy as the steps that made it, and a
+    doubled period held a wrong one for a whole bench round (demo model, mtp, batch 1:
+    drafting ~18% ahead, read behind once, plain for the next 512 steps)."""
+    w, lose = (s.draft, s.plain) if winner else (s.plain, s.draft)
+    near = lose.rate * (1 + NEAR_TIE) >= w.rate
+    return max(EXPLORE_EVERY if near else 2 * s.every, budgeted(s, winner))
 
 
 def budgeted(s: ClassState, winner: bool) -> int:
