@@ -1,14 +1,14 @@
 """Two builds of the CPU kernels on the native decode step, interleaved call by call.
 
     .venv/bin/python bench/kernel_ab.py A.c B.c [--batches 1,8] [--calls 600] [--threads 2]
-                                        [--isa avx512,avx2] [--part bf16|quant|qdot|step]
+                                        [--isa avx512,avx2] [--part bf16|quant|qdot|step|mla]
                                         [--quant int4 --activations int8 --lm-head int8]
 
 Each file is a variant of one of the kernels' C files (--part: cpu_bf16.c by default, or
-cpu_quant.c, cpu_qdot.c, cpu_step.c; the other three are the project's) with the same ABI (the
+cpu_quant.c, cpu_qdot.c, cpu_step.c, cpu_mla.c; the others are the project's) with the same ABI (the
 decode step's structs and signatures); --quant etc. load the model quantized as bench/step_ab.py
 does, so a quantized kernel's two builds race on the native step. A and B may be folders
-(two trees' moed/model/kernels, e.g. `git archive main`'s and this one's): all four files each. Both are compiled with the project's flags for their ISA variant (--isa,
+(two trees' moed/model/kernels, e.g. `git archive main`'s and this one's): all five files each. Both are compiled with the project's flags for their ISA variant (--isa,
 one per build, default the fastest this CPU runs for both; `cpu_bf16.c cpu_bf16.c --isa avx512,avx2`
 races two variants of one source; cpu_avx2.h and cpu_avx512.h are found beside the source or in
 moed/model/kernels) and loaded
@@ -44,14 +44,15 @@ from moed.model.runner import ModelRunner  # noqa: E402
 from moed.model.sampler import argmax_rows  # noqa: E402
 
 
-PARTS = {"bf16": K.SOURCE, "quant": K.QUANT_SOURCE, "qdot": K.QDOT_SOURCE, "step": K.STEP_SOURCE}
+# bf16, quant, qdot, step, mla: the kernels' C files (kernels.EXTRA_SOURCES names all but the first)
+PARTS = {"bf16": K.SOURCE, **{p.stem.removeprefix("cpu_"): p for p in K.EXTRA_SOURCES}}
 
 
 def compile_variant(src: Path, out: Path, isa: str = "avx512bf16", part: str = "bf16") -> Path:
     cc = K._compiler()
     flags = K.COMMON_CFLAGS + K.ISA_CFLAGS[isa]
     # src in place of `part`, with the project's other three files: the loader binds all their calls;
-    # src a folder (another tree's moed/model/kernels): all four files and headers from there
+    # src a folder (another tree's moed/model/kernels): all five files and headers from there
     files = [src / path.name if src.is_dir() else src if name == part else path for name, path in PARTS.items()]
     inc = src if src.is_dir() else K.SOURCE.parent
     p = subprocess.run([cc, *flags, "-I", str(inc), "-o", str(out), *map(str, files), "-lm"],

@@ -58,7 +58,9 @@ class ComputeContext:
         native kernels: oneDNN then serves every matmul of more than 2 rows)."""
         device = torch.device(device)
         pack = can_pack(device, dtype)
-        kernels = cpu_kernels() if pack else None
+        # The native kernels do not need oneDNN: where its bf16 does not run (an AVX2 CPU without
+        # AVX2-VNNI-2, or ONEDNN_MAX_CPU_ISA=AVX2) they serve every row count (Linear, no race).
+        kernels = cpu_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
         if batch_invariant:
             if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
                 raise ValueError(f"model.batch_invariant: measured for bf16 and float32 on CPU "

@@ -67,7 +67,7 @@ class Linear:
             self.qblocked = 0 < self.qrows == QUANT_MAX_ROWS and not quant_blocked_unserved(self.quant)
             return
         self.qblocked = False
-        self.kernels = kernels if pack and kernels is not None and weight.shape[1] % 2 == 0 else None
+        self.kernels = kernels if kernels is not None and weight.shape[1] % 2 == 0 else None
         self.kpacked = self.packed = None
         self.choice: LinearChoice | None = None     # kernels only: oneDNN for some row classes
         # 2 rows cost the gemv twice its 1-row time; oneDNN's fixed cost amortises on big
@@ -75,8 +75,9 @@ class Linear:
         self.gemv_rows = 2 if weight.numel() <= GEMV_2ROW_MAX_NUMEL else 1
         if self.kernels is not None:
             self.kpacked = kpacked if kpacked is not None else self.kernels.pack(weight)
-            choice = self.kernels.choose(*weight.shape)
-            if choice.any_onednn:
+            # no oneDNN bf16 here (pack False): nothing to race, the native kernel serves all rows
+            choice = self.kernels.choose(*weight.shape) if pack else None
+            if choice is not None and choice.any_onednn:
                 self.choice = choice
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT)
             self.weight = None          # the packed copies are the only ones read

@@ -166,6 +166,8 @@ class ModelRunner:
         k = self.ctx.kernels
         if k is None:
             return "none"
+        if not self.ctx.pack:       # no oneDNN bf16 here: no race, the native kernel serves all
+            return f"all:{k.isa} (no oneDNN bf16)"
         return by_class(k.choose.chosen(), k.isa)
 
     def describe(self) -> dict[str, str]:

@@ -58,3 +58,32 @@ def test_gemv_from_many_threads_leaves_onednn_on():
     for t in threads:
         t.join(60)
     assert not errors and torch._C._get_mkldnn_enabled()
+
+
+def test_without_onednn_bf16_the_native_kernels_serve_every_row_count(monkeypatch):
+    """An AVX2 CPU (or ONEDNN_MAX_CPU_ISA=AVX2) has no oneDNN bf16: the kernels must not go
+    off with it (they once did, and moed ran torch's bf16 path at 0.4-0.6x llama.cpp)."""
+    import shutil
+
+    from moed.model import context as ctx_mod
+    from moed.model.context import ComputeContext
+    from moed.model.kernels import cpu_flags_ok, cpu_kernels
+
+    if not (cpu_flags_ok() and (shutil.which("cc") or shutil.which("gcc"))) or cpu_kernels() is None:
+        pytest.skip("CPU runs no native kernel variant, or no C compiler")
+    monkeypatch.setattr(ctx_mod, "can_pack", lambda d, t: False)
+    ctx = ComputeContext.build("cpu", torch.bfloat16)
+    assert not ctx.pack and ctx.kernels is not None
+    k = ctx.kernels
+
+    def no_race(n: int, kk: int):
+        raise AssertionError("raced against oneDNN, which cannot run here")
+    monkeypatch.setattr(k, "choose", no_race)
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    lin = Linear(w, None, ctx.pack, ctx.for_weight(w))
+    assert lin.kpacked is not None and lin.packed is None and lin.choice is None
+    for rows in (1, 8, 600):           # decode, a batch, the open (prefill) class
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        assert torch.equal(lin(x), k.linear_bf16(x, k.pack(w), 96, None))
+        assert not lin.uses_onednn(rows)
