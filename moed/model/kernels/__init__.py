@@ -46,7 +46,7 @@ SOURCE = Path(__file__).with_name("cpu_bf16.c")
 # compiled into the same .so: quantized-weight matmuls (int8 / int4 / fp8), their integer-dot path
 # for int8 activations (model.quantization_activations), the decode step, absorbed MLA attention (mla.py)
 EXTRA_SOURCES = tuple(SOURCE.with_name(f) for f in ("cpu_quant.c", "cpu_qdot.c", "cpu_step.c", "cpu_mla.c"))
-HEADERS = (*(SOURCE.with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h")), *EXTRA_SOURCES)
+HEADERS = (*(SOURCE.with_name(h) for h in ("cpu_avx2.h", "cpu_avx512.h", "cpu_bf16_scalar.h")), *EXTRA_SOURCES)
 # No -march=native: a cached .so must run on any CPU of its variant that shares the cache.
 # -fno-strict-aliasing: the kernels read bf16 pairs through uint32 pointers.
 # -ffp-contract=off: no multiply-add fused unless the source spells it (the variants would part).

@@ -49,6 +49,7 @@
 #include <string.h>
 
 typedef uint16_t bf16;
+#include "cpu_bf16_scalar.h"
 
 #define NB 32        /* output columns per packed block */
 #define ROW_TILE 8   /* input rows per pass over a block: 2 x 8 accumulators + loads fit 32 zmm */
@@ -95,22 +96,6 @@ int moed_cpu_supported(void) {
 #endif
 }
 
-static inline float bf16_to_f32(bf16 v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16 f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* 1 if this CPU's dot product sums as cpu_avx2.h does (per lane: acc + odd product, then + even
  * product, each rounded once), so the variants give the same bits here. The AVX2 and AVX512

@@ -36,26 +36,11 @@
 #endif
 
 typedef uint16_t bf16;
+#include "cpu_bf16_scalar.h"
 
 /* cpu_bf16.c: p[0..n) = bf16(softmax(p)) in fp32 (decode_attn_bf16's softmax, the same bits) */
 void moed_softmax_bf16_f32(float *p, long n);
 
-static inline float m_bf16_to_f32(bf16 v) {
-    const uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16 m_f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
-
-static inline float m_round_bf16(float f) { return m_bf16_to_f32(m_f32_to_bf16(f)); }
 
 static inline __mmask16 m_lanes(long left) {
     return left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
@@ -69,7 +54,7 @@ static inline void widen(const bf16 *src, long n, float *dst, long npad) {
     for (; c + 16 <= n; c += 16)
         _mm512_storeu_ps(dst + c, _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + c))), 16)));
-    for (; c < n; c++) dst[c] = m_bf16_to_f32(src[c]);
+    for (; c < n; c++) dst[c] = bf16_to_f32(src[c]);
     for (; c < npad; c++) dst[c] = 0.0f;
 }
 
@@ -95,10 +80,10 @@ static void mla_task(const bf16 *qn, long qn_h, const bf16 *qr, long qr_h, long 
             const __mmask16 m = m_lanes(r - c);
             __m512 acc = _mm512_setzero_ps();
             for (long n = 0; n < nope; n++)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(m_bf16_to_f32(qnh[n])), _mm512_maskz_loadu_ps(m, wk + n * r + c), acc);
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_f32(qnh[n])), _mm512_maskz_loadu_ps(m, wk + n * r + c), acc);
             _mm512_mask_storeu_ps(qh + c, m, acc);
         }
-        for (long c = 0; c < r; c++) qh[c] = m_round_bf16(qh[c]);
+        for (long c = 0; c < r; c++) qh[c] = round_bf16(qh[c]);
         widen(qr + (h0 + hh) * qr_h, rope, qh + r, Dp - r);
     }
     for (long l0 = 0, j = 0; l0 < len; l0 += bs, j++) {          /* scores, key by key */
@@ -106,7 +91,7 @@ static void mla_task(const bf16 *qn, long qn_h, const bf16 *qr, long qr_h, long 
         for (long k = 0; k < bs && l0 + k < len; k++) {
             widen(blk + k * D, D, kf, Dp);
             for (long hh = 0; hh < nh; hh++)
-                s[hh * len + l0 + k] = scale * m_round_bf16(dot_f32(q + hh * Dp, kf, Dp));
+                s[hh * len + l0 + k] = scale * round_bf16(dot_f32(q + hh * Dp, kf, Dp));
         }
     }
     for (long hh = 0; hh < nh; hh++) moed_softmax_bf16_f32(s + hh * len, len);
@@ -125,13 +110,13 @@ static void mla_task(const bf16 *qn, long qn_h, const bf16 *qr, long qr_h, long 
     }
     for (long hh = 0; hh < nh; hh++) {            /* out = bf16(o_lat) W_uv^T */
         float *oh = o + hh * rp;
-        for (long c = 0; c < r; c++) oh[c] = m_round_bf16(oh[c]);
+        for (long c = 0; c < r; c++) oh[c] = round_bf16(oh[c]);
         for (long v = 0; v < vd; v++) {
             const float *wv = w_uv + ((h0 + hh) * vd + v) * r;
             __m512 acc = _mm512_setzero_ps();
             for (long c = 0; c < r; c += 16)
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(oh + c), _mm512_maskz_loadu_ps(m_lanes(r - c), wv + c), acc);
-            out[(h0 + hh) * vd + v] = m_f32_to_bf16(_mm512_reduce_add_ps(acc));
+            out[(h0 + hh) * vd + v] = f32_to_bf16(_mm512_reduce_add_ps(acc));
         }
     }
 }

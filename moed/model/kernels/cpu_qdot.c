@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16_scalar.h"
+
 enum { QD_INT8 = 0, QD_INT4 = 1 };
 
 #if defined(__AVX512F__)
@@ -241,13 +243,6 @@ void moed_qdot_quantize(int fmt, const float *x, long ldx, long R, long K, long 
         }
 }
 
-static inline uint16_t qd_bf16(float f) {        /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* zk: 0 no zero point (int8 symmetric), 1 the constant 8 (int4 symmetric), 2 stored zeros. */
 static inline int zero_of(const int fmt, const int zk, const QDMat *q, long n, long g) {
@@ -304,7 +299,7 @@ static inline __attribute__((always_inline)) void qd_tile(
             float y = vf_sum(facc[r][j]);
             if (bias) y += bias[n];
             if (out_f32) ((float *)out)[(r0 + r) * ldo + n] = y;
-            else ((uint16_t *)out)[(r0 + r) * ldo + n] = qd_bf16(y);
+            else ((uint16_t *)out)[(r0 + r) * ldo + n] = f32_to_bf16(y);
         }
 }
 
@@ -379,7 +374,7 @@ static inline __attribute__((always_inline)) void qd_row1(
         float y = vf_sum(facc[j]);
         if (bias) y += bias[n];
         if (out_f32) ((float *)out)[n] = y;
-        else ((uint16_t *)out)[n] = qd_bf16(y);
+        else ((uint16_t *)out)[n] = f32_to_bf16(y);
     }
 }
 #endif

@@ -47,6 +47,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16_scalar.h"
+
 /* QNR output rows per unit x QRT input rows per register tile: QNR x QRT accumulators. Neither
  * changes any bits (every row-column pair has its own accumulator, summed in k order), so each
  * variant takes what fits its registers. */
@@ -67,20 +69,7 @@ enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP8 = 2 };
 #define QPF 512      /* bytes ahead of each row's reads that software prefetch asks for */
 #endif
 
-static inline uint16_t q_f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
-static inline float q_bf16_to_f32(uint16_t v) {
-    const uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* e4m3fn byte -> its value (exact in fp32), for the scalar tail: 2^(e-7) * (1 + m/8), or
  * m * 2^-9 for e = 0. */
@@ -275,7 +264,7 @@ static inline __attribute__((always_inline)) void finish(
             }
             if (bias) sum += bias[n];
             if (out_f32) ((float *)out)[(r0 + r) * N + n] = sum;
-            else ((uint16_t *)out)[(r0 + r) * N + n] = q_f32_to_bf16(sum);
+            else ((uint16_t *)out)[(r0 + r) * N + n] = f32_to_bf16(sum);
         }
     (void)rows;
 }
@@ -330,7 +319,7 @@ int moed_qlinear(const void *x_in, int x_f32, long R, long K, int fmt, const uin
         if (!x) return -1;
         xn = x + R * K;
         for (long i = 0; i < R * K; i++)
-            xn[i] = x_f32 ? ((const float *)x_in)[i] : q_bf16_to_f32(((const uint16_t *)x_in)[i]);
+            xn[i] = x_f32 ? ((const float *)x_in)[i] : bf16_to_f32(((const uint16_t *)x_in)[i]);
         if (fmt == Q_INT4) {
             for (long r = 0; r < R; r++)
                 for (long k = 0; k < K; k++) {
@@ -399,7 +388,7 @@ static void unit_dequant_any(int fmt, int asym, const QMat *q, const long rows[Q
     else unit_dequant(Q_FP8, 0, q, rows, wbuf);
 }
 
-/* f's bf16 bits (q_f32_to_bf16) for n floats, written so the compiler vectorizes it: the
+/* f's bf16 bits (f32_to_bf16) for n floats, written so the compiler vectorizes it: the
  * same integer operations in every variant, so the same bits. */
 static inline void bf16_bits(const float *f, long n, uint16_t *h) {
     for (long i = 0; i < n; i++) {
@@ -435,7 +424,7 @@ static inline void transpose8(const uint32_t *s, long ls, uint32_t *d, long ld) 
 /* ---- int4 blocks straight from the nibbles (AVX512BW) ----------------------------------------
  * An int4 weight takes one of 16 values per (row, group): bf16((c - z) * s), c = 0..15. So the
  * 16 bf16 values are made once per row and group (the same fp32 sub and mul as unit_dequant, the
- * same rounding as q_f32_to_bf16: the same bits), and every byte, which is a column pair (low
+ * same rounding as f32_to_bf16: the same bits), and every byte, which is a column pair (low
  * nibble even), becomes its P32 pair by one vpermw lookup of both nibbles; 16 rows x 16 pairs are
  * then transposed in registers into the block. No fp32 buffer, no separate rounding pass. */
 
@@ -542,7 +531,7 @@ static void block_p32(int fmt, int asym, const QMat *q, long n0, long N, float *
                 for (int e = 0; e < 2 && p < K2; e++) {
                     const long k = 2 * p + e;
                     if (k / q->group != g) { g = k / q->group; s = q->s[n * q->lds + g]; z = zero_at(fmt, q, n, g); }
-                    hv[e] = q_f32_to_bf16(weight_at(fmt, row, k, s, z));
+                    hv[e] = f32_to_bf16(weight_at(fmt, row, k, s, z));
                 }
                 pr[p] = hv[0] | (uint32_t)hv[1] << 16;
             }
@@ -570,7 +559,7 @@ static void block_all_rows(const uint16_t *x, long R, long K, const uint32_t *wb
         for (long r = 0; r < rn; r++)
             for (long c = 0; c < nc; c++) {
                 const float v = tile[r * QB + c] + (bias ? bias[n0 + c] : 0.0f);
-                if (out) out[(r0 + r) * N + n0 + c] = q_f32_to_bf16(v);
+                if (out) out[(r0 + r) * N + n0 + c] = f32_to_bf16(v);
                 else y[(r0 + r) * ldy + n0 + c] = v;
             }
     }
@@ -696,7 +685,7 @@ static void act_rows(int x_f32, int fmt, long I, const float *gu, long r0, long 
         if (!x_f32) {
             uint16_t *ab = (uint16_t *)tmp;
             moed_silu_mul_bf16_row(g, I, ab);
-            for (long c = 0; c < I; c++) tmp[I + c] = q_bf16_to_f32(ab[c]);
+            for (long c = 0; c < I; c++) tmp[I + c] = bf16_to_f32(ab[c]);
         } else {
             for (long c = 0; c < I; c++) tmp[I + c] = g[c] / (1.0f + expf(-g[c])) * g[I + c];
         }
@@ -732,7 +721,7 @@ static void experts_phase(int fmt, int asym, const void *const ptr[3], const lon
             if (gu) {
                 act_rows(blocked ? 0 : x_f32, Q_INT8, K, gu, r0, n, act, tmp);
             } else if (blocked) {
-                for (long i = 0; i < n * K; i++) act[i] = q_bf16_to_f32(((const uint16_t *)x)[r0 * K + i]);
+                for (long i = 0; i < n * K; i++) act[i] = bf16_to_f32(((const uint16_t *)x)[r0 * K + i]);
                 xr = act;
             }
             const QDMat qd = {q.w, q.ldw, q.s, q.lds, q.z, q.ldz, q.group < K ? q.group : K, K};
@@ -748,7 +737,7 @@ static void experts_phase(int fmt, int asym, const void *const ptr[3], const lon
                 act_rows(0, fmt, K, gu, r0, n, act, tmp);
             } else {
                 for (long r = 0; r < n; r++) {
-                    for (long c = 0; c < K; c++) tmp[c] = q_bf16_to_f32(((const uint16_t *)x)[(r0 + r) * K + c]);
+                    for (long c = 0; c < K; c++) tmp[c] = bf16_to_f32(((const uint16_t *)x)[(r0 + r) * K + c]);
                     put_row(fmt, K, q.KV, tmp, act + r * K);
                 }
             }
@@ -843,7 +832,7 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
     } else {
         for (long t = 0; t < T; t++) {     /* each token as fp32 (int4 permuted) into y, free till down */
             for (long c = 0; c < H; c++)
-                tmp[0][c] = x_f32 ? ((const float *)x_in)[t * H + c] : q_bf16_to_f32(((const uint16_t *)x_in)[t * H + c]);
+                tmp[0][c] = x_f32 ? ((const float *)x_in)[t * H + c] : bf16_to_f32(((const uint16_t *)x_in)[t * H + c]);
             put_row(pf, H, H - H % step, tmp[0], y + t * H);
         }
         for (long s = 0; s < R; s++) memcpy(xg + pos[s] * H, y + s / k * H, sizeof(float) * H);   /* rows by slot */
@@ -883,13 +872,13 @@ int moed_moe_q(const void *x_in, int x_f32, long T, long H, long k, const int64_
                 float sum = 0.0f;
                 for (long j = 0; j < k; j++) {
                     const float yv = y[p[j] * H + c];
-                    const float v = x_f32 ? yv * wv[j] : q_bf16_to_f32(q_f32_to_bf16(q_bf16_to_f32(q_f32_to_bf16(yv)) * wv[j]));
+                    const float v = x_f32 ? yv * wv[j] : bf16_to_f32(f32_to_bf16(bf16_to_f32(f32_to_bf16(yv)) * wv[j]));
                     if (j == 0 && single) sum = v;
-                    else if (single && !x_f32) sum = q_bf16_to_f32(q_f32_to_bf16(sum + v));
+                    else if (single && !x_f32) sum = bf16_to_f32(f32_to_bf16(sum + v));
                     else sum += v;
                 }
                 if (x_f32) ((float *)out)[t * H + c] = sum;
-                else ((uint16_t *)out)[t * H + c] = q_f32_to_bf16(sum);
+                else ((uint16_t *)out)[t * H + c] = f32_to_bf16(sum);
             }
         }
     }
