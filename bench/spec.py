@@ -2,7 +2,7 @@
 at batch 1, 4 and 16 on the trained demo model, one run (issue 32).
 
     .venv/bin/python bench/spec.py [--model models/stdlib-ds3-tiny] [--batches 1,4,16]
-                                   [--methods ngram,mtp] [--new 64] [--repeats 3] [--threads 2]
+                                   [--methods ngram,mtp] [--new 64] [--repeats 3] [--min-seconds 3] [--threads 2]
                                    [--prompts 8] [--mtp-k 1] [--clock wall|cpu]
                                    [--batch-invariant]
 
@@ -15,10 +15,13 @@ For each (workload, batch) the same max(batch, --prompts) prompts run, `batch` a
 (max_num_seqs), through a plain engine and one engine per method, alternated `--repeats`
 times, after one warm-up run each (kernels, and the per-step switch's first measurements);
 decode tok/s = the tokens after the first over the time `--new` tokens took minus the time
-one token took (the prefill), median of the repeats. Batch 1 runs several prompts one after
-the other: how often a prompt's own text repeats varies a lot between prompts. The
+one token took (the prefill), median of the rounds. Batch 1 runs several prompts one after
+the other: how often a prompt's own text repeats varies a lot between prompts. A cell runs
+more rounds than `--repeats` until every engine has `--min-seconds` of measured decoding (a
+batch-16 round is ~0.4 s: three of them moved the ratio by 0.3 between runs). The
 acceptance rate is accepted / drafted tokens from the moed_spec_decode_* counters. The ratio
-is the method's median over the plain engine's, from the same run; per position (mtp with
+is the median over rounds of the method's tok/s over the plain engine's in the same round
+(each round runs the engines back to back); per position (mtp with
 --mtp-k > 1: its chained drafts), the accepted tokens at that position over the drafts. Outputs equal to the plain
 engine's are counted too (bf16: a step's batch shape may move a near tie, docs/speculative.md).
 
@@ -41,6 +44,7 @@ from common import cpu_model, load_average  # noqa: E402
 from quality import heldout_windows  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "stdlib-ds3-tiny"
+MAX_ROUNDS = 25
 
 
 def prompts_for(model_dir: Path, workload: str, count: int) -> list[list[int]]:
@@ -113,12 +117,15 @@ def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) 
     for e in engines.values():  # warm-up: kernels, allocator, and the per-step switch's classes
         timed(e, prompts, a.new)
     tok_s: dict[str, list[float]] = {m: [] for m in engines}
+    spent = {m: 0.0 for m in engines}
     drafted = {m: 0.0 for m in engines}
     accepted = {m: 0.0 for m in engines}
     per_pos: dict[str, dict[str, float]] = {m: {} for m in engines}
     outputs: dict[str, list[list[int]]] = {}
-    for r in range(a.repeats):
+    r = 0
+    while r < a.repeats or (min(spent.values()) < a.min_seconds and r < MAX_ROUNDS):
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        r += 1
         for m in order:
             e = engines[m]
             t1, _ = timed(e, prompts, 1)
@@ -131,13 +138,19 @@ def run_cell(model_dir: Path, workload: str, batch: int, methods: list[str], a) 
             for key, v in position_counters().items():
                 per_pos[m][key] = per_pos[m].get(key, 0.0) + v - p0.get(key, 0.0)
             outputs[m] = out
+            spent[m] += tn - t1
             tok_s[m].append(n * (a.new - 1) / max(tn - t1, 1e-9))
     plain = statistics.median(tok_s["plain"])
-    row = {"workload": workload, "batch": batch, "plain_tok_s": plain, "plain_rounds": tok_s["plain"]}
+    row = {"workload": workload, "batch": batch, "rounds": r, "plain_tok_s": plain,
+           "plain_rounds": tok_s["plain"]}
     for m in methods:
         med = statistics.median(tok_s[m])
         same = sum(o == p for o, p in zip(outputs[m], outputs["plain"]))
-        row[m] = {"tok_s": med, "rounds": tok_s[m], "ratio": med / plain,
+        # each round's pair ran back to back: their ratio cancels what moved the machine
+        # between rounds, which a ratio of medians over rounds of ~0.4 s (batch 16) does not
+        pairs = [x / y for x, y in zip(tok_s[m], tok_s["plain"])]
+        row[m] = {"tok_s": med, "rounds": tok_s[m], "ratio": statistics.median(pairs),
+                  "ratio_of_medians": med / plain,
                   "acceptance": accepted[m] / drafted[m] if drafted[m] else None,
                   "draft_tokens": drafted[m], "outputs_equal_plain": f"{same}/{n}",
                   "accepted_per_position": [per_pos[m].get(str(i), 0.0) / per_pos[m]["drafts"]
@@ -179,7 +192,10 @@ def main() -> int:
     ap.add_argument("--methods", default="ngram,mtp")
     ap.add_argument("--workloads", default="edit,heldout")
     ap.add_argument("--new", type=int, default=64, help="tokens generated per request")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds a cell runs at least")
+    ap.add_argument("--min-seconds", type=float, default=3.0,
+                    help="and more rounds (up to %d) until every engine has this many seconds "
+                         "of measured decoding in the cell" % MAX_ROUNDS)
     ap.add_argument("--prompts", type=int, default=8, help="at least this many prompts a cell")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -205,7 +221,7 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     methods = [m for m in a.methods.split(",") if m]
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs, {a.threads} threads, load {load_average()}; "
-          f"{a.model.name}, {a.dtype}{', batch-invariant' if a.batch_invariant else ''}, {a.new} tokens, median of {a.repeats}, {a.clock} clock", flush=True)
+          f"{a.model.name}, {a.dtype}{', batch-invariant' if a.batch_invariant else ''}, {a.new} tokens, rounds: at least {a.repeats} and {a.min_seconds:g} s an engine, {a.clock} clock", flush=True)
     rows = []
     for w in [x for x in a.workloads.split(",") if x]:
         for b in [int(x) for x in a.batches.split(",")]:
@@ -225,7 +241,7 @@ def main() -> int:
     a.out.write_text(json.dumps({"bench": "spec", "cpu": cpu_model(), "threads": a.threads,
                                  "model": str(a.model), "dtype": a.dtype, "new": a.new,
                                  "batch_invariant": a.batch_invariant,
-                                 "repeats": a.repeats, "prompts": a.prompts, "mtp_k": a.mtp_k,
+                                 "repeats": a.repeats, "min_seconds": a.min_seconds, "prompts": a.prompts, "mtp_k": a.mtp_k,
                                  "load_average": load_average(), "clock": a.clock,
                                  "rows": rows, "png": png}, indent=1))
     print(f"saved {a.out} ({png})")

@@ -14,8 +14,9 @@ the model and the machine, so the switch measures instead of predicting:
     rate        emitted tokens per second of the arm's steps in the class: averages of tokens
                 and of seconds, their ratio; only steps without a prompt chunk are measured (a
                 chunk's time is neither arm's). Each run of an arm (its steps in a row) starts
-                its estimate over: the plain mean of the run's first MIN_SAMPLES measured
-                steps replaces what the arm had, later steps move it by EMA_WEIGHT. So an
+                its estimate over: the median seconds of the run's first MIN_SAMPLES
+                measured steps (their mean tokens) replace what the arm had, later steps
+                move them by EMA_WEIGHT. So an
                 exploration run is a fresh measurement of the loser, not a nudge to a stale
                 figure: a warm-up slowed by first calls (new row counts' kernels) is corrected
                 at the first exploration, not after many
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 
 EMA_WEIGHT = 0.2
@@ -132,6 +134,11 @@ class ClassState:
     # (an MTP draft run's first step writes the KV entries plain steps deferred): what no
     # measured step shows, charged to the exploration budget
     switch: float = 0.0
+    # the current run's first measured steps' seconds (at most MIN_SAMPLES): the arm's figure
+    # is their median, so one step stalled by another process or the collector does not
+    # decide a run alone (a mean of an exploration run's 3 steps did: batch 1, one 139 ms
+    # step among 4 ms ones held plain as the loser for a 1024-step period)
+    window: tuple[float, ...] = ()
 
 
 def size_class(rows: int) -> int:
@@ -224,8 +231,8 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
     """The class after one step of arm `drafted` that emitted `tokens` in `seconds`. The first
     step after a switch of arms is not measured (the switch's cost is neither arm's: an MTP
     draft is made a step before it is verified, so a draft run's first step has none). The
-    run's first measured step replaces the arm's averages, its next ones make them the run's
-    plain mean (up to MIN_SAMPLES steps), later ones move them by EMA_WEIGHT (tokens, a draw:
+    run's first measured step replaces the arm's averages, its next ones make its seconds the
+    run's median (up to MIN_SAMPLES steps), later ones move them by EMA_WEIGHT (tokens, a draw:
     from the arm's last figure as TOKEN_PRIOR steps, over TOKEN_STEPS); each step's seconds
     capped at SPIKE times the arm's average (a step slowed by another process on the
     cores must not decide alone)."""
@@ -234,15 +241,16 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassS
         # capped as a measured step's seconds are: a switch step stalled by another process
         # must not push the exploration out to EXPLORE_MAX alone
         extra = min(max(seconds - tokens / left.rate, 0.0), SPIKE * left.seconds) if left.rate > 0 else 0.0
-        return replace(s, last=drafted, run=0, switch=extra if s.switch == 0 else
+        return replace(s, last=drafted, run=0, window=(), switch=extra if s.switch == 0 else
                        (1 - EMA_WEIGHT) * s.switch + EMA_WEIGHT * extra)
     a, n = (s.draft if drafted else s.plain), s.run + 1
     mine = s.seeded[0 if drafted else 1]    # its figures are a neighbour's: no cap from them
-    w = 1.0 / n if n <= MIN_SAMPLES else EMA_WEIGHT
     sec = max(seconds, 0.0) if a.samples == 0 or mine else min(max(seconds, 0.0), SPIKE * a.seconds)
+    window = (*s.window, sec) if n <= MIN_SAMPLES else s.window
+    secs = statistics.median(window) if n <= MIN_SAMPLES else (1 - EMA_WEIGHT) * a.seconds + EMA_WEIGHT * sec
     wt = 1.0 / min(n + (0 if a.samples == 0 or mine else TOKEN_PRIOR), TOKEN_STEPS)
-    a = Arm((1 - wt) * a.tokens + wt * tokens, (1 - w) * a.seconds + w * sec, a.samples + 1)
-    s = replace(s, last=drafted, run=n)
+    a = Arm((1 - wt) * a.tokens + wt * tokens, secs, a.samples + 1)
+    s = replace(s, last=drafted, run=n, window=window)
     s = replace(s, draft=a, seeded=(False, s.seeded[1])) if drafted else \
         replace(s, plain=a, seeded=(s.seeded[0], False))
     return _follow(s)
