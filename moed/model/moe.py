@@ -126,15 +126,22 @@ class LocalExperts(ExpertExecutor):
         if self.qfused_serves(x) or self.qblocked_serves(x):
             return kq.moe_q(self.qkernels, x, routing.physical, routing.weights, *self.quant,
                             t == 1 and not routing.replicated, t > self.qrows)
-        if t == 1 and not routing.replicated:
+        # a few tokens on the kernels: one moed_experts_bf16 call below (an expert's at most t
+        # rows are native classes), not one pass per touched expert
+        few = t <= 2 and self.native_upto(t)
+        if t == 1 and not routing.replicated and not few:
             return self._single_token(x, routing)
-        if t == 2 and k <= 2 and not routing.replicated:
+        if t == 2 and k <= 2 and not routing.replicated and not few:
             return self._two_tokens(x, routing)
         phys = routing.physical.reshape(-1)
         order = torch.argsort(phys, stable=True)
-        counts = torch.bincount(phys, minlength=self.num_physical).tolist()   # one host sync
+        per_slot = torch.bincount(phys, minlength=self.num_physical)
         token = order // k
-        ys = self._grouped(x.index_select(0, token), counts)
+        if few:
+            ys = self.kernels.experts_bf16(x.index_select(0, token), per_slot, self.gate_up_p, self.down_p,
+                                           self.intermediate)
+        else:
+            ys = self._grouped(x.index_select(0, token), per_slot.tolist())     # one host sync
         ws = routing.weights.reshape(-1).index_select(0, order).unsqueeze(1)
         out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
         return out.index_add_(0, token, ys * ws)
@@ -165,8 +172,31 @@ class LocalExperts(ExpertExecutor):
         expert-parallel rank's rows are not the batch's, so it keeps the per-expert path)."""
         return self.qkernels is not None and self.qblocked and x.shape[0] > self.qrows and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
+    def native_upto(self, rows: int) -> bool:
+        """Whether moed_experts_bf16 serves every expert call of 1..rows rows: the kernels'
+        packed copies are kept and the measured choice gives none of those row classes to
+        oneDNN. Its numbers are the per-expert Linears' on the kernels bit for bit (gate/up,
+        silu, the product and down each rounded to bf16 as torch rounds them), so an expert's
+        rows get the same bits in one call for the layer as in a call of their own."""
+        if self.kernels is None:
+            return False
+        gate_up, down = self.experts[0]
+        return not any(gate_up.uses_onednn(n) or down.uses_onednn(n) for n in range(1, rows + 1))
+
+    def _native_counts(self, counts: list[int]) -> bool:
+        """native_upto for the row counts of one call."""
+        if self.kernels is None:
+            return False
+        gate_up, down = self.experts[0]
+        return not any(gate_up.uses_onednn(n) or down.uses_onednn(n) for n in set(counts) if n)
+
     def _grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by expert (counts[e] rows each) -> unweighted outputs, same order."""
+        """Rows grouped by expert (counts[e] rows each) -> unweighted outputs, same order: one
+        kernel call for them all where it serves every count (~10x fewer torch ops per layer),
+        else one pass per touched expert."""
+        if xs.shape[0] and self._native_counts(counts):
+            return self.kernels.experts_bf16(xs, torch.tensor(counts, dtype=torch.long), self.gate_up_p,
+                                             self.down_p, self.intermediate)
         ys, start = [], 0
         for e, n in enumerate(counts):           # one pass per touched expert, never per token
             if n == 0:
@@ -178,6 +208,9 @@ class LocalExperts(ExpertExecutor):
     def expert_rows(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """Slot `slot`'s unweighted output for its rows x [n, H] (one call of its Linears: the
         grouped torch path's, which the cold-expert store calls slot by slot)."""
+        if x.shape[0] and self._native_counts([x.shape[0]]):     # the bits the all-slot call gives
+            return self.kernels.experts_bf16(x, torch.tensor([x.shape[0]]), self.gate_up_p[slot:slot + 1],
+                                             self.down_p[slot:slot + 1], self.intermediate)
         gate_up, down = self._expert(slot, x.shape[0])
         g, u = gate_up(x).chunk(2, dim=-1)
         return down(F.silu(g) * u)

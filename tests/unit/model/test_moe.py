@@ -237,3 +237,46 @@ def test_fill_slot_writes_the_kernels_packing_byte_for_byte():
         assert torch.equal(got[1].view(torch.int16), want.view(torch.int16))
         assert torch.equal(got[0].view(torch.int16), old[0].view(torch.int16))
         assert torch.equal(got[2].view(torch.int16), old[2].view(torch.int16))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 7])
+def test_a_few_tokens_take_one_kernel_call_with_the_per_expert_bits(tokens):
+    """With the kernels' packed copies, a layer's routed experts run in one moed_experts_bf16
+    call (a decode row, a verify step's two rows, EP's and the cold store's grouped rows), not
+    one pass of torch ops per touched expert, and every bit is what the per-expert Linears
+    (native, torch's silu) give: the one-call and the per-expert results equal."""
+    from moed.model.kernels import CpuKernels, cpu_kernels
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("no native CPU kernels on this host (no compiler or no AVX2 + FMA)")
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16)
+    down = torch.randn(E, H, I, generator=g).to(torch.bfloat16)
+    ex = LocalExperts(gate_up, down, pack=False, kernels=k,
+                      packed=(CpuKernels.pack(gate_up), CpuKernels.pack(down)))
+    calls = []
+    real = k.experts_bf16
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(k, name)
+
+        def experts_bf16(self, *a):
+            calls.append(a[0].shape[0])
+            return real(*a)
+    ex.kernels = Spy()
+    for trial in range(6):
+        x = (torch.randn(tokens, H, generator=g) * (1 + 4 * trial)).to(torch.bfloat16)
+        phys = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+        w = torch.rand(tokens, 2, generator=g).to(torch.bfloat16)
+        routing = Routing(w, phys, False)
+        calls.clear()
+        got = ex(x, routing)
+        assert calls == [2 * tokens]                     # one call for the whole layer
+        want = torch.zeros_like(x)
+        for t in range(tokens):         # each (token, expert) alone through the expert's Linears
+            for j in range(2):
+                gu, dn = ex.experts[int(phys[t, j])]
+                a, b = gu(x[t:t + 1]).chunk(2, dim=-1)
+                want[t:t + 1] += dn(F.silu(a) * b) * w[t, j]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
