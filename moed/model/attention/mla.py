@@ -256,6 +256,12 @@ class MLAAttention:
         self.w_uk_abs = self.w_uk.float() if cpu_half else self.w_uk
         self.w_uv_abs = self.w_uv.float() if cpu_half else self.w_uv
         self.o = lin("o_proj")
+        self.kernels = ctx.kernels      # the latent and query norms on the native kernel, as add_rms_norm
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:    # ~4x faster than F.rms_norm's dispatch on a decode row
+            return self.kernels.rms_norm_bf16(x, weight, self.eps)[0]
+        return rms_norm(x, weight, self.eps)
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backend: MLABackend, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -263,7 +269,7 @@ class MLAAttention:
         attention, no output): for a layer whose output the step does not need. -> those
         entries, [T, r + rope] (unquantized), for MLABackend.write_latent to write again."""
         lat = self.kv_a(x)
-        c_kv = rms_norm(lat[:, :self.r], self.kv_a_norm, self.eps)
+        c_kv = self._norm(lat[:, :self.r], self.kv_a_norm)
         new = torch.cat((c_kv, apply_rotary(lat[:, None, self.r:], cos, sin)[:, 0]), dim=-1)
         backend.write_latent(new, kv_layer)
         return new
@@ -271,11 +277,11 @@ class MLAAttention:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backend: MLABackend, kv_layer: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_b(rms_norm(self.q_a(x), self.q_a_norm, self.eps)) if self.lora else self.q(x)
+        q = self.q_b(self._norm(self.q_a(x), self.q_a_norm)) if self.lora else self.q(x)
         q = q.view(t, self.h, self.nope + self.rope)
         q_rope = apply_rotary(q[:, :, self.nope:], cos, sin)
         lat = self.kv_a(x)                                                    # [T, r + rope]
-        c_kv = rms_norm(lat[:, :self.r], self.kv_a_norm, self.eps)
+        c_kv = self._norm(lat[:, :self.r], self.kv_a_norm)
         k_rope = apply_rotary(lat[:, None, self.r:], cos, sin)[:, 0]
         out = backend.forward_mla(self.layer, q[:, :, :self.nope], q_rope, c_kv, k_rope, kv_layer,
                                   self.w_uk, self.w_uv, self.w_uk_abs, self.w_uv_abs, self.kv_b)   # [T, H, vd]
