@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,19 @@ def fused_serves(tokens: int, top_k: int, num_physical: int, expert_choice: Line
     rows = max(1, -(-tokens * top_k // max(num_physical, 1)))
     return expert_choice is None or not expert_choice.use_onednn(rows)
 
+
+def pack_into(w: torch.Tensor, dst: torch.Tensor) -> None:
+    """CpuKernels.pack(w) written into dst (the packed [N/32, K/2, 32, 2] slot), for bf16 w [N, K]
+    with N a multiple of PACK_BLOCK (no padding rows). Each bf16 pair moves as one int32 (the
+    same bytes; ~4x faster than a copy of a 2-element inner dim), on the calling thread alone:
+    torch's copy_ splits the blocked transpose over the OpenMP team, and with a core busy (the
+    cold store's reader threads, other processes) the team waits on it: 1230 us an expert of
+    the bench model at 2 threads under load 2.7 against 85-112 us on one thread
+    (docs/cold-experts.md, coldmiss)."""
+    n, k = w.shape
+    src = w.contiguous().view(torch.int32).reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2)
+    out = dst.view(torch.int32).view(n // PACK_BLOCK, k // 2, PACK_BLOCK)
+    np.copyto(out.numpy(), src.numpy().transpose(0, 2, 1))
 
 class OnednnSide(Protocol):
     """Where a slot's oneDNN copies are restored from instead of packed (cold/onednn.py)."""
@@ -202,7 +216,12 @@ class LocalExperts(ExpertExecutor):
             parts = [quantize(gate_up[:half], gu.fmt, gu.group), quantize(gate_up[half:], gu.fmt, gu.group)]
             return cat_rows(parts).tensors() + quantize(down, dn.fmt, dn.group).tensors()
         if self.gate_up_p is not None:
-            return [CpuKernels.pack(gate_up), CpuKernels.pack(down)]
+            if any(w.shape[-2] % PACK_BLOCK for w in (gate_up, down)):
+                return [CpuKernels.pack(gate_up), CpuKernels.pack(down)]
+            out = [self.gate_up_p.new_empty(self.gate_up_p.shape[1:]), self.down_p.new_empty(self.down_p.shape[1:])]
+            for dst, w in zip(out, (gate_up, down)):
+                pack_into(w, dst)
+            return out
         return [gate_up, down]
 
     def plain_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -225,11 +244,7 @@ class LocalExperts(ExpertExecutor):
             self.load_slot(slot, self.slot_format(gate_up, down), repack=False)
             return
         for dst, w in ((self.gate_up_p[slot], gate_up), (self.down_p[slot], down)):
-            n, k = w.shape      # CpuKernels.pack's layout, no padding rows here
-            # each bf16 pair moved as one int32: the same bytes, ~4x faster than torch's copy
-            # of a 2-element inner dim (a miss's fill was ~0.5 ms of a page-cached miss's ~0.7)
-            src = w.contiguous().view(torch.int32).reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2)
-            dst.view(torch.int32).view(n // PACK_BLOCK, k // 2, PACK_BLOCK).copy_(src.transpose(-2, -1))
+            pack_into(w, dst)
         self.stale.add(slot)
 
     def load_slot(self, slot: int, weights: list[torch.Tensor], repack: bool = True) -> None:
