@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
@@ -51,6 +50,7 @@ from moed.model.kernels import BLOCK as PACK_BLOCK
 from moed.model.kernels import CpuKernels
 from moed.model.kernels import quant as kq
 from moed.model.kernels.choice import ONEDNN_ROWS_HINT, LinearChoice
+from moed.model.kernels.pack import pack_copy, pack_into
 from moed.model.layers import Linear
 from moed.model.quant.quantize import quantize
 from moed.model.quant.weight import QuantWeight, cat_rows
@@ -67,19 +67,6 @@ def fused_serves(tokens: int, top_k: int, num_physical: int, expert_choice: Line
     rows = max(1, -(-tokens * top_k // max(num_physical, 1)))
     return expert_choice is None or not expert_choice.use_onednn(rows)
 
-
-def pack_into(w: torch.Tensor, dst: torch.Tensor) -> None:
-    """CpuKernels.pack(w) written into dst (the packed [N/32, K/2, 32, 2] slot), for bf16 w [N, K]
-    with N a multiple of PACK_BLOCK (no padding rows). Each bf16 pair moves as one int32 (the
-    same bytes; ~4x faster than a copy of a 2-element inner dim), on the calling thread alone:
-    torch's copy_ splits the blocked transpose over the OpenMP team, and with a core busy (the
-    cold store's reader threads, other processes) the team waits on it: 1230 us an expert of
-    the bench model at 2 threads under load 2.7 against 85-112 us on one thread
-    (docs/cold-experts.md, coldmiss)."""
-    n, k = w.shape
-    src = w.contiguous().view(torch.int32).reshape(n // PACK_BLOCK, PACK_BLOCK, k // 2)
-    out = dst.view(torch.int32).view(n // PACK_BLOCK, k // 2, PACK_BLOCK)
-    np.copyto(out.numpy(), src.numpy().transpose(0, 2, 1))
 
 class OnednnSide(Protocol):
     """Where a slot's oneDNN copies are restored from instead of packed (cold/onednn.py)."""
@@ -216,12 +203,7 @@ class LocalExperts(ExpertExecutor):
             parts = [quantize(gate_up[:half], gu.fmt, gu.group), quantize(gate_up[half:], gu.fmt, gu.group)]
             return cat_rows(parts).tensors() + quantize(down, dn.fmt, dn.group).tensors()
         if self.gate_up_p is not None:
-            if any(w.shape[-2] % PACK_BLOCK for w in (gate_up, down)):
-                return [CpuKernels.pack(gate_up), CpuKernels.pack(down)]
-            out = [self.gate_up_p.new_empty(self.gate_up_p.shape[1:]), self.down_p.new_empty(self.down_p.shape[1:])]
-            for dst, w in zip(out, (gate_up, down)):
-                pack_into(w, dst)
-            return out
+            return [pack_copy(gate_up), pack_copy(down)]
         return [gate_up, down]
 
     def plain_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:

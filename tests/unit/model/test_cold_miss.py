@@ -1,6 +1,6 @@
 """The cost of a cold-expert miss into a packed slot (moed/model/cold/store.py read_slots,
 LocalExperts.fill_slot): the read lands in the calling thread's reused buffer (no fresh pages
-to fault in per miss) and the packing is written by one thread (moe.pack_into), byte for byte
+to fault in per miss) and the packing is written by one thread (moed/model/kernels/pack.py), byte for byte
 CpuKernels.pack; staged reads (read-aheads, prefetches) still get their own tensors."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from moed.model.cold import ColdSettings
 from moed.model.cold.reader import ExpertIndex
 from moed.model.kernels import BLOCK, CpuKernels
-from moed.model.moe import pack_into
+from moed.model.kernels.pack import pack_copy, pack_into
 from test_cold_experts import _budget, _runner, _steps
 
 
@@ -25,6 +25,9 @@ def test_pack_into_writes_cpu_kernels_pack():
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
         pack_into(w.t().contiguous().t(), got)       # a non-contiguous source: same bytes
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(pack_copy(w).view(torch.int16), want.view(torch.int16))
+    odd = torch.randn(BLOCK + 3, 8, generator=g).to(torch.bfloat16)     # padding rows: CpuKernels.pack
+    assert torch.equal(pack_copy(odd).view(torch.int16), CpuKernels.pack(odd).view(torch.int16))
 
 
 def test_read_reuse_is_one_buffer_per_thread(tiny_qwen3):
