@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,7 @@ class ExpertIndex:
         self.dtype = dtype if dtype is not None else self.where[(layer0, 0, "gate")].dtype
         self.fds = [os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) for p in self.paths]
         self._nowait: int | None = getattr(os, "RWF_NOWAIT", None)    # Linux only: else no cached reads
+        self._local = threading.local()     # read(reuse=True)'s buffer, one per thread
 
     def _add(self, rules: tuple, n: int, key: str, offset: int, dtype: torch.dtype,
              shape: tuple[int, ...]) -> None:
@@ -156,14 +158,22 @@ class ExpertIndex:
                for x in (self.where[(layer, expert, r)] for r in _ROLES)]
         return None if None in got else all(got)
 
-    def read(self, layer: int, expert: int, cached: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def read(self, layer: int, expert: int, cached: bool = False,
+             reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate_up [2I, H] gate half first, down [H, I]) of one expert in the compute dtype,
         cast as the loader casts them; ExpertReadError when the files cannot give them.
-        cached: from the page cache only (read_into), None where it did not hold them."""
+        cached: from the page cache only (read_into), None where it did not hold them.
+        reuse: into the calling thread's own buffer, overwritten by its next read with reuse
+        (for a caller that copies the weights out at once: packs or quantizes them). A fresh
+        buffer's pages fault in on the read: 208 us an expert of the bench model against 127
+        into a reused one (docs/cold-experts.md, coldmiss)."""
         i, h = self.spec.moe_intermediate_size, self.spec.hidden_size
-        gate_up = torch.empty((2 * i, h), dtype=self.dtype)
-        down = torch.empty((h, i), dtype=self.dtype)
-        return (gate_up, down) if self.read_into(layer, expert, gate_up, down, cached) else None
+        bufs = getattr(self._local, "bufs", None) if reuse else None
+        if bufs is None:
+            bufs = (torch.empty((2 * i, h), dtype=self.dtype), torch.empty((h, i), dtype=self.dtype))
+            if reuse:
+                self._local.bufs = bufs
+        return bufs if self.read_into(layer, expert, *bufs, cached) else None
 
     def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor,
                   cached: bool = False) -> bool:

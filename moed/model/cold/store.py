@@ -154,7 +154,7 @@ class ExpertStore:
                     return False
                 local.mark_stale(slot)
                 return True
-            weights = index.read(n, e, cached)
+            weights = index.read(n, e, cached, reuse=True)     # fill_slot copies it out
             if weights is None:
                 return False
             local.fill_slot(slot, *weights)
@@ -186,9 +186,9 @@ class ExpertStore:
         model.before_layers = self.prefetch.first
 
     def _read_ahead(self, pos: int, unit: int) -> list[torch.Tensor]:
-        layer = self.layers[pos]
-        gate_up, down = self.index.read(layer.layer, self.units[unit])
-        return layer.local.slot_format(gate_up, down)
+        local = self.layers[pos].local      # slot_format copies packed and quantized slots' reads
+        reuse = local.gate_up_p is not None or local.quant is not None
+        return local.slot_format(*self.index.read(self.layers[pos].layer, self.units[unit], reuse=reuse))
 
     # ---- between steps --------------------------------------------------------------------
     def between_steps(self) -> None:
