@@ -215,6 +215,12 @@ static inline __attribute__((always_inline)) void block_rows(
     }
 }
 #else
+/* Every AVX2 matmul path prefetches its weight stream PF_PAIRS k pairs (4 KB) ahead, the next
+ * block's first lines at a block's end (a thread's blocks are contiguous). Without it, on the
+ * Ice Lake VM under load, one row streamed lm_head's 64 MB at 8.7 GB/s with 2 threads (the
+ * hardware prefetcher alone), 20 GB/s with it; a prefetch changes no result. */
+#define PF_PAIRS 32
+
 /* block_rows on AVX2: the same sums in the same order (per k pair: + x_odd * w_odd, then
  * + x_even * w_even, each an FMA, as vdpbf16ps), for 1 or 2 rows (decode: 1), the inputs
  * widened as they are read. Row grouping changes no bits (rows are independent). */
@@ -232,6 +238,7 @@ static inline __attribute__((always_inline)) void block_rows2(
             xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));
         }
         for (int q = 0; q < 4; q++) {    /* columns 8q..8q+7: 8 bf16 pairs */
+            if (!(q & 1)) _mm_prefetch((const char *)(wb + (kp + PF_PAIRS) * 2 * NB + 16 * q), _MM_HINT_T0);
             const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + kp * 2 * NB + 16 * q));
             const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
             const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -266,6 +273,7 @@ static inline __attribute__((always_inline)) void block_rows3(
         const bf16 *wc = wb + c0 * 2 * NB;
         for (long kp = 0; kp < cn; kp++) {
             for (int q = 0; q < 4; q++) {
+                if (!(q & 1)) _mm_prefetch((const char *)(wc + (kp + PF_PAIRS) * 2 * NB + 16 * q), _MM_HINT_T0);
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(wc + kp * 2 * NB + 16 * q));
                 const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
                 const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -284,9 +292,8 @@ static inline __attribute__((always_inline)) void block_rows3(
  * pairs at a time, once for all the rows of the call (up to SHARE_ROWS), the rows' inputs with
  * them; then tiles of up to 3 rows x 32 columns run over the panel, their broadcasts held in
  * registers and the widened weights streamed from L1 (12 accumulators + 3 broadcasts + 1 weight:
- * the 16 ymm), while the next panel's raw weights are prefetched (a block's first pass streams
- * from memory: without it a tile waited for each line, and 8 rows took the time of 1 plus the
- * FMAs). Per k pair a 3-row tile does 8 weight loads and 6 broadcasts for 24 FMAs and no
+ * the 16 ymm), while the next panel's raw weights are prefetched (without it the widening
+ * pass waited for each line, and 8 rows took the time of 1 plus the FMAs). Per k pair a 3-row tile does 8 weight loads and 6 broadcasts for 24 FMAs and no
  * widening. block_rows3 widens the raw weight per tile and broadcasts per FMA; it served every
  * many-row tile before (3 rows: 28 loads and 8 shifts/ands per 24 FMAs, load-bound: 1.42x the
  * avx512 variant's time at 8 rows on Ice Lake) and still serves 2 rows, where the widening pass
@@ -295,7 +302,6 @@ static inline __attribute__((always_inline)) void block_rows3(
  * per k pair, k ascending), parked in y between panels (an fp32 store and load: exact), so the
  * bits are the same for any row count. Scratch: 16 KB of weights + 16 KB of inputs on the stack. */
 #define KPANEL 64      /* k pairs per panel: 64 x 32 columns x 2 fp32 = 16 KB, in L1 */
-#define PF_PAIRS 32    /* prefetch distance in k pairs (4 KB of the raw weight stream) */
 
 /* Rows [0, M) (M <= 3) x 32 columns over one panel of cn k pairs; xo, xe [rows][KPANEL] the
  * widened inputs, pw [cn][64] the widened weights (odd k of the 32 columns, then even k). */
