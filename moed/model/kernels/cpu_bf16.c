@@ -53,6 +53,7 @@ typedef uint16_t bf16;
 
 #define NB 32        /* output columns per packed block */
 #define ROW_TILE 8   /* input rows per pass over a block: 2 x 8 accumulators + loads fit 32 zmm */
+#define SHARE_ROWS 32 /* rows per block_rows_any call (the AVX2 variant widens a block once for all) */
 
 #ifdef __AVX512BF16__
 /* the native bf16 dot product and conversion */
@@ -214,6 +215,12 @@ static inline __attribute__((always_inline)) void block_rows(
     }
 }
 #else
+/* Every AVX2 matmul path prefetches its weight stream PF_PAIRS k pairs (4 KB) ahead, the next
+ * block's first lines at a block's end (a thread's blocks are contiguous). Without it, on the
+ * Ice Lake VM under load, one row streamed lm_head's 64 MB at 8.7 GB/s with 2 threads (the
+ * hardware prefetcher alone), 20 GB/s with it; a prefetch changes no result. */
+#define PF_PAIRS 32
+
 /* block_rows on AVX2: the same sums in the same order (per k pair: + x_odd * w_odd, then
  * + x_even * w_even, each an FMA, as vdpbf16ps), for 1 or 2 rows (decode: 1), the inputs
  * widened as they are read. Row grouping changes no bits (rows are independent). */
@@ -231,6 +238,7 @@ static inline __attribute__((always_inline)) void block_rows2(
             xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));
         }
         for (int q = 0; q < 4; q++) {    /* columns 8q..8q+7: 8 bf16 pairs */
+            if (!(q & 1)) _mm_prefetch((const char *)(wb + (kp + PF_PAIRS) * 2 * NB + 16 * q), _MM_HINT_T0);
             const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + kp * 2 * NB + 16 * q));
             const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
             const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -241,18 +249,17 @@ static inline __attribute__((always_inline)) void block_rows2(
         for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + r * ldy + 8 * q, a[r][q]);
 }
 
-/* K pairs of the inputs widened at a time by block_rows3 (3 rows x 2 x 128 floats: 3 KB). */
+/* K pairs of the inputs widened at a time by block_rows3 (2 rows x 2 x 128 floats: 2 KB). */
 #define XCHUNK 128
 
-/* block_rows2 for up to 3 rows, for many-row work (compute-bound): the inputs are widened to
- * fp32 odd/even a chunk of k pairs at a time, then broadcast straight from memory, so the 12
- * accumulators, the widened weights and one broadcast fit the 16 ymm registers and the vector
- * ALUs do FMAs rather than re-widening inputs every k pair. Same sums, same order. */
+/* block_rows2 for 2 rows: the inputs are widened to fp32 odd/even a chunk of k pairs at a time,
+ * then broadcast straight from memory, so the vector ALUs do FMAs rather than re-widening inputs
+ * every k pair. Same sums, same order. */
 static inline __attribute__((always_inline)) void block_rows3(
         const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-    uint32_t xw[3][2 * XCHUNK] __attribute__((aligned(32)));      /* per k pair: odd, even (fp32 bits) */
-    __m256 a[3][4];
+    uint32_t xw[2][2 * XCHUNK] __attribute__((aligned(32)));      /* per k pair: odd, even (fp32 bits) */
+    __m256 a[2][4];
     for (int r = 0; r < R; r++)
         for (int q = 0; q < 4; q++) a[r][q] = _mm256_setzero_ps();
     for (long c0 = 0; c0 < K2; c0 += XCHUNK) {
@@ -266,6 +273,7 @@ static inline __attribute__((always_inline)) void block_rows3(
         const bf16 *wc = wb + c0 * 2 * NB;
         for (long kp = 0; kp < cn; kp++) {
             for (int q = 0; q < 4; q++) {
+                if (!(q & 1)) _mm_prefetch((const char *)(wc + (kp + PF_PAIRS) * 2 * NB + 16 * q), _MM_HINT_T0);
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(wc + kp * 2 * NB + 16 * q));
                 const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
                 const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -280,16 +288,87 @@ static inline __attribute__((always_inline)) void block_rows3(
         for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + r * ldy + 8 * q, a[r][q]);
 }
 
-static inline __attribute__((always_inline)) void block_rows(
-        const int R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+/* The AVX2 path for 3 or more rows: the block's weights are widened to fp32 a panel of KPANEL k
+ * pairs at a time, once for all the rows of the call (up to SHARE_ROWS), the rows' inputs with
+ * them; then tiles of up to 3 rows x 32 columns run over the panel, their broadcasts held in
+ * registers and the widened weights streamed from L1 (12 accumulators + 3 broadcasts + 1 weight:
+ * the 16 ymm), while the next panel's raw weights are prefetched (without it the widening
+ * pass waited for each line, and 8 rows took the time of 1 plus the FMAs). Per k pair a 3-row tile does 8 weight loads and 6 broadcasts for 24 FMAs and no
+ * widening. block_rows3 widens the raw weight per tile and broadcasts per FMA; it served every
+ * many-row tile before (3 rows: 28 loads and 8 shifts/ands per 24 FMAs, load-bound: 1.42x the
+ * avx512 variant's time at 8 rows on Ice Lake) and still serves 2 rows, where the widening pass
+ * costs more than it saves (1.6-1.9x block_rows3's time with the weight in cache).
+ * Each accumulator sums exactly as block_rows2 does (+ x_odd * w_odd, then + x_even * w_even
+ * per k pair, k ascending), parked in y between panels (an fp32 store and load: exact), so the
+ * bits are the same for any row count. Scratch: 16 KB of weights + 16 KB of inputs on the stack. */
+#define KPANEL 64      /* k pairs per panel: 64 x 32 columns x 2 fp32 = 16 KB, in L1 */
+
+/* Rows [0, M) (M <= 3) x 32 columns over one panel of cn k pairs; xo, xe [rows][KPANEL] the
+ * widened inputs, pw [cn][64] the widened weights (odd k of the 32 columns, then even k). */
+static inline __attribute__((always_inline)) void panel_rows(
+        const int M, const float (*xo)[KPANEL], const float (*xe)[KPANEL], const float *pw, long cn,
+        float *y, long ldy, const int first) {
+    __m256 a[3][4];
+    for (int r = 0; r < M; r++)
+        for (int q = 0; q < 4; q++) a[r][q] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + 8 * q);
+    for (long kp = 0; kp < cn; kp++) {
+        const float *w = pw + kp * 2 * NB;
+        __m256 b[3];
+        for (int r = 0; r < M; r++) b[r] = _mm256_broadcast_ss(&xo[r][kp]);
+        for (int q = 0; q < 4; q++) {
+            const __m256 wv = _mm256_load_ps(w + 8 * q);
+            for (int r = 0; r < M; r++) a[r][q] = _mm256_fmadd_ps(b[r], wv, a[r][q]);
+        }
+        for (int r = 0; r < M; r++) b[r] = _mm256_broadcast_ss(&xe[r][kp]);
+        for (int q = 0; q < 4; q++) {
+            const __m256 wv = _mm256_load_ps(w + NB + 8 * q);
+            for (int r = 0; r < M; r++) a[r][q] = _mm256_fmadd_ps(b[r], wv, a[r][q]);
+        }
+    }
+    for (int r = 0; r < M; r++)
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(y + r * ldy + 8 * q, a[r][q]);
+}
+
+/* y[r][0..32) = x[r] . block wb for R rows, R <= SHARE_ROWS. */
+static void block_rows_any(long R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
     if (R == 1) {                       /* decode: memory-bound, no widening pass */
         block_rows2(1, x, ldx2, wb, K2, y, ldy);
         return;
     }
-    for (int r0 = 0; r0 < R; r0 += 3) {
-        if (R - r0 >= 3) block_rows3(3, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
-        else if (R - r0 == 2) block_rows3(2, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
-        else block_rows2(1, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
+    if (R == 2) {
+        block_rows3(2, x, ldx2, wb, K2, y, ldy);
+        return;
+    }
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    float pw[KPANEL * 2 * NB] __attribute__((aligned(32)));
+    float xo[SHARE_ROWS][KPANEL] __attribute__((aligned(32))), xe[SHARE_ROWS][KPANEL] __attribute__((aligned(32)));
+    for (long c0 = 0; c0 < K2; c0 += KPANEL) {
+        const long cn = K2 - c0 < KPANEL ? K2 - c0 : KPANEL;
+        const bf16 *wc = wb + c0 * 2 * NB;
+        for (long kp = 0; kp < cn; kp++)
+            for (int q = 0; q < 4; q++) {
+                if (!(q & 1)) _mm_prefetch((const char *)(wc + (kp + PF_PAIRS) * 2 * NB + 16 * q), _MM_HINT_T0);
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wc + kp * 2 * NB + 16 * q));
+                _mm256_store_ps(pw + kp * 2 * NB + 8 * q, _mm256_castsi256_ps(_mm256_and_si256(w, hi)));
+                _mm256_store_ps(pw + kp * 2 * NB + NB + 8 * q, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            }
+        for (long r = 0; r < R; r++) {
+            const uint32_t *xr = x + r * ldx2 + c0;
+            long kp = 0;
+            for (; kp + 8 <= cn; kp += 8) {
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(xr + kp));
+                _mm256_store_ps(xo[r] + kp, _mm256_castsi256_ps(_mm256_and_si256(u, hi)));
+                _mm256_store_ps(xe[r] + kp, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+            }
+            for (; kp < cn; kp++) {
+                const uint32_t o = xr[kp] & 0xffff0000u, e = xr[kp] << 16;
+                memcpy(&xo[r][kp], &o, 4);
+                memcpy(&xe[r][kp], &e, 4);
+            }
+        }
+        long r0 = 0;   /* tiles of 3 rows, the last two 2 + 2 where 3 + 1 would be left (R >= 3) */
+        for (; R - r0 >= 3 && R - r0 != 4; r0 += 3) panel_rows(3, xo + r0, xe + r0, pw, cn, y + r0 * ldy, ldy, c0 == 0);
+        for (; r0 < R; r0 += 2) panel_rows(2, xo + r0, xe + r0, pw, cn, y + r0 * ldy, ldy, c0 == 0);
     }
 }
 #endif
@@ -342,9 +421,10 @@ static inline void store_bf16_exact_x16(bf16 *p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits_x16(v)));
 }
 
+#ifdef __AVX512F__
 /* y[r][0..32) = x[r] . block wb for a run-time row count R <= ROW_TILE (block_rows needs a
  * constant R to keep its accumulators in registers). */
-static inline void block_rows_any(long R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+static inline void block_rows_tile(long R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
     switch (R) {
         case 1: block_rows(1, x, ldx2, wb, K2, y, ldy); break;
         case 2: block_rows(2, x, ldx2, wb, K2, y, ldy); break;
@@ -357,6 +437,13 @@ static inline void block_rows_any(long R, const uint32_t *x, long ldx2, const bf
     }
 }
 
+/* The same for R <= SHARE_ROWS rows, in tiles of ROW_TILE. */
+static inline void block_rows_any(long R, const uint32_t *x, long ldx2, const bf16 *wb, long K2, float *y, long ldy) {
+    for (long r0 = 0; r0 < R; r0 += ROW_TILE)   /* the block stays in L1/L2 across tiles */
+        block_rows_tile(R - r0 < ROW_TILE ? R - r0 : ROW_TILE, x + r0 * ldx2, ldx2, wb, K2, y + r0 * ldy, ldy);
+}
+#endif
+
 /* Input rows per pass over a thread's blocks: for many rows (prefill) the inputs are taken in
  * chunks of ~256 KB, which stay in L2 while every block of the weight streams past them; one
  * pass over all rows would re-read them from L3 or memory once per 32 columns. Any row tiling
@@ -367,7 +454,7 @@ static inline long row_chunk(long K) {
 }
 
 /* y[r][b*32 .. b*32+32) for packed blocks b in [b0, b1) and all R rows of x [R][ldx]
- * (in chunks of row_chunk(K) rows, each in tiles of ROW_TILE rows). y [R][ldy], ldy >= 32 * b1. */
+ * (in chunks of row_chunk(K) rows, each in tiles of SHARE_ROWS rows). y [R][ldy], ldy >= 32 * b1. */
 static void gemm_packed(const bf16 *x, long R, long ldx, const bf16 *wp, long K, long b0, long b1,
                         float *y, long ldy) {
     const long K2 = K / 2, rc = row_chunk(K);
@@ -375,8 +462,8 @@ static void gemm_packed(const bf16 *x, long R, long ldx, const bf16 *wp, long K,
         const long c1 = R - c0 < rc ? R : c0 + rc;
         for (long b = b0; b < b1; b++) {
             const bf16 *wb = wp + b * NB * K;
-            for (long r0 = c0; r0 < c1; r0 += ROW_TILE)   /* the block stays in L1/L2 across tiles */
-                block_rows_any(c1 - r0, (const uint32_t *)(x + r0 * ldx), ldx / 2, wb, K2, y + r0 * ldy + b * NB, ldy);
+            for (long r0 = c0; r0 < c1; r0 += SHARE_ROWS)   /* the block stays in L1/L2 across tiles */
+                block_rows_any(c1 - r0 < SHARE_ROWS ? c1 - r0 : SHARE_ROWS, (const uint32_t *)(x + r0 * ldx), ldx / 2, wb, K2, y + r0 * ldy + b * NB, ldy);
         }
     }
 }
@@ -390,14 +477,14 @@ void moed_block_rows_bf16(const bf16 *x, long R, long ldx, const bf16 *wb, long 
 
 /* out[R][N] (bf16) = x[R][K] @ W^T (+ bias[N]), W packed P32 from [N][K]; fp32 accumulation,
  * bias added in fp32, rounded once (as torch's addmm and oneDNN's fused bias do). Each tile of
- * 8 rows x 32 columns is rounded into out as soon as it is computed (no [R][N] fp32 scratch). */
+ * up to SHARE_ROWS rows x 32 columns is rounded into out as soon as it is computed (no [R][N] fp32 scratch). */
 int moed_linear_bf16(const bf16 *x, long R, long K, const bf16 *wp, long N, const bf16 *bias,
                      bf16 *out, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         const long K2 = K / 2, rc = row_chunk(K);
-        float tile[ROW_TILE * NB] __attribute__((aligned(64)));
+        float tile[SHARE_ROWS * NB] __attribute__((aligned(64)));
         long b0, b1;
         split(nblocks(N), tid, nt, &b0, &b1);
         for (long c0 = 0; c0 < R; c0 += rc) {
@@ -407,8 +494,8 @@ int moed_linear_bf16(const bf16 *x, long R, long K, const bf16 *wp, long N, cons
                 const __mmask16 m0 = lanes(N - n0), m1 = lanes(N - n0 - 16);
                 const __m512 bias0 = bias ? bf16x16_or_zero(bias + n0, m0) : _mm512_setzero_ps();
                 const __m512 bias1 = bias ? bf16x16_or_zero(bias + n0 + 16, m1) : _mm512_setzero_ps();
-                for (long r0 = c0; r0 < c1; r0 += ROW_TILE) {
-                    const long rn = c1 - r0 < ROW_TILE ? c1 - r0 : ROW_TILE;
+                for (long r0 = c0; r0 < c1; r0 += SHARE_ROWS) {
+                    const long rn = c1 - r0 < SHARE_ROWS ? c1 - r0 : SHARE_ROWS;
                     block_rows_any(rn, (const uint32_t *)(x + r0 * K), K / 2, wp + n0 * K, K2, tile, NB);
                     for (long r = 0; r < rn; r++) {
                         bf16 *o = out + (r0 + r) * N + n0;
@@ -530,7 +617,7 @@ static void expert_chunk(const bf16 *x, const long *src, long s0, long cn, const
                          long H, long I, const ExpertScratch *sc, const ExpertSink *sink, int team) {
     const int tid = team ? omp_get_thread_num() : 0, nt = team ? omp_get_num_threads() : 1;
     const long ldg = nblocks(2 * I) * NB, ldh = nblocks(H) * NB;
-    float tile[ROW_TILE * NB] __attribute__((aligned(64)));
+    float tile[SHARE_ROWS * NB] __attribute__((aligned(64)));
     long lo, hi, b0, b1;
     const bf16 *xin = x + s0 * H;
     if (src) {                              /* gather the chunk's token rows */
@@ -557,8 +644,8 @@ static void expert_chunk(const bf16 *x, const long *src, long s0, long cn, const
     for (long b = b0; b < b1; b++) {
         const long h0 = b * NB;
         const __mmask16 m0 = lanes(H - h0), m1 = lanes(H - h0 - 16);
-        for (long r0 = 0; r0 < cn; r0 += ROW_TILE) {
-            const long rn = cn - r0 < ROW_TILE ? cn - r0 : ROW_TILE;
+        for (long r0 = 0; r0 < cn; r0 += SHARE_ROWS) {
+            const long rn = cn - r0 < SHARE_ROWS ? cn - r0 : SHARE_ROWS;
             block_rows_any(rn, (const uint32_t *)(sc->act + r0 * I), I / 2, wdn + h0 * I, I / 2, tile, NB);
             for (long r = 0; r < rn; r++) {
                 const long s = s0 + r0 + r;

@@ -65,13 +65,15 @@ def _order_sensitive(g: torch.Generator, rows: int, kk: int, n: int) -> tuple[to
 @needs_cc
 @pytest.mark.parametrize("isa", isa_params())
 def test_linear_is_bitwise_the_reference(isa):
-    """Row tiles (1, 2, 3 rows; 8 + 1; 17), column tails, K of one pair and of several of the AVX2
-    kernel's input chunks (128 pairs), bias or none, 1-2 threads;
+    """Row tiles (1, 2, 3 rows; 2 + 2; 8 + 1; 17; 34: the AVX2 variant's 32 rows per widened
+    block + 2), column tails, K of one pair and of several of the AVX2 kernel's input chunks (128
+    pairs) and widened weight panels (64 pairs; 65 = one + one), bias or none, 1-2 threads;
     data whose bf16 results depend on the accumulation order."""
     k = K.load(isa)
     assert k.dot_order_ok, NOT_FMA_ORDER
     g = torch.Generator().manual_seed(1)
-    for rows, kk, n in ((1, 64, 96), (2, 100, 33), (3, 2, 40), (9, 256, 70), (17, 38, 32), (5, 600, 40)):
+    for rows, kk, n in ((1, 64, 96), (2, 100, 33), (3, 2, 40), (9, 256, 70), (17, 38, 32), (5, 600, 40),
+                        (4, 130, 40), (34, 130, 40)):
         x, w = _order_sensitive(g, rows, kk, n)
         other_order = _reference_linear(x.view(rows, -1, 2).flip(-1).reshape(rows, kk),
                                         w.view(n, -1, 2).flip(-1).reshape(n, kk), None)
@@ -121,7 +123,7 @@ def test_variants_are_bitwise_equal_kernel_by_kernel(isa_a, isa_b):
             x = torch.randn(t, H, generator=g).bfloat16()
             same(moe(a, x), moe(b, x))
         w, bias = torch.randn(70, 600, generator=g).bfloat16(), torch.randn(70, generator=g).bfloat16()
-        for rows in range(1, 18):                 # every row tile, 8 + 8 + 1; K of 3 input chunks
+        for rows in (*range(1, 18), 34):          # every row tile, 8 + 8 + 1, 32 + 2; K of 3 input chunks
             x = torch.randn(rows, 600, generator=g).bfloat16()
             same(a.linear_bf16(x, a.pack(w), 70, bias), b.linear_bf16(x, b.pack(w), 70, bias))
         codes = torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
