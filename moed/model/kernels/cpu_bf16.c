@@ -153,6 +153,12 @@ static inline __m512 exp_x16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Every matmul path prefetches its weight stream PF_PAIRS k pairs (4 KB) ahead, the next
+ * block's first lines at a block's end (a thread's blocks are contiguous). Without it, on the
+ * Ice Lake VM under load, one row streamed lm_head's 64 MB at 8.7 GB/s with 2 threads (the
+ * hardware prefetcher alone), 20 GB/s with it (AVX2); a prefetch changes no result. */
+#define PF_PAIRS 32
+
 #ifdef __AVX512BF16__
 /* y[r][0..32) = x[r] . (the 32 columns of packed block wb), r < R (R <= ROW_TILE, a constant
  * after inlining so the accumulators stay in registers); x rows as bf16 pairs (uint32). */
@@ -161,6 +167,8 @@ static inline __attribute__((always_inline)) void block_rows(
     __m512 a[ROW_TILE][2];
     for (int r = 0; r < R; r++) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); }
     for (long kp = 0; kp < K2; kp++) {
+        _mm_prefetch((const char *)(wb + (kp + PF_PAIRS) * 2 * NB), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + (kp + PF_PAIRS) * 2 * NB + NB), _MM_HINT_T0);
         const __m512bh w0 = AS_BH(_mm512_loadu_si512(wb + kp * 2 * NB));
         const __m512bh w1 = AS_BH(_mm512_loadu_si512(wb + kp * 2 * NB + NB));
         for (int r = 0; r < R; r++) {
@@ -199,6 +207,8 @@ static inline __attribute__((always_inline)) void block_rows(
             }
         const bf16 *wc = wb + c0 * 2 * NB;
         for (long kp = 0; kp < cn; kp++) {
+            _mm_prefetch((const char *)(wc + (kp + PF_PAIRS) * 2 * NB), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wc + (kp + PF_PAIRS) * 2 * NB + NB), _MM_HINT_T0);
             const __m512i w0 = _mm512_loadu_si512(wc + kp * 2 * NB), w1 = _mm512_loadu_si512(wc + kp * 2 * NB + NB);
             const __m512 w0o = bf16_odd_x16(w0), w0e = bf16_even_x16(w0);
             const __m512 w1o = bf16_odd_x16(w1), w1e = bf16_even_x16(w1);
@@ -215,12 +225,6 @@ static inline __attribute__((always_inline)) void block_rows(
     }
 }
 #else
-/* Every AVX2 matmul path prefetches its weight stream PF_PAIRS k pairs (4 KB) ahead, the next
- * block's first lines at a block's end (a thread's blocks are contiguous). Without it, on the
- * Ice Lake VM under load, one row streamed lm_head's 64 MB at 8.7 GB/s with 2 threads (the
- * hardware prefetcher alone), 20 GB/s with it; a prefetch changes no result. */
-#define PF_PAIRS 32
-
 /* block_rows on AVX2: the same sums in the same order (per k pair: + x_odd * w_odd, then
  * + x_even * w_even, each an FMA, as vdpbf16ps), for 1 or 2 rows (decode: 1), the inputs
  * widened as they are read. Row grouping changes no bits (rows are independent). */
