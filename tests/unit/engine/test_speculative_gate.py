@@ -513,7 +513,7 @@ def test_a_class_with_a_spread_margin_takes_over_after_a_confirming_run():
     s = ClassState()
     for _ in range(2 * MIN_SAMPLES + 2):
         draft, _, s = decide(s, spread(16))
-        s = observe(s, draft, 16, 1.0 if not draft else 1.0)
+        s = observe(s, draft, 16, 1.0)              # warm-up: a tie, plain holds
     arms = []
     for _ in range(EXPLORE_EVERY + 3 * EXPLORE_RUN):
         draft, _, s = decide(s, spread(16))
