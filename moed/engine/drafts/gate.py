@@ -43,7 +43,10 @@ that takes twice a plain step's time for as many tokens, its first 1 s over, goe
 instead of 128; a bandit explores an arm the less, the farther behind it is); a period that ends with the arm its run explored as the winner starts the periods over
 at EXPLORE_EVERY. In a class of two rows or more drafting must also stay SPREAD_MARGIN ahead,
 always (`spread`): it spreads the rows' progress, and a batch that ends together without drafts
-ends in a tail of ever smaller steps with them, a cost no measured step shows. A new class first
+ends in a tail of ever smaller steps with them, a cost no measured step shows; and there
+drafting takes over only when a second run, started at once after the one that put it ahead,
+keeps it ahead (`confirmed`: one noisy run made a wrong take-over, whose period and tail cost
+15% of a batch-16 round). A new class first
 runs each arm for MIN_SAMPLES measured steps, drafts first, unless a neighbour has both arms
 measured: then it is seeded from the nearest larger such class (`seeded`), its verdict and the
 ratio of its arms' rates, and runs that verdict at once. A closed batch's tail passes through
@@ -139,6 +142,9 @@ class ClassState:
     # decide a run alone (a mean of an exploration run's 3 steps did: batch 1, one 139 ms
     # step among 4 ms ones held plain as the loser for a 1024-step period)
     window: tuple[float, ...] = ()
+    # a class with a spread margin: draft.samples when drafting was first measured ahead of a
+    # plain winner (-1: not pending); it takes over only if the run after that keeps it ahead
+    confirm: int = -1
 
 
 def size_class(rows: int) -> int:
@@ -160,7 +166,8 @@ def decide(s: ClassState, spread: float = 0.0) -> tuple[bool, Why, ClassState]:
         return False, Why.WARMUP, s
     # drafting takes over by the margin and keeps the lead down to a tie (hysteresis: a rate
     # inside the margin flips nothing either way)
-    winner = s.draft.rate >= (1.0 if s.won else 1 + DRAFT_MARGIN) * (1 + spread) * s.plain.rate
+    ahead = s.draft.rate >= (1.0 if s.won else 1 + DRAFT_MARGIN) * (1 + spread) * s.plain.rate
+    winner, s = confirmed(s, ahead, spread)
     s = replace(s, won=winner)
     start = s.every - EXPLORE_RUN   # the decision the period's run begins at
     # a run ends once it has measured EXPLORE_RUN - 1 steps of its arm (the first after the
@@ -176,6 +183,24 @@ def decide(s: ClassState, spread: float = 0.0) -> tuple[bool, Why, ClassState]:
         return winner, Why.WINNER, replace(s, decisions=s.decisions + 1)
     arm = not winner if phase == 0 else s.explored      # one arm for the whole run
     return arm, Why.EXPLORE, replace(s, decisions=s.decisions + 1, explored=arm)
+
+
+def confirmed(s: ClassState, ahead: bool, spread: float) -> tuple[bool, ClassState]:
+    """(whether drafting is the winner, the state): drafting `ahead` by its margins takes over
+    from plain at once in one row; in a class with a spread margin only when a second run,
+    started at once, keeps it ahead (`ClassState.confirm`). A wrong take-over costs a period of
+    drafting and the tail it spreads, and one noisy run made it: mtp, batch 16, drafting ~1%
+    ahead per step (15.5% needed) held the lead for ~30% of a closed batch's steps, whose tail
+    then took 23% more (bench/spec_profile.py, 2026-12-05 17:02 UTC: 0.85x plain)."""
+    if not ahead or s.won or spread == 0:
+        return ahead, (s if s.confirm < 0 else replace(s, confirm=-1))
+    if s.last and s.run < EXPLORE_RUN - 1:     # a drafting run still measuring: its end decides
+        return False, s
+    if s.confirm < 0:       # hold plain, run drafting again now (the period's run, early), afresh
+        return False, replace(s, confirm=s.draft.samples, decisions=s.every - EXPLORE_RUN, run=0, window=())
+    if s.draft.samples < s.confirm + EXPLORE_RUN - 1:
+        return False, s
+    return True, replace(s, confirm=-1)
 
 
 def next_period(s: ClassState, winner: bool) -> int:
