@@ -38,6 +38,7 @@ per-expert path on the blocked matmul; fp32 ones and expert parallelism the per-
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import structlog
@@ -129,7 +130,7 @@ class LocalExperts(ExpertExecutor):
                             t == 1 and not routing.replicated, t > self.qrows)
         # a few tokens on the kernels: one moed_experts_bf16 call below (an expert's at most t
         # rows are native classes), not one pass per touched expert
-        few = t <= 2 and self.native_upto(t)
+        few = t <= 2 and self._native(range(1, t + 1))
         if t == 1 and not routing.replicated and not few:
             return self._single_token(x, routing)
         if t == 2 and k <= 2 and not routing.replicated and not few:
@@ -173,19 +174,12 @@ class LocalExperts(ExpertExecutor):
         expert-parallel rank's rows are not the batch's, so it keeps the per-expert path)."""
         return self.qkernels is not None and self.qblocked and x.shape[0] > self.qrows and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
-    def native_upto(self, rows: int) -> bool:
-        """Whether moed_experts_bf16 serves every expert call of 1..rows rows: the kernels'
+    def _native(self, counts: Iterable[int]) -> bool:
+        """Whether moed_experts_bf16 serves expert calls of these row counts: the kernels'
         packed copies are kept and the measured choice gives none of those row classes to
         oneDNN. Its numbers are the per-expert Linears' on the kernels bit for bit (gate/up,
         silu, the product and down each rounded to bf16 as torch rounds them), so an expert's
         rows get the same bits in one call for the layer as in a call of their own."""
-        if self.kernels is None:
-            return False
-        gate_up, down = self.experts[0]
-        return not any(gate_up.uses_onednn(n) or down.uses_onednn(n) for n in range(1, rows + 1))
-
-    def _native_counts(self, counts: list[int]) -> bool:
-        """native_upto for the row counts of one call."""
         if self.kernels is None:
             return False
         gate_up, down = self.experts[0]
@@ -195,7 +189,7 @@ class LocalExperts(ExpertExecutor):
         """Rows grouped by expert (counts[e] rows each) -> unweighted outputs, same order: one
         kernel call for them all where it serves every count (~10x fewer torch ops per layer),
         else one pass per touched expert."""
-        if xs.shape[0] and self._native_counts(counts):
+        if xs.shape[0] and self._native(counts):
             return self.kernels.experts_bf16(xs, torch.tensor(counts, dtype=torch.long), self.gate_up_p,
                                              self.down_p, self.intermediate)
         ys, start = [], 0
@@ -209,7 +203,7 @@ class LocalExperts(ExpertExecutor):
     def expert_rows(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """Slot `slot`'s unweighted output for its rows x [n, H] (one call of its Linears: the
         grouped torch path's, which the cold-expert store calls slot by slot)."""
-        if x.shape[0] and self._native_counts([x.shape[0]]):     # the bits the all-slot call gives
+        if x.shape[0] and self._native([x.shape[0]]):     # the bits the all-slot call gives
             return self.kernels.experts_bf16(x, torch.tensor([x.shape[0]]), self.gate_up_p[slot:slot + 1],
                                              self.down_p[slot:slot + 1], self.intermediate)
         gate_up, down = self._expert(slot, x.shape[0])
