@@ -2,11 +2,12 @@
 format and row count, in weight bytes read per second beside the machine's read bandwidth.
 
     .venv/bin/python bench/quant_kernels.py [--rows 1,8,32] [--shape 4096,2048] [--threads 2]
-                                            [--isa avx512,avx2] [--repeats 20]
+                                            [--isa avx512,avx2] [--repeats 20] [--activations int8]
 
 For each format (int8 per row, int4 group 128, fp8 block 128) a [rows, K] bf16 x [N, K] product:
 native (each variant this CPU runs) and the reference (quant/linear.py: dequantize, then
-F.linear / ATen's gemv, what Linear ran before the kernel). Each figure is the best of --repeats
+F.linear / ATen's gemv, what Linear ran before the kernel); --activations int8 runs the native
+side on int8 activations (cpu_qdot.c, model.quantization_activations = "int8"). Each figure is the best of --repeats
 calls. GB/s counts the weight's bytes (codes + scales) once per call; the bandwidth is a
 streaming read of a 1 GiB buffer (torch.sum over fp32, all threads; bench/ceiling.py's
 `bandwidth`). A 4096x2048 weight (4-8 MB) stays in a server CPU's L3, which no decode step's
@@ -118,16 +119,21 @@ def main() -> int:
     ap.add_argument("--engine-rounds", type=int, default=2)
     ap.add_argument("--engine-sides", default=",".join(SIDES), help="engine A/B sides (of " + ",".join(SIDES) + ")")
     ap.add_argument("--new", type=int, default=16, help="engine A/B: tokens generated per run")
+    ap.add_argument("--activations", choices=("none", "int8"), default="none",
+                    help="int8: the native side on int8 activations (cpu_qdot.c; int8 and int4 only)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_kernels.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n, k = (int(v) for v in args.shape.split(","))
     rows = [int(r) for r in args.rows.split(",")]
     isas = [i for i in args.isa.split(",") if i]
-    kern = {i: K.load(i) for i in isas}
+    if args.activations == "int8" and "fp8" in args.formats.split(","):
+        ap.error("--activations int8 serves int8 and int4 weights (drop fp8 from --formats)")
+    kern = {i: kq.with_act(K.load(i), args.activations) for i in isas}
     load0 = load_average()
     bw = bandwidth(5)
-    print(f"{cpu_model()}, {args.threads} threads; read bandwidth {bw / 1e9:.1f} GB/s; load {load0}")
+    print(f"{cpu_model()}, {args.threads} threads; read bandwidth {bw / 1e9:.1f} GB/s; load {load0}; "
+          f"activations {args.activations} (the reference: dequantize, then F.linear in bf16)")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g).bfloat16()
     results = []
@@ -157,7 +163,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "shape": [n, k],
-                               "stream_mb": args.stream_mb,
+                               "stream_mb": args.stream_mb, "activations": args.activations,
                                "bandwidth_bytes_s": bw, "load": [load0, load1], "results": results,
                                "engine": engine}, indent=1))
     return 0

@@ -78,7 +78,8 @@ static inline wv w4_load(const uint8_t *p, long n) {      /* n <= 32 bytes: 2n n
 static inline vi x_signed(vi x, wv w) { return _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QDN 2
-#define QDR 1
+#define QDR 2        /* int4 only: 8 accumulators + 2 rows' nibbles + x = 14 of 16 ymm; int8's
+                        sign operands leave no room for a second row (qd_units_t) */
 typedef struct { __m256i a, b; } vi;      /* 16 int32 lanes: a = lanes 0..7, b = 8..15 */
 typedef struct { __m256 a, b; } vf;
 typedef struct { vi u, w; } wv;
@@ -205,6 +206,41 @@ static inline void qd_chunk64(const int fmt, const float *x, __m512 inv, int8_t 
 }
 #endif
 
+#if !defined(__AVX512BW__)
+/* qd_chunk64 on AVX2, bit for bit: the same rounding and clamps on 8 lanes; the byte is the
+ * int32's low byte as the scalar cast keeps it (NaN -> 0x80000000 -> 0), by masking to 0..255
+ * and packing unsigned (exact there). 32 columns of x -> their 32 bytes in column order. */
+static inline __m256i qd_bytes32(const float *x, __m256 inv) {
+    __m256i v[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 t = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm256_max_ps(_mm256_set1_ps(-127.0f), _mm256_min_ps(_mm256_set1_ps(127.0f), t));
+        v[i] = _mm256_and_si256(_mm256_cvttps_epi32(t), _mm256_set1_epi32(0xFF));
+    }
+    /* the packs interleave by 128-bit lane: dwords come out as columns 0, 8, 16, 24, 4, 12, 20, 28 (x4) */
+    const __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(v[0], v[1]), _mm256_packus_epi32(v[2], v[3]));
+    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+static inline void qd_chunk64(const int fmt, const float *x, __m256 inv, int8_t *q, int32_t *l) {
+    __m256i a = qd_bytes32(x, inv), b = qd_bytes32(x + 32, inv);
+    if (fmt == QD_INT4) {          /* positions 0..31 the even columns, 32..63 the odd */
+        const __m256i m = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m256i ea = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(a, m), 0xD8);   /* [even | odd] of a */
+        const __m256i eb = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, m), 0xD8);
+        a = _mm256_permute2x128_si256(ea, eb, 0x20);
+        b = _mm256_permute2x128_si256(ea, eb, 0x31);
+    }
+    _mm256_storeu_si256((__m256i *)q, a);
+    _mm256_storeu_si256((__m256i *)(q + 32), b);
+    const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
+    const __m256i sa = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, a), one16);
+    const __m256i sb = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, b), one16);
+    _mm256_storeu_si256((__m256i *)l, _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)l), sa));
+    _mm256_storeu_si256((__m256i *)(l + 8), _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(l + 8)), sb));
+}
+#endif
+
 /* R rows of x (fp32, row stride ldx) into buf (layout above; numerics in the header). */
 void moed_qdot_quantize(int fmt, const float *x, long ldx, long R, long K, long G, void *buf) {
     const QDShape sh = qd_shape(K, G);
@@ -223,6 +259,13 @@ void moed_qdot_quantize(int fmt, const float *x, long ldx, long R, long K, long 
             __m512 m = _mm512_setzero_ps();   /* vmaxps(|x|, m) keeps m where |x| is NaN, as `a > amax` does */
             for (; k + 16 <= k1; k += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xr + k)), m);
             amax = _mm512_reduce_max_ps(m);
+#else
+            __m256 m = _mm256_setzero_ps();   /* as above: vmaxps keeps m where |x| is NaN */
+            const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            for (; k + 8 <= k1; k += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xr + k), absmask), m);
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
 #endif
             for (; k < k1; k++) { const float a = fabsf(xr[k]); if (a > amax) amax = a; }
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -232,6 +275,8 @@ void moed_qdot_quantize(int fmt, const float *x, long ldx, long R, long K, long 
             k = k0;
 #if defined(__AVX512BW__)
             for (; k + 64 <= k1; k += 64) qd_chunk64(fmt, xr + k, _mm512_set1_ps(inv), q + (k - k0), l);
+#else
+            for (; k + 64 <= k1; k += 64) qd_chunk64(fmt, xr + k, _mm256_set1_ps(inv), q + (k - k0), l);
 #endif
             for (; k < k1; k++) {
                 const long p = k - k0, c = p & 63, pos = (p >> 6) * 64 + (fmt == QD_INT4 ? (c >> 1) + ((c & 1) << 5) : c);
@@ -305,6 +350,8 @@ static inline __attribute__((always_inline)) void qd_tile(
 
 #if defined(__AVX512F__)
 #define QD1 (2 * QDN)   /* batch 1: output rows per pass (two units) */
+
+
 /* One input row (R = 1) x NR output rows: what qd_tile computes, with twice its rows in flight
  * and int4 read 64 bytes (two chunks) a load. Chunks c, c+1 of a row unpack to L = low nibbles
  * [c | c+1] and H = high nibbles [c | c+1]; against x = [c's first half | c+1's first half] and
@@ -379,6 +426,39 @@ static inline __attribute__((always_inline)) void qd_row1(
 }
 #endif
 
+#if !defined(__AVX512F__)
+/* AVX2, int8, one input row (R = 1) x one output row n: qd_tile's sums for a single row, so that
+ * a thread reads its rows one after another, one sequential stream (int8 is memory-bound here;
+ * int4, compute-bound, keeps qd_tile's two rows, whose x loads serve both). On a 2-core Zen2,
+ * rows of 1 KiB (an lm_head of K = 1024) read 13-16 GB/s two rows interleaved, 25 GB/s row by
+ * row; at K = 4096 both ~27 (bench/quant_kernels.py --activations int8 --shape 32000,1024). The
+ * prefetch runs QDN * 2 rows ahead, as qd_tile's a unit ahead. Same integer sums, same fp32 work. */
+static inline __attribute__((always_inline)) void qd_row8(
+        const int zk, const QDMat *q, QDShape sh, long n, const int8_t *codes, const float *sx,
+        const int32_t *xl, const float *bias, void *out, int out_f32) {
+    const uint8_t *wr = q->w + n * q->ldw;
+    const long pf = 2 * QDN * q->ldw;
+    vf facc = vf_zero();
+    for (long g = 0; g < sh.ng; g++) {
+        const long k0 = g * q->G, k1 = k0 + q->G < q->K ? k0 + q->G : q->K;
+        const int8_t *xg = codes + g * sh.cg * 64;
+        vi acc = vi_zero();
+        for (long c = 0; c < sh.cg; c++) {
+            const long kc = k0 + c * 64, nv = k1 - kc < 64 ? k1 - kc : 64;
+            _mm_prefetch((const char *)wr + kc + pf, _MM_HINT_T0);
+            const wv w = w8_load(wr + kc, nv);
+            acc = vi_dp(0, acc, w.u, x_signed(vi_load(xg + c * 64), w));
+        }
+        if (zk == 2) acc = vi_zcorr(acc, zero_of(QD_INT8, zk, q, n, g), vi_load((const int8_t *)(xl + g * 16)));
+        facc = vf_acc(facc, acc, sx[g] * q->s[n * q->lds + g]);
+    }
+    float y = vf_sum(facc);
+    if (bias) y += bias[n];
+    if (out_f32) ((float *)out)[n] = y;
+    else ((uint16_t *)out)[n] = f32_to_bf16(y);
+}
+#endif
+
 static inline __attribute__((always_inline)) void qd_units_t(
         const int fmt, const int zk, const int vnni, const QDMat *q, const void *buf, long R, long N,
         long u0, long u1, const float *bias, void *out, long ldo, int out_f32) {
@@ -394,14 +474,25 @@ static inline __attribute__((always_inline)) void qd_units_t(
         for (; u < u1; u++) qd_row1(fmt, zk, vnni, QDN, q, sh, u * QDN, N, codes, sx, xl, bias, out, out_f32);
         return;
     }
+#else
+    if (R == 1 && fmt == QD_INT8) {
+        for (long n = u0 * QDN; n < u1 * QDN && n < N; n++) qd_row8(zk, q, sh, n, codes, sx, xl, bias, out, out_f32);
+        return;
+    }
 #endif
     for (long u = u0; u < u1; u++) {
         const long n0 = u * QDN;
         long rows[QDN];
         for (int j = 0; j < QDN; j++) rows[j] = n0 + j < N ? n0 + j : N - 1;
         long r0 = 0;
-        for (; r0 + QDR <= R; r0 += QDR)
-            qd_tile(fmt, zk, vnni, QDR, q, sh, rows, n0, N, codes, sx, xl, r0, bias, out, ldo, out_f32);
+#if defined(__AVX512F__)
+        const int tiled = 1;
+#else
+        const int tiled = fmt == QD_INT4;
+#endif
+        if (tiled)
+            for (; r0 + QDR <= R; r0 += QDR)
+                qd_tile(fmt, zk, vnni, QDR, q, sh, rows, n0, N, codes, sx, xl, r0, bias, out, ldo, out_f32);
         for (; r0 < R; r0++)
             qd_tile(fmt, zk, vnni, 1, q, sh, rows, n0, N, codes, sx, xl, r0, bias, out, ldo, out_f32);
     }

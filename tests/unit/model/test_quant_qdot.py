@@ -44,6 +44,7 @@ CASES = [  # fmt, asym, (N, K), group
     ("int4", False, (45, 256), 128),        # the online int4 layout
     ("int4", True, (12, 160), 32),          # half chunks
     ("int4", False, (9, 98), 98),           # one group, K % 64 = 34
+    ("int4", True, (11, 1216), 1216),       # one group of 19 chunks
 ]
 
 
@@ -69,6 +70,23 @@ def test_kernel_equals_reference_bitwise(isa, vnni, fmt, asym, shape, group):
         assert torch.equal(got.view(bits), want.view(bits)), (fmt, dtype)
         for r in (0, 2):                            # one row: the kernel's batch-1 tile
             assert torch.equal(kq.qlinear(k, x[r:r + 1], w, bias).view(bits), want[r:r + 1].view(bits)), (fmt, dtype, r)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_int4_products_at_their_bound(isa, rows):
+    """Every int4 code 15 against every x_q at +127 (or -127): each vpmaddubsw pair is +-3810, the
+    most a pair can be, over a group of 1024 columns (16 chunks), on the batch-1, two-row and
+    one-row tiles: no partial sum may saturate or wrap."""
+    k = _kernels(isa, 0)
+    n, kk = 6, 1024
+    data = torch.full((n, kk // 2), 0xFF, dtype=torch.uint8)
+    w = QuantWeight("int4", data, torch.full((n, 1), 0.01), None, kk, kk)
+    x = torch.ones(rows, kk)
+    x[1:] = -1
+    got = kq.qlinear(k, x, w)
+    assert torch.equal(got, qdot_reference(x, w))
+    assert torch.allclose(got[0], torch.full((n,), 7 * 0.01 * kk))      # (15 - 8) * scale per column
 
 
 @pytest.mark.parametrize("isa", isa_params())
