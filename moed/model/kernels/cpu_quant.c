@@ -376,7 +376,8 @@ int moed_qlinear(const void *x_in, int x_f32, long R, long K, int fmt, const uin
  * packing was ~30% of the matmul: 1.70 -> 1.20 ms for [64, 1024] x [1024, 1024]). */
 
 #define QB 32        /* weight rows per packed block (cpu_bf16.c's NB) */
-#define QBT 8        /* input rows per moed_block_rows_bf16 call (its ROW_TILE) */
+#define QBT 32       /* input rows per moed_block_rows_bf16 call (cpu_bf16.c SHARE_ROWS: its AVX2 tile
+                        widens a block once a call, so 8-row calls widened it 4x as often) */
 
 void moed_block_rows_bf16(const uint16_t *x, long R, long ldx, const uint16_t *wb, long K, float *y, long ldy);
 
