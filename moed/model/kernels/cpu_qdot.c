@@ -297,6 +297,21 @@ static inline int zero_of(const int fmt, const int zk, const QDMat *q, long n, l
     return fmt == QD_INT8 ? (int)(int8_t)b : (int)b;
 }
 
+#if !defined(__AVX512F__)
+/* AVX2, int4: two chunks' vpmaddubsw products summed in int16 before one vpmaddwd (a pair of
+ * products is at most 2 * 15 * 127 = 3810, two chunks 7620 < 2^15): 3 integer multiplies for
+ * two chunks' 16 bytes of a lane half instead of 4 (Zen2 has one vector integer multiplier).
+ * x: the two chunks' 128 codes. Exact integer sums: the lanes vi_dp gives chunk by chunk. */
+static inline vi qd_pair4(vi acc, wv w0, wv w1, const int8_t *x) {
+    const vi x0 = vi_load(x), x1 = vi_load(x + 64);
+    const __m256i one = _mm256_set1_epi16(1);
+    const __m256i sa = _mm256_add_epi16(_mm256_maddubs_epi16(w0.u.a, x0.a), _mm256_maddubs_epi16(w1.u.a, x1.a));
+    const __m256i sb = _mm256_add_epi16(_mm256_maddubs_epi16(w0.u.b, x0.b), _mm256_maddubs_epi16(w1.u.b, x1.b));
+    vi v = {_mm256_add_epi32(acc.a, _mm256_madd_epi16(sa, one)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(sb, one))};
+    return v;
+}
+#endif
+
 /* RT input rows x QDN output rows (rows[]) over all groups -> out. */
 static inline __attribute__((always_inline)) void qd_tile(
         const int fmt, const int zk, const int vnni, const int RT, const QDMat *q, QDShape sh,
@@ -314,7 +329,20 @@ static inline __attribute__((always_inline)) void qd_tile(
             for (int j = 0; j < QDN; j++) acc[r][j] = a0;
         }
         const long k0 = g * q->G, k1 = k0 + q->G < q->K ? k0 + q->G : q->K;
-        for (long c = 0; c < sh.cg; c++) {
+        long c = 0;
+#if !defined(__AVX512F__)
+        if (fmt == QD_INT4)     /* two full chunks at a time: qd_pair4 */
+            for (; c + 2 <= sh.cg && k0 + (c + 2) * 64 <= k1; c += 2)
+                for (int j = 0; j < QDN; j++) {
+                    const uint8_t *p = wr[j] + (k0 + c * 64) / 2;
+                    _mm_prefetch((const char *)p + QDN * q->ldw, _MM_HINT_T0);
+                    _mm_prefetch((const char *)p + 32 + QDN * q->ldw, _MM_HINT_T0);
+                    const wv w0 = w4_load(p, 32), w1 = w4_load(p + 32, 32);
+                    for (int r = 0; r < RT; r++)
+                        acc[r][j] = qd_pair4(acc[r][j], w0, w1, codes + (r0 + r) * sh.rowb + (g * sh.cg + c) * 64);
+                }
+#endif
+        for (; c < sh.cg; c++) {
             const long kc = k0 + c * 64, nv = k1 - kc < 64 ? k1 - kc : 64;
             wv w[QDN];
             for (int j = 0; j < QDN; j++) {
