@@ -7,7 +7,16 @@ import os
 
 import pytest
 
+import torch
+
 from moed.model import kernels as K
+from moed.model.context import can_pack
+
+# oneDNN's packed bf16 matmul needs AVX512BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU no row
+# class can be oneDNN's (the kernels serve all, test_fastpaths.py), so tests of that split skip.
+needs_onednn_bf16 = pytest.mark.skipif(
+    not can_pack(torch.device("cpu"), torch.bfloat16),
+    reason="oneDNN has no bf16 matmul on this CPU (AVX2 without AVX512BW/VL/DQ or AVX-NE-CONVERT)")
 
 
 def isa_params() -> list:

@@ -18,6 +18,7 @@ from moed.model.batch import ForwardBatch
 from moed.model.kernels.choice import FixedChooser, LinearChoice
 from moed.model.runner import ModelRunner
 
+from conftest import needs_onednn_bf16     # tests/unit/model/conftest.py
 from torch_threads import threads     # tests/unit/model/torch_threads.py
 
 pytestmark = [
@@ -121,6 +122,7 @@ def test_native_step_past_the_rotary_table(kern, make_checkpoint):
     assert native.model.rotary.cos.shape[0] > 32
 
 
+@needs_onednn_bf16
 def test_native_step_keeps_the_layered_path_where_onednn_serves(kern, make_checkpoint):
     """A row class measured for oneDNN (an AMX CPU, many rows), for a projection or for the
     experts' rows: those batches go layer by layer, the others natively, with the same results."""
@@ -135,6 +137,7 @@ def test_native_step_keeps_the_layered_path_where_onednn_serves(kern, make_check
     assert counting.rows == [1, 33]
 
 
+@needs_onednn_bf16
 def test_native_step_serves_when_only_the_lm_head_is_onednn(kern, make_checkpoint):
     """lm_head's row class on oneDNN (a near tie on AMX CPUs) keeps the native step: it stops
     after the final norm and lm_head runs on oneDNN as the layered path runs it, bit for bit."""

@@ -17,6 +17,7 @@ from moed.model.kernels import choice as C
 from moed.model.layers import Linear
 from moed.model.moe import MoELayer, fused_serves
 from moed.model.hf_config import load_spec
+from conftest import needs_onednn_bf16     # tests/unit/model/conftest.py
 
 CPU = torch.device("cpu")
 
@@ -147,6 +148,7 @@ def test_unpack_inverts_pack(shape):
 
 
 @needs_kernels
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 8, 9, 80, 300])
 def test_linear_serves_each_row_class_from_its_choice(kern, rows):
     kern.choose = C.FixedChooser(ONEDNN_PAST_8)
@@ -173,6 +175,7 @@ def _moe(spec, g):
 
 
 @needs_kernels
+@needs_onednn_bf16
 def test_moe_layer_takes_the_grouped_onednn_path_where_chosen(kern, make_checkpoint, monkeypatch):
     """With oneDNN chosen past 8 rows, a batch with > 8 rows per expert skips the fused kernel
     (spied) and still matches the torch path; fewer rows per expert stay fused. load_slot

@@ -20,6 +20,7 @@ from moed.model import runner as R
 from moed.model.kernels import choice as C
 from moed.model.layers import Linear
 from moed.model.hf_config import load_spec
+from conftest import needs_onednn_bf16     # tests/unit/model/conftest.py
 
 needs_kernels = pytest.mark.skipif(
     not K.cpu_flags_ok() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
@@ -134,7 +135,8 @@ def linears(obj, seen=None) -> list[Linear]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("choice", [C.NATIVE_ONLY, ONEDNN_PAST_8], ids=["native", "onednn-past-8"])
+@pytest.mark.parametrize("choice", [C.NATIVE_ONLY, pytest.param(ONEDNN_PAST_8, marks=needs_onednn_bf16)],
+                         ids=["native", "onednn-past-8"])
 def test_the_built_model_holds_each_weight_once(kern, make_checkpoint, monkeypatch, choice):
     """With the kernels no Linear keeps its plain weight; a oneDNN copy exists only where
     oneDNN was chosen; and no tensor the loader returned outlives the build except the ones

@@ -11,6 +11,7 @@ from moed.model.context import ComputeContext
 from moed.model.moe import MoELayer
 from moed.model.runner import ModelRunner, auto_num_blocks
 from moed.model.hf_config import load_spec
+from conftest import needs_onednn_bf16     # tests/unit/model/conftest.py
 
 CPU = torch.device("cpu")
 PLAIN = ComputeContext(CPU, torch.float32)
@@ -106,6 +107,7 @@ def test_moe_grouped_matches_naive_and_replicas(ckpt):
         rep.set_expert_map(torch.tensor([[0], [1], [2], [3], [9]]), torch.ones(5, dtype=torch.long))
 
 
+@needs_onednn_bf16
 def test_moe_packed_bf16_matches_plain(ckpt):
     spec = load_spec(ckpt)
     g = torch.Generator().manual_seed(1)
