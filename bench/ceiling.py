@@ -25,11 +25,12 @@ def ceiling(repeats: int, kernels=None, rows: int = 4096) -> dict:
     only lowers a figure, so the higher one is nearer the machine's own). rows=1024 gives both
     probes the same shape, a quarter of the work: on a CPU without AVX512-BF16 torch's bf16
     matmul converts element by element and a 4096^3 product takes seconds. Where oneDNN's bf16
-    does not run at all (no AVX512, or ONEDNN_MAX_CPU_ISA=AVX2) torch's probe takes 32 rows:
-    it multiplies at ~0.2 GFLOP/s there, and 1024 rows cost ~10 minutes for 3 calls."""
+    does not run at all (no AVX512, or ONEDNN_MAX_CPU_ISA=AVX2) torch's probe takes 4 rows:
+    it multiplies at ~0.2 GFLOP/s there (32 rows took 5.9 s a call on a 2-core Zen2, 24 s of
+    each bench/peers.py run), and 1024 rows cost ~10 minutes for 3 calls."""
     from moed.model.context import can_pack
     a, b = (torch.randn(4096, 4096).bfloat16() for _ in range(2))
-    tr = rows if can_pack(torch.device("cpu"), torch.bfloat16) else min(rows, 32)
+    tr = rows if can_pack(torch.device("cpu"), torch.bfloat16) else min(rows, 4)
     lhs = a[:tr].contiguous()
     t = best_of(lambda: torch.matmul(lhs, b), max(repeats, 3))
     out = {"shape": [tr, 4096, 4096], "seconds": t, "torch_flop_s": 2 * tr * 4096 ** 2 / t}
