@@ -7,8 +7,8 @@ format and row count, in weight bytes read per second beside the machine's read 
 For each format (int8 per row, int4 group 128, fp8 block 128) a [rows, K] bf16 x [N, K] product:
 native (each variant this CPU runs) and the reference (quant/linear.py: dequantize, then
 F.linear / ATen's gemv, what Linear ran before the kernel); --activations int8 runs the native
-side on int8 activations (cpu_qdot.c, model.quantization_activations = "int8"). Each figure is the best of --repeats
-calls. GB/s counts the weight's bytes (codes + scales) once per call; the bandwidth is a
+side on int8 activations (cpu_qdot.c, model.quantization_activations = "int8"). Each figure is
+the best of --repeats calls. GB/s counts the weight's bytes (codes + scales) once per call; the bandwidth is a
 streaming read of a 1 GiB buffer (torch.sum over fp32, all threads; bench/ceiling.py's
 `bandwidth`). A 4096x2048 weight (4-8 MB) stays in a server CPU's L3, which no decode step's
 weights do: so the native calls cycle through copies of it that add up to --stream-mb (default

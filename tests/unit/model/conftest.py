@@ -6,7 +6,6 @@ import itertools
 import os
 
 import pytest
-
 import torch
 
 from moed.model import kernels as K
