@@ -98,6 +98,18 @@ SPIKE = 4.0
 # plain ran ~90% of a bench round's steps while drafting steps were 20-40% ahead).
 TOKEN_PRIOR = 4
 TOKEN_STEPS = 16
+# ... and at least as many steps as hold these many row draws (`token_steps`): a step of one
+# row is one draw (1 or 2 tokens at k = 1), one of 16 rows averages 16 of them. Counted in
+# steps alone, batch 1's estimate moved by ~6% at random (a few rejections in a row at a run's
+# start weighed 1/5 each): mtp drafting 17% ahead still lost its lead for whole periods, 18%
+# of a bench round's steps ran plain (demo model, 2026-12-05; 4% of its tok/s)
+TOKEN_PRIOR_DRAWS = 32
+TOKEN_DRAWS = 64
+# a run whose mean tokens lie further than this many standard errors (and this share) from
+# the arm's figure starts the figure over from the run (`shifted`); batch 1, mtp, 73% accepted:
+# 4 rejections in a row (0.5% of runs) start it over, 3 do not
+SHIFT_Z = 3.0
+SHIFT_FLOOR = 0.05
 
 
 class Why(enum.Enum):
@@ -112,6 +124,7 @@ class Arm:
     tokens: float = 0.0     # average of emitted tokens per measured step (TOKEN_STEPS long)
     seconds: float = 0.0    # EMA of seconds per measured step
     samples: int = 0
+    var: float = 0.0        # the steps' tokens' variance about `tokens`, averaged as tokens are
 
     @property
     def rate(self) -> float:
@@ -142,6 +155,7 @@ class ClassState:
     # decide a run alone (a mean of an exploration run's 3 steps did: batch 1, one 139 ms
     # step among 4 ms ones held plain as the loser for a 1024-step period)
     window: tuple[float, ...] = ()
+    run_tokens: float = 0.0     # the current run's measured steps' tokens, summed (`shifted`)
     # a class with a spread margin: draft.samples when drafting was first measured ahead of a
     # plain winner (-1: not pending); it takes over only if the run after that keeps it ahead
     confirm: int = -1
@@ -197,7 +211,8 @@ def confirmed(s: ClassState, ahead: bool, spread: float) -> tuple[bool, ClassSta
     if s.last and s.run < EXPLORE_RUN - 1:     # a drafting run still measuring: its end decides
         return False, s
     if s.confirm < 0:       # hold plain, run drafting again now (the period's run, early), afresh
-        return False, replace(s, confirm=s.draft.samples, decisions=s.every - EXPLORE_RUN, run=0, window=())
+        return False, replace(s, confirm=s.draft.samples, decisions=s.every - EXPLORE_RUN, run=0, window=(),
+                            run_tokens=0.0)
     if s.draft.samples < s.confirm + EXPLORE_RUN - 1:
         return False, s
     return True, replace(s, confirm=-1)
@@ -252,30 +267,55 @@ def _follow(s: ClassState) -> ClassState:
     return s
 
 
-def observe(s: ClassState, drafted: bool, tokens: int, seconds: float) -> ClassState:
-    """The class after one step of arm `drafted` that emitted `tokens` in `seconds`. The first
-    step after a switch of arms is not measured (the switch's cost is neither arm's: an MTP
-    draft is made a step before it is verified, so a draft run's first step has none). The
-    run's first measured step replaces the arm's averages, its next ones make its seconds the
-    run's median (up to MIN_SAMPLES steps), later ones move them by EMA_WEIGHT (tokens, a draw:
-    from the arm's last figure as TOKEN_PRIOR steps, over TOKEN_STEPS); each step's seconds
-    capped at SPIKE times the arm's average (a step slowed by another process on the
-    cores must not decide alone)."""
+def token_steps(rows: int) -> tuple[int, int]:
+    """(the prior, the window) of the drafting arm's token average in a class of `rows` rows, in
+    steps (a plain step's tokens are its rows, no draw: TOKEN_PRIOR and TOKEN_STEPS): TOKEN_PRIOR
+    and TOKEN_STEPS, or more where they would hold fewer than TOKEN_PRIOR_DRAWS / TOKEN_DRAWS
+    row draws."""
+    rows = max(rows, 1)
+    return max(TOKEN_PRIOR, -(-TOKEN_PRIOR_DRAWS // rows)), max(TOKEN_STEPS, -(-TOKEN_DRAWS // rows))
+
+
+def shifted(a: Arm, mean: float, n: int) -> bool:
+    """Whether a run's n measured steps, `mean` tokens each, say the arm has changed: further
+    from its figure than SHIFT_Z of their mean's standard errors (from the arm's variance) and
+    SHIFT_FLOOR of the figure. Then the run's own mean replaces the figure: the large prior
+    that keeps batch 1's draws from moving it must not also hold a real change (the prompts
+    turned repetitive: 4 tokens a step where 1 was) for a whole window."""
+    return abs(mean - a.tokens) > max(SHIFT_Z * math.sqrt(a.var / n), SHIFT_FLOOR * a.tokens)
+
+
+def observe(s: ClassState, drafted: bool, tokens: int, seconds: float, rows: int = 1) -> ClassState:
+    """The class (of `rows` decoding rows) after one step of arm `drafted` that emitted `tokens`
+    in `seconds`. The first step after a switch of arms is not measured (the switch's cost is
+    neither arm's: an MTP draft is made a step before it is verified, so a draft run's first
+    step has none). The run's first measured step replaces the arm's averages, its next ones
+    make its seconds the run's median (up to MIN_SAMPLES steps), later ones move them by
+    EMA_WEIGHT (tokens, a draw: from the arm's last figure as the prior's steps, over the
+    window's, `token_steps`, unless the run has `shifted`); each step's seconds capped at SPIKE
+    times the arm's average (a step slowed by another process on the cores must not decide
+    alone)."""
     if s.last is not None and drafted != s.last:
         left = s.plain if drafted else s.draft      # the arm this step took over from
         # capped as a measured step's seconds are: a switch step stalled by another process
         # must not push the exploration out to EXPLORE_MAX alone
         extra = min(max(seconds - tokens / left.rate, 0.0), SPIKE * left.seconds) if left.rate > 0 else 0.0
-        return replace(s, last=drafted, run=0, window=(), switch=extra if s.switch == 0 else
+        return replace(s, last=drafted, run=0, window=(), run_tokens=0.0, switch=extra if s.switch == 0 else
                        (1 - EMA_WEIGHT) * s.switch + EMA_WEIGHT * extra)
     a, n = (s.draft if drafted else s.plain), s.run + 1
     mine = s.seeded[0 if drafted else 1]    # its figures are a neighbour's: no cap from them
     sec = max(seconds, 0.0) if a.samples == 0 or mine else min(max(seconds, 0.0), SPIKE * a.seconds)
     window = (*s.window, sec) if n <= MIN_SAMPLES else s.window
     secs = statistics.median(window) if n <= MIN_SAMPLES else (1 - EMA_WEIGHT) * a.seconds + EMA_WEIGHT * sec
-    wt = 1.0 / min(n + (0 if a.samples == 0 or mine else TOKEN_PRIOR), TOKEN_STEPS)
-    a = Arm((1 - wt) * a.tokens + wt * tokens, secs, a.samples + 1)
-    s = replace(s, last=drafted, run=n, window=window)
+    # a drafting figure weighs as many steps as it holds (a warm-up's 4 are not 32 draws)
+    prior, steps = token_steps(rows) if drafted else (TOKEN_PRIOR, TOKEN_STEPS)  # plain's: no draw
+    prior = min(prior, a.samples) if drafted else prior
+    run_tokens = s.run_tokens + tokens
+    wt = 1.0 / min(n + (0 if a.samples == 0 or mine else prior), steps)
+    var = (1 - wt) * a.var + wt * (tokens - a.tokens) ** 2 if a.samples else 0.0
+    fresh = drafted and a.samples > 0 and not mine and shifted(a, run_tokens / n, n)
+    a = Arm(run_tokens / n if fresh else (1 - wt) * a.tokens + wt * tokens, secs, a.samples + 1, var)
+    s = replace(s, last=drafted, run=n, window=window, run_tokens=run_tokens)
     s = replace(s, draft=a, seeded=(False, s.seeded[1])) if drafted else \
         replace(s, plain=a, seeded=(s.seeded[0], False))
     return _follow(s)
@@ -295,7 +335,7 @@ class StepGate:
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         c = size_class(rows)
-        self.classes[c] = observe(self._state(c), drafted, tokens, seconds)
+        self.classes[c] = observe(self._state(c), drafted, tokens, seconds, c)
 
     def _state(self, c: int) -> ClassState:
         s = self.classes.get(c)
