@@ -71,7 +71,8 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
     if backlog is not None and not drafting:    # the common plain step: every row waits
         d = backlog.defer_all(plan.chunks, batch, hidden)
         if d is not None:
-            runner.mtp_exchanges(passes)
+            if passes:      # (outside a group none: not even the call's inference-mode entry)
+                runner.mtp_exchanges(passes)
             return {}, d
     tok = {} if sampled is None else {i: int(t) for i, t in zip(idx, sampled)}
     next_ids, keep, depth, wait = [], [], [], []

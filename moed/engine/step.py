@@ -238,7 +238,7 @@ class StepCore:
             s.drafting, why = gate.choose(rows) if rows else (True, None)
             if why is not None:
                 self._gate_step = (rows, s.drafting, self._clock())
-                metrics.SPEC_STEPS.labels("draft" if s.drafting else "plain", why.value).inc()
+                metrics.count_spec_step("draft" if s.drafting else "plain", why.value)
         plan, events = s.schedule()
         self._publish(events)
         return None if plan.empty else plan

@@ -448,6 +448,18 @@ def request_series() -> RequestSeries:
     return _SERIES
 
 
+_STEP_CHILDREN: dict[tuple[str, str], Counter] = {}
+
+
+def count_spec_step(decision: str, reason: str) -> None:
+    """One speculative decode step in SPEC_STEPS (the engine counts every step: labels() takes a
+    lock and builds a key, so each child is looked up once)."""
+    child = _STEP_CHILDREN.get((decision, reason))
+    if child is None:
+        child = _STEP_CHILDREN[decision, reason] = SPEC_STEPS.labels(decision, reason)
+    child.inc()
+
+
 _EXPERT_CHILDREN: dict[tuple[int, int], Counter] = {}
 
 
