@@ -28,6 +28,7 @@ import structlog
 import torch
 
 from moed.model.cold.stats import ColdStats
+from moed.model.context import can_pack
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +43,8 @@ def unavailable() -> str | None:
     """Why the side file cannot work here, or None."""
     if getattr(os, "RWF_NOWAIT", None) is None:
         return "no RWF_NOWAIT (not Linux)"
+    if not can_pack(torch.device("cpu"), torch.bfloat16):   # nothing of oneDNN's to keep
+        return "oneDNN has no bf16 matmul on this CPU (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)"
     try:
         _bytes(torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 8))
     except (AttributeError, RuntimeError) as e:
