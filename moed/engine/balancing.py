@@ -50,6 +50,15 @@ class EngineBalance:
                   for s, t, d in zip(batch.start_pos, batch.token_ids, drafts))
         self.cost.observe(shape_of(chunks, self.scheduler.experts), seconds)
 
+    def fixed_step_s(self) -> float:
+        """The seconds of a decode step that do not grow with its rows: the fitted model's
+        intercept between one and two decoding rows (0 until it is fitted). What each step of a
+        draining batch's tail pays (moed.engine.drafts.gate.spread_cost)."""
+        if not self.cost.ready:
+            return 0.0
+        one, two = (self.cost.predict(shape_of(((0, 1, True),) * n, self.scheduler.experts)) for n in (1, 2))
+        return max(2 * one - two, 0.0)
+
     def apply(self, cfg: BalanceConfig) -> None:
         self.cfg = cfg
         self.scheduler.set_policy(from_config(cfg))

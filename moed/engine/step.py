@@ -33,7 +33,7 @@ from moed.engine.resume import force
 from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
-from moed.engine.drafts.gate import StepGate
+from moed.engine.drafts.gate import StepGate, spread_cost
 from moed.engine.drafts.mtp_kv import MTPBacklog
 from moed.engine.speculate import (SpecOut, emitted, gate_rows, mtp_drafts, verify_rows,
                                    with_first_drafts)
@@ -340,6 +340,13 @@ class StepCore:
             record_spec(plan.chunks, ver)
         if spec is not None and self._mtp_kv is not None:   # before update: its cache commits
             self._mtp_kv.apply(spec.deferral)
+        g = self._gate_step
+        # a draining batch's drafting step: what its tail will cost (before update: remaining)
+        spread = spread_cost([len(ver[c.request.request_id].token_ids) if c.request.request_id in ver
+                              else 1 for c in plan.chunks],
+                             [c.request.params.max_tokens - c.request.num_output_tokens for c in plan.chunks],
+                             self.balance.fixed_step_s()) \
+            if g is not None and ver and not self.scheduler.waiting else 0.0
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
                                        None if res is None else res.top_logprobs, ver)
         if spec is not None and spec.mtp:   # for the position after the tokens known now
@@ -357,11 +364,10 @@ class StepCore:
                 c.request.grammar = None        # counted once
         self._publish(events)
         self.steps += 1
-        g = self._gate_step
         # a decode step the switch's choice made a difference to (a step that might draft but
         # had no draft is neither arm's: ngram found no match, an MTP run's first step) learns
         if g is not None and plan.num_prefill_tokens == 0 and (ver or not g[1]):
-            self._gate.observe(g[0], g[1], emitted(len(toks), ver or {}), self._clock() - g[2])
+            self._gate.observe(g[0], g[1], emitted(len(toks), ver or {}), self._clock() - g[2] + spread)
         self.balance.observe(plan.batch, fwd_s,     # the cost model learns from every step
                              [len(c.draft) for c in plan.chunks] if ver else ())
         if self.tiers is not None:
