@@ -19,7 +19,11 @@ the model and the machine, so the switch measures instead of predicting:
                 move them by EMA_WEIGHT. So an
                 exploration run is a fresh measurement of the loser, not a nudge to a stale
                 figure: a warm-up slowed by first calls (new row counts' kernels) is corrected
-                at the first exploration, not after many
+                at the first exploration, not after many. (Drafting's tokens are a draw per
+                row: their average holds at least TOKEN_DRAWS of them, `token_steps`, unless
+                a run has clearly `shifted`.) A drafting step of a draining batch (nothing
+                waits for a seat) also counts the tail it adds, `spread_cost`: the step
+                loop adds it to the step's seconds
 
 Each class runs the arm with the higher rate, except that drafting takes over from plain only
 when its rate is DRAFT_MARGIN above plain's (and keeps the lead down to a tie): a switch to
@@ -65,8 +69,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 EMA_WEIGHT = 0.2
