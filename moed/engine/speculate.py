@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 import torch
 
+from moed.engine.drafts.gate import spread_cost
 from moed.engine.drafts.mtp_kv import Deferral, MTPBacklog
 from moed.engine.drafts.propose import SpecSettings
 from moed.engine.plan import ScheduledChunk, StepPlan
@@ -153,6 +154,20 @@ def gate_rows(running: Sequence[Request]) -> int:
     """The decoding rows a step is about to have: the per-step switch's class."""
     return sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1
                and r.num_output_tokens > 0)
+
+
+def tail_charge(chunks: Sequence[ScheduledChunk], verified: dict[str, Verified] | None,
+                fixed_s: Callable[[], float], waiting: Sequence[Request]) -> float:
+    """gate.spread_cost of a drafting step of a draining batch (none waiting for a seat), before
+    the scheduler's update: each row's emitted tokens (1 without a draft) and what it had to
+    go; fixed_s, the cost model's fixed step seconds (EngineBalance.fixed_step_s, read only
+    when it counts). 0 for a step without drafts, one row, or requests waiting."""
+    if not verified or waiting or len(chunks) < 2:
+        return 0.0
+    got = [len(verified[c.request.request_id].token_ids) if c.request.request_id in verified else 1
+           for c in chunks]
+    return spread_cost(got, [c.request.params.max_tokens - c.request.num_output_tokens for c in chunks],
+                       fixed_s())
 
 
 def emitted(sampled: int, verified: dict[str, Verified]) -> int:

@@ -33,9 +33,9 @@ from moed.engine.resume import force
 from moed.engine.runner import StepRunner
 from moed.engine.plan import ScheduledChunk, StepPlan
 from moed.engine.scheduler import Scheduler
-from moed.engine.drafts.gate import StepGate, spread_cost
+from moed.engine.drafts.gate import StepGate
 from moed.engine.drafts.mtp_kv import MTPBacklog
-from moed.engine.speculate import (SpecOut, emitted, gate_rows, mtp_drafts, verify_rows,
+from moed.engine.speculate import (SpecOut, emitted, gate_rows, mtp_drafts, tail_charge, verify_rows,
                                    with_first_drafts)
 from moed.engine.speculate import record as record_spec
 from moed.engine.stream import RequestStream, StepStats
@@ -340,13 +340,8 @@ class StepCore:
             record_spec(plan.chunks, ver)
         if spec is not None and self._mtp_kv is not None:   # before update: its cache commits
             self._mtp_kv.apply(spec.deferral)
-        g = self._gate_step
-        # a draining batch's drafting step: what its tail will cost (before update: remaining)
-        spread = spread_cost([len(ver[c.request.request_id].token_ids) if c.request.request_id in ver
-                              else 1 for c in plan.chunks],
-                             [c.request.params.max_tokens - c.request.num_output_tokens for c in plan.chunks],
-                             self.balance.fixed_step_s()) \
-            if g is not None and ver and not self.scheduler.waiting else 0.0
+        g = self._gate_step     # a draining batch's drafting step: the tail it adds (before update)
+        spread = tail_charge(plan.chunks, ver, self.balance.fixed_step_s, self.scheduler.waiting) if g else 0.0
         events = self.scheduler.update(plan, toks, None if res is None else res.logprobs,
                                        None if res is None else res.top_logprobs, ver)
         if spec is not None and spec.mtp:   # for the position after the tokens known now

@@ -600,7 +600,7 @@ def _draft_share(ckpt, fixed_s: float) -> tuple[float, int]:
     """(the share of decisions that let a step draft, the steps charged a tail) of a draining
     batch under a fake clock: a step costs 4 + 0.1 a row, drafts nothing per position, and the
     cost model's fixed part reads `fixed_s`."""
-    import moed.engine.step as step_mod
+    import moed.engine.speculate as spec_mod
 
     e = _engine(ckpt, ADAPTIVE)
     now = [0.0]
@@ -613,18 +613,18 @@ def _draft_share(ckpt, fixed_s: float) -> tuple[float, int]:
     e._clock = lambda: now[0]
     e.balance.fixed_step_s = lambda: fixed_s
     charged = [0]
-    cost = step_mod.spread_cost
+    cost = spec_mod.spread_cost
 
     def counted(*a):
         c = cost(*a)
         charged[0] += c > 0
         return c
-    step_mod.spread_cost = counted
+    spec_mod.spread_cost = counted
     try:
         before = _decisions()
         e.generate(PROMPTS, PARAMS)
     finally:
-        step_mod.spread_cost = cost
+        spec_mod.spread_cost = cost
     after = _decisions()
     return (after["draft"] - before["draft"]) / (sum(after.values()) - sum(before.values())), charged[0]
 
