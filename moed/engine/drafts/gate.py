@@ -131,7 +131,7 @@ class Arm:
     tokens: float = 0.0     # average of emitted tokens per measured step (TOKEN_STEPS long)
     seconds: float = 0.0    # EMA of seconds per measured step
     samples: int = 0
-    var: float = 0.0        # the steps' tokens' variance about `tokens`, averaged as tokens are
+    var: float = 0.0        # drafting's: its steps' tokens' variance about `tokens`, averaged alike
 
     @property
     def rate(self) -> float:
@@ -318,7 +318,7 @@ def observe(s: ClassState, drafted: bool, tokens: int, seconds: float, rows: int
     prior = min(prior, a.samples) if drafted else prior
     run_tokens = s.run_tokens + tokens
     wt = 1.0 / min(n + (0 if a.samples == 0 or mine else prior), steps)
-    var = (1 - wt) * a.var + wt * (tokens - a.tokens) ** 2 if a.samples else 0.0
+    var = (1 - wt) * a.var + wt * (tokens - a.tokens) ** 2 if drafted and a.samples else a.var  # `shifted`'s
     fresh = drafted and a.samples > 0 and not mine and shifted(a, run_tokens / n, n)
     a = Arm(run_tokens / n if fresh else (1 - wt) * a.tokens + wt * tokens, secs, a.samples + 1, var)
     arm = {"draft": a, "seeded": (False, s.seeded[1])} if drafted else {"plain": a, "seeded": (s.seeded[0], False)}
