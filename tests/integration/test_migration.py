@@ -78,7 +78,11 @@ def cluster(tiny_qwen3, tmp_path_factory):
         for s in servers.values():
             _wait_ready(s, "/ready", time.monotonic() + 150)
         for r in ("R", "R0"):
-            _wait_until(lambda: _alive(servers[r], set(NODES)), 30, "routers see the nodes", 0.1)
+            try:
+                _wait_until(lambda: _alive(servers[r], set(NODES)), 60, "routers see the nodes",
+                            0.1)
+            except AssertionError as e:
+                raise AssertionError(f"{e}; {r}'s view: {servers[r].get('/cluster')[1][:3000]!r}")
         yield servers
     finally:
         for s in servers.values():
