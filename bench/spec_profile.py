@@ -56,9 +56,9 @@ class Probe:
         if hasattr(runner, "draft_mtp"):
             inner = runner.draft_mtp
 
-            def draft_mtp(batch, hidden, depth, passes=0):
+            def draft_mtp(batch, hidden, depth, passes=0, kept=None):
                 self.cur["mtp_kind"] = "draft" if any(depth) else "kv"
-                return inner(batch, hidden, depth, passes)
+                return inner(batch, hidden, depth, passes, kept)
             runner.draft_mtp = timed("mtp", draft_mtp)
         # module functions: wrapped once, timed into the probe of the engine stepping now
         if not hasattr(step_mod, "_probe_orig"):

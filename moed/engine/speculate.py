@@ -101,18 +101,16 @@ def mtp_drafts(runner: StepRunner, plan: StepPlan, hidden: torch.Tensor, idx: Se
         depth.append(chain if c.sample and drafting and chain > 0 and not paused else 0)
         # no draft reads its entry before a later write: it may wait unwritten
         wait.append(left <= 0 or paused)
-    if backlog is None:
-        mb, rows = mtp_inputs(batch, next_ids, keep)
-        if len(rows) != hidden.shape[0]:       # rejected drafts' rows drop out
-            hidden = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-        out = runner.draft_mtp(mb, hidden, depth, passes)
+    if backlog is None:     # rejected drafts' rows stay as padding: the main step's plan
+        mb, _ = mtp_inputs(batch, next_ids, keep, pad=True)
+        out = runner.draft_mtp(mb, hidden, depth, passes, keep)
         return {c.request.request_id: tuple(out[i])
                 for i, c in enumerate(plan.chunks) if out[i]}, None
     p = backlog.pass_inputs(batch, plan.chunks, hidden, next_ids, keep, depth, drafting, wait)
     if p.batch is None:         # every row waits: the group's exchanges only
         runner.mtp_exchanges(passes)
         return {}, p.deferral
-    out = runner.draft_mtp(p.batch, p.hidden, p.depth, passes)
+    out = runner.draft_mtp(p.batch, p.hidden, p.depth, passes, p.kept)
     return {plan.chunks[i].request.request_id: tuple(out[j])
             for j, i in enumerate(p.chunks) if out[j]}, p.deferral
 

@@ -39,15 +39,18 @@ from moed.model.quant.weight import QuantWeight
 log = structlog.get_logger(__name__)
 
 
-def mtp_inputs(batch: ForwardBatch, next_ids: list[int],
-               keep: list[int] | None = None) -> tuple[ForwardBatch, list[int]]:
+def mtp_inputs(batch: ForwardBatch, next_ids: list[int], keep: list[int] | None = None,
+               pad: bool = False) -> tuple[ForwardBatch, list[int]]:
     """The MTP step that follows a main step: (its batch, the rows of the main step's hidden
     states it takes, for hidden.index_select(0, rows)).
 
     next_ids[i]: the token after the last position sequence i keeps (the next prompt token, or
     the token sampled or accepted there); keep[i]: how many of sequence i's new positions to run
     (default all; after verifying drafts, the accepted ones + 1). Positions and block tables are
-    the main step's; each token moves one to the left."""
+    the main step's; each token moves one to the left. pad: a sequence keeps its rejected
+    drafts' rows too, as padding (token next_ids[i]; ModelRunner.draft_mtp's `kept` says where
+    each sequence's real rows end): the batch is then the main step's, whose attention plan the
+    MTP pass reuses (a rejection's new plan was ~20% of the demo model's pass at batch 1)."""
     if len(next_ids) != batch.num_seqs or (keep is not None and len(keep) != batch.num_seqs):
         raise ValueError("mtp_inputs: one next id (and keep) per sequence")
     tokens, rows, row = [], [], 0
@@ -55,8 +58,9 @@ def mtp_inputs(batch: ForwardBatch, next_ids: list[int],
         k = len(toks) if keep is None else keep[i]
         if not 1 <= k <= len(toks):
             raise ValueError(f"sequence {i}: keep {k} of {len(toks)} positions")
-        tokens.append([*toks[1:k], next_ids[i]])
-        rows.extend(range(row, row + k))
+        n = len(toks) if pad else k
+        tokens.append([*toks[1:k], *[next_ids[i]] * (n - k + 1)])
+        rows.extend(range(row, row + n))
         row += len(toks)
     return ForwardBatch(tokens, list(batch.start_pos), batch.block_tables), rows
 
@@ -138,7 +142,12 @@ class MTPLayer:
         cos, sin = rotary.tables(positions, max_pos)
         h, delta = self.block(x, None, cos, sin, backend, kv_layer, rows)
         x, out = add_rms_norm(h, delta, self.head_norm, self.eps, self.kernels)
-        return self.head(x).argmax(-1), out     # argmax needs no fp32 copy: the same index
+        logits = self.head(x)
+        if self.kernels is None or logits.device.type != "cpu":
+            return logits.argmax(-1), out
+        # the same index (bf16 -> fp32 is exact; first on ties, as torch): ~11 us where
+        # ATen's bf16 argmax took ~30 on the demo's 4096-token vocabulary (AVX2 EPYC)
+        return self.kernels.argmax_f32(logits.float()), out
 
     def empty_step(self) -> None:
         """Expert parallelism, a rank whose step does not run this layer in full while a peer's

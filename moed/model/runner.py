@@ -270,7 +270,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int],
-                  passes: int = 0) -> list[list[int]]:
+                  passes: int = 0, kept: Sequence[int] | None = None) -> list[list[int]]:
         """The MTP step as the engine runs it: forward_mtp's KV entries of every position, and
         depth[i] greedy drafts from sequence i (0: its entries only) -> the drafts per sequence.
 
@@ -282,11 +282,14 @@ class ModelRunner:
         position's slot, which batch.block_tables[i] must hold (scratch: the next step's MTP
         step writes it again before anything reads it). passes (expert parallelism): the layer's
         MoE exchanges to make in all, one per chained pass run, the rest with no rows
-        (moed.parallel.agree.Verdict.mtp_passes; 0: as many as run)."""
+        (moed.parallel.agree.Verdict.mtp_passes; 0: as many as run). kept[i]: sequence i's
+        real rows (default all), the rest padding (mtp_inputs(pad=True)): its draft is made at
+        its row kept[i] - 1, and the padding's entries, past that position, are scratch as a
+        chain's are."""
         ran = max(depth, default=0)     # the chained passes it runs, one MoE exchange each
         if passes and ran > passes:
             raise ValueError(f"draft_mtp: a chain of {ran} passes, the group agreed on {passes}")
-        out = self._draft_mtp(batch, hidden, depth)
+        out = self._draft_mtp(batch, hidden, depth, kept)
         for _ in range(passes - ran):
             self.mtp.empty_step()
         return out
@@ -301,8 +304,8 @@ class ModelRunner:
         for _ in range(passes):
             self.mtp.empty_step()
 
-    @torch.inference_mode()
-    def _draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int]) -> list[list[int]]:
+    def _draft_mtp(self, batch: ForwardBatch, hidden: torch.Tensor, depth: Sequence[int],
+                   kept: Sequence[int] | None = None) -> list[list[int]]:
         if self.mtp is None:
             raise RuntimeError("draft_mtp: this runner was built without mtp=True")
         self._check(batch)
@@ -310,7 +313,12 @@ class ModelRunner:
         if len(depth) != batch.num_seqs or tuple(hidden.shape) != (n, self.spec.hidden_size):
             raise ValueError(f"draft_mtp: {len(depth)} depths, hidden {tuple(hidden.shape)} for "
                              f"{batch.num_seqs} sequences of {n} tokens")
-        last = [s + len(t) - 1 for s, t in zip(batch.start_pos, batch.token_ids)]
+        lens = [len(t) for t in batch.token_ids]
+        if kept is None:
+            kept = lens
+        elif len(kept) != len(lens) or not all(1 <= k <= n for k, n in zip(kept, lens)):
+            raise ValueError(f"draft_mtp: kept {list(kept)} for sequences of {lens} rows")
+        last = [s + k - 1 for s, k in zip(batch.start_pos, kept)]     # each drafting row's position
         for i, d in enumerate(depth):
             if d > 1 and last[i] + d - 1 >= len(batch.block_tables[i]) * self.block_size:
                 raise ValueError(f"draft_mtp: sequence {i}'s chain of {d} needs slots to position "
@@ -329,16 +337,16 @@ class ModelRunner:
             # drafting sequences' last rows only; a second pass's plan, inputs and entry
             # writes cost ~20% of the demo's pass at batch 1
             x, ent = self.mtp._input(hidden, input_ids), None
-            ends = list(accumulate(len(t) for t in batch.token_ids))
-            sel = torch.tensor([ends[i] - 1 for i in q], device=x.device)
+            starts = [0, *accumulate(lens)]
+            sel = torch.tensor([starts[i] + kept[i] - 1 for i in q], device=x.device)
             first = self.mtp.draft(x, positions, max_pos, self.model.rotary, self.backend, kv, sel)
         else:
             x, ent = self.mtp.write_kv(hidden, input_ids, positions, max_pos, self.model.rotary,
                                        self.backend, kv)
             if not q:
                 return out
-            ends = list(accumulate(len(t) for t in batch.token_ids))
-            sel = torch.tensor([ends[i] - 1 for i in q], device=x.device)
+            starts = [0, *accumulate(lens)]
+            sel = torch.tensor([starts[i] + kept[i] - 1 for i in q], device=x.device)
             x, ent = x.index_select(0, sel), ent.index_select(0, sel)
         chain = [batch.block_tables[i] for i in q]
         for j in range(max(depth)):

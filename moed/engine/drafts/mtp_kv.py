@@ -80,12 +80,14 @@ class Deferral:
 @dataclass(frozen=True)
 class MTPPass:
     """A step's MTP pass: its batch and hidden rows (the step's own sequences first, then the
-    held ones), each sequence's draft depth, and which chunk each of the first sequences is."""
+    held ones), each sequence's draft depth and real rows (the rest: a rejected draft's row,
+    padding, mtp_inputs(pad=True)), and which chunk each of the first sequences is."""
     batch: ForwardBatch | None      # None: no row runs the layer this step
     hidden: torch.Tensor | None
     depth: list[int]
     chunks: list[int]
     deferral: Deferral
+    kept: list[int] = field(default_factory=list)
 
 
 class MTPBacklog:
@@ -176,10 +178,10 @@ class MTPBacklog:
         write = (drafting and any(depth)) or self.steps >= self.max_steps
         fin = wait or [False] * len(chunks)
         defer = [(not write or f) and deferrable(c) for c, f in zip(chunks, fin)]
-        mb, rows = mtp_inputs(batch, next_ids, keep)
+        mb, rows = mtp_inputs(batch, next_ids, keep, pad=True)
         ends = [0]
-        for n in keep:
-            ends.append(ends[-1] + n)
+        for t in batch.token_ids:
+            ends.append(ends[-1] + len(t))
         now = [i for i, d in enumerate(defer) if not d]
         sel = [r for i in now for r in rows[ends[i]:ends[i + 1]]]
         toks = [mb.token_ids[i] for i in now]
@@ -209,4 +211,5 @@ class MTPBacklog:
             return MTPPass(None, None, [], [], deferral)
         h = parts[0] if len(parts) == 1 else torch.cat(parts)
         d = [depth[i] for i in now] + [0] * (len(toks) - len(now))
-        return MTPPass(ForwardBatch(toks, starts, tables), h, d, now, deferral)
+        kept = [keep[i] for i in now] + [len(t) for t in toks[len(now):]]
+        return MTPPass(ForwardBatch(toks, starts, tables), h, d, now, deferral, kept)

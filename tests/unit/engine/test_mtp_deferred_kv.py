@@ -83,9 +83,9 @@ def test_deferred_entries_are_the_eager_ones_once_written(plain, draft, new):
     driver, waited, writes, drafts = SyncDriver(), 0, 0, [0, 0]
     calls = [deferring.runner.draft_mtp, eager.runner.draft_mtp]
     for j, e in enumerate((deferring, eager)):
-        def spy(batch, hidden, depth, passes=0, _j=j):
+        def spy(batch, hidden, depth, passes=0, kept=None, _j=j):
             drafts[_j] += sum(d > 0 for d in depth)
-            return calls[_j](batch, hidden, depth, passes)
+            return calls[_j](batch, hidden, depth, passes, kept)
         e.runner.draft_mtp = spy
     while deferring.scheduler.has_unfinished():
         held = deferring._mtp_kv.steps
@@ -147,12 +147,12 @@ def test_preemption_and_aborts_leak_nothing_and_write_no_stale_row():
     _switch(e, 20, 3)
     draft_mtp, bs = e.runner.draft_mtp, e.kv.block_size
 
-    def checked(batch, hidden, depth, passes=0):
+    def checked(batch, hidden, depth, passes=0, kept=None):
         live = [e.kv.block_table(r.request_id) for r in e.scheduler.running]
         for toks, start, table in zip(batch.token_ids, batch.start_pos, batch.block_tables):
             need = (start + len(toks) - 1) // bs + 1
             assert any(t[:need] == table[:need] for t in live), (start, table)
-        return draft_mtp(batch, hidden, depth, passes)
+        return draft_mtp(batch, hidden, depth, passes, kept)
     e.runner.draft_mtp = checked
     free0, rng, live, k, aborted = e.kv.num_free_blocks, random.Random(1), [], 0, set()
     driver = SyncDriver()
@@ -273,7 +273,7 @@ def test_a_paused_row_makes_no_draft_and_waits():
 
     made, ran = [], []
     runner = SimpleNamespace(block_size=4, mtp_exchanges=made.append,
-                             draft_mtp=lambda mb, h, depth, passes: ran.append(depth) or [[5]])
+                             draft_mtp=lambda mb, h, depth, passes, kept: ran.append(depth) or [[5]])
     a, c = _req("a", list(range(30))), _req("c", list(range(30)))
     a.acceptance = Acceptance(0.1, skip=3)
     plan = SimpleNamespace(batch=ForwardBatch([[7]], [18], [[0, 1, 2, 3, 4]]),

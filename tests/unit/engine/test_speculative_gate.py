@@ -473,9 +473,9 @@ def test_mtp_with_the_switch_equals_plain_and_drafts_after_kv_only_steps(make_ch
     kv_only = []
     draft_mtp = e.runner.draft_mtp
 
-    def spy(batch, hidden, depth, passes=0):
+    def spy(batch, hidden, depth, passes=0, kept=None):
         kv_only.append(not any(depth))
-        return draft_mtp(batch, hidden, depth, passes)
+        return draft_mtp(batch, hidden, depth, passes, kept)
     e.runner.draft_mtp = spy
     d0 = metrics.SPEC_DRAFTS._value.get()
     assert e.generate(prompts, params) == want

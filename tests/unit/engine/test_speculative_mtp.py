@@ -169,13 +169,15 @@ def test_mtp_chain_leaks_no_block_and_writes_no_cached_block(make_checkpoint, tm
     pool, draft_mtp = e.kv._pool, e.runner.draft_mtp
     chained = [0]
 
-    def checked(batch, hidden, depth, passes=0):
-        for toks, start, table, d in zip(batch.token_ids, batch.start_pos, batch.block_tables, depth):
-            last = start + len(toks) - 1
-            for pos in range(last + 1, last + d):
+    def checked(batch, hidden, depth, passes=0, kept=None):
+        for i, (toks, start, table, d) in enumerate(zip(batch.token_ids, batch.start_pos,
+                                                        batch.block_tables, depth)):
+            # the chain's entries, and a rejected draft's row kept as padding (mtp_inputs(pad))
+            last = start + (len(toks) if kept is None else kept[i]) - 1
+            for pos in range(last + 1, max(last + d, start + len(toks))):
                 assert pool.block_hash(table[pos // 4]) is None, (pos, table)
                 chained[0] += 1
-        return draft_mtp(batch, hidden, depth, passes)
+        return draft_mtp(batch, hidden, depth, passes, kept)
     e.runner.draft_mtp = checked
     tok = Tokenizer.from_dir(DEMO)
     base = [tok.encode(t.format(a=NAMES[i % 8], b=NAMES[(i + 1) % 8], c=NAMES[(i + 2) % 8]))

@@ -275,6 +275,47 @@ def test_a_pass_over_the_main_steps_rows_takes_its_plan_positions_and_rotary_tab
             assert torch.equal(flat[0][slots], flat[1][slots]), done
 
 
+def test_rejected_rows_kept_as_padding_reuse_the_plan_and_change_no_draft_or_entry(with_mtp, monkeypatch):
+    """A verify step's rejected drafts' rows kept as padding (mtp_inputs(pad=True), draft_mtp's
+    `kept`): the pass plans nothing (the main step's plan serves it), and its drafts and the
+    entries of every kept position are those of forward_mtp on the kept rows alone."""
+    d = with_mtp[0]
+    full, cheap = _runner(d, mtp=True), _runner(d, mtp=True)
+    seqs = _seqs(full.spec.vocab_size)
+    tables = [list(range(0, 8)), list(range(8, 16))]
+    layer = full.spec.num_layers
+    calls: list[str] = []
+
+    def counted(name, fn):
+        return lambda *a, **k: calls.append(name) or fn(*a, **k)
+    monkeypatch.setattr(cheap.backend, "plan", counted("plan", cheap.backend.plan))
+    monkeypatch.setattr(cheap, "_inputs", counted("inputs", cheap._inputs))
+    done = [0, 0]
+    # (rows per sequence: a prompt chunk, then a known token and drafts; rows kept of them)
+    for n, keep in ((6, [6, 6]), (3, [1, 2]), (2, [2, 1]), (3, [3, 1]), (2, [1, 1]), (4, [2, 4])):
+        a, b = (seqs[k][p:p + n] for k, p in zip("AB", done))
+        batch = ForwardBatch([a, b], list(done), tables)
+        nxt = [seqs[k][p + c] for k, p, c in zip("AB", done, keep)]
+        mb, rows = mtp_inputs(batch, nxt, keep)
+        _, h = full.forward(batch, hidden=True)
+        logits = full.forward_mtp(mb, h.index_select(0, torch.tensor(rows)))
+        padded, all_rows = mtp_inputs(batch, nxt, keep, pad=True)
+        assert all_rows == list(range(2 * n)) and padded.start_pos == batch.start_pos
+        _, h2 = cheap.forward(batch, hidden=True)
+        calls.clear()
+        drafts = cheap.draft_mtp(padded, h2, [1, 1], kept=keep)
+        if n < 6:       # (a prompt chunk past MTP_ONE_PASS_ROWS runs its own drafting pass)
+            assert calls == ["inputs"], (n, keep, calls)
+        assert drafts == [[int(x.argmax())] for x in logits], (n, keep)
+        done = [p + c for p, c in zip(done, keep)]
+        flat = [t.view(-1, t.shape[-1]) for t in (full.kv_cache[layer], cheap.kv_cache[layer])]
+        for t, upto in zip(tables, done):     # (more rows, another matmul blocking: not bitwise)
+            slots = [t[p // BS] * BS + p % BS for p in range(upto)]
+            torch.testing.assert_close(flat[1][slots], flat[0][slots], msg=str((n, keep)))
+    with pytest.raises(ValueError, match="kept"):
+        cheap.draft_mtp(padded, h2, [1, 1], kept=[0, 1])
+
+
 def test_hidden_is_the_main_models_after_its_final_norm(with_mtp):
     """forward(hidden=True) gives transformers' last_hidden_state (after model.norm): the h
     that the training code feeds its MTP module."""
