@@ -61,6 +61,9 @@ def card(model: Path, meta: dict[str, Any], quality: dict[str, Any] | None, samp
     mtp_loss = sum(r["mtp_loss"] for r in last) / len(last)
     size = (model / "model.safetensors").stat().st_size
     epochs = meta["tokens_seen"] / meta["train_corpus_tokens"]
+    dist = meta.get("mtp_distill")
+    mtp_acc = dist["after"]["mtp_next_next_acc"] if dist else ev.get("mtp_next_next_acc", float("nan"))
+    agree = f"{dist['after']['agreement_with_main']:.1%}" if dist else "not measured"
     q = ""
     if quality:
         q = (f"\nThrough moed's API (`prompt_logprobs`, fp32) and transformers (fp32) on the same "
@@ -124,7 +127,7 @@ windows of {m['seq_len']} + 2 tokens of the train stream.
 - final train loss (mean of the last 20 steps): next token **{train_loss:.3f}**, MTP **{mtp_loss:.3f}** nats
 
 ![loss curve]({png_rel})
-
+{_distill_section(dist)}
 Bitwise reproducible for the same seed, thread count and torch build (a test retrains a tiny
 configuration twice and compares the weights); the committed weights' sha256 is
 `{sha}` (SHA256SUMS, checked by tests/unit/dev/test_demo_checkpoint.py).
@@ -134,15 +137,15 @@ configuration twice and compares the weights); the committed weights' sha256 is
 Every held-out file cut into windows of {m['seq_len']} tokens, each scored on its tokens after the first
 ({ev.get('tokens', 0):,} tokens):
 
-| | perplexity | next-token top-1 | MTP next-next-token top-1 |
-|---|---|---|---|
-| this model | **{ev.get('ppl', float('nan')):.2f}** | {ev.get('next_token_acc', float('nan')):.1%} | **{ev.get('mtp_next_next_acc', float('nan')):.1%}** |
-| the same architecture at its random init (seed {m['seed']}) | {rnd.get('ppl', float('nan')):.0f} | {rnd.get('next_token_acc', float('nan')):.1%} | {rnd.get('mtp_next_next_acc', float('nan')):.1%} |
+| | perplexity | next-token top-1 | MTP next-next-token top-1 | MTP top-1 = the main model's next |
+|---|---|---|---|---|
+| this model | **{ev.get('ppl', float('nan')):.2f}** | {ev.get('next_token_acc', float('nan')):.1%} | **{mtp_acc:.1%}** | **{agree}** |
+| the same architecture at its random init (seed {m['seed']}) | {rnd.get('ppl', float('nan')):.0f} | {rnd.get('next_token_acc', float('nan')):.1%} | {rnd.get('mtp_next_next_acc', float('nan')):.1%} | |
 
-The MTP figure is the MTP module's own top-1 accuracy on the true token i+2, given the main
-model's hidden state at i and the true token i+1. A one-token MTP draft is accepted when it
-agrees with the main model's own choice instead (greedy), so its acceptance rate follows this
-figure but is not bound by it; the speculation work measures that.
+The MTP next-next figure is the MTP module's own top-1 accuracy on the true token i+2, given
+the main model's hidden state at i and the true token i+1. A one-token MTP draft is accepted
+when it agrees with the main model's own choice instead (greedy): the last column, on the
+same text (teacher-forced); bench/spec.py measures the acceptance of real drafts.
 `python -m moed.dev.train.evaluate --model DIR` recomputes this table's first row from the files
 (`moed.dev.train.train.from_checkpoint` loads the main model and the MTP layer).
 {q}
@@ -157,6 +160,27 @@ curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
     if sample:
         s += f"\nmoed's greedy completion of `def fib(n):` (fp32):\n\n```python\ndef fib(n):{sample}\n```\n"
     return s
+
+
+def _distill_section(dist: dict[str, Any] | None) -> str:
+    """The card's paragraph on moed.dev.train.distill's stage, where it ran."""
+    if not dist:
+        return ""
+    c, b, a = dist["config"], dist["before"], dist["after"]
+    return f"""
+### MTP distillation
+
+Then `python -m moed.dev.train.distill --model DIR --steps {c['steps']}` (moed/dev/train/distill.py): the
+main model frozen, the MTP layer alone trained to the main model's own next distribution (the
+soft cross-entropy of its distribution at i against the main model's at i+1), as EAGLE's and
+Medusa-2's self-distillation fit a draft to its target: a draft is accepted when it agrees
+with the main model, not with the text. AdamW, lr {c['lr']} ({c['warmup']} warmup steps, cosine to
+{c['min_lr_ratio']}×), batches of {c['batch_size']} windows of the train split, {dist['seconds'] / 60:.1f} min. On the
+{dist['heldout_windows']} held-out windows ({a['positions']:,} positions, teacher-forced), the MTP top-1 equal to the
+main model's next top-1 went from {b['agreement_with_main']:.1%} to **{a['agreement_with_main']:.1%}**; its top-1 on the
+true token i+2 from {b['mtp_next_next_acc']:.1%} to {a['mtp_next_next_acc']:.1%}. The main model, the embedding and
+the head are bitwise those of the training run.
+"""
 
 
 def main(argv: list[str] | None = None) -> int:

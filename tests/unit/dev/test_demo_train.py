@@ -73,3 +73,41 @@ def test_the_split_is_a_fixed_function_of_the_path():
 def test_windows_score_only_whole_pairs():
     assert corpus.chunks(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5]]
     assert corpus.chunks(list(range(8)), 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_distilling_the_mtp_layer_moves_it_alone_and_twice_gives_equal_weights(tmp_path):
+    """moed.dev.train.distill: the MTP layer's own tensors move, the main model's, the shared
+    embedding's and head's copies stay bitwise; the same seed twice gives equal files; the
+    record (held-out agreement before and after) lands in training.json."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from moed.dev.train.distill import DistillConfig, distill
+
+    src, _ = _run(tmp_path, "src", steps=2)
+    cfg = DistillConfig(steps=3, batch_size=2, warmup=1, eval_windows=2, lr=1e-2)
+    outs = []
+    threads = torch.get_num_threads()
+    for name in ("a", "b"):
+        d = tmp_path / f"distilled-{name}"
+        shutil.copytree(src, d)
+        rec = distill(d, cfg, log=lambda line: None)
+        outs.append(d)
+    assert torch.get_num_threads() == threads and not torch.are_deterministic_algorithms_enabled()
+    a, b = (hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest() for d in outs)
+    assert a == b
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(outs[0] / "model.safetensors"))
+    assert before.keys() == after.keys()
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    mtp = f"model.layers.{n}."
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.startswith(mtp) for k in moved), sorted(moved)[:5]
+    assert f"{mtp}eh_proj.weight" in moved
+    assert torch.equal(after[f"{mtp}embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert torch.equal(after[f"{mtp}shared_head.head.weight"], after["lm_head.weight"])
+    meta = json.loads((outs[1] / "training.json").read_text())
+    assert meta["mtp_distill"] == json.loads(json.dumps(rec))
+    assert [h["step"] for h in rec["history"]] == [3] and rec["heldout_windows"] == 2
+    for k in ("before", "after"):
+        assert 0.0 <= rec[k]["agreement_with_main"] <= 1.0 and rec[k]["positions"] > 0
