@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from moed.dev.train import corpus
-from moed.dev.train.train import Model, from_checkpoint, heldout_chunks
+from moed.dev.train.train import Model, _lr, from_checkpoint, heldout_chunks
 
 
 CHECK_WINDOWS = 24
@@ -52,13 +51,6 @@ class DistillConfig:
     seed: int = 0
     threads: int = 2
     eval_windows: int = 0           # held-out windows scored before and after (0: all)
-
-
-def _lr(cfg: DistillConfig, step: int) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    p = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 def _main_states(model: Model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +147,7 @@ def distill(model_dir: Path, cfg: DistillConfig, log=print) -> dict[str, Any]:
         for step in range(cfg.steps):
             starts = torch.randint(0, n, (cfg.batch_size,), generator=gen)
             x = torch.stack([ids[s:s + seq_len + 1] for s in starts.tolist()])
-            lr = _lr(cfg, step)
+            lr = _lr(cfg, step)      # train.py's warmup + cosine, on this config's fields
             for g in opt.param_groups:
                 g["lr"] = lr
             model.routed.clear()

@@ -239,6 +239,18 @@ def test_short_chunks_run_the_mtp_layer_in_one_pass(with_mtp, monkeypatch, steps
     assert calls == ["write_kv"]        # the 6-row chunk only
 
 
+def _counted(calls: list[str], name: str, fn):
+    return lambda *a, **k: calls.append(name) or fn(*a, **k)
+
+
+def _count_calls(runner: ModelRunner, monkeypatch) -> list[str]:
+    """The runner's backend plans and input builds, named in order as they happen."""
+    calls: list[str] = []
+    monkeypatch.setattr(runner.backend, "plan", _counted(calls, "plan", runner.backend.plan))
+    monkeypatch.setattr(runner, "_inputs", _counted(calls, "inputs", runner._inputs))
+    return calls
+
+
 def test_a_pass_over_the_main_steps_rows_takes_its_plan_positions_and_rotary_tables(with_mtp, monkeypatch):
     """An MTP pass over the main step's own rows (one decode row each; a verify step's rows, its
     drafts all kept) plans nothing, builds its inputs once and gathers no rotary tables: the
@@ -248,14 +260,9 @@ def test_a_pass_over_the_main_steps_rows_takes_its_plan_positions_and_rotary_tab
     seqs = _seqs(full.spec.vocab_size)
     tables = [list(range(0, 8)), list(range(8, 16))]
     layer = full.spec.num_layers
-    calls: list[str] = []
-
-    def counted(name, fn):
-        return lambda *a, **k: calls.append(name) or fn(*a, **k)
-    monkeypatch.setattr(cheap.backend, "plan", counted("plan", cheap.backend.plan))
-    monkeypatch.setattr(cheap, "_inputs", counted("inputs", cheap._inputs))
-    rotary = cheap.model.rotary
-    monkeypatch.setattr(rotary, "full_tables", counted("tables", rotary.full_tables))
+    calls = _count_calls(cheap, monkeypatch)
+    monkeypatch.setattr(cheap.model.rotary, "full_tables",
+                        _counted(calls, "tables", cheap.model.rotary.full_tables))
     done = 0
     for n in (6, 1, 2, 1, 2):
         batch = ForwardBatch([seqs["A"][done:done + n], seqs["B"][done:done + n]], [done, done], tables)
@@ -284,12 +291,7 @@ def test_rejected_rows_kept_as_padding_reuse_the_plan_and_change_no_draft_or_ent
     seqs = _seqs(full.spec.vocab_size)
     tables = [list(range(0, 8)), list(range(8, 16))]
     layer = full.spec.num_layers
-    calls: list[str] = []
-
-    def counted(name, fn):
-        return lambda *a, **k: calls.append(name) or fn(*a, **k)
-    monkeypatch.setattr(cheap.backend, "plan", counted("plan", cheap.backend.plan))
-    monkeypatch.setattr(cheap, "_inputs", counted("inputs", cheap._inputs))
+    calls = _count_calls(cheap, monkeypatch)
     done = [0, 0]
     # (rows per sequence: a prompt chunk, then a known token and drafts; rows kept of them)
     for n, keep in ((6, [6, 6]), (3, [1, 2]), (2, [2, 1]), (3, [3, 1]), (2, [1, 1]), (4, [2, 4])):
