@@ -41,6 +41,7 @@ seeds = ["127.0.0.1:{seed}"]
 key_env = "{key_env}"
 probe_interval_ms = 200
 gossip_interval_ms = 50
+push_pull_interval_ms = 2000
 """
 
 
@@ -53,6 +54,10 @@ def cluster(tiny_qwen3, tmp_path_factory):
               "MOED_CLUSTER_ENABLED": "true", "MOED_CLUSTER_KEY_ENV": KEY_ENV, KEY_ENV: key,
               "MOED_CLUSTER_SEEDS": f"127.0.0.1:{g['A']}",
               "MOED_CLUSTER_PROBE_INTERVAL_MS": "200", "MOED_CLUSTER_GOSSIP_INTERVAL_MS": "50",
+              # a member wrongly declared dead while 8 processes start on 2 cores refutes
+              # once it hears of it: gossip's few retransmits may all miss it, the periodic
+              # full-state exchange (30 s by default) does not
+              "MOED_CLUSTER_PUSH_PULL_INTERVAL_MS": "2000",
               "MOED_SERVER_API_KEYS_ENV": "TEST_TENANT_KEYS", "TEST_TENANT_KEYS": TENANT,
               # one sequence per step: the CPU kernels' results depend on the batch (two
               # undisturbed concurrent runs of the random tiny model differ after a few
