@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from moed.dev.train import corpus
-from moed.dev.train.train import Model, _lr, from_checkpoint, heldout_chunks
+from moed.dev.train.train import Model, _lr, _optimizer, from_checkpoint, heldout_chunks
 
 
 CHECK_WINDOWS = 24
@@ -51,6 +50,14 @@ class DistillConfig:
     seed: int = 0
     threads: int = 2
     eval_windows: int = 0           # held-out windows scored before and after (0: all)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0 or self.eval_windows < 0 or self.warmup < 0:
+            raise ValueError(f"lr must be > 0 and warmup, eval_windows >= 0 "
+                             f"(got {self.lr}, {self.warmup}, {self.eval_windows})")
 
 
 def _main_states(model: Model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +126,9 @@ def distill(model_dir: Path, cfg: DistillConfig, log=print) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer
 
+    for name in ("training.json", "split.json", "tokenizer.json", "model.safetensors"):
+        if not (model_dir / name).is_file():
+            raise ValueError(f"{model_dir} has no {name}: not a checkpoint python -m moed.dev.train wrote")
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
@@ -134,10 +144,8 @@ def distill(model_dir: Path, cfg: DistillConfig, log=print) -> dict[str, Any]:
         model.train()
         for p in model.lm.parameters():
             p.requires_grad_(False)
-        own = [p for p in model.mtp.parameters()]
-        opt = torch.optim.AdamW([{"params": [p for p in own if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                                 {"params": [p for p in own if p.dim() < 2], "weight_decay": 0.0}],
-                                lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        own = list(model.mtp.parameters())
+        opt = _optimizer(own, cfg)      # train.py's AdamW groups, on the MTP layer's weights
         router = model.routers[-1]          # the MTP block's (model.mtp is built after model.lm)
         before = agreement(model, chunks)
         log(json.dumps({"before": before}))
@@ -200,8 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=DistillConfig.threads)
     ap.add_argument("--eval-windows", type=int, default=DistillConfig.eval_windows)
     a = ap.parse_args(argv)
-    distill(a.model, DistillConfig(steps=a.steps, lr=a.lr, seed=a.seed, threads=a.threads,
-                                   eval_windows=a.eval_windows))
+    try:
+        distill(a.model, DistillConfig(steps=a.steps, lr=a.lr, seed=a.seed, threads=a.threads,
+                                       eval_windows=a.eval_windows))
+    except ValueError as e:     # a bad setting or directory: one line, the checkpoint untouched
+        print(f"distill: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

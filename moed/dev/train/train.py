@@ -296,9 +296,10 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def _optimizer(model: Model, cfg: TrainConfig) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]      # norms
+def _optimizer(params: list[torch.nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (cfg: TrainConfig or distill's DistillConfig)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]      # norms
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -336,7 +337,7 @@ def _train(cfg: TrainConfig, out: Path, work: Path | None, root: Path | None, fi
     torch.manual_seed(cfg.seed)
     model = Model(config)
     model.train()
-    opt = _optimizer(model, cfg)
+    opt = _optimizer(list(model.parameters()), cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     chunks, missing = heldout_chunks(data.tokenizer, data.heldout_files, cfg.seq_len, root, cfg.eval_chunks)
     work = work or out.parent / f".train-{out.name}"

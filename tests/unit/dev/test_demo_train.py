@@ -111,3 +111,20 @@ def test_distilling_the_mtp_layer_moves_it_alone_and_twice_gives_equal_weights(t
     assert [h["step"] for h in rec["history"]] == [3] and rec["heldout_windows"] == 2
     for k in ("before", "after"):
         assert 0.0 <= rec[k]["agreement_with_main"] <= 1.0 and rec[k]["positions"] > 0
+
+
+def test_distill_refuses_a_bad_setting_or_directory_in_one_line(tmp_path, capsys):
+    """A directory that is no trained checkpoint, or a setting out of range: exit 2, one line
+    naming it, no traceback, nothing written."""
+    from moed.dev.train.distill import DistillConfig, main
+
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distill: ") and "training.json" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    for bad in (["--steps", "0"], ["--lr", "0"], ["--threads", "0"], ["--eval-windows", "-1"]):
+        assert main(["--model", str(tmp_path), *bad]) == 2, bad
+        assert capsys.readouterr().err.startswith("distill: "), bad
+    with pytest.raises(ValueError, match="batch_size"):
+        DistillConfig(batch_size=0)
