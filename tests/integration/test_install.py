@@ -9,6 +9,11 @@
 
 The first two are slow (marked `slow` and `install`: a venv and torch each, 1-2 min apiece on
 this project's 2-core machines) and run in `make test`; `-m "not install"` leaves them out.
+When both are selected, the systemd flow runs on a second thread while the README test runs
+(each pip is one core's work; side by side they take ~45 s less of the suite), and the systemd
+test reports its result. The README test's server uses this user's kernel
+cache (moed/model/kernels: the name hashes every source file and header, so a hit means the
+wheel's sources are the checkout's; test_cpu_kernels covers building).
 They need PyPI (or pip's cache for every package the docs' lines install).
 Where pip's own config already resolves `torch==2.13.0` to a CPU build (this project's
 machines reach PyPI only: a local `torch-2.13.0+cpu` through find-links), the docs'
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -186,8 +192,9 @@ def test_readme_install_line(tmp_path: Path) -> None:
             _run([str(py), "-c", "import nixl; from nixl._api import nixl_agent, nixl_agent_config"],
                  cwd=work, timeout=120)
 
+        from moed.model import kernels
         env = _clean_env(MOED_CACHE_DIR=str(tmp_path / "cache"),
-                         MOED_KERNEL_CACHE=str(tmp_path / "kernels"), MOED_ENGINE_NUM_THREADS="1",
+                         MOED_KERNEL_CACHE=str(kernels._cache_dir()), MOED_ENGINE_NUM_THREADS="1",
                          PYTHONUNBUFFERED="1")
         model = work / "demo-model"
         _run([str(venv / "bin" / "moed"), "model", "init", "--arch", "qwen3_moe", "--preset", "tiny",
@@ -232,10 +239,7 @@ def test_readme_install_line(tmp_path: Path) -> None:
         shutil.rmtree(venv, ignore_errors=True)     # ~1.7 GB
 
 
-@pytest.mark.slow
-@pytest.mark.install
-@pytest.mark.timeout(900)
-def test_systemd_wheel_install(tmp_path: Path, tiny_qwen3: Path) -> None:
+def _systemd_cmds() -> list[str]:
     section = _section((ROOT / "systemd" / "README.md").read_text(), "Install")
     blocks = _sh_blocks(section)
     assert blocks, "systemd/README.md's Install section has no sh block"
@@ -243,34 +247,40 @@ def test_systemd_wheel_install(tmp_path: Path, tiny_qwen3: Path) -> None:
             if "/opt/moed" in ln and not ln.lstrip().startswith("#")]
     assert len(cmds) == 4 and "venv" in cmds[0], cmds
     assert "torch==" in cmds[1] and "wheel" in cmds[2] and ".whl" in cmds[3], cmds
+    return cmds
 
-    src = _copy_checkout(tmp_path / "src")
-    opt = tmp_path / "opt-moed"
+
+def _systemd_flow(tmp: Path, model: Path) -> None:
+    """systemd/README.md's four install commands, /opt/moed made `tmp`/opt-moed, then what the
+    unit needs of that venv."""
+    cmds = _systemd_cmds()
+    src = _copy_checkout(tmp / "src")
+    opt = tmp / "opt-moed"
     try:
         for cmd in cmds:
             cmd = cmd.replace("/opt/moed", str(opt))
             cmd = re.sub(r"^python3 ", shlex.quote(sys.executable) + " ", cmd)
-            _run(_for_here(cmd, opt / "bin" / "python", tmp_path), cwd=src)
+            _run(_for_here(cmd, opt / "bin" / "python", tmp), cwd=src)
         wheels = sorted(p.name for p in (src / "dist").glob("*.whl"))
         named = re.search(r"dist/(moed-[^\s'\[]+\.whl)", cmds[3]).group(1)
         assert wheels == [named], f"the docs install {named}, pip built {wheels}"
 
         py = opt / "bin" / "python"
         _check_env(_installed(py), _extras(cmds[3]))
-        work = tmp_path / "work"
+        work = tmp / "work"
         work.mkdir()
         _check_installed_moed(py, work, src)
         # What the unit runs, short of serving (test_readme_install_line serves): the config the
         # docs install is valid with the unit's credentials (and a checkpoint: the unit's venv
         # cannot make one), and the KV transfer backend of a decode node imports.
-        creds = tmp_path / "credentials"     # as the docs write them; the unit's Environment=
+        creds = tmp / "credentials"     # as the docs write them; the unit's Environment=
         creds.mkdir(mode=0o700)
         for name, text in (("api-keys", "key-1\n"), ("admin-token", "token-1\n"),
                            ("cluster-key", os.urandom(32).hex() + "\n")):
             (creds / name).write_text(text)
             (creds / name).chmod(0o600)
         _run([str(opt / "bin" / "moed"), "check-config", str(src / "conf" / "decode.toml"),
-              "--model", str(tiny_qwen3)],
+              "--model", str(model)],
              cwd=work, timeout=120, env=_clean_env(
                  MOED_SERVER_API_KEYS_FILE=str(creds / "api-keys"),
                  MOED_SERVER_ADMIN_TOKEN_FILE=str(creds / "admin-token"),
@@ -284,6 +294,33 @@ def test_systemd_wheel_install(tmp_path: Path, tiny_qwen3: Path) -> None:
         assert "Traceback" not in p.stderr, p.stderr
     finally:
         shutil.rmtree(opt, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _systemd_ahead(request, tmp_path_factory):
+    """With both install tests selected, the systemd flow starts now on a thread (see the module
+    docstring); test_systemd_wheel_install takes its result."""
+    names = {item.name for item in request.session.items if item.module is request.module}
+    if not {"test_readme_install_line", "test_systemd_wheel_install"} <= names:
+        yield None
+        return
+    model = request.getfixturevalue("tiny_qwen3")
+    with ThreadPoolExecutor(1, thread_name_prefix="systemd-install") as pool:
+        fut = pool.submit(_systemd_flow, tmp_path_factory.mktemp("systemd-install"), model)
+        try:
+            yield fut
+        finally:
+            fut.exception(timeout=INSTALL_TIMEOUT * 3)      # not left running past the module
+
+
+@pytest.mark.slow
+@pytest.mark.install
+@pytest.mark.timeout(900)
+def test_systemd_wheel_install(tmp_path: Path, tiny_qwen3: Path, _systemd_ahead: Future | None) -> None:
+    if _systemd_ahead is None:
+        _systemd_flow(tmp_path, tiny_qwen3)
+    else:
+        _systemd_ahead.result(timeout=INSTALL_TIMEOUT * 3)
 
 
 _BLOCK_TRANSFORMERS = """
