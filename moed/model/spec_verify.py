@@ -39,7 +39,7 @@ itself leaves to its batch: top-k ties at the k-th value (sampler._filter_top_k_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -100,7 +100,9 @@ def position_rows(d: DraftRow) -> list[SampleRow]:
         if r.generator is None and banned is r.banned_ids and mask is r.mask and hist is r.token_ids:
             out.append(r)       # nothing differs: the row itself (replace() per position added up)
         else:
-            out.append(replace(r, generator=None, banned_ids=banned, token_ids=hist, mask=mask))
+            # the constructor, not dataclasses.replace (~4x its cost, per position of every row)
+            out.append(SampleRow(params=p, generator=None, banned_ids=banned, token_ids=hist,
+                                 num_prompt=r.num_prompt, grammar=r.grammar, mask=mask))
     return out
 
 

@@ -291,6 +291,21 @@ def test_logprobs_are_the_raw_ones_sample_reports_at_each_position() -> None:
     assert m.logprobs is None and m.top_logprobs is None
 
 
+def test_position_rows_keep_every_field_but_the_ones_a_position_sets() -> None:
+    """position_rows builds each position's row with SampleRow's constructor: every field not
+    set per position (banned ids, history, mask, no generator) is the row's own."""
+    from dataclasses import fields, replace
+    p = SamplingParams(temperature=1.0, min_tokens=2, repetition_penalty=1.2, seed=3)
+    gen, mask = make_generator(3), torch.ones(1, dtype=torch.int32)
+    row = SampleRow(p, gen, (5,), [0, 3, 1], 3, None, mask)
+    assert {f.name for f in fields(SampleRow)} == {
+        "params", "generator", "banned_ids", "token_ids", "num_prompt", "grammar", "mask"}
+    got = position_rows(DraftRow(row, (2, 4), 1))       # 1 out: EOS banned at position 0 only
+    want = [replace(row, generator=None, banned_ids=banned, token_ids=hist)
+            for banned, hist in (((5,), [0, 3, 1]), ((), [0, 3, 1, 2]), ((), [0, 3, 1, 2, 4]))]
+    assert got == want
+
+
 # --- seeds ----------------------------------------------------------------------------------
 
 SEEDED = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, top_p=0.8),
