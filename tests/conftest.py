@@ -9,9 +9,15 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # Tests share 2 cores with each other's subprocesses: keep torch from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# No per-example deadline for hypothesis: the unit tests run two at a time on 2 cores (Makefile),
+# where a scheduling stall is not a failure of the code under test.
+settings.register_profile("moed", deadline=None)
+settings.load_profile("moed")
 
 
 @pytest.fixture(scope="session")
