@@ -128,7 +128,7 @@ def test_busy_needs_a_real_wait_and_proc_says_something():
     assert d is None or d >= 0.0
 
 
-def test_chooser_on_an_unwritable_cache_keeps_answers_in_memory(tmp_path, monkeypatch):
+def test_chooser_on_an_unwritable_cache_keeps_answers_in_memory(tmp_path, monkeypatch, quiet):
     monkeypatch.setattr(C, "measure", lambda kernels, n, k: ([1.0] * 5, [1.0] * 5))
     (tmp_path / "file").write_text("")          # the cache's folder is a file: no write can work
     ch = C.KernelChooser(None, tmp_path / "file" / "k.so")
