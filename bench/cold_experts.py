@@ -222,7 +222,7 @@ class Run:
                        prefetch_experts=store.prefetch.capacity if store.prefetch else 0,
                        hit_series=self.hit_series, row_hit_series=self.row_series, misses=st.misses, miss_stall_s=st.miss_stall_s,
                        promoted_mb=st.promoted_bytes / 2**20, miss_mb=st.miss_bytes / 2**20,
-                       slots_per_layer=store.slots)
+                       cached_reads=st.cached_reads, slots_per_layer=store.slots)
             store.close()
         return res
 

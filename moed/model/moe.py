@@ -130,7 +130,7 @@ class LocalExperts(ExpertExecutor):
                             t == 1 and not routing.replicated, t > self.qrows)
         # a few tokens on the kernels: one moed_experts_bf16 call below (an expert's at most t
         # rows are native classes), not one pass per touched expert
-        few = t <= 2 and self._native(range(1, t + 1))
+        few = t <= 2 and self.native_serves(range(1, t + 1))
         if t == 1 and not routing.replicated and not few:
             return self._single_token(x, routing)
         if t == 2 and k <= 2 and not routing.replicated and not few:
@@ -174,7 +174,7 @@ class LocalExperts(ExpertExecutor):
         expert-parallel rank's rows are not the batch's, so it keeps the per-expert path)."""
         return self.qkernels is not None and self.qblocked and x.shape[0] > self.qrows and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
-    def _native(self, counts: Iterable[int]) -> bool:
+    def native_serves(self, counts: Iterable[int]) -> bool:
         """Whether moed_experts_bf16 serves expert calls of these row counts: the kernels'
         packed copies are kept and the measured choice gives none of those row classes to
         oneDNN. Its numbers are the per-expert Linears' on the kernels bit for bit (gate/up,
@@ -189,7 +189,7 @@ class LocalExperts(ExpertExecutor):
         """Rows grouped by expert (counts[e] rows each) -> unweighted outputs, same order: one
         kernel call for them all where it serves every count (~10x fewer torch ops per layer),
         else one pass per touched expert."""
-        if xs.shape[0] and self._native(counts):
+        if xs.shape[0] and self.native_serves(counts):
             return self.kernels.experts_bf16(xs, torch.tensor(counts, dtype=torch.long), self.gate_up_p,
                                              self.down_p, self.intermediate)
         ys, start = [], 0
@@ -203,7 +203,7 @@ class LocalExperts(ExpertExecutor):
     def expert_rows(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """Slot `slot`'s unweighted output for its rows x [n, H] (one call of its Linears: the
         grouped torch path's, which the cold-expert store calls slot by slot)."""
-        if x.shape[0] and self._native([x.shape[0]]):     # the bits the all-slot call gives
+        if x.shape[0] and self.native_serves([x.shape[0]]):     # the bits the all-slot call gives
             return self.kernels.experts_bf16(x, torch.tensor([x.shape[0]]), self.gate_up_p[slot:slot + 1],
                                              self.down_p[slot:slot + 1], self.intermediate)
         gate_up, down = self._expert(slot, x.shape[0])

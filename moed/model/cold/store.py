@@ -376,7 +376,8 @@ class ColdExperts:
         their expert outputs, unweighted, same order; each unit's rows in one call of the
         kernels, as the all-resident slots would run them. Usually one round: the misses read
         first, then every unit run (policy.rounds); the torch path runs each unit's rows in
-        place (LocalExperts.expert_rows: no gather, no scatter)."""
+        place (LocalExperts.expert_rows: no gather, no scatter) unless the kernels serve the
+        call's row counts (then one call, as the fused modes)."""
         n_rows = per_unit.tolist()
         self.window += per_unit.to(torch.long)
         needed, start, acc = [u for u, c in enumerate(n_rows) if c], [0] * len(n_rows), 0
@@ -398,12 +399,16 @@ class ColdExperts:
         protect = policy.hottest(self.expert_in, heat, usable - stream)
         room = policy.room(self.expert_in, protect | {u for u in needed if resident[u]})
         outs: dict[int, torch.Tensor] = {}
-        ys = None if mode == MoEMode.TORCH else torch.empty_like(xs)   # the fused modes: gather, scatter
+        # the fused modes, and the torch path where the kernels serve every row count: a round's
+        # rows gathered in slot order, one kernel call, scattered back (one call per expert cost
+        # ~20 calls a layer at batch 8); else each unit's rows in place
+        one_call = mode != MoEMode.TORCH or self.local.native_serves(n_rows[u] for u in needed)
+        ys = torch.empty_like(xs) if one_call else None
         try:
             for group in policy.rounds(needed, resident, stream, room):
                 m, w = self._ensure(group, protect, n_rows, fetched, heat)
                 misses, stall = misses + m, stall + w
-                if mode == MoEMode.TORCH:
+                if not one_call:
                     for u in group:
                         outs[u] = self.local.expert_rows(slot_of[u], xs[start[u]:start[u] + n_rows[u]])
                     continue
@@ -420,7 +425,7 @@ class ColdExperts:
             self.store.count(hits, misses, stall, hit_rows, xs.shape[0], fetched)
             if pf is not None:
                 pf.finish(self.pos, set(needed))
-        return torch.cat([outs[u] for u in sorted(outs)]) if mode == MoEMode.TORCH else ys
+        return ys if one_call else torch.cat([outs[u] for u in sorted(outs)])
 
 
 class ColdExecutor(ExpertExecutor):
