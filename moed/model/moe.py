@@ -230,7 +230,7 @@ class LocalExperts(ExpertExecutor):
             parts = [quantize(gate_up[:half], gu.fmt, gu.group), quantize(gate_up[half:], gu.fmt, gu.group)]
             return cat_rows(parts).tensors() + quantize(down, dn.fmt, dn.group).tensors()
         if self.gate_up_p is not None:
-            return [pack_copy(gate_up), pack_copy(down)]
+            return [pack_copy(gate_up, self.kernels), pack_copy(down, self.kernels)]
         return [gate_up, down]
 
     def plain_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -253,7 +253,7 @@ class LocalExperts(ExpertExecutor):
             self.load_slot(slot, self.slot_format(gate_up, down), repack=False)
             return
         for dst, w in ((self.gate_up_p[slot], gate_up), (self.down_p[slot], down)):
-            pack_into(w, dst)
+            pack_into(w, dst, self.kernels)
         self.stale.add(slot)
 
     def load_slot(self, slot: int, weights: list[torch.Tensor], repack: bool = True) -> None:

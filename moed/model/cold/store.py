@@ -400,8 +400,7 @@ class ColdExperts:
         room = policy.room(self.expert_in, protect | {u for u in needed if resident[u]})
         outs: dict[int, torch.Tensor] = {}
         # the fused modes, and the torch path where the kernels serve every row count: a round's
-        # rows gathered in slot order, one kernel call, scattered back (one call per expert cost
-        # ~20 calls a layer at batch 8); else each unit's rows in place
+        # rows gathered in slot order, one kernel call (not one per expert), scattered back
         one_call = mode != MoEMode.TORCH or self.local.native_serves(n_rows[u] for u in needed)
         ys = torch.empty_like(xs) if one_call else None
         try:

@@ -421,6 +421,22 @@ static inline void transpose8(const uint32_t *s, long ls, uint32_t *d, long ld) 
     }
 }
 
+/* P32 (cpu_bf16.c) of bf16 W [N][K], N a multiple of 32 and K even, moved as 32-bit pairs:
+ * dst[b][j][r] = src[32 b + r][j] for the K / 2 pairs j of every row. On the calling thread
+ * alone (no OpenMP team: the cold-expert store packs a missed expert on the step or the reading
+ * thread, kernels/pack.py). The bench model's expert: 23 us against 127 us numpy's strided copy. */
+void moed_pack_p32(const uint32_t *src, long nb, long k2, uint32_t *dst) {
+    for (long b = 0; b < nb; b++) {
+        const uint32_t *s = src + b * 32 * k2;
+        uint32_t *d = dst + b * k2 * 32;
+        long j = 0;
+        for (; j + 8 <= k2; j += 8)
+            for (long r = 0; r < 32; r += 8) transpose8(s + r * k2 + j, k2, d + j * 32 + r, 32);
+        for (; j < k2; j++)
+            for (long r = 0; r < 32; r++) d[j * 32 + r] = s[r * k2 + j];
+    }
+}
+
 #if defined(__AVX512BW__)
 /* ---- int4 blocks straight from the nibbles (AVX512BW) ----------------------------------------
  * An int4 weight takes one of 16 values per (row, group): bf16((c - z) * s), c = 0..15. So the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from moed.model.cold import ColdSettings
@@ -28,6 +29,25 @@ def test_pack_into_writes_cpu_kernels_pack():
         assert torch.equal(pack_copy(w).view(torch.int16), want.view(torch.int16))
     odd = torch.randn(BLOCK + 3, 8, generator=g).to(torch.bfloat16)     # padding rows: CpuKernels.pack
     assert torch.equal(pack_copy(odd).view(torch.int16), CpuKernels.pack(odd).view(torch.int16))
+
+
+def test_the_kernels_c_pack_writes_the_same_bytes(isa_kern):
+    """Each kernel variant's moed_pack_p32 (what a miss into a packed slot uses) against
+    CpuKernels.pack, with pair counts that are and are not a multiple of the 8x8 tile; a shape
+    it cannot take is refused, not written."""
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((4 * BLOCK, 6 * BLOCK), (2 * BLOCK, 2 * 13), (BLOCK, 2 * 8 + 2), (3 * BLOCK, 2)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        want = CpuKernels.pack(w)
+        got = torch.full_like(want, 7.0)
+        pack_into(w, got, isa_kern)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (isa_kern.isa, n, k)
+        assert torch.equal(pack_copy(w.t().contiguous().t(), isa_kern).view(torch.int16), want.view(torch.int16))
+    w = torch.randn(BLOCK + 3, 8, generator=g).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="pack_into"):
+        pack_into(w, torch.empty(2, 4, BLOCK, 2, dtype=torch.bfloat16), isa_kern)
+    with pytest.raises(ValueError, match="pack_into"):
+        pack_into(w[:BLOCK], torch.empty(2, 4, BLOCK, 2, dtype=torch.bfloat16), isa_kern)   # wrong dst
 
 
 def test_read_reuse_is_one_buffer_per_thread(tiny_qwen3):
