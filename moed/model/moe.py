@@ -148,9 +148,9 @@ class LocalExperts(ExpertExecutor):
         out = torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
         return out.index_add_(0, token, ys * ws)
 
-    def run_grouped(self, xs: torch.Tensor, per_slot: torch.Tensor, mode: MoEMode) -> torch.Tensor:
-        """executor.SlotExperts: rows grouped by slot -> their expert outputs, as EP=1's path
-        for `mode` computes them (what an expert-parallel rank runs for its sources)."""
+    def run_grouped(self, xs: torch.Tensor, per_slot: torch.Tensor | list[int], mode: MoEMode) -> torch.Tensor:
+        """executor.SlotExperts: rows grouped by slot (per_slot rows each) -> their expert outputs,
+        as EP=1's path for `mode` computes them (what an expert-parallel rank runs for its sources)."""
         if mode == MoEMode.FUSED:
             if self.kernels is None:
                 raise RuntimeError("a peer ran the fused CPU kernel path and this rank cannot")
@@ -160,9 +160,9 @@ class LocalExperts(ExpertExecutor):
                 raise RuntimeError("a peer ran the fused quantized MoE kernel and this rank cannot")
             if xs.shape[0] == 0:
                 return xs
-            slots = torch.repeat_interleave(torch.arange(self.num_physical), per_slot.cpu()).unsqueeze(1)
+            slots = torch.repeat_interleave(torch.arange(self.num_physical), torch.as_tensor(per_slot).cpu()).unsqueeze(1)
             return kq.moe_q(self.qkernels, xs, slots, torch.ones_like(slots, dtype=xs.dtype), *self.quant, True)
-        return self._grouped(xs, per_slot.tolist())
+        return self._grouped(xs, per_slot if isinstance(per_slot, list) else per_slot.tolist())
 
     def qfused_serves(self, x: torch.Tensor) -> bool:
         """Whether moed_moe_q serves a batch x [T, H] (the mode EP=1 runs it in: QFUSED)."""
@@ -190,7 +190,7 @@ class LocalExperts(ExpertExecutor):
         kernel call for them all where it serves every count (~10x fewer torch ops per layer),
         else one pass per touched expert."""
         if xs.shape[0] and self.native_serves(counts):
-            return self.kernels.experts_bf16(xs, torch.tensor(counts, dtype=torch.long), self.gate_up_p,
+            return self.kernels.experts_bf16(xs, counts, self.gate_up_p,
                                              self.down_p, self.intermediate)
         ys, start = [], 0
         for e, n in enumerate(counts):           # one pass per touched expert, never per token

@@ -4,8 +4,12 @@ checkpoint's safetensors files when a step routes to them (docs/cold-experts.md)
   policy.py   the decisions, pure: slots per layer from the byte budget, rounds of a layer
               call, the victim slot, which experts to read ahead
   reader.py   the disk tier: (layer, expert) -> its matrices' byte ranges; pread into buffers
-  store.py    ExpertStore (the model's ExpertPlacement) and ColdExperts (a layer's executor):
-              misses, heat, the between-steps mover, the counters and metrics
+  packread.py a round's misses (and the mover's installs) read from the page cache and packed
+              into their slots by the kernels' team, in one call
+  store.py    ExpertStore (the model's ExpertPlacement) and ColdExperts (a layer's slots):
+              misses, heat, the between-steps mover
+  executor.py ColdExecutor, a layer's executor in one process (rows grouped, outputs combined)
+  stats.py    the counters since start, and the metrics they advance
   prefetch.py Prefetcher: layer-ahead prediction (the next MoE layer's router on the hidden
               state at hand) and the reads of the predicted experts, staged in a bounded budget
 

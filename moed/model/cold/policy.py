@@ -76,15 +76,13 @@ def victim(expert_in: Sequence[int], heat: Sequence[float], keep: set[int]) -> i
 def victims(expert_in: Sequence[int], heat: Sequence[float], keep: set[int], n: int) -> list[int]:
     """n distinct slots for n misses, chosen before any is read (so each read can land straight
     in its slot): the slots `victim` would pick one after the other, each filled slot then
-    holding one of the round's experts (kept)."""
-    held, out = list(expert_in), []
-    for _ in range(n):
-        slot = victim(held, heat, keep | {LOST - 1})
-        if slot < 0:
-            break
-        held[slot] = LOST - 1           # taken: kept from here on
-        out.append(slot)
-    return out
+    holding one of the round's experts (kept): the empty ones in slot order, then the others
+    coldest first (ties: the lower slot), in one sort."""
+    empty = [slot for slot, e in enumerate(expert_in) if e < 0 and e != LOST and e not in keep]
+    if len(empty) >= n:
+        return empty[:n]
+    held = sorted((heat[e], slot) for slot, e in enumerate(expert_in) if e >= 0 and e not in keep)
+    return empty + [slot for _, slot in held[:n - len(empty)]]
 
 
 def coldest(expert_in: Sequence[int], heat: Sequence[float]) -> float:
@@ -103,10 +101,9 @@ def promotions(layers_heat: Sequence[Sequence[float]], layers_expert_in: Sequenc
     cands: list[tuple[float, int, int]] = []
     for li, (heat, expert_in) in enumerate(zip(layers_heat, layers_expert_in)):
         floor = coldest(expert_in, heat)
-        held = set(expert_in)
-        for e, h in enumerate(heat):
-            if e not in held and h > 0 and h > margin * floor and (li, e) not in busy:
-                cands.append((h - floor, li, e))
+        bar, held = margin * floor, set(expert_in)      # heat >= 0: above bar is above 0 too
+        cands += [(h - floor, li, e) for e, h in enumerate(heat)
+                  if h > bar and h > 0 and e not in held and (li, e) not in busy]
     cands.sort(key=lambda c: (-c[0], c[1], c[2]))
     return [(li, e) for _, li, e in cands[:limit]]
 

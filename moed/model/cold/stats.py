@@ -1,8 +1,10 @@
-"""The cold-expert store's counters: since start (ColdStats, what the metrics advance with and
-the tests and the bench read) and one layer call's prefetched experts (LayerFetch)."""
+"""The cold-expert store's counters: since start (ColdStats, which advances the metrics with them;
+the tests and the bench read it) and one layer call's prefetched experts (LayerFetch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from moed.obs import metrics
 
 
 @dataclass
@@ -26,7 +28,17 @@ class ColdStats:
 
     def count(self, hits: int, misses: int, stall_s: float, hit_rows: int, rows: int,
               fetched: LayerFetch, expert_bytes: int) -> None:
-        """One layer call's expert reads (rows: the call's token-expert choices)."""
+        """One layer call's expert reads (rows: the call's token-expert choices), metrics too."""
+        metrics.EXPERT_WEIGHT_HITS.inc(hits)
+        if fetched.ready or fetched.waited:
+            metrics.EXPERT_WEIGHT_PREFETCHES.labels("ready").inc(fetched.ready)
+            metrics.EXPERT_WEIGHT_PREFETCHES.labels("waited").inc(fetched.waited)
+            metrics.EXPERT_WEIGHT_PREFETCH_WAIT.inc(fetched.wait_s)
+            metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("prefetch").inc((fetched.ready + fetched.waited) * expert_bytes)
+        if misses:
+            metrics.EXPERT_WEIGHT_MISSES.inc(misses)
+            metrics.EXPERT_WEIGHT_MISS_STALL.inc(stall_s)
+            metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("miss").inc(misses * expert_bytes)
         self.hits += hits
         self.misses += misses
         self.hit_rows += hit_rows
@@ -37,6 +49,16 @@ class ColdStats:
         self.prefetch_ready += fetched.ready
         self.prefetch_waited += fetched.waited
         self.prefetch_wait_s += fetched.wait_s
+
+    def promoted(self, nbytes: int) -> None:
+        """Expert bytes the mover installed (moved bytes, "promote")."""
+        self.promoted_bytes += nbytes
+        metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("promote").inc(nbytes)
+
+    def read_failed(self, where: str) -> None:
+        """A disk-tier read that failed (where: miss, prefetch, promote)."""
+        self.read_failures += 1
+        metrics.EXPERT_WEIGHT_READ_FAILURES.labels(where).inc()
 
     @property
     def in_memory(self) -> float:

@@ -9,14 +9,14 @@ EP, so the order in which a token's k outputs are summed is the all-resident one
 loads only `local_slots` (the first R units of each MoE layer), and each MoE layer's
 `ColdExperts` runs rows grouped by unit through its R resident slots (executor.SlotExperts):
 
-  the units with rows -> their misses read into the coldest slots that hold none of the
-  layer's hottest units nor one the call runs (copied on the step thread from the page cache,
-  else read on the miss thread; the step waits, counted, timed), then every unit's rows run
-  through its slot (one round; policy.rounds splits the call only when the misses outnumber
-  those slots), with the kernels EP=1 uses.
+  the units with rows -> their misses read into the coldest slots that hold none of the layer's
+  hottest units nor one the call runs (from the page cache on the step thread, by the kernels'
+  team where packread serves; else on the miss thread; the step waits, counted, timed), then
+  every unit's rows through its slot (one round unless the misses outnumber those slots:
+  policy.rounds), with the kernels EP=1 uses.
 
 Alone, `ColdExecutor` groups a layer's routed rows by expert, calls it, and combines each
-token's k outputs as the all-resident path does (executor.combine); under EP the group's
+token's k outputs as the all-resident path does (executor.combine_sorted); under EP the group's
 DistributedExperts calls it with the rows this rank received, between its exchanges: a miss
 read is local and changes no collective. A row's expert output does not depend on which other
 rows share its call (what makes an EP group equal one process bit for bit), and every unit's
@@ -25,11 +25,11 @@ rows still go through one call, so the output equals the all-resident run's.
 Between steps (`between_steps`, called by the runner before each forward and each empty EP
 step, on the step thread, so no layer reads a slot while it changes): every layer's heat
 decays and takes the step's counts (the rows each unit received: under EP from every rank, a
-replica's share counted for its own slot); experts read ahead on the background thread are
-installed into the coldest slots under `move_bytes_per_step`; then the hottest non-resident
-units (policy.promotions) are queued for reading ahead. Reads go into private buffers, so a
-slot is only ever written on the step thread. Miss reads go through their own thread, waited
-for with a timeout.
+replica's share counted for its own slot); then, under `move_bytes_per_step`, finished
+read-aheads and the hottest non-resident units (policy.promotions) go into the coldest slots:
+the page-cached ones at once (packread), the others read ahead on a background thread into
+private buffers (a slot is only written on the step thread). Misses the page cache lacks are
+read on their own thread, waited for with a timeout.
 
 Layer-ahead prefetch (prefetch.py, alone only): a layer call first predicts the next MoE
 layer's experts from its input and starts reading them; a miss that a prefetch staged is
@@ -47,12 +47,13 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from moed.model.cold import onednn, policy
+from moed.model.cold import onednn, packread, policy
+from moed.model.cold.executor import ColdExecutor
 from moed.model.cold.prefetch import Prefetcher
 from moed.model.cold.reader import ExpertIndex, ExpertReadError
 from moed.model.cold.stats import ColdStats, LayerFetch
 from moed.model.context import ExpertPlacement
-from moed.model.executor import ExpertExecutor, MoEMode, Routing, SlotExperts, combine
+from moed.model.executor import ExpertExecutor, MoEMode, SlotExperts
 from moed.model.moe import LocalExperts, MoELayer
 from moed.model.spec import ModelSpec
 from moed.obs import metrics
@@ -160,7 +161,10 @@ class ExpertStore:
             local.fill_slot(slot, *weights)
             return True
 
-        rest = [(u, s) for u, s in reads if not read(u, s, True)]
+        left = packread.read_packed(index, local, n, [(self.units[u], s) for u, s in reads]) \
+            if layer.packread else None     # by the kernels' team, in one call
+        rest = [r for r in reads if (self.units[r[0]], r[1]) in left] if left is not None \
+            else [(u, s) for u, s in reads if not read(u, s, True)]
         self.stats.cached_reads += len(reads) - len(rest)
         if not rest:
             return
@@ -197,16 +201,34 @@ class ExpertStore:
             self.prefetch.reset()
         for layer in self.layers:
             layer.cool(self.decay)
-        self._install_ready()
+        budget = self._install_ready()
         if self.per_step:
             limit = 2 * self.per_step - len(self._ahead)    # in flight + staged, bounded
             busy = set(self._ahead)
-            for pos, e in policy.promotions([ly.heat_list() for ly in self.layers],
-                                            [ly.expert_in for ly in self.layers], busy, limit):
+            picks = policy.promotions([ly.heat_list() for ly in self.layers],
+                                      [ly.expert_in for ly in self.layers], busy, limit)
+            for pos, e in self._promote_cached(picks, budget):
                 self._ahead[(pos, e)] = self._ahead_pool.submit(self._read_ahead, pos, e)
         self.publish()
 
-    def _install_ready(self) -> None:
+    def _promote_cached(self, picks: list[tuple[int, int]], budget: int) -> list[tuple[int, int]]:
+        """The first `budget` picks of packread layers installed now from the page cache by the
+        kernels' team (a read-ahead thread copying beside the step's matmuls took the GIL and a
+        core from them: docs/cold-experts.md); their later picks wait for the next step -> the
+        read-ahead thread's: what the page cache lacked (a disk read may wait), other layers'."""
+        now: dict[int, list[int]] = {}
+        for pos, e in picks[:max(budget, 0)]:
+            if self.layers[pos].packread:
+                now.setdefault(pos, []).append(e)
+        left = [(pos, e) for pos, e in picks if not self.layers[pos].packread]
+        for pos, units in now.items():
+            missed = self.layers[pos].promote_cached(units)
+            left += [(pos, e) for e in missed]
+            self.stats.promoted((len(units) - len(missed)) * self.expert_bytes)
+        return left
+
+    def _install_ready(self) -> int:
+        """Finished read-aheads installed, at most per_step -> what is left of that budget."""
         budget = self.per_step
         for key in [k for k, f in self._ahead.items() if f.done()]:
             if budget <= 0:
@@ -216,30 +238,14 @@ class ExpertStore:
             try:
                 weights = fut.result(timeout=0)
             except ExpertReadError:
-                self.stats.read_failures += 1
-                metrics.EXPERT_WEIGHT_READ_FAILURES.labels("promote").inc()
+                self.stats.read_failed("promote")
                 continue
             if self.layers[pos].promote(e, weights):
                 budget -= 1
-                self.stats.promoted_bytes += self.expert_bytes
-                metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("promote").inc(self.expert_bytes)
+                self.stats.promoted(self.expert_bytes)
+        return budget
 
     # ---- accounting -----------------------------------------------------------------------
-    def count(self, hits: int, misses: int, stall_s: float, hit_rows: int, rows: int,
-              fetched: LayerFetch) -> None:
-        self.stats.count(hits, misses, stall_s, hit_rows, rows, fetched, self.expert_bytes)
-        metrics.EXPERT_WEIGHT_HITS.inc(hits)
-        if fetched.ready or fetched.waited:
-            metrics.EXPERT_WEIGHT_PREFETCHES.labels("ready").inc(fetched.ready)
-            metrics.EXPERT_WEIGHT_PREFETCHES.labels("waited").inc(fetched.waited)
-            metrics.EXPERT_WEIGHT_PREFETCH_WAIT.inc(fetched.wait_s)
-            metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("prefetch").inc(
-                (fetched.ready + fetched.waited) * self.expert_bytes)
-        if misses:
-            metrics.EXPERT_WEIGHT_MISSES.inc(misses)
-            metrics.EXPERT_WEIGHT_MISS_STALL.inc(stall_s)
-            metrics.EXPERT_WEIGHT_MOVED_BYTES.labels("miss").inc(misses * self.expert_bytes)
-
     def resident_bytes(self) -> int:
         return self.slots * len(self.moe_layers) * self.expert_bytes
 
@@ -280,6 +286,7 @@ class ColdExperts:
 
     def __init__(self, store: ExpertStore, pos: int, layer: int, local: LocalExperts) -> None:
         self.store, self.pos, self.layer, self.local = store, pos, layer, local
+        self.packread = packread.serves(store.index, local)
         n, s = len(store.units), store.slots
         self.num_physical = n                           # SlotExperts: the units
         self.expert_in = list(range(s))                 # slot -> unit (-1 empty)
@@ -314,6 +321,23 @@ class ColdExperts:
         self.local.load_slot(slot, weights, repack=False)
         self._set(slot, expert)
         return True
+
+    def promote_cached(self, units: list[int]) -> list[int]:
+        """Units (hottest first) installed from the page cache into the coldest slots now (packread),
+        each only if hotter than the expert it evicts -> those the page cache lacked (their
+        victim slots are left empty, for the next miss or install)."""
+        heat = self.heat_list()
+        slots = policy.victims(self.expert_in, heat, set(), len(units))
+        pairs = [(u, s) for u, s in zip(units, slots) if self.expert_in[s] < 0 or heat[u] > heat[self.expert_in[s]]]
+        for _, slot in pairs:
+            self._set(slot, -1)         # empty while written: a failed read leaves no stale expert
+        units_of = self.store.units
+        left = packread.read_packed(self.store.index, self.local, self.layer, [(units_of[u], s) for u, s in pairs])
+        missed = [u for u, s in pairs if left is None or (units_of[u], s) in left]
+        for u, slot in pairs:
+            if u not in missed:
+                self._set(slot, u)
+        return missed
 
     def _ensure(self, group: list[int], protect: set[int], n_rows: list[int],
                 fetched: LayerFetch, heat: list[float]) -> tuple[int, float]:
@@ -350,8 +374,7 @@ class ColdExperts:
                 raise ExpertReadError(f"expert weights could not be read from disk within "
                                       f"{READ_TIMEOUT_S:.0f} s (layer {self.layer})") from None
             except ExpertReadError:
-                self.store.stats.read_failures += 1
-                metrics.EXPERT_WEIGHT_READ_FAILURES.labels("prefetch").inc()
+                self.store.stats.read_failed("prefetch")
                 weights = []
             if not weights:                 # failed ([]), or page-cached (None): a miss read
                 if weights is None:
@@ -411,40 +434,16 @@ class ColdExperts:
                     for u in group:
                         outs[u] = self.local.expert_rows(slot_of[u], xs[start[u]:start[u] + n_rows[u]])
                     continue
-                by_slot = sorted((slot_of[u], u) for u in group)
-                rows = torch.cat([torch.arange(start[u], start[u] + n_rows[u]) for _, u in by_slot])
-                per_slot = torch.zeros(self.store.slots, dtype=torch.long)
-                per_slot[[sl for sl, _ in by_slot]] = torch.tensor([n_rows[u] for _, u in by_slot])
+                by_slot, per_slot = sorted((slot_of[u], u) for u in group), [0] * self.store.slots
+                for sl, u in by_slot:
+                    per_slot[sl] = n_rows[u]
+                rows = torch.tensor([r for _, u in by_slot for r in range(start[u], start[u] + n_rows[u])])
                 ys[rows] = self.local.run_grouped(xs.index_select(0, rows), per_slot, mode)
         except ExpertReadError:
-            self.store.stats.read_failures += 1
-            metrics.EXPERT_WEIGHT_READ_FAILURES.labels("miss").inc()
+            self.store.stats.read_failed("miss")
             raise
         finally:
-            self.store.count(hits, misses, stall, hit_rows, xs.shape[0], fetched)
+            self.store.stats.count(hits, misses, stall, hit_rows, xs.shape[0], fetched, self.store.expert_bytes)
             if pf is not None:
                 pf.finish(self.pos, set(needed))
         return ys if one_call else torch.cat([outs[u] for u in sorted(outs)])
-
-
-class ColdExecutor(ExpertExecutor):
-    """A layer's executor when this process serves every expert: its routed rows grouped by
-    expert through the layer's ColdExperts, each token's k outputs combined as the
-    all-resident path combines them."""
-
-    def __init__(self, layer: ColdExperts) -> None:
-        self.layer = layer
-
-    def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
-        t, k = routing.physical.shape
-        h = x.shape[1]
-        if t == 0:
-            return x.new_empty((0, h))
-        if self.layer.store.prefetch is not None:     # the next MoE layer's, from this input
-            self.layer.store.prefetch.predict(self.layer.pos + 1, x)
-        phys = routing.physical.reshape(-1)
-        order = torch.argsort(phys, stable=True)                 # by expert, flat order within
-        per_unit = torch.bincount(phys, minlength=self.layer.num_physical)
-        ys = x.new_empty((t * k, h))
-        ys[order] = self.layer.run_grouped(x.index_select(0, order // k), per_unit, mode)
-        return combine(ys.view(t, k, h), routing.weights, routing.physical, mode)

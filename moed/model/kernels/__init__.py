@@ -65,7 +65,7 @@ ISA_NEEDS: dict[str, frozenset[str]] = {
 }
 ISAS = tuple(ISA_CFLAGS)
 ISA_ENV = "MOED_CPU_ISA"
-ABI_VERSION = 14
+ABI_VERSION = 15
 BLOCK = 32          # output columns per packed block (NB in cpu_bf16.c)
 
 _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
@@ -249,12 +249,12 @@ class CpuKernels:
             raise RuntimeError("moed_route_bf16: " + ("out of memory" if rc == -1 else "expert map out of range"))
         return phys, wts.to(torch.bfloat16)     # exact: the kernel rounded them to bf16
 
-    def experts_bf16(self, xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+    def experts_bf16(self, xs: torch.Tensor, counts: torch.Tensor | list[int], gate_up: torch.Tensor,
                      down: torch.Tensor, intermediate: int) -> torch.Tensor:
         """moe_bf16's expert half (expert parallelism): rows xs [R, H] grouped by local slot
         (counts [P] int64 rows per slot, in slot order) -> each row's expert output [R, H]
         bf16, unweighted. gate_up, down: packed [P, ...] as for moe_bf16."""
-        xs, counts = xs.contiguous(), counts.to(torch.long).contiguous()
+        xs, counts = xs.contiguous(), torch.as_tensor(counts, dtype=torch.long).contiguous()
         r, h = xs.shape
         out = torch.empty_like(xs)
         rc = self.lib.moed_experts_bf16(xs.data_ptr(), r, h, counts.data_ptr(), gate_up.data_ptr(),

@@ -40,12 +40,14 @@
  * vector sum (same code in both variants). group must be a multiple of 16 (int4: 32) unless
  * there is one group per row: the Python side checks (kernels/quant.py unserved).
  */
+#define _GNU_SOURCE     /* preadv2 */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
 
 #include "cpu_bf16_scalar.h"
 
@@ -401,8 +403,10 @@ static inline void bf16_bits(const float *f, long n, uint16_t *h) {
 }
 
 /* d[i][j] = s[j][i] for an 8 x 8 tile of 32-bit values (AVX2, which every variant has: data
- * movement only, so the same bits everywhere). */
-static inline void transpose8(const uint32_t *s, long ls, uint32_t *d, long ld) {
+ * movement only, so the same bits everywhere). nt: non-temporal stores (d 32-byte aligned; the
+ * caller fences): the destination's lines are not read first. */
+static inline __attribute__((always_inline)) void transpose8_to(const uint32_t *s, long ls, uint32_t *d, long ld,
+                                                                const int nt) {
     __m256 r[8], t[8], u[8];
     for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps((const float *)(s + i * ls));
     for (int i = 0; i < 4; i++) {
@@ -416,8 +420,30 @@ static inline void transpose8(const uint32_t *s, long ls, uint32_t *d, long ld) 
         u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
     }
     for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps((float *)(d + i * ld), _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        _mm256_storeu_ps((float *)(d + (i + 4) * ld), _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+        const __m256 lo = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20), hi = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+        if (nt) {
+            _mm256_stream_ps((float *)(d + i * ld), lo);
+            _mm256_stream_ps((float *)(d + (i + 4) * ld), hi);
+        } else {
+            _mm256_storeu_ps((float *)(d + i * ld), lo);
+            _mm256_storeu_ps((float *)(d + (i + 4) * ld), hi);
+        }
+    }
+}
+
+static inline void transpose8(const uint32_t *s, long ls, uint32_t *d, long ld) { transpose8_to(s, ls, d, ld, 0); }
+
+/* moed_pack_p32's loop; nt: non-temporal stores (dst 32-byte aligned) */
+static inline __attribute__((always_inline)) void pack_p32(const uint32_t *src, long nb, long k2, uint32_t *dst,
+                                                           const int nt) {
+    for (long b = 0; b < nb; b++) {
+        const uint32_t *s = src + b * 32 * k2;
+        uint32_t *d = dst + b * k2 * 32;
+        long j = 0;
+        for (; j + 8 <= k2; j += 8)
+            for (long r = 0; r < 32; r += 8) transpose8_to(s + r * k2 + j, k2, d + j * 32 + r, 32, nt);
+        for (; j < k2; j++)
+            for (long r = 0; r < 32; r++) d[j * 32 + r] = s[r * k2 + j];
     }
 }
 
@@ -425,16 +451,82 @@ static inline void transpose8(const uint32_t *s, long ls, uint32_t *d, long ld) 
  * dst[b][j][r] = src[32 b + r][j] for the K / 2 pairs j of every row. On the calling thread
  * alone (no OpenMP team: the cold-expert store packs a missed expert on the step or the reading
  * thread, kernels/pack.py). The bench model's expert: 23 us against 127 us numpy's strided copy. */
-void moed_pack_p32(const uint32_t *src, long nb, long k2, uint32_t *dst) {
-    for (long b = 0; b < nb; b++) {
-        const uint32_t *s = src + b * 32 * k2;
-        uint32_t *d = dst + b * k2 * 32;
-        long j = 0;
-        for (; j + 8 <= k2; j += 8)
-            for (long r = 0; r < 32; r += 8) transpose8(s + r * k2 + j, k2, d + j * 32 + r, 32);
-        for (; j < k2; j++)
-            for (long r = 0; r < 32; r++) d[j * 32 + r] = s[r * k2 + j];
+void moed_pack_p32(const uint32_t *src, long nb, long k2, uint32_t *dst) { pack_p32(src, nb, k2, dst, 0); }
+
+#ifndef RWF_NOWAIT
+#define RWF_NOWAIT 0x00000008   /* linux/fs.h: fail with EAGAIN rather than wait for the disk */
+#endif
+#define READ_PACK_CHUNK (256L * 1024)   /* bytes read at a time: the pack then reads them from L2 */
+
+/* The cold-expert store's misses of a round read from the page cache and packed into their
+ * slots, the team splitting the work (a read from the page cache is a memory copy: the step
+ * thread alone did them while the other cores waited). Item i: nb[i] blocks of 32 rows of a
+ * plain bf16 matrix, k2[i] pairs a row, at byte off[i] of file fd[i], packed as moed_pack_p32
+ * into dst[i]. Read with preadv2(RWF_NOWAIT) in chunks of about READ_PACK_CHUNK bytes, each
+ * packed only once it is whole: a chunk the page cache does not hold (EAGAIN, a short read;
+ * past the end of a truncated file) or whose read fails sets status[i] = 1 and writes nothing,
+ * and the caller reads that item's expert the blocking way, which reports the error. Returns
+ * 0; -1 out of memory (every status then 1). */
+int moed_read_pack_p32(long n, const int *fd, const int64_t *off, const int64_t *nb, const int64_t *k2,
+                       const uint64_t *dst, int *status, int nthreads) {
+    long *first = malloc(sizeof(long) * (n + 1));   /* first[i]: item i's first chunk */
+    long *per = malloc(sizeof(long) * (n + 1));     /* blocks per chunk of item i */
+    int oom = 0;
+    if (!first || !per) {
+        free(first); free(per);
+        for (long i = 0; i < n; i++) status[i] = 1;
+        return -1;
     }
+    first[0] = 0;
+    for (long i = 0; i < n; i++) {
+        const long block = 32 * k2[i] * 4;
+        per[i] = READ_PACK_CHUNK / block > 0 ? READ_PACK_CHUNK / block : 1;
+        first[i + 1] = first[i] + (nb[i] + per[i] - 1) / per[i];
+        status[i] = 0;
+    }
+    long most = 0;
+    for (long i = 0; i < n; i++) most = per[i] * 32 * k2[i] > most ? per[i] * 32 * k2[i] : most;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t *buf = malloc(sizeof(uint32_t) * (most + 1));
+        long i = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (long c = 0; c < first[n]; c++) {
+            while (first[i + 1] <= c) i++;              /* c ascends within a thread */
+            while (first[i] > c) i--;
+            if (!buf) {
+#pragma omp atomic write
+                status[i] = 1;
+#pragma omp atomic write
+                oom = 1;
+                continue;
+            }
+            const long b0 = (c - first[i]) * per[i], bn = nb[i] - b0 < per[i] ? nb[i] - b0 : per[i];
+            const long want = bn * 32 * k2[i] * 4;
+            long got = 0;
+            while (got < want) {
+                struct iovec v = {(char *)buf + got, (size_t)(want - got)};
+                const ssize_t r = preadv2(fd[i], &v, 1, off[i] + b0 * 32 * k2[i] * 4 + got, RWF_NOWAIT);
+                if (r <= 0) break;
+                got += r;
+            }
+            if (got < want) {
+#pragma omp atomic write
+                status[i] = 1;
+                continue;
+            }
+            uint32_t *d = (uint32_t *)(uintptr_t)dst[i] + b0 * 32 * k2[i];
+            if ((uintptr_t)d & 31) {
+                pack_p32(buf, bn, k2[i], d, 0);
+            } else {        /* no read of the slot's old lines: a third less memory traffic */
+                pack_p32(buf, bn, k2[i], d, 1);
+                _mm_sfence();
+            }
+        }
+        free(buf);
+    }
+    free(first); free(per);
+    return oom ? -1 : 0;
 }
 
 #if defined(__AVX512BW__)

@@ -1,4 +1,5 @@
-"""The kernels' weight layout (CpuKernels.pack, "P32") written on the calling thread alone.
+"""The kernels' weight layout (CpuKernels.pack, "P32") written on the calling thread alone, and
+a round of cold-expert misses read from the page cache and packed by the OpenMP team (read_pack).
 
 The cold-expert store packs an expert each time it reads one into a packed slot (a miss) or
 stages one (a read-ahead, a prefetch). torch's copy_ splits that blocked transpose over its
@@ -9,6 +10,8 @@ transpose (moed_pack_p32) takes ~23 us where numpy's strided copy takes ~127 (AV
 Same bytes as CpuKernels.pack.
 """
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import torch
@@ -43,3 +46,23 @@ def pack_copy(w: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tenso
     out = w.new_empty((n // BLOCK, k // 2, BLOCK, 2))
     pack_into(w, out, kernels)
     return out
+
+
+# One plain bf16 matrix of whole 32-row blocks in a file, to be packed into a slot: (fd, byte
+# offset in the file, 32-row blocks (N / 32), bf16 pairs a row (K / 2), address of its first
+# packed block). A tuple: a cold step builds ~300 of them.
+PackRead = tuple[int, int, int, int, int]
+
+
+def read_pack(kernels: CpuKernels, reads: list[PackRead]) -> list[bool]:
+    """Each read from the page cache and packed into its slot by the kernels' OpenMP team (all
+    of torch's threads) in one call (moed_read_pack_p32) -> whether it was (False: not all
+    cached, or the read failed; then nothing of that chunk was written, and the caller reads it
+    the blocking way, which reports an error)."""
+    n = len(reads)
+    fd, off, blocks, pairs, dst = zip(*reads) if reads else ((),) * 5
+    status = (ctypes.c_int * n)()
+    rc = kernels.lib.moed_read_pack_p32(
+        n, (ctypes.c_int * n)(*fd), (ctypes.c_int64 * n)(*off), (ctypes.c_int64 * n)(*blocks),
+        (ctypes.c_int64 * n)(*pairs), (ctypes.c_uint64 * n)(*dst), status, torch.get_num_threads())
+    return [rc == 0 and not st for st in status]

@@ -37,6 +37,8 @@ _p, _l, _i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 def bind(lib: ctypes.CDLL) -> None:
     """Declare cpu_quant.c's and cpu_qdot.c's signatures on a loaded kernels library."""
     lib.moed_pack_p32.argtypes, lib.moed_pack_p32.restype = [_p, _l, _l, _p], None   # kernels/pack.py
+    lib.moed_read_pack_p32.argtypes = [_l, _p, _p, _p, _p, _p, _p, _i]                 # kernels/pack.py
+    lib.moed_read_pack_p32.restype = _i
     lib.moed_qlinear.argtypes = [_p, _i, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i, _i]
     lib.moed_qlinear.restype = _i
     lib.moed_qlinear_blocked.argtypes = [_p, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i]

@@ -3,13 +3,15 @@
 not cached goes there (and with it the timeout). The output is the all-resident one either way."""
 from __future__ import annotations
 
+import gc
 import os
+import shutil
 
 import pytest
 import torch
 
-from moed.model.cold import ColdSettings
-from moed.model.cold.reader import ExpertIndex
+from moed.model.cold import ColdSettings, packread
+from moed.model.cold.reader import ExpertIndex, page_cached
 from test_cold_experts import _budget, _runner, _steps
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT (not Linux)")
@@ -45,6 +47,8 @@ def test_reads_not_cached_go_to_the_miss_thread(tiny_qwen3, monkeypatch):
     full = _runner(tiny_qwen3, "bfloat16")
     want = _steps(full, 4)
     r = _runner(tiny_qwen3, "bfloat16", ColdSettings(_budget(full, 0.3), 0, 4.0, 0))
+    for layer in r.cold.layers:         # the store's own reads (the kernels' are tested below)
+        layer.packread = False
     handed = _handoffs(r, monkeypatch)
     real = os.preadv
     calls, uncached = [0], set()
@@ -66,6 +70,38 @@ def test_reads_not_cached_go_to_the_miss_thread(tiny_qwen3, monkeypatch):
     assert 0 < st.cached_reads < st.misses and handed
 
 
+def test_the_kernels_read_what_is_cached_and_hand_off_what_is_not(make_checkpoint, tmp_path, monkeypatch):
+    """Packed bf16 slots: a round's misses are read and packed by the kernels' team in one call
+    (cold/packread.py). The file's pages are really dropped from the page cache
+    (POSIX_FADV_DONTNEED: whole file, as the kernel drops only whole folios): the first reads come
+    back EAGAIN there and go to the miss thread, which brings them back; later misses of the same
+    experts are the kernels' cached reads. Output: the all-resident bits."""
+    src = make_checkpoint("qwen3_moe")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    full = _runner(ck, "bfloat16")
+    want, budget = _steps(full, 4), _budget(full, 0.3)
+    del full                            # its weights map the file: mapped pages are not dropped
+    gc.collect()
+    r = _runner(ck, "bfloat16", ColdSettings(budget, 0, 4.0, 0))
+    assert all(layer.packread for layer in r.cold.layers)
+    index = r.cold.index
+    for fd in index.fds:
+        os.fsync(fd)                    # only clean pages are dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if not all(page_cached(index.fds[x.file], x.offset, x.nbytes) is False for x in index.where.values()):
+        pytest.skip("this file system kept the pages (tmpfs?): nothing to hand off")
+    calls: list[int] = []
+    real = packread.read_pack
+    monkeypatch.setattr(packread, "read_pack", lambda k, reads: calls.append(len(reads)) or real(k, reads))
+    handed = _handoffs(r, monkeypatch)
+    got = _steps(r, 4)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
+    st = r.cold.stats
+    assert calls and all(n % 3 == 0 for n in calls)        # gate, up and down of each miss
+    assert 0 < st.cached_reads < st.misses and handed, st
+
+
 def test_without_rwf_nowait_every_miss_goes_to_the_miss_thread(tiny_qwen3, monkeypatch):
     full = _runner(tiny_qwen3, "float32")
     want = _steps(full, 2)
@@ -78,7 +114,6 @@ def test_without_rwf_nowait_every_miss_goes_to_the_miss_thread(tiny_qwen3, monke
 
 
 def test_page_cached_tells_a_page_never_read_from_one_read(tmp_path):
-    from moed.model.cold.reader import page_cached
     path = tmp_path / "sparse"
     with open(path, "wb") as f:
         f.truncate(64 << 20)                    # a hole: no page was ever read or written

@@ -5,6 +5,7 @@ bit, and a read that hangs past the timeout loses its slots instead of letting t
 under it."""
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -23,6 +24,26 @@ def test_victims_are_the_slots_victim_picks_in_turn():
     assert policy.victims(expert_in, heat, set(), 3) == [2, 1, 4]    # empty, then coldest
     assert policy.victims(expert_in, heat, {1}, 2) == [2, 4]
     assert policy.victims(expert_in, heat, {0, 1, 2, 4}, 3) == [2]   # not enough: fewer
+
+
+def test_victims_in_one_sort_equal_victim_picked_in_turn():
+    """victims sorts once; it must pick exactly what victim() picks one slot at a time (ties in
+    heat, empty and lost slots, kept experts, too few candidates)."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        slots = rng.randint(1, 12)
+        heat = [float(rng.randint(0, 4)) for _ in range(16)]
+        expert_in = [rng.choice([-1, policy.LOST, *range(16)]) for _ in range(slots)]
+        keep = set(rng.sample(range(16), rng.randint(0, 6)))
+        n = rng.randint(0, slots + 2)
+        held, want = list(expert_in), []
+        for _ in range(n):
+            slot = policy.victim(held, heat, keep | {policy.LOST - 1})
+            if slot < 0:
+                break
+            held[slot] = policy.LOST - 1
+            want.append(slot)
+        assert policy.victims(expert_in, heat, keep, n) == want, (expert_in, heat, keep, n)
 
 
 def test_a_lost_slot_is_never_a_victim_nor_the_coldest():

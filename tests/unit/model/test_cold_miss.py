@@ -77,6 +77,8 @@ def test_packed_misses_read_into_reused_buffers_and_staged_reads_do_not(tiny_qwe
     # misses, read-aheads between steps and layer-ahead prefetches all at once
     r = _runner(tiny_qwen3, "bfloat16", ColdSettings(_budget(full, 0.3), 1 << 30, 2.0, 4))
     assert r.cold.layers[0].local.gate_up_p is not None, "the kernels' packed slots"
+    for layer in r.cold.layers:         # the store's own reads (cold/packread.py: test_cold_cached)
+        layer.packread = False
     calls: list[tuple[str, bool]] = []
     orig = ExpertIndex.read
     monkeypatch.setattr(ExpertIndex, "read", lambda self, *a, reuse=False, **k: calls.append(
@@ -95,3 +97,46 @@ def test_packed_misses_read_into_reused_buffers_and_staged_reads_do_not(tiny_qwe
     gu, dn = orig(r.cold.index, layer.layer, 5)
     assert torch.equal(one[0].view(torch.int16), CpuKernels.pack(gu).view(torch.int16))
     assert torch.equal(one[1].view(torch.int16), CpuKernels.pack(dn).view(torch.int16))
+
+
+def test_read_pack_reads_and_packs_each_matrix_or_leaves_it_whole(isa_kern, tmp_path):
+    """kernels/pack.py read_pack (cpu_quant.c moed_read_pack_p32): matrices read from a file at
+    their offsets and packed into their destinations by the team, split in chunks; a matrix past
+    the end of the file (truncated) is refused with its chunks unwritten; an unaligned
+    destination takes ordinary stores; every byte is CpuKernels.pack's."""
+    import os
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT (not Linux)")
+    from moed.model.kernels.pack import read_pack
+    g = torch.Generator().manual_seed(4)
+    shapes = [(64, 96), (96, 2048), (32, 6), (160, 4100)]      # 128 KB blocks: chunks of 2 blocks
+    ws = [torch.randn(n, k, generator=g).bfloat16() for n, k in shapes]
+    path, offsets, pos = tmp_path / "w.bin", [], 4096 + 6
+    with open(path, "wb") as f:
+        f.write(b"\0" * pos)
+        for w in ws:
+            offsets.append(pos)
+            f.write(w.view(torch.uint8).numpy().tobytes())
+            pos += w.numel() * 2
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, pos, 0)            # in the page cache
+        outs = [torch.full((n // BLOCK, k // 2, BLOCK, 2), 7.0, dtype=torch.bfloat16) for n, k in shapes]
+        odd = torch.full((outs[0].numel() + 8,), 7.0, dtype=torch.bfloat16)[2:2 + outs[0].numel()]
+        reads = [(fd, o, n // BLOCK, k // 2, t.data_ptr()) for (n, k), o, t in zip(shapes, offsets, outs)]
+        reads.append((fd, offsets[0], 2, 48, odd.data_ptr()))          # 4-byte aligned only
+        reads.append((fd, pos - 100, 1, 8, torch.empty(512, dtype=torch.bfloat16).data_ptr()))  # past EOF
+        assert read_pack(isa_kern, reads) == [True] * len(shapes) + [True, False]
+        for w, got in zip(ws, outs):
+            assert torch.equal(got.view(torch.int16), CpuKernels.pack(w).view(torch.int16)), (isa_kern.isa, w.shape)
+        assert torch.equal(odd.view(torch.int16), CpuKernels.pack(ws[0]).view(torch.int16).reshape(-1))
+        # truncated inside its third block: refused; its first chunk (two blocks) packed, the
+        # short one unwritten
+        short = torch.full((3, 1024, BLOCK, 2), 7.0, dtype=torch.bfloat16)
+        os.truncate(path, offsets[1] + 5 * 64 * 1024)
+        assert read_pack(isa_kern, [(fd, offsets[1], 3, 1024, short.data_ptr())]) == [False]
+        assert torch.equal(short[:2].view(torch.int16), CpuKernels.pack(ws[1])[:2].view(torch.int16))
+        assert torch.equal(short[2], torch.full_like(short[2], 7.0))
+        assert read_pack(isa_kern, []) == []
+    finally:
+        os.close(fd)

@@ -3,12 +3,14 @@ replaced on the torch path (fp32, bf16, bf16 oneDNN-packed), with and without re
 executor is a seam another implementation (expert parallelism) can take."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moed.model.context import ComputeContext, can_pack
-from moed.model.executor import ExpertExecutor, MoEMode, Routing
+from moed.model.executor import ExpertExecutor, MoEMode, Routing, combine, combine_sorted
 from moed.model.experts_route import split_over_replicas
 from moed.model.hf_config import spec_from_config
 from moed.model.layers import Linear
@@ -280,3 +282,20 @@ def test_a_few_tokens_take_one_kernel_call_with_the_per_expert_bits(tokens):
                 a, b = gu(x[t:t + 1]).chunk(2, dim=-1)
                 want[t:t + 1] += dn(F.silu(a) * b) * w[t, j]
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_combine_sorted_gives_combine_bits():
+    """The cold-expert executor sums each token's outputs from their expert order (no unsort and
+    re-sort); every bit must be combine's, -0 and one-token top-k order included."""
+    g, rng = torch.Generator().manual_seed(3), random.Random(3)
+    for _ in range(150):
+        t, k, h = rng.choice([1, 2, 3, 8, 33]), rng.choice([1, 2, 4, 8]), rng.choice([16, 96])
+        experts = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(t)])
+        w = (torch.rand(t, k, generator=g) * rng.choice([1, -1])).bfloat16()
+        ys = (torch.randn(t * k, h, generator=g) * 10 ** rng.uniform(-3, 3)).bfloat16()
+        ys[torch.rand(t * k, h, generator=g) < 0.05] = -0.0
+        order = torch.argsort(experts.reshape(-1), stable=True)
+        for mode in (MoEMode.TORCH, MoEMode.FUSED):
+            want = combine(ys.view(t, k, h), w, experts, mode)
+            got = combine_sorted(ys[order], order, w, experts, mode)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (t, k, h, mode)

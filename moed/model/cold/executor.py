@@ -1,0 +1,34 @@
+"""ColdExecutor: a MoE layer's executor when one process serves every expert with cold experts
+on: its routed rows grouped by expert through the layer's ColdExperts (store.py), each token's k
+outputs combined as the all-resident path combines them (executor.combine_sorted: from the
+expert order the rows come back in, no unsort)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moed.model.executor import ExpertExecutor, MoEMode, Routing, combine_sorted
+
+if TYPE_CHECKING:
+    from moed.model.cold.store import ColdExperts
+
+
+class ColdExecutor(ExpertExecutor):
+    """One MoE layer's executor with cold experts, in one process (the module docstring)."""
+
+    def __init__(self, layer: ColdExperts) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, routing: Routing, mode: MoEMode = MoEMode.TORCH) -> torch.Tensor:
+        t, k = routing.physical.shape
+        h = x.shape[1]
+        if t == 0:
+            return x.new_empty((0, h))
+        if self.layer.store.prefetch is not None:     # the next MoE layer's, from this input
+            self.layer.store.prefetch.predict(self.layer.pos + 1, x)
+        phys = routing.physical.reshape(-1)
+        order = torch.argsort(phys, stable=True)                 # by expert, flat order within
+        per_unit = torch.bincount(phys, minlength=self.layer.num_physical)
+        ys = self.layer.run_grouped(x.index_select(0, order // k), per_unit, mode)
+        return combine_sorted(ys, order, routing.weights, routing.physical, mode)   # ids: logical

@@ -1,0 +1,57 @@
+"""A round's misses read from the page cache and packed into their slots by the kernels' OpenMP
+team, in one call (kernels/pack.py read_pack, cpu_quant.c moed_read_pack_p32).
+
+Why: a read from the page cache is a memory copy and the pack into the slot another; the step
+thread did both alone, one expert after another, while the other cores waited (~200 us a miss
+of the bench model's expert with the store's Python: ~20 ms of a step at 30% resident;
+docs/cold-experts.md). The team splits the round's matrices into ~256 KB chunks, each read with
+RWF_NOWAIT (never waiting for the disk) into a per-thread buffer and packed from there.
+
+It serves packed bf16 slots read from bf16 files whose matrices are whole 32-row blocks (gate
+and up I rows each, down H rows); the store reads anything else itself. A miss whose bytes the
+page cache did not hold, or whose read failed, is left to the store's blocking read, which also
+gives a failed read its error (store.py read_slots).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moed.model.cold.reader import ExpertIndex
+from moed.model.kernels import BLOCK
+from moed.model.kernels.pack import PackRead, read_pack
+from moed.model.moe import LocalExperts
+
+
+def serves(index: ExpertIndex, local: LocalExperts) -> bool:
+    """Whether read_packed can read this layer's misses (else None from it, always)."""
+    s = index.spec
+    return local.gate_up_p is not None and local.kernels is not None and local.quant is None \
+        and index.dtype == torch.bfloat16 and hasattr(os, "RWF_NOWAIT") \
+        and s.moe_intermediate_size % BLOCK == 0 and s.hidden_size % BLOCK == 0
+
+
+def read_packed(index: ExpertIndex, local: LocalExperts, layer: int,
+                reads: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """reads (expert, slot) into their emptied packed slots -> the reads left for the blocking
+    read (not cached, failed), or None where a file's matrix is not plain bf16 of the spec's
+    shape (the store reads them all itself)."""
+    i, h = index.spec.moe_intermediate_size, index.spec.hidden_size
+    gu0, gus = local.gate_up_p.data_ptr(), local.gate_up_p.stride(0) * 2     # bytes a slot
+    dn0, dns = local.down_p.data_ptr(), local.down_p.stride(0) * 2
+    plan: list[PackRead] = []
+    for e, slot in reads:
+        gate_up, down = gu0 + slot * gus, dn0 + slot * dns
+        for role, dst, shape in (("gate", gate_up, (i, h)), ("up", gate_up + i * h * 2, (i, h)),
+                                 ("down", down, (h, i))):
+            ext = index.where[(layer, e, role)]
+            if ext.dtype != torch.bfloat16 or ext.shape != shape:
+                return None
+            plan.append((index.fds[ext.file], ext.offset, shape[0] // BLOCK, shape[1] // 2, dst))
+    ok = read_pack(local.kernels, plan)
+    done = [all(ok[3 * j:3 * j + 3]) for j in range(len(reads))]
+    for (_, slot), whole in zip(reads, done):
+        if whole:
+            local.mark_stale(slot)      # as fill_slot: its oneDNN copies, if any, are old
+    return [r for r, whole in zip(reads, done) if not whole]
