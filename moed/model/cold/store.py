@@ -205,7 +205,7 @@ class ExpertStore:
         if self.per_step:
             limit = 2 * self.per_step - len(self._ahead)    # in flight + staged, bounded
             busy = set(self._ahead)
-            picks = policy.promotions([ly.heat_list() for ly in self.layers],
+            picks = policy.promotions([ly.heat for ly in self.layers],
                                       [ly.expert_in for ly in self.layers], busy, limit)
             for pos, e in self._promote_cached(picks, budget):
                 self._ahead[(pos, e)] = self._ahead_pool.submit(self._read_ahead, pos, e)

@@ -5,6 +5,7 @@ raises a clean ExpertReadError and leaves no stale slot behind."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 
 import pytest
@@ -57,6 +58,32 @@ def test_promotions_hottest_gain_first_with_margin_and_busy():
     assert got == [(0, 0), (0, 2), (1, 3)]          # 1.1 is within the margin of 1.0
     assert policy.promotions(heats, held, {(0, 0)}, limit=1) == [(0, 2)]
     assert policy.promotions(heats, held, set(), limit=0) == []
+
+
+def _promotions_one_by_one(heats, held, busy, limit, margin=1.25):
+    """promotions() as its docstring says it, expert by expert (the oracle)."""
+    cands = []
+    for li, (heat, expert_in) in enumerate(zip(heats, held)):
+        floor = policy.coldest(expert_in, heat)
+        for e, h in enumerate(heat):
+            if e not in set(expert_in) and h > 0 and h > margin * floor and (li, e) not in busy:
+                cands.append((h - floor, li, e))
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    return [(li, e) for _, li, e in cands[:limit]]
+
+
+def test_promotions_in_tensor_ops_pick_what_one_by_one_picks():
+    rng = random.Random(11)
+    for _ in range(400):
+        layers, experts, slots = rng.randint(1, 5), rng.randint(1, 12), rng.randint(0, 6)
+        heats = [[rng.choice([0.0, 0.5, 1.0, 1.25, 2.0, rng.random() * 8]) for _ in range(experts)]
+                 for _ in range(layers)]
+        held = [[rng.choice([-1, policy.LOST, *range(experts)]) for _ in range(slots)] for _ in range(layers)]
+        busy = {(rng.randrange(layers), rng.randrange(experts)) for _ in range(rng.randint(0, 3))}
+        limit = rng.randint(0, 8)
+        want = _promotions_one_by_one(heats, held, busy, limit)
+        assert policy.promotions(heats, held, busy, limit) == want, (heats, held, busy, limit)
+        assert policy.promotions([torch.tensor(h, dtype=torch.float64) for h in heats], held, busy, limit) == want
 
 
 # ---- the runner: equality with all-resident ------------------------------------------------
