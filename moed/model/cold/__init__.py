@@ -7,7 +7,8 @@ checkpoint's safetensors files when a step routes to them (docs/cold-experts.md)
   packread.py a round's misses (and the mover's installs) read from the page cache and packed
               into their slots by the kernels' team, in one call
   store.py    ExpertStore (the model's ExpertPlacement) and ColdExperts (a layer's slots):
-              misses, heat, the between-steps mover
+              misses, heat
+  mover.py    Mover: the between-steps installs of the hottest non-resident experts
   executor.py ColdExecutor, a layer's executor in one process (rows grouped, outputs combined)
   stats.py    the counters since start, and the metrics they advance
   prefetch.py Prefetcher: layer-ahead prediction (the next MoE layer's router on the hidden

@@ -25,11 +25,15 @@ from moed.model.moe import LocalExperts
 
 
 def serves(index: ExpertIndex, local: LocalExperts) -> bool:
-    """Whether read_packed can read this layer's misses (else None from it, always)."""
+    """Whether read_packed can read this layer's misses: packed contiguous bf16 slots, whole
+    32-row blocks, a bf16 file (its first expert's matrices; read_packed checks each)."""
     s = index.spec
-    return local.gate_up_p is not None and local.kernels is not None and local.quant is None \
+    layer = next(i for i in range(s.num_layers) if i not in s.dense_layers)
+    return local.gate_up_p is not None and local.down_p is not None and local.kernels is not None \
+        and local.quant is None and local.gate_up_p.is_contiguous() and local.down_p.is_contiguous() \
         and index.dtype == torch.bfloat16 and hasattr(os, "RWF_NOWAIT") \
-        and s.moe_intermediate_size % BLOCK == 0 and s.hidden_size % BLOCK == 0
+        and s.moe_intermediate_size % BLOCK == 0 and s.hidden_size % BLOCK == 0 \
+        and all(index.where[(layer, 0, r)].dtype == torch.bfloat16 for r in ("gate", "up", "down"))
 
 
 def read_packed(index: ExpertIndex, local: LocalExperts, layer: int,

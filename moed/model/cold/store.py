@@ -25,11 +25,11 @@ rows still go through one call, so the output equals the all-resident run's.
 Between steps (`between_steps`, called by the runner before each forward and each empty EP
 step, on the step thread, so no layer reads a slot while it changes): every layer's heat
 decays and takes the step's counts (the rows each unit received: under EP from every rank, a
-replica's share counted for its own slot); then, under `move_bytes_per_step`, finished
-read-aheads and the hottest non-resident units (policy.promotions) go into the coldest slots:
-the page-cached ones at once (packread), the others read ahead on a background thread into
-private buffers (a slot is only written on the step thread). Misses the page cache lacks are
-read on their own thread, waited for with a timeout.
+replica's share counted for its own slot); then the mover (mover.py), under
+`move_bytes_per_step`, puts finished read-aheads and the hottest non-resident units into the
+coldest slots: the page-cached ones at once (packread), the others read ahead on a background
+thread into private buffers (a slot is only written on the step thread). Misses the page cache
+lacks are read on their own thread, waited for with a timeout.
 
 Layer-ahead prefetch (prefetch.py, alone only): a layer call first predicts the next MoE
 layer's experts from its input and starts reading them; a miss that a prefetch staged is
@@ -39,7 +39,7 @@ victim slot a miss read would take. The staging is within the budget (policy.spl
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,6 +49,7 @@ import torch
 
 from moed.model.cold import onednn, packread, policy
 from moed.model.cold.executor import ColdExecutor
+from moed.model.cold.mover import Mover
 from moed.model.cold.prefetch import Prefetcher
 from moed.model.cold.reader import ExpertIndex, ExpertReadError
 from moed.model.cold.stats import ColdStats, LayerFetch
@@ -97,17 +98,14 @@ class ExpertStore:
         asked = settings.prefetch_experts if inner is None else 0     # auto: off under EP
         self.slots, staging = policy.split_budget(settings.resident_bytes, self.expert_bytes,
                                                   len(self.moe_layers), len(self.units), asked)
-        self.prefetch = Prefetcher(self, staging, self._read_ahead) if staging else None
+        self.prefetch = Prefetcher(self, staging, self.read_ahead) if staging else None
         self.decay = 0.5 ** (1.0 / settings.heat_half_life_steps)
-        self.per_step = max(1, settings.move_bytes_per_step // self.expert_bytes) \
-            if settings.move_bytes_per_step else 0
         self.layers: list[ColdExperts] = []
         self.stats = ColdStats()
         self.onednn: onednn.OnednnFile | None = None      # refilled slots' oneDNN copies
         self.onednn_off = "unused"          # "": on, else why off
         self._miss_pool = ThreadPoolExecutor(1, thread_name_prefix="moed-expert-miss")
-        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="moed-expert-ahead")
-        self._ahead: dict[tuple[int, int], Future] = {}     # (layer position, expert) -> read
+        self.mover = Mover(self)
 
     # ---- ExpertPlacement ------------------------------------------------------------------
     @property
@@ -189,61 +187,21 @@ class ExpertStore:
         self.prefetch.attach(routers, (first.input_norm, first.eps))
         model.before_layers = self.prefetch.first
 
-    def _read_ahead(self, pos: int, unit: int) -> list[torch.Tensor]:
+    def read_ahead(self, pos: int, unit: int) -> list[torch.Tensor]:
+        """One unit's weights in its layer's slot format, in private tensors (a read-ahead)."""
         local = self.layers[pos].local      # slot_format copies packed and quantized slots' reads
         reuse = local.gate_up_p is not None or local.quant is not None
         return local.slot_format(*self.index.read(self.layers[pos].layer, self.units[unit], reuse=reuse))
 
     # ---- between steps --------------------------------------------------------------------
     def between_steps(self) -> None:
-        """Heat, then installs of finished read-aheads, then new read-aheads (step thread)."""
+        """Heat, then the mover's installs and read-aheads (mover.py), on the step thread."""
         if self.prefetch is not None:
             self.prefetch.reset()
         for layer in self.layers:
             layer.cool(self.decay)
-        budget = self._install_ready()
-        if self.per_step:
-            limit = 2 * self.per_step - len(self._ahead)    # in flight + staged, bounded
-            busy = set(self._ahead)
-            picks = policy.promotions([ly.heat for ly in self.layers],
-                                      [ly.expert_in for ly in self.layers], busy, limit)
-            for pos, e in self._promote_cached(picks, budget):
-                self._ahead[(pos, e)] = self._ahead_pool.submit(self._read_ahead, pos, e)
+        self.mover.step()
         self.publish()
-
-    def _promote_cached(self, picks: list[tuple[int, int]], budget: int) -> list[tuple[int, int]]:
-        """The first `budget` picks of packread layers installed now from the page cache by the
-        kernels' team (a read-ahead thread copying beside the step's matmuls took the GIL and a
-        core from them: docs/cold-experts.md); their later picks wait for the next step -> the
-        read-ahead thread's: what the page cache lacked (a disk read may wait), other layers'."""
-        now: dict[int, list[int]] = {}
-        for pos, e in picks[:max(budget, 0)]:
-            if self.layers[pos].packread:
-                now.setdefault(pos, []).append(e)
-        left = [(pos, e) for pos, e in picks if not self.layers[pos].packread]
-        for pos, units in now.items():
-            missed = self.layers[pos].promote_cached(units)
-            left += [(pos, e) for e in missed]
-            self.stats.promoted((len(units) - len(missed)) * self.expert_bytes)
-        return left
-
-    def _install_ready(self) -> int:
-        """Finished read-aheads installed, at most per_step -> what is left of that budget."""
-        budget = self.per_step
-        for key in [k for k, f in self._ahead.items() if f.done()]:
-            if budget <= 0:
-                break
-            fut = self._ahead.pop(key)
-            pos, e = key
-            try:
-                weights = fut.result(timeout=0)
-            except ExpertReadError:
-                self.stats.read_failed("promote")
-                continue
-            if self.layers[pos].promote(e, weights):
-                budget -= 1
-                self.stats.promoted(self.expert_bytes)
-        return budget
 
     # ---- accounting -----------------------------------------------------------------------
     def resident_bytes(self) -> int:
@@ -251,7 +209,7 @@ class ExpertStore:
 
     def publish(self) -> None:
         total = len(self.units) * len(self.moe_layers) * self.expert_bytes
-        staged = (sum(1 for f in self._ahead.values() if f.done())
+        staged = (self.mover.staged()
                   + (self.prefetch.held() if self.prefetch is not None else 0)) * self.expert_bytes
         metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("resident").set(self.resident_bytes())
         metrics.EXPERT_WEIGHT_RESIDENT_BYTES.labels("staged").set(staged)
@@ -263,7 +221,7 @@ class ExpertStore:
                 "placement": self.name, "moe_layers": len(self.moe_layers),
                 "expert_bytes": self.expert_bytes, "resident_bytes": self.resident_bytes(),
                 "resident_share": round(self.slots / max(len(self.units), 1), 3),
-                "move_experts_per_step": self.per_step,
+                "move_experts_per_step": self.mover.per_step,
                 "prefetch_experts": self.prefetch.capacity if self.prefetch is not None else 0,
                 "prefetch": "on" if self.prefetch is not None else
                 "off: expert parallelism" if self.inner is not None else "off",
@@ -273,7 +231,7 @@ class ExpertStore:
         if self.prefetch is not None:
             self.prefetch.close()
         self._miss_pool.shutdown(wait=False, cancel_futures=True)
-        self._ahead_pool.shutdown(wait=False, cancel_futures=True)
+        self.mover.close()
         self.index.close()
         if self.onednn is not None:
             self.onednn.close()

@@ -127,3 +127,44 @@ def test_page_cached_tells_a_page_never_read_from_one_read(tmp_path):
         assert page_cached(fd, 32 << 20, 4096) is False     # far past what was read (ahead)
     finally:
         os.close(fd)
+
+
+def test_a_promotion_the_page_cache_lacks_backs_the_mover_off_to_its_thread(make_checkpoint, tmp_path):
+    """The mover installs page-cached picks at once (cold/mover.py). Here the file's pages are
+    dropped before every step's installs, so the first try finds them missing (its victim slot
+    emptied): from then on, for UNCACHED_BACKOFF steps, every pick goes to the read-ahead thread
+    (no more tries, no more emptied slots), installs still happen, and the logits stay the
+    all-resident ones."""
+    from moed.model.cold import mover as mover_mod
+    src = make_checkpoint("qwen3_moe")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    full = _runner(ck, "bfloat16")
+    want, budget = _steps(full, 10), _budget(full, 0.3)
+    del full
+    gc.collect()
+    r = _runner(ck, "bfloat16", ColdSettings(budget, 1 << 30, 2.0, 0))
+    store, tries = r.cold, []
+    for fd in store.index.fds:
+        os.fsync(fd)
+    between = store.between_steps
+
+    def drop_then_step():
+        for fd in store.index.fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        between()
+    store.between_steps = drop_then_step
+    for layer in store.layers:
+        real = layer.promote_cached
+        layer.promote_cached = lambda units, real=real: tries.append(m := real(units)) or m
+    submitted, submit = [], store.mover.pool.submit
+    store.mover.pool.submit = lambda fn, *a: submitted.append(a) or submit(fn, *a)
+    got = _steps(r, 10)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
+    if not any(tries):
+        pytest.skip("this file system kept the pages (tmpfs?): no install found them missing")
+    first_miss = next(i for i, m in enumerate(tries) if m)
+    assert store.mover.backoff > 0
+    # the layers tried in that one step, then none: the thread took every later pick
+    assert len(tries) - first_miss <= len(store.layers), tries
+    assert submitted and mover_mod.UNCACHED_BACKOFF > 10     # the picks were read ahead

@@ -88,8 +88,8 @@ def test_packed_misses_read_into_reused_buffers_and_staged_reads_do_not(tiny_qwe
     assert r.cold.stats.misses > 0
     assert calls and all(reuse for _, reuse in calls)       # every read of a packed slot
     # a staged read is packed out of the thread's buffer into tensors of its own
-    one = r.cold._read_ahead(0, 5)
-    two = r.cold._read_ahead(0, 6)
+    one = r.cold.read_ahead(0, 5)
+    two = r.cold.read_ahead(0, 6)
     assert {t.data_ptr() for t in one}.isdisjoint({t.data_ptr() for t in two})
     buf = r.cold.index._local.bufs
     assert all(t.data_ptr() not in {b.data_ptr() for b in buf} for t in one + two)
