@@ -37,10 +37,12 @@ def serves(index: ExpertIndex, local: LocalExperts) -> bool:
 
 
 def read_packed(index: ExpertIndex, local: LocalExperts, layer: int,
-                reads: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+                reads: list[tuple[int, int]]) -> set[tuple[int, int]] | None:
     """reads (expert, slot) into their emptied packed slots -> the reads left for the blocking
     read (not cached, failed), or None where a file's matrix is not plain bf16 of the spec's
-    shape (the store reads them all itself)."""
+    shape (the store reads them all itself). No reads: no call (no OpenMP region)."""
+    if not reads:
+        return set()
     i, h = index.spec.moe_intermediate_size, index.spec.hidden_size
     gu0, gus = local.gate_up_p.data_ptr(), local.gate_up_p.stride(0) * 2     # bytes a slot
     dn0, dns = local.down_p.data_ptr(), local.down_p.stride(0) * 2
@@ -58,4 +60,4 @@ def read_packed(index: ExpertIndex, local: LocalExperts, layer: int,
     for (_, slot), whole in zip(reads, done):
         if whole:
             local.mark_stale(slot)      # as fill_slot: its oneDNN copies, if any, are old
-    return [r for r, whole in zip(reads, done) if not whole]
+    return {r for r, whole in zip(reads, done) if not whole}

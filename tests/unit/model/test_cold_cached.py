@@ -100,6 +100,9 @@ def test_the_kernels_read_what_is_cached_and_hand_off_what_is_not(make_checkpoin
     st = r.cold.stats
     assert calls and all(n % 3 == 0 for n in calls)        # gate, up and down of each miss
     assert 0 < st.cached_reads < st.misses and handed, st
+    n = len(calls)          # nothing to read: no call of the kernels' team at all
+    assert packread.read_packed(index, r.cold.layers[0].local, r.cold.layers[0].layer, []) == set()
+    assert len(calls) == n
 
 
 def test_without_rwf_nowait_every_miss_goes_to_the_miss_thread(tiny_qwen3, monkeypatch):
