@@ -7,6 +7,11 @@ of the bench model's expert with the store's Python: ~20 ms of a step at 30% res
 docs/cold-experts.md). The team splits the round's matrices into ~256 KB chunks, each read with
 RWF_NOWAIT (never waiting for the disk) into a per-thread buffer and packed from there.
 
+A miss of few rows (a decode step's: policy.DIRECT_ROWS) need not be read into a slot at all
+(run_direct): each 32-row block is read, packed into an L1-sized buffer and run there, one pass
+over the expert's bytes in memory where a slot costs three (the copy, the slot's write, the
+kernel's read of it); policy.installs says which of them are also streamed into a slot as they go.
+
 It serves packed bf16 slots read from bf16 files whose matrices are whole 32-row blocks (gate
 and up I rows each, down H rows); the store reads anything else itself. A miss whose bytes the
 page cache did not hold, or whose read failed, is left to the store's blocking read, which also
@@ -20,7 +25,7 @@ import torch
 
 from moed.model.cold.reader import ExpertIndex
 from moed.model.kernels import BLOCK
-from moed.model.kernels.pack import PackRead, read_pack
+from moed.model.kernels.pack import ExpertFiles, PackRead, read_experts, read_pack
 from moed.model.moe import LocalExperts
 
 
@@ -61,3 +66,31 @@ def read_packed(index: ExpertIndex, local: LocalExperts, layer: int,
         if whole:
             local.mark_stale(slot)      # as fill_slot: its oneDNN copies, if any, are old
     return {r for r, whole in zip(reads, done) if not whole}
+
+
+def run_direct(index: ExpertIndex, local: LocalExperts, layer: int, experts: list[int], xs: torch.Tensor,
+               counts: list[int], slots: list[int]) -> tuple[torch.Tensor, list[bool]] | None:
+    """Non-resident experts run straight from the page cache (kernels/pack.py read_experts): xs
+    rows grouped by expert (counts[i] rows of experts[i]) -> (their outputs, whether each
+    expert's were computed: False where the page cache lacked its bytes or a read failed, and
+    the caller runs it through a slot), or None where a file's matrix is not plain bf16 of the
+    spec's shape. slots[i] >= 0: expert i is installed into that (emptied) slot as it is read,
+    whole where it was computed."""
+    i, h = index.spec.moe_intermediate_size, index.spec.hidden_size
+    gu0, gus = local.gate_up_p.data_ptr(), local.gate_up_p.stride(0) * 2     # bytes a slot
+    dn0, dns = local.down_p.data_ptr(), local.down_p.stride(0) * 2
+    dsts = [None if s < 0 else (gu0 + s * gus, gu0 + s * gus + i * h * 2, dn0 + s * dns) for s in slots]
+    files: list[ExpertFiles] = []
+    for e in experts:
+        where = []
+        for role, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+            ext = index.where[(layer, e, role)]
+            if ext.dtype != torch.bfloat16 or ext.shape != shape:
+                return None
+            where.append((index.fds[ext.file], ext.offset))
+        files.append((where[0], where[1], where[2]))
+    out, ok = read_experts(local.kernels, files, xs, counts, i, dsts)
+    for s, whole in zip(slots, ok):
+        if s >= 0 and whole:
+            local.mark_stale(s)         # as fill_slot: its oneDNN copies, if any, are old
+    return out, ok

@@ -34,6 +34,29 @@ def stream_slots(slots: int) -> int:
     return max(1, slots // 4)
 
 
+# A miss of at most this many rows in a layer call runs straight from the page cache, without a
+# slot (store.py ColdExperts._run_direct): a decode step's misses are one or two rows, which a
+# slot would not pay back before the mover's heat decides they belong there.
+DIRECT_ROWS = 8
+
+
+def installs(expert_in: Sequence[int], heat: Sequence[float], keep: set[int], units: Sequence[int],
+             n_rows: Sequence[int]) -> list[int]:
+    """The slot each of `units` (misses run straight from the page cache) is installed into as
+    it is read, or -1: the hottest of them (heat plus this call's rows) take the coldest slots
+    that hold none of `keep` (victims), each only if hotter than the expert it evicts (an
+    empty slot: always). A miss installed costs one more write of its bytes; one that is not
+    costs nothing more, and the mover can still promote it between steps."""
+    order = sorted(range(len(units)), key=lambda i: (-(heat[units[i]] + n_rows[units[i]]), units[i]))
+    free = victims(expert_in, heat, keep, len(units))
+    out = [-1] * len(units)
+    for i, slot in zip(order, free):
+        old = expert_in[slot]
+        if old < 0 or heat[units[i]] + n_rows[units[i]] > heat[old]:
+            out[i] = slot
+    return out
+
+
 def hottest(expert_in: Sequence[int], heat: Sequence[float], n: int) -> set[int]:
     """The n hottest resident experts (those a miss may not evict)."""
     held = sorted((e for e in expert_in if e >= 0), key=lambda e: (-heat[e], e))

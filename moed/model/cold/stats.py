@@ -77,6 +77,7 @@ class ColdStats:
         return self.predicted_right / max(self.predicted, 1)
     miss_bytes: int = 0
     cached_reads: int = 0           # misses copied from the page cache on the step thread
+    direct: int = 0                 # ... of them run straight from it, no slot (packread.run_direct)
     onednn_restored: int = 0        # refilled slots' oneDNN copies copied back (onednn.py)
     onednn_packed: int = 0          # ... packed (the first time, or not restored)
     promoted_bytes: int = 0

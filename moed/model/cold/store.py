@@ -9,7 +9,9 @@ EP, so the order in which a token's k outputs are summed is the all-resident one
 loads only `local_slots` (the first R units of each MoE layer), and each MoE layer's
 `ColdExperts` runs rows grouped by unit through its R resident slots (executor.SlotExperts):
 
-  the units with rows -> their misses read into the coldest slots that hold none of the layer's
+  the units with rows -> their misses of few rows run straight from the page cache where
+  packread serves (the hotter of them installed as they are read: policy.installs), the
+  others read into the coldest slots that hold none of the layer's
   hottest units nor one the call runs (from the page cache on the step thread, by the kernels'
   team where packread serves; else on the miss thread; the step waits, counted, timed), then
   every unit's rows through its slot (one round unless the misses outnumber those slots:
@@ -245,6 +247,7 @@ class ColdExperts:
     def __init__(self, store: ExpertStore, pos: int, layer: int, local: LocalExperts) -> None:
         self.store, self.pos, self.layer, self.local = store, pos, layer, local
         self.packread = packread.serves(store.index, local)
+        self.direct = self.packread     # few-row misses run from the page cache (_run_direct)
         n, s = len(store.units), store.slots
         self.num_physical = n                           # SlotExperts: the units
         self.expert_in = list(range(s))                 # slot -> unit (-1 empty)
@@ -352,6 +355,33 @@ class ColdExperts:
             self._set(slots[e], e)
         return len(cold), stall
 
+    def _run_direct(self, xs: torch.Tensor, ys: torch.Tensor, units: list[int], n_rows: list[int],
+                    start: list[int], keep: set[int], heat: list[float]) -> set[int]:
+        """Misses of few rows run straight from the page cache into ys (packread.run_direct: one
+        pass over their bytes where a read into a slot and the kernel's read of it cost three)
+        -> those it ran; the others (not all cached, a failed read) are left to the slot path,
+        whose read reports an error. Those hotter (counting this call) than the coldest slots
+        that hold none of `keep` are installed there as they are read (policy.installs)."""
+        if not units:
+            return set()
+        slots = policy.installs(self.expert_in, heat, keep, units, n_rows)
+        for s in slots:
+            if s >= 0:
+                self._set(s, -1)        # empty while written: a failed read leaves no stale expert
+        rows = torch.tensor([r for u in units for r in range(start[u], start[u] + n_rows[u])])
+        got = packread.run_direct(self.store.index, self.local, self.layer, [self.store.units[u] for u in units],
+                                  xs.index_select(0, rows), [n_rows[u] for u in units], slots)
+        if got is None:
+            return set()
+        ys[rows] = got[0]               # a failed expert's rows are written again by its slot
+        ran = {u for u, ok in zip(units, got[1]) if ok}
+        for u, s in zip(units, slots):
+            if s >= 0 and u in ran:
+                self._set(s, u)
+        self.store.stats.cached_reads += len(ran)
+        self.store.stats.direct += len(ran)
+        return ran
+
     def run_grouped(self, xs: torch.Tensor, per_unit: torch.Tensor, mode: MoEMode) -> torch.Tensor:
         """executor.SlotExperts: rows grouped by unit (per_unit [U] rows each, in unit order) ->
         their expert outputs, unweighted, same order; each unit's rows in one call of the
@@ -384,8 +414,15 @@ class ColdExperts:
         # rows gathered in slot order, one kernel call (not one per expert), scattered back
         one_call = mode != MoEMode.TORCH or self.local.native_serves(n_rows[u] for u in needed)
         ys = torch.empty_like(xs) if one_call else None
+        ran: set[int] = set()
         try:
-            for group in policy.rounds(needed, resident, stream, room):
+            if one_call and self.direct:
+                t0 = time.perf_counter()
+                ran = self._run_direct(xs, ys, [u for u in needed if not resident[u] and (
+                    pf is None or pf.state(self.pos, u) == 2) and n_rows[u] <= policy.DIRECT_ROWS], n_rows, start,
+                    protect | {u for u in needed if resident[u]}, heat)
+                misses, stall = len(ran), time.perf_counter() - t0
+            for group in policy.rounds([u for u in needed if u not in ran], resident, stream, room):
                 m, w = self._ensure(group, protect, n_rows, fetched, heat)
                 misses, stall = misses + m, stall + w
                 if not one_call:

@@ -75,7 +75,7 @@ typedef uint16_t bf16;
 #error "build with -mavx512f -mavx512bw -mavx512vl -mfma (and -mavx512bf16), or -march=x86-64-v3"
 #endif
 
-int moed_abi_version(void) { return 15; }
+int moed_abi_version(void) { return 16; }
 
 /* Which variant this .so is: the loader refuses one that is not the variant it asked for (a
  * cache shared by machines of different CPUs keeps each variant under its own name). */

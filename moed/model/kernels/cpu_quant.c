@@ -529,6 +529,138 @@ int moed_read_pack_p32(long n, const int *fd, const int64_t *off, const int64_t 
     return oom ? -1 : 0;
 }
 
+void moed_silu_mul_bf16_row(const float *gu, long I, uint16_t *act);
+
+/* Reads one chunk (nb blocks of 32 rows, k2 pairs a row) at byte off of fd into buf with
+ * preadv2(RWF_NOWAIT) -> whether all of it came (not: not cached, short, failed). */
+static int read_chunk_nowait(int fd, int64_t off, long want, uint32_t *buf) {
+    long got = 0;
+    while (got < want) {
+        struct iovec v = {(char *)buf + got, (size_t)(want - got)};
+        const ssize_t r = preadv2(fd, &v, 1, off + got, RWF_NOWAIT);
+        if (r <= 0) return 0;
+        got += r;
+    }
+    return 1;
+}
+
+/* Rows of x [R][ldx] through each block of a chunk read into buf: block j packed (P32) into
+ * pbuf (L1/L2) and every row run through it by moed_block_rows_bf16, as the slot path runs the
+ * same packed block: the same bits. y: the chunk's first output column of row 0, ldy apart. */
+/* n 32-bit words of src (a packed block in L1) into dst: non-temporal where dst is 32-byte
+ * aligned (a slot's lines are not read first; the caller fences). */
+static inline void copy_block(const uint32_t *src, uint32_t *dst, long n) {
+    if ((uintptr_t)dst & 31) {
+        memcpy(dst, src, sizeof(uint32_t) * n);
+        return;
+    }
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_stream_si256((__m256i *)(dst + i), _mm256_loadu_si256((const __m256i *)(src + i)));
+    for (; i < n; i++) dst[i] = src[i];
+}
+
+static void chunk_rows(const uint32_t *buf, long bn, long k2, uint32_t *pbuf, uint32_t *dst, const uint16_t *x,
+                       long R, long ldx, float *y, long ldy) {
+    for (long j = 0; j < bn; j++) {
+        pack_p32(buf + j * 32 * k2, 1, k2, pbuf, 0);
+        if (dst) copy_block(pbuf, dst + j * 32 * k2, 32 * k2);
+        for (long r0 = 0; r0 < R; r0 += QBT)
+            moed_block_rows_bf16(x + r0 * ldx, R - r0 < QBT ? R - r0 : QBT, ldx, (const uint16_t *)pbuf, 2 * k2,
+                                 y + r0 * ldy + j * 32, ldy);
+    }
+}
+
+/* The cold-expert store's misses of few rows computed straight from the page cache, without
+ * reading them back from a slot (cold/packread.py run_direct): expert i's rows x[start[i] .. start[i+1]) [H] (bf16) ->
+ * out's same rows, bf16(down(silu(gate) * up)), the bits moed_experts_bf16 gives from a slot
+ * holding that expert (expert_chunk). Its gate [I][H], up [I][H] and down [H][I] (plain bf16,
+ * H and I multiples of 32) are at byte off[3i + m] of fd[3i + m] (m: 0 gate, 1 up, 2 down).
+ * Each matrix is read by the team in chunks of about READ_PACK_CHUNK bytes (preadv2 with
+ * RWF_NOWAIT into a thread's buffer: the page-cache copy), and each 32-row block is packed into
+ * a second, L1-sized buffer and run there: one pass over the expert's bytes in memory, where a
+ * slot costs three (the copy, the slot's write, the kernel's read of it). gate and up first,
+ * then the activation, then down, a barrier between. dst[3i + m], where not 0, is where matrix m
+ * of expert i is installed as it goes (a slot's packed gate, up and down: each packed block
+ * also streamed there, one write and no read). A chunk the page cache does not hold, a short
+ * read (a truncated file) or a failed one sets status[i] = 1: that expert's out rows are then
+ * not its output, nor its slot whole (the caller runs it through a slot, whose blocking read
+ * reports an error). Returns 0; -1 out of memory (every status then 1). */
+int moed_read_experts_p32(long n, const int *fd, const int64_t *off, const uint64_t *dst, long H, long I,
+                          const uint16_t *x, const int64_t *start, uint16_t *out, int *status, int nthreads) {
+    const long R = n ? start[n] : 0, ldg = 2 * I;
+    const long per_gu = READ_PACK_CHUNK / (64L * H) > 0 ? READ_PACK_CHUNK / (64L * H) : 1;   /* blocks a chunk */
+    const long per_dn = READ_PACK_CHUNK / (64L * I) > 0 ? READ_PACK_CHUNK / (64L * I) : 1;
+    const long c_gu = (I / 32 + per_gu - 1) / per_gu, c_dn = (H / 32 + per_dn - 1) / per_dn;   /* chunks a matrix */
+    const long kmax = H > I ? H : I, most = (per_gu * H > per_dn * I ? per_gu * H : per_dn * I) * 32;
+    float *gu = malloc(sizeof(float) * (R * ldg + 1));
+    uint16_t *act = malloc(sizeof(uint16_t) * (R * I + 1));
+    int oom = !gu || !act;
+    for (long i = 0; i < n; i++) status[i] = oom;
+    if (oom) { free(gu); free(act); return -1; }
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t *buf = aligned_alloc(64, (size_t)(most * 2 + 64) / 64 * 64);
+        uint32_t *pbuf = aligned_alloc(64, (size_t)(kmax * 64 + 64) / 64 * 64);
+        float tile[QBT * 32] __attribute__((aligned(64)));
+        const int mine = buf && pbuf;
+        if (!mine) {
+#pragma omp atomic write
+            oom = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < n * 2 * c_gu; t++) {       /* (expert, gate or up, chunk) */
+            const long i = t / (2 * c_gu), m = t / c_gu % 2, c = t % c_gu;
+            const long b0 = c * per_gu, bn = I / 32 - b0 < per_gu ? I / 32 - b0 : per_gu;
+            if (!mine || !read_chunk_nowait(fd[3 * i + m], off[3 * i + m] + b0 * 64 * H, bn * 64 * H, buf)) {
+#pragma omp atomic write
+                status[i] = 1;
+                continue;
+            }
+            uint32_t *d = dst[3 * i + m] ? (uint32_t *)(uintptr_t)dst[3 * i + m] + b0 * 16 * H : NULL;
+            chunk_rows(buf, bn, H / 2, pbuf, d, x + start[i] * H, start[i + 1] - start[i], H,
+                       gu + start[i] * ldg + m * I + b0 * 32, ldg);
+        }   /* implicit barrier: every gate and up column written (or its expert failed) */
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) {
+            int failed;
+#pragma omp atomic read
+            failed = status[i];
+            if (failed || oom) continue;
+            for (long r = start[i]; r < start[i + 1]; r++) moed_silu_mul_bf16_row(gu + r * ldg, I, act + r * I);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < n * c_dn; t++) {           /* (expert, chunk of down) */
+            const long i = t / c_dn, c = t % c_dn, rows = start[i + 1] - start[i];
+            const long b0 = c * per_dn, bn = H / 32 - b0 < per_dn ? H / 32 - b0 : per_dn;
+            int failed;
+#pragma omp atomic read
+            failed = status[i];
+            if (failed || oom) continue;
+            if (!mine || !read_chunk_nowait(fd[3 * i + 2], off[3 * i + 2] + b0 * 64 * I, bn * 64 * I, buf)) {
+#pragma omp atomic write
+                status[i] = 1;
+                continue;
+            }
+            for (long j = 0; j < bn; j++) {
+                pack_p32(buf + j * 32 * (I / 2), 1, I / 2, pbuf, 0);
+                if (dst[3 * i + 2]) copy_block(pbuf, (uint32_t *)(uintptr_t)dst[3 * i + 2] + (b0 + j) * 16 * I, 16 * I);
+                for (long r0 = 0; r0 < rows; r0 += QBT) {
+                    const long rn = rows - r0 < QBT ? rows - r0 : QBT;
+                    moed_block_rows_bf16(act + (start[i] + r0) * I, rn, I, (const uint16_t *)pbuf, I, tile, 32);
+                    for (long r = 0; r < rn; r++)
+                        bf16_bits(tile + r * 32, 32, out + (start[i] + r0 + r) * H + (b0 + j) * 32);
+                }
+            }
+        }
+        _mm_sfence();
+        free(buf); free(pbuf);
+    }
+    free(gu); free(act);
+    if (oom)
+        for (long i = 0; i < n; i++) status[i] = 1;
+    return oom ? -1 : 0;
+}
+
 #if defined(__AVX512BW__)
 /* ---- int4 blocks straight from the nibbles (AVX512BW) ----------------------------------------
  * An int4 weight takes one of 16 values per (row, group): bf16((c - z) * s), c = 0..15. So the

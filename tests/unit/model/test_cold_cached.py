@@ -94,10 +94,14 @@ def test_the_kernels_read_what_is_cached_and_hand_off_what_is_not(make_checkpoin
     calls: list[int] = []
     real = packread.read_pack
     monkeypatch.setattr(packread, "read_pack", lambda k, reads: calls.append(len(reads)) or real(k, reads))
+    direct_ok: list[bool] = []          # few-row misses tried from the page cache first
+    real_direct = packread.run_direct
+    monkeypatch.setattr(packread, "run_direct", lambda *a: (g := real_direct(*a)) and direct_ok.extend(g[1]) or g)
     handed = _handoffs(r, monkeypatch)
     got = _steps(r, 4)
     assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
     st = r.cold.stats
+    assert False in direct_ok, "the dropped pages' experts were refused by the direct path"
     assert calls and all(n % 3 == 0 for n in calls)        # gate, up and down of each miss
     assert 0 < st.cached_reads < st.misses and handed, st
     n = len(calls)          # nothing to read: no call of the kernels' team at all
@@ -171,3 +175,41 @@ def test_a_promotion_the_page_cache_lacks_backs_the_mover_off_to_its_thread(make
     # the layers tried in that one step, then none: the thread took every later pick
     assert len(tries) - first_miss <= len(store.layers), tries
     assert submitted and mover_mod.UNCACHED_BACKOFF > 10     # the picks were read ahead
+
+
+def test_few_row_misses_run_from_the_page_cache_and_the_hotter_are_installed(make_checkpoint, monkeypatch):
+    """Packed bf16 slots: a layer call's misses of at most policy.DIRECT_ROWS rows run straight
+    from the page cache (packread.run_direct; a prefill's misses of more rows take a slot as
+    before), and those policy.installs picks are installed into their slots as they are read,
+    with CpuKernels.pack's bytes. Logits: the all-resident ones."""
+    from moed.model.cold import policy
+    from moed.model.kernels import CpuKernels
+    ck = make_checkpoint("qwen3_moe")
+    full = _runner(ck, "bfloat16")
+    want = _steps(full, 6)
+    r = _runner(ck, "bfloat16", ColdSettings(_budget(full, 0.3), 0, 4.0, 0))
+    assert all(layer.direct for layer in r.cold.layers)
+    real, seen = packread.run_direct, {"calls": 0, "installed": 0, "rows": []}
+
+    def run_direct(index, local, layer, experts, xs, counts, slots):
+        got = real(index, local, layer, experts, xs, counts, slots)
+        seen["calls"] += 1
+        seen["rows"] += counts
+        for e, s, ok in zip(experts, slots, got[1]):
+            if s >= 0 and ok:
+                seen["installed"] += 1
+                gu, dn = index.read(layer, e)
+                assert torch.equal(local.gate_up_p[s].view(torch.int16), CpuKernels.pack(gu).view(torch.int16))
+                assert torch.equal(local.down_p[s].view(torch.int16), CpuKernels.pack(dn).view(torch.int16))
+        return got
+    monkeypatch.setattr(packread, "run_direct", run_direct)
+    slotted: list[int] = []
+    real_slots = type(r.cold).read_slots
+    monkeypatch.setattr(type(r.cold), "read_slots", lambda self, pos, reads: slotted.append(len(reads))
+                        or real_slots(self, pos, reads))
+    got = _steps(r, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
+    st = r.cold.stats
+    assert seen["calls"] and max(seen["rows"]) <= policy.DIRECT_ROWS, seen["rows"]
+    assert 0 < st.direct <= st.cached_reads and st.direct < st.misses, st    # the prefills' through slots
+    assert seen["installed"] > 0 and slotted, seen

@@ -26,6 +26,17 @@ def test_victims_are_the_slots_victim_picks_in_turn():
     assert policy.victims(expert_in, heat, {0, 1, 2, 4}, 3) == [2]   # not enough: fewer
 
 
+def test_installs_give_the_hottest_misses_the_coldest_slots_only_when_hotter():
+    heat = [9.0, 1.0, 4.0, 0.5, 2.0, 0.0, 0.0, 3.0]
+    expert_in = [0, 1, -1, 2, 4]                # slot 2 empty; 3, 5, 6, 7 not resident
+    n_rows = [0, 0, 0, 1, 0, 1, 2, 1]
+    # by heat + rows: 7 (4), 6 (2), 3 (1.5), 5 (1) take slots empty 2, then 1 (expert 1, heat 1),
+    # then 4 (expert 4, heat 2): 7 and 6 installed, 3 not (1.5 is colder than 2), 5 no slot left
+    assert policy.installs(expert_in, heat, {0, 2}, [3, 5, 6, 7], n_rows) == [-1, -1, 1, 2]
+    assert policy.installs(expert_in, heat, {0, 1, 2, 4}, [7, 3], n_rows) == [2, -1]
+    assert policy.installs(expert_in, heat, set(), [], n_rows) == []
+
+
 def test_victims_in_one_sort_equal_victim_picked_in_turn():
     """victims sorts once; it must pick exactly what victim() picks one slot at a time (ties in
     heat, empty and lost slots, kept experts, too few candidates)."""

@@ -36,6 +36,8 @@ def test_one_round_per_call_equals_all_resident(make_checkpoint, monkeypatch, ar
     full = _runner(ck, dtype)
     want = _steps(full, 4)
     r = _runner(ck, dtype, ColdSettings(_budget(full, 0.75), 1 << 30, 4.0, 0))   # room for a miss
+    for layer in r.cold.layers:         # misses through slots (the direct path: test_cold_miss)
+        layer.direct = False
     merged: list[bool] = []         # per call with hits and misses: run in one pass?
     orig = policy.rounds
 
