@@ -26,6 +26,8 @@ import torch
 from moed.model.cold.reader import ExpertIndex
 from moed.model.kernels import BLOCK
 from moed.model.kernels.pack import ExpertFiles, PackRead, read_experts, read_pack
+
+__all__ = ["ExpertFiles", "expert_files", "read_packed", "run_direct", "serves"]
 from moed.model.moe import LocalExperts
 
 
@@ -68,29 +70,32 @@ def read_packed(index: ExpertIndex, local: LocalExperts, layer: int,
     return {r for r, whole in zip(reads, done) if not whole}
 
 
-def run_direct(index: ExpertIndex, local: LocalExperts, layer: int, experts: list[int], xs: torch.Tensor,
-               counts: list[int], slots: list[int]) -> tuple[torch.Tensor, list[bool]] | None:
-    """Non-resident experts run straight from the page cache (kernels/pack.py read_experts): xs
-    rows grouped by expert (counts[i] rows of experts[i]) -> (their outputs, whether each
-    expert's were computed: False where the page cache lacked its bytes or a read failed, and
-    the caller runs it through a slot), or None where a file's matrix is not plain bf16 of the
-    spec's shape. slots[i] >= 0: expert i is installed into that (emptied) slot as it is read,
-    whole where it was computed."""
+def expert_files(index: ExpertIndex, layer: int, expert: int) -> ExpertFiles | None:
+    """(fd, byte offset) of an expert's gate, up and down in its files, or None where one is not
+    plain bf16 of the spec's shape (run_direct cannot read it)."""
     i, h = index.spec.moe_intermediate_size, index.spec.hidden_size
+    where = []
+    for role, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+        ext = index.where[(layer, expert, role)]
+        if ext.dtype != torch.bfloat16 or ext.shape != shape:
+            return None
+        where.append((index.fds[ext.file], ext.offset))
+    return where[0], where[1], where[2]
+
+
+def run_direct(local: LocalExperts, files: list[ExpertFiles], xs: torch.Tensor, first: list[int],
+               counts: list[int], out: torch.Tensor, slots: list[int]) -> list[bool]:
+    """Non-resident experts (files: expert_files) run straight from the page cache
+    (kernels/pack.py read_experts): expert i's rows xs[first[i] : first[i] + counts[i]] into the
+    same rows of out -> whether each expert's were computed (False where the page cache lacked
+    its bytes or a read failed: the caller runs it through a slot). slots[i] >= 0: expert i is
+    installed into that (emptied) slot as it is read, whole where it was computed."""
+    i, h = local.intermediate, xs.shape[1]
     gu0, gus = local.gate_up_p.data_ptr(), local.gate_up_p.stride(0) * 2     # bytes a slot
     dn0, dns = local.down_p.data_ptr(), local.down_p.stride(0) * 2
     dsts = [None if s < 0 else (gu0 + s * gus, gu0 + s * gus + i * h * 2, dn0 + s * dns) for s in slots]
-    files: list[ExpertFiles] = []
-    for e in experts:
-        where = []
-        for role, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
-            ext = index.where[(layer, e, role)]
-            if ext.dtype != torch.bfloat16 or ext.shape != shape:
-                return None
-            where.append((index.fds[ext.file], ext.offset))
-        files.append((where[0], where[1], where[2]))
-    out, ok = read_experts(local.kernels, files, xs, counts, i, dsts)
+    ok = read_experts(local.kernels, files, xs, first, counts, i, out, dsts)
     for s, whole in zip(slots, ok):
         if s >= 0 and whole:
             local.mark_stale(s)         # as fill_slot: its oneDNN copies, if any, are old
-    return out, ok
+    return ok

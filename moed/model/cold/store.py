@@ -248,6 +248,7 @@ class ColdExperts:
         self.store, self.pos, self.layer, self.local = store, pos, layer, local
         self.packread = packread.serves(store.index, local)
         self.direct = self.packread     # few-row misses run from the page cache (_run_direct)
+        self._files: dict[int, packread.ExpertFiles | None] = {}     # unit -> its matrices' places
         n, s = len(store.units), store.slots
         self.num_physical = n                           # SlotExperts: the units
         self.expert_in = list(range(s))                 # slot -> unit (-1 empty)
@@ -359,22 +360,24 @@ class ColdExperts:
                     start: list[int], keep: set[int], heat: list[float]) -> set[int]:
         """Misses of few rows run straight from the page cache into ys (packread.run_direct: one
         pass over their bytes where a read into a slot and the kernel's read of it cost three)
-        -> those it ran; the others (not all cached, a failed read) are left to the slot path,
-        whose read reports an error. Those hotter (counting this call) than the coldest slots
-        that hold none of `keep` are installed there as they are read (policy.installs)."""
+        -> those it ran; the others (not all cached, a failed read, a file packread cannot
+        read) are left to the slot path, whose read reports an error. Those hotter (counting
+        this call) than the coldest slots that hold none of `keep` are installed there as they
+        are read (policy.installs)."""
+        files = self._files
+        for u in units:
+            if u not in files:
+                files[u] = packread.expert_files(self.store.index, self.layer, self.store.units[u])
+        units = [u for u in units if files[u] is not None]
         if not units:
             return set()
         slots = policy.installs(self.expert_in, heat, keep, units, n_rows)
         for s in slots:
             if s >= 0:
                 self._set(s, -1)        # empty while written: a failed read leaves no stale expert
-        rows = torch.tensor([r for u in units for r in range(start[u], start[u] + n_rows[u])])
-        got = packread.run_direct(self.store.index, self.local, self.layer, [self.store.units[u] for u in units],
-                                  xs.index_select(0, rows), [n_rows[u] for u in units], slots)
-        if got is None:
-            return set()
-        ys[rows] = got[0]               # a failed expert's rows are written again by its slot
-        ran = {u for u, ok in zip(units, got[1]) if ok}
+        ok = packread.run_direct(self.local, [files[u] for u in units], xs, [start[u] for u in units],
+                                 [n_rows[u] for u in units], ys, slots)
+        ran = {u for u, done in zip(units, ok) if done}  # a failed one's rows are written again by its slot
         for u, s in zip(units, slots):
             if s >= 0 and u in ran:
                 self._set(s, u)
@@ -416,7 +419,7 @@ class ColdExperts:
         ys = torch.empty_like(xs) if one_call else None
         ran: set[int] = set()
         try:
-            if one_call and self.direct:
+            if one_call and self.direct and xs.dtype == torch.bfloat16 and xs.is_contiguous():
                 t0 = time.perf_counter()
                 ran = self._run_direct(xs, ys, [u for u in needed if not resident[u] and (
                     pf is None or pf.state(self.pos, u) == 2) and n_rows[u] <= policy.DIRECT_ROWS], n_rows, start,

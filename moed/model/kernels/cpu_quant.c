@@ -571,8 +571,8 @@ static void chunk_rows(const uint32_t *buf, long bn, long k2, uint32_t *pbuf, ui
 }
 
 /* The cold-expert store's misses of few rows computed straight from the page cache, without
- * reading them back from a slot (cold/packread.py run_direct): expert i's rows x[start[i] .. start[i+1]) [H] (bf16) ->
- * out's same rows, bf16(down(silu(gate) * up)), the bits moed_experts_bf16 gives from a slot
+ * reading them back from a slot (cold/packread.py run_direct): expert i's rows
+ * x[first[i] .. first[i] + count[i]) [H] (bf16) -> out's same rows, bf16(down(silu(gate) * up)), the bits moed_experts_bf16 gives from a slot
  * holding that expert (expert_chunk). Its gate [I][H], up [I][H] and down [H][I] (plain bf16,
  * H and I multiples of 32) are at byte off[3i + m] of fd[3i + m] (m: 0 gate, 1 up, 2 down).
  * Each matrix is read by the team in chunks of about READ_PACK_CHUNK bytes (preadv2 with
@@ -586,8 +586,16 @@ static void chunk_rows(const uint32_t *buf, long bn, long k2, uint32_t *pbuf, ui
  * not its output, nor its slot whole (the caller runs it through a slot, whose blocking read
  * reports an error). Returns 0; -1 out of memory (every status then 1). */
 int moed_read_experts_p32(long n, const int *fd, const int64_t *off, const uint64_t *dst, long H, long I,
-                          const uint16_t *x, const int64_t *start, uint16_t *out, int *status, int nthreads) {
-    const long R = n ? start[n] : 0, ldg = 2 * I;
+                          const uint16_t *x, const int64_t *first, const int64_t *count, uint16_t *out, int *status,
+                          int nthreads) {
+    long *start = malloc(sizeof(long) * (n + 1));  /* expert i's first row in the scratch */
+    if (!start) {
+        for (long i = 0; i < n; i++) status[i] = 1;
+        return -1;
+    }
+    start[0] = 0;
+    for (long i = 0; i < n; i++) start[i + 1] = start[i] + count[i];
+    const long R = start[n], ldg = 2 * I;
     const long per_gu = READ_PACK_CHUNK / (64L * H) > 0 ? READ_PACK_CHUNK / (64L * H) : 1;   /* blocks a chunk */
     const long per_dn = READ_PACK_CHUNK / (64L * I) > 0 ? READ_PACK_CHUNK / (64L * I) : 1;
     const long c_gu = (I / 32 + per_gu - 1) / per_gu, c_dn = (H / 32 + per_dn - 1) / per_dn;   /* chunks a matrix */
@@ -596,7 +604,7 @@ int moed_read_experts_p32(long n, const int *fd, const int64_t *off, const uint6
     uint16_t *act = malloc(sizeof(uint16_t) * (R * I + 1));
     int oom = !gu || !act;
     for (long i = 0; i < n; i++) status[i] = oom;
-    if (oom) { free(gu); free(act); return -1; }
+    if (oom) { free(gu); free(act); free(start); return -1; }
 #pragma omp parallel num_threads(nthreads)
     {
         uint32_t *buf = aligned_alloc(64, (size_t)(most * 2 + 64) / 64 * 64);
@@ -617,7 +625,7 @@ int moed_read_experts_p32(long n, const int *fd, const int64_t *off, const uint6
                 continue;
             }
             uint32_t *d = dst[3 * i + m] ? (uint32_t *)(uintptr_t)dst[3 * i + m] + b0 * 16 * H : NULL;
-            chunk_rows(buf, bn, H / 2, pbuf, d, x + start[i] * H, start[i + 1] - start[i], H,
+            chunk_rows(buf, bn, H / 2, pbuf, d, x + first[i] * H, count[i], H,
                        gu + start[i] * ldg + m * I + b0 * 32, ldg);
         }   /* implicit barrier: every gate and up column written (or its expert failed) */
 #pragma omp for schedule(static)
@@ -648,14 +656,14 @@ int moed_read_experts_p32(long n, const int *fd, const int64_t *off, const uint6
                     const long rn = rows - r0 < QBT ? rows - r0 : QBT;
                     moed_block_rows_bf16(act + (start[i] + r0) * I, rn, I, (const uint16_t *)pbuf, I, tile, 32);
                     for (long r = 0; r < rn; r++)
-                        bf16_bits(tile + r * 32, 32, out + (start[i] + r0 + r) * H + (b0 + j) * 32);
+                        bf16_bits(tile + r * 32, 32, out + (first[i] + r0 + r) * H + (b0 + j) * 32);
                 }
             }
         }
         _mm_sfence();
         free(buf); free(pbuf);
     }
-    free(gu); free(act);
+    free(gu); free(act); free(start);
     if (oom)
         for (long i = 0; i < n; i++) status[i] = 1;
     return oom ? -1 : 0;

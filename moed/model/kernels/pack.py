@@ -74,32 +74,30 @@ def read_pack(kernels: CpuKernels, reads: list[PackRead]) -> list[bool]:
 ExpertFiles = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 
 
-def read_experts(kernels: CpuKernels, experts: list[ExpertFiles], xs: torch.Tensor,
-                 counts: list[int], intermediate: int,
-                 dsts: list[tuple[int, int, int] | None] | None = None) -> tuple[torch.Tensor, list[bool]]:
-    """Experts run straight from the page cache (moed_read_experts_p32): xs [R, H] bf16 grouped
-    by expert (counts[i] rows of experts[i], in order) -> (their outputs [R, H], the bits a slot
-    holding each expert gives; whether each expert's were computed: False where the page cache
-    did not hold all of its bytes or a read failed, and its rows are not its output). dsts[i],
-    where given: the addresses of a packed slot's gate, up and down blocks that expert i is
-    installed into as it is read (whole only where it was computed)."""
+def read_experts(kernels: CpuKernels, experts: list[ExpertFiles], xs: torch.Tensor, first: list[int],
+                 counts: list[int], intermediate: int, out: torch.Tensor,
+                 dsts: list[tuple[int, int, int] | None] | None = None) -> list[bool]:
+    """Experts run straight from the page cache (moed_read_experts_p32): expert i's rows
+    xs[first[i] : first[i] + counts[i]] (bf16 [R, H]) -> the same rows of out, the bits a slot
+    holding it gives -> whether each expert's were (False where the page cache did not hold all
+    of its bytes or a read failed: its rows of out are not its output). dsts[i], where given:
+    the addresses of a packed slot's gate, up and down blocks that expert i is installed into as
+    it is read (whole only where it was computed)."""
     n, (r, h) = len(experts), xs.shape
-    if xs.dtype != torch.bfloat16 or not xs.is_contiguous() or sum(counts) != r or len(counts) != n \
-            or h % BLOCK or intermediate % BLOCK:
-        raise ValueError(f"read_experts: contiguous bf16 rows [R, H] grouped by expert, H and I multiples "
-                         f"of {BLOCK}; got {xs.dtype} {tuple(xs.shape)}, I {intermediate}, counts {counts}")
+    if xs.dtype != torch.bfloat16 or not xs.is_contiguous() or out.shape != xs.shape or out.dtype != xs.dtype \
+            or not out.is_contiguous() or len(first) != n or len(counts) != n or h % BLOCK or intermediate % BLOCK \
+            or any(f < 0 or c < 0 or f + c > r for f, c in zip(first, counts)):
+        raise ValueError(f"read_experts: contiguous bf16 rows [R, H] and out alike, H and I multiples of {BLOCK}, "
+                         f"each expert's rows inside; got {xs.dtype} {tuple(xs.shape)} -> {tuple(out.shape)}, "
+                         f"I {intermediate}, first {first}, counts {counts}")
     flat = [m for e in experts for m in e]
     to = [a for d in (dsts or [None] * n) for a in (d or (0, 0, 0))]
-    start = [0]
-    for c in counts:
-        start.append(start[-1] + c)
-    out = torch.empty_like(xs)
     status = (ctypes.c_int * n)()
     fn = kernels.lib.moed_read_experts_p32
     if fn.argtypes is None:
         p, lg, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        fn.argtypes, fn.restype = [lg, p, p, p, lg, lg, p, p, p, p, i], i
+        fn.argtypes, fn.restype = [lg, p, p, p, lg, lg, p, p, p, p, p, i], i
     rc = fn(n, (ctypes.c_int * (3 * n))(*(f for f, _ in flat)), (ctypes.c_int64 * (3 * n))(*(o for _, o in flat)),
-            (ctypes.c_uint64 * (3 * n))(*to), h, intermediate, xs.data_ptr(), (ctypes.c_int64 * (n + 1))(*start), out.data_ptr(), status,
-            torch.get_num_threads())
-    return out, [rc == 0 and not st for st in status]
+            (ctypes.c_uint64 * (3 * n))(*to), h, intermediate, xs.data_ptr(), (ctypes.c_int64 * n)(*first),
+            (ctypes.c_int64 * n)(*counts), out.data_ptr(), status, torch.get_num_threads())
+    return [rc == 0 and not st for st in status]

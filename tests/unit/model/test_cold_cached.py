@@ -96,7 +96,7 @@ def test_the_kernels_read_what_is_cached_and_hand_off_what_is_not(make_checkpoin
     monkeypatch.setattr(packread, "read_pack", lambda k, reads: calls.append(len(reads)) or real(k, reads))
     direct_ok: list[bool] = []          # few-row misses tried from the page cache first
     real_direct = packread.run_direct
-    monkeypatch.setattr(packread, "run_direct", lambda *a: (g := real_direct(*a)) and direct_ok.extend(g[1]) or g)
+    monkeypatch.setattr(packread, "run_direct", lambda *a: direct_ok.extend(ok := real_direct(*a)) or ok)
     handed = _handoffs(r, monkeypatch)
     got = _steps(r, 4)
     assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
@@ -191,17 +191,19 @@ def test_few_row_misses_run_from_the_page_cache_and_the_hotter_are_installed(mak
     assert all(layer.direct for layer in r.cold.layers)
     real, seen = packread.run_direct, {"calls": 0, "installed": 0, "rows": []}
 
-    def run_direct(index, local, layer, experts, xs, counts, slots):
-        got = real(index, local, layer, experts, xs, counts, slots)
+    def run_direct(local, files, xs, first, counts, out, slots):
+        ok = real(local, files, xs, first, counts, out, slots)
         seen["calls"] += 1
         seen["rows"] += counts
-        for e, s, ok in zip(experts, slots, got[1]):
-            if s >= 0 and ok:
+        layer = next(ly for ly in r.cold.layers if ly.local is local)
+        for f, s, done in zip(files, slots, ok):
+            if s >= 0 and done:
                 seen["installed"] += 1
-                gu, dn = index.read(layer, e)
+                e = next(u for u, g in layer._files.items() if g == f)
+                gu, dn = r.cold.index.read(layer.layer, e)
                 assert torch.equal(local.gate_up_p[s].view(torch.int16), CpuKernels.pack(gu).view(torch.int16))
                 assert torch.equal(local.down_p[s].view(torch.int16), CpuKernels.pack(dn).view(torch.int16))
-        return got
+        return ok
     monkeypatch.setattr(packread, "run_direct", run_direct)
     slotted: list[int] = []
     real_slots = type(r.cold).read_slots

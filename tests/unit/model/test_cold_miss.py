@@ -146,10 +146,10 @@ def test_read_pack_reads_and_packs_each_matrix_or_leaves_it_whole(isa_kern, tmp_
 def test_read_experts_gives_a_slots_bits_or_says_it_could_not(isa_kern, tmp_path, hidden, inter):
     """kernels/pack.py read_experts (cpu_quant.c moed_read_experts_p32): experts run straight from
     a file's plain bf16 matrices give, row for row, the bits experts_bf16 gives from packed slots
-    holding them (1, 2, 3 and 40 rows an expert; down in chunks of several blocks and of one),
-    and those given slots are installed there with CpuKernels.pack's bytes;
-    an expert whose matrix the file no longer holds (truncated) is reported and the others are
-    still right."""
+    holding them (1, 2, 3 and 40 rows an expert, in any order of the rows; down in chunks of
+    several blocks and of one), rows of no expert untouched, and those given slots are installed
+    with CpuKernels.pack's bytes; an expert whose matrix the file no longer holds (truncated) is
+    reported and the others are still right."""
     import os
     if not hasattr(os, "RWF_NOWAIT"):
         pytest.skip("no RWF_NOWAIT (not Linux)")
@@ -172,27 +172,37 @@ def test_read_experts_gives_a_slots_bits_or_says_it_could_not(isa_kern, tmp_path
     gate_up = torch.stack([CpuKernels.pack(torch.cat([ms[0], ms[1]])) for ms in mats])
     down = torch.stack([CpuKernels.pack(ms[2]) for ms in mats])
     want = isa_kern.experts_bf16(xs, counts, gate_up, down, inter)
+    # the experts' rows where the store has them: grouped by unit, other units' rows between
+    first = [5, 0, 50, 8]
+    big = torch.randn(100, hidden, generator=g).bfloat16()
+    for f0, c, s0 in zip(first, counts, (0, 1, 3, 6)):
+        big[f0:f0 + c] = xs[s0:s0 + c]
     fd = os.open(path, os.O_RDONLY)
     try:
         os.pread(fd, pos, 0)            # in the page cache
         experts = [tuple((fd, o) for o in where) for where in files]
-        got, ok = read_experts(isa_kern, experts, xs, counts, inter)
-        assert ok == [True] * len(counts)
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), isa_kern.isa
+        out = torch.full_like(big, 3.0)
+        assert read_experts(isa_kern, experts, big, first, counts, inter, out) == [True] * len(counts)
+        for f0, c, s0 in zip(first, counts, (0, 1, 3, 6)):
+            assert torch.equal(out[f0:f0 + c].view(torch.int16), want[s0:s0 + c].view(torch.int16)), isa_kern.isa
+        assert torch.equal(out[90:], torch.full_like(out[90:], 3.0))
         # installed as read: experts 1 and 3 into slots (one at an odd address), bytes as packed
         gu_s, dn_s = torch.full_like(gate_up[:2], 7.0), torch.full_like(down[:2], 7.0)
         odd = torch.full((down[0].numel() + 8,), 7.0, dtype=torch.bfloat16)[2:2 + down[0].numel()]
         dsts = [None, (gu_s[0].data_ptr(), gu_s[0].data_ptr() + inter * hidden * 2, dn_s[0].data_ptr()), None,
                 (gu_s[1].data_ptr(), gu_s[1].data_ptr() + inter * hidden * 2, odd.data_ptr())]
-        got, ok = read_experts(isa_kern, experts, xs, counts, inter, dsts)
-        assert ok == [True] * len(counts) and torch.equal(got.view(torch.int16), want.view(torch.int16))
+        got = torch.empty_like(xs)
+        assert read_experts(isa_kern, experts, xs, [0, 1, 3, 6], counts, inter, got, dsts) == [True] * 4
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
         assert torch.equal(gu_s.view(torch.int16), gate_up[1::2].view(torch.int16))
         assert torch.equal(dn_s[0].view(torch.int16), down[1].view(torch.int16))
         assert torch.equal(odd.view(torch.int16), down[3].view(torch.int16).reshape(-1))
         os.truncate(path, files[2][2] + 100)            # the third expert's down cut short
-        got, ok = read_experts(isa_kern, experts[:3], xs[:6], counts[:3], inter)
-        assert ok == [True, True, False]
+        got = torch.empty_like(xs)
+        assert read_experts(isa_kern, experts[:3], xs, [0, 1, 3], counts[:3], inter, got) == [True, True, False]
         assert torch.equal(got[:3].view(torch.int16), want[:3].view(torch.int16))
-        assert read_experts(isa_kern, [], xs[:0], [], inter)[1] == []
+        assert read_experts(isa_kern, [], xs, [], [], inter, got) == []
+        with pytest.raises(ValueError, match="inside"):
+            read_experts(isa_kern, experts[:1], xs, [len(xs)], [1], inter, got)
     finally:
         os.close(fd)
