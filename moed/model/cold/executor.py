@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moed.model.executor import ExpertExecutor, MoEMode, Routing, combine_sorted
+from moed.model.kernels import rows as kernel_rows
 
 if TYPE_CHECKING:
     from moed.model.cold.store import ColdExperts
@@ -31,4 +32,7 @@ class ColdExecutor(ExpertExecutor):
         order = torch.argsort(phys, stable=True)                 # by expert, flat order within
         per_unit = torch.bincount(phys, minlength=self.layer.num_physical)
         ys = self.layer.run_grouped(x.index_select(0, order // k), per_unit, mode)
+        kern = self.layer.local.kernels
+        if kern is not None and (mode == MoEMode.FUSED or t > 1) and kernel_rows.serves_combine(ys, routing.weights):
+            return kernel_rows.combine_rows(kern, ys, order, routing.weights)      # combine_sorted, in C
         return combine_sorted(ys, order, routing.weights, routing.physical, mode)   # ids: logical

@@ -26,8 +26,6 @@ import torch
 from moed.model.cold.reader import ExpertIndex
 from moed.model.kernels import BLOCK
 from moed.model.kernels.pack import ExpertFiles, PackRead, read_experts, read_pack
-
-__all__ = ["ExpertFiles", "expert_files", "read_packed", "run_direct", "serves"]
 from moed.model.moe import LocalExperts
 
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from moed.model.cold import onednn, packread, policy
+from moed.model.cold import direct, onednn, packread, policy
 from moed.model.cold.executor import ColdExecutor
 from moed.model.cold.mover import Mover
 from moed.model.cold.prefetch import Prefetcher
@@ -57,6 +57,7 @@ from moed.model.cold.reader import ExpertIndex, ExpertReadError
 from moed.model.cold.stats import ColdStats, LayerFetch
 from moed.model.context import ExpertPlacement
 from moed.model.executor import ExpertExecutor, MoEMode, SlotExperts
+from moed.model.kernels import rows as kernel_rows
 from moed.model.moe import LocalExperts, MoELayer
 from moed.model.spec import ModelSpec
 from moed.obs import metrics
@@ -248,7 +249,10 @@ class ColdExperts:
         self.store, self.pos, self.layer, self.local = store, pos, layer, local
         self.packread = packread.serves(store.index, local)
         self.direct = self.packread     # few-row misses run from the page cache (_run_direct)
-        self._files: dict[int, packread.ExpertFiles | None] = {}     # unit -> its matrices' places
+        # the kernels' packed bf16 slots: a round's rows run where they are (kernels/rows.py)
+        self.rowwise = local.kernels is not None and local.gate_up_p is not None and local.down_p is not None \
+            and local.quant is None
+        self.files: dict[int, packread.ExpertFiles | None] = {}     # unit -> its matrices' places
         n, s = len(store.units), store.slots
         self.num_physical = n                           # SlotExperts: the units
         self.expert_in = list(range(s))                 # slot -> unit (-1 empty)
@@ -263,7 +267,8 @@ class ColdExperts:
         self.heat.mul_(decay).add_(self.window)
         self.window.zero_()
 
-    def _set(self, slot: int, expert: int) -> None:
+    def assign(self, slot: int, expert: int) -> None:
+        """Slot `slot` holds `expert` (-1: empty) from now on."""
         old = self.expert_in[slot]
         if old >= 0:
             self.slot_of[old] = -1
@@ -279,9 +284,9 @@ class ColdExperts:
         if heat[expert] <= policy.coldest(self.expert_in, heat):
             return False
         slot = policy.victim(self.expert_in, heat, set())
-        self._set(slot, -1)             # empty while written: a failure leaves no stale expert
+        self.assign(slot, -1)             # empty while written: a failure leaves no stale expert
         self.local.load_slot(slot, weights, repack=False)
-        self._set(slot, expert)
+        self.assign(slot, expert)
         return True
 
     def promote_cached(self, units: list[int]) -> list[int]:
@@ -292,13 +297,13 @@ class ColdExperts:
         slots = policy.victims(self.expert_in, heat, set(), len(units))
         pairs = [(u, s) for u, s in zip(units, slots) if self.expert_in[s] < 0 or heat[u] > heat[self.expert_in[s]]]
         for _, slot in pairs:
-            self._set(slot, -1)         # empty while written: a failed read leaves no stale expert
+            self.assign(slot, -1)         # empty while written: a failed read leaves no stale expert
         units_of = self.store.units
         left = packread.read_packed(self.store.index, self.local, self.layer, [(units_of[u], s) for u, s in pairs])
         missed = [u for u, s in pairs if left is None or (units_of[u], s) in left]
         for u, slot in pairs:
             if u not in missed:
-                self._set(slot, u)
+                self.assign(slot, u)
         return missed
 
     def _ensure(self, group: list[int], protect: set[int], n_rows: list[int],
@@ -320,13 +325,13 @@ class ColdExperts:
             raise ExpertReadError(f"no expert slot left to read into (layer {self.layer})")
         slots = dict(zip(misses, free))
         for e in misses:
-            self._set(slots[e], -1)
+            self.assign(slots[e], -1)
         cold = [e for e in misses if e not in futs]
         t0 = time.perf_counter()
         if cold:
             self.store.read_slots(self.pos, [(e, slots[e]) for e in cold])
             for e in cold:
-                self._set(slots[e], e)
+                self.assign(slots[e], e)
         stall = time.perf_counter() - t0
         for e, fut in futs.items():
             t1 = time.perf_counter()
@@ -342,7 +347,7 @@ class ColdExperts:
                 if weights is None:
                     pf.cached_after_all()
                 self.store.read_slots(self.pos, [(e, slots[e])])
-                self._set(slots[e], e)
+                self.assign(slots[e], e)
                 cold.append(e)
                 stall += time.perf_counter() - t1
                 continue
@@ -353,37 +358,8 @@ class ColdExperts:
                 fetched.waited += 1
                 fetched.wait_s += time.perf_counter() - t1
             self.local.load_slot(slots[e], weights, repack=False)
-            self._set(slots[e], e)
+            self.assign(slots[e], e)
         return len(cold), stall
-
-    def _run_direct(self, xs: torch.Tensor, ys: torch.Tensor, units: list[int], n_rows: list[int],
-                    start: list[int], keep: set[int], heat: list[float]) -> set[int]:
-        """Misses of few rows run straight from the page cache into ys (packread.run_direct: one
-        pass over their bytes where a read into a slot and the kernel's read of it cost three)
-        -> those it ran; the others (not all cached, a failed read, a file packread cannot
-        read) are left to the slot path, whose read reports an error. Those hotter (counting
-        this call) than the coldest slots that hold none of `keep` are installed there as they
-        are read (policy.installs)."""
-        files = self._files
-        for u in units:
-            if u not in files:
-                files[u] = packread.expert_files(self.store.index, self.layer, self.store.units[u])
-        units = [u for u in units if files[u] is not None]
-        if not units:
-            return set()
-        slots = policy.installs(self.expert_in, heat, keep, units, n_rows)
-        for s in slots:
-            if s >= 0:
-                self._set(s, -1)        # empty while written: a failed read leaves no stale expert
-        ok = packread.run_direct(self.local, [files[u] for u in units], xs, [start[u] for u in units],
-                                 [n_rows[u] for u in units], ys, slots)
-        ran = {u for u, done in zip(units, ok) if done}  # a failed one's rows are written again by its slot
-        for u, s in zip(units, slots):
-            if s >= 0 and u in ran:
-                self._set(s, u)
-        self.store.stats.cached_reads += len(ran)
-        self.store.stats.direct += len(ran)
-        return ran
 
     def run_grouped(self, xs: torch.Tensor, per_unit: torch.Tensor, mode: MoEMode) -> torch.Tensor:
         """executor.SlotExperts: rows grouped by unit (per_unit [U] rows each, in unit order) ->
@@ -418,10 +394,12 @@ class ColdExperts:
         one_call = mode != MoEMode.TORCH or self.local.native_serves(n_rows[u] for u in needed)
         ys = torch.empty_like(xs) if one_call else None
         ran: set[int] = set()
+        rowwise = one_call and self.rowwise and mode != MoEMode.QFUSED and xs.dtype == torch.bfloat16 \
+            and xs.is_contiguous()
         try:
             if one_call and self.direct and xs.dtype == torch.bfloat16 and xs.is_contiguous():
                 t0 = time.perf_counter()
-                ran = self._run_direct(xs, ys, [u for u in needed if not resident[u] and (
+                ran = direct.run_misses(self, xs, ys, [u for u in needed if not resident[u] and (
                     pf is None or pf.state(self.pos, u) == 2) and n_rows[u] <= policy.DIRECT_ROWS], n_rows, start,
                     protect | {u for u in needed if resident[u]}, heat)
                 misses, stall = len(ran), time.perf_counter() - t0
@@ -435,7 +413,12 @@ class ColdExperts:
                 by_slot, per_slot = sorted((slot_of[u], u) for u in group), [0] * self.store.slots
                 for sl, u in by_slot:
                     per_slot[sl] = n_rows[u]
-                rows = torch.tensor([r for _, u in by_slot for r in range(start[u], start[u] + n_rows[u])])
+                order = [r for _, u in by_slot for r in range(start[u], start[u] + n_rows[u])]
+                if rowwise:             # the kernels read and write the rows in place
+                    lc = self.local
+                    kernel_rows.experts_rows(lc.kernels, xs, order, per_slot, lc.gate_up_p, lc.down_p, lc.intermediate, ys)
+                    continue
+                rows = torch.tensor(order)
                 ys[rows] = self.local.run_grouped(xs.index_select(0, rows), per_slot, mode)
         except ExpertReadError:
             self.store.stats.read_failed("miss")

@@ -75,7 +75,7 @@ typedef uint16_t bf16;
 #error "build with -mavx512f -mavx512bw -mavx512vl -mfma (and -mavx512bf16), or -march=x86-64-v3"
 #endif
 
-int moed_abi_version(void) { return 16; }
+int moed_abi_version(void) { return 17; }
 
 /* Which variant this .so is: the loader refuses one that is not the variant it asked for (a
  * cache shared by machines of different CPUs keeps each variant under its own name). */
@@ -610,7 +610,7 @@ typedef struct { bf16 *xs; float *gu; bf16 *act; } ExpertScratch;
  *   acc:  acc[src[s]][h] += bf16(y * wts[s]), fp32 rows of ldh (team mode only: each thread
  *         owns its down blocks' columns of every token);
  *   prod: prod[s][h] = bf16(y * wts[s]) (a token's k products are summed afterwards);
- *   out:  out[s][h] = y. */
+ *   out:  out[s][h] = y, or out[src[s]][h] = y where src is set (moed_experts_rows_bf16). */
 typedef struct { float *acc; bf16 *prod; bf16 *out; const float *wts; const long *src; } ExpertSink;
 
 /* Rows [s0, s0 + cn) of one expert (input row s at x + (src ? src[s] : s) * H) through gate_up
@@ -655,9 +655,10 @@ static void expert_chunk(const bf16 *x, const long *src, long s0, long cn, const
                 const long s = s0 + r0 + r;
                 __m512 y0 = round_bf16_exact_x16(_mm512_load_ps(tile + r * NB));
                 __m512 y1 = round_bf16_exact_x16(_mm512_load_ps(tile + r * NB + 16));
-                if (sink->out) {
-                    store_bf16_exact_x16(sink->out + s * H + h0, m0, y0);    /* y is bf16 already */
-                    store_bf16_exact_x16(sink->out + s * H + h0 + 16, m1, y1);
+                if (sink->out) {            /* row s, or src[s] where the caller has its rows */
+                    bf16 *o = sink->out + (sink->src ? sink->src[s] : s) * H;
+                    store_bf16_exact_x16(o + h0, m0, y0);    /* y is bf16 already */
+                    store_bf16_exact_x16(o + h0 + 16, m1, y1);
                     continue;
                 }
                 const __m512 w = _mm512_set1_ps(sink->wts[s]);
@@ -874,8 +875,10 @@ done:
     return rc;
 }
 
-int moed_experts_bf16(const bf16 *xs, long R, long H, const int64_t *count_in, const bf16 *gate_up,
-                      const bf16 *down, long P, long I, bf16 *out, int nthreads) {
+/* moed_experts_bf16 (map NULL) and moed_experts_rows_bf16 (map: sorted row s is row map[s] of x
+ * and of out). */
+static int experts_sorted(const bf16 *x, const int64_t *map, long R, long H, const int64_t *count_in,
+                          const bf16 *gate_up, const bf16 *down, long P, long I, bf16 *out, int nthreads) {
     long *count = malloc(sizeof(long) * (P + 1));      /* count[e] = first row of slot e */
     long *items = malloc(sizeof(long) * 3 * (R + 1));
     ExpertScratch *sc = NULL;
@@ -890,15 +893,65 @@ int moed_experts_bf16(const bf16 *xs, long R, long H, const int64_t *count_in, c
     if (count[P] != R) { rc = -2; goto done; }
     n_items = list_chunks(count, P, items, items + R + 1, items + 2 * (R + 1), &touched, &largest);
     chunked = by_chunk(R, touched, n_items, nthreads);
-    if (!(sc = alloc_scratch(chunked ? nthreads : 1, largest + 1, H, I, 0))) { rc = -1; goto done; }
-    const ExpertSink sink = {NULL, NULL, out, NULL, NULL};
+    if (!(sc = alloc_scratch(chunked ? nthreads : 1, largest + 1, H, I, map != NULL))) { rc = -1; goto done; }
+    const ExpertSink sink = {NULL, NULL, out, NULL, (const long *)map};
 #pragma omp parallel num_threads(nthreads)
-    expert_rows(xs, NULL, H, I, gate_up, down, items, items + R + 1, items + 2 * (R + 1), n_items, chunked,
-                sc, &sink);
+    expert_rows(x, (const long *)map, H, I, gate_up, down, items, items + R + 1, items + 2 * (R + 1), n_items,
+                chunked, sc, &sink);
 done:
     free(count); free(items);
     free_scratch(sc, chunked ? nthreads : 1);
     return rc;
+}
+
+int moed_experts_bf16(const bf16 *xs, long R, long H, const int64_t *count_in, const bf16 *gate_up,
+                      const bf16 *down, long P, long I, bf16 *out, int nthreads) {
+    return experts_sorted(xs, NULL, R, H, count_in, gate_up, down, P, I, out, nthreads);
+}
+
+/* moed_experts_bf16 on rows where the caller has them (the cold-expert store's rounds, which
+ * would otherwise gather them into slot order and scatter the outputs back): sorted row s (slot
+ * order, count[e] rows of slot e) is row map[s] of x, and its output goes to row map[s] of out
+ * (map: R distinct rows). The same bits. */
+int moed_experts_rows_bf16(const bf16 *x, const int64_t *map, long R, long H, const int64_t *count_in,
+                           const bf16 *gate_up, const bf16 *down, long P, long I, bf16 *out, int nthreads) {
+    return experts_sorted(x, map, R, H, count_in, gate_up, down, P, I, out, nthreads);
+}
+
+/* executor.combine_sorted in one pass: ys [T * k][H] expert outputs in expert order, row i
+ * being choice order[i] (= t * k + j) of token t = order[i] / k, weight w[order[i]] -> out[t] =
+ * the token's products y * w (rounded to bf16 where prod_bf16: bf16 weights, as torch
+ * multiplies two bf16 tensors; fp32 weights: the fp32 product) summed from a zero in fp32 in
+ * row order (index_add_'s order, ascending expert), rounded once. Threads split the columns:
+ * every sum keeps its order. */
+int moed_combine_rows_bf16(const bf16 *ys, const int64_t *order, const float *w, long T, long k, long H,
+                           int prod_bf16, bf16 *out, int nthreads) {
+    const long ldh = nblocks(H) * NB, rows = T * k;
+    float *acc = calloc(T * ldh + 1, sizeof(float));
+    if (!acc) return -1;
+#pragma omp parallel num_threads(nthreads) if (rows * H >= 65536)
+    {
+        long c0, c1;
+        split(ldh / 16, omp_get_thread_num(), omp_get_num_threads(), &c0, &c1);
+        for (long i = 0; i < rows; i++) {
+            const long t = order[i] / k;
+            const __m512 wv = _mm512_set1_ps(w[order[i]]);
+            for (long c = c0; c < c1; c++) {
+                const long h = c * 16;
+                __m512 p = _mm512_mul_ps(bf16x16_or_zero(ys + i * H + h, lanes(H - h)), wv);
+                if (prod_bf16) p = round_bf16_exact_x16(p);
+                _mm512_storeu_ps(acc + t * ldh + h, _mm512_add_ps(_mm512_loadu_ps(acc + t * ldh + h), p));
+            }
+        }
+#pragma omp barrier
+        for (long t = 0; t < T; t++)
+            for (long c = c0; c < c1; c++) {
+                const long h = c * 16;
+                if (h < H) store_bf16_exact_x16(out + t * H + h, lanes(H - h), _mm512_loadu_ps(acc + t * ldh + h));
+            }
+    }
+    free(acc);
+    return 0;
 }
 
 /* Lane i of the result = the sum of v[i]'s 16 lanes: 16 horizontal sums in 45 shuffles/adds

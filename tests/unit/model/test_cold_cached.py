@@ -199,7 +199,7 @@ def test_few_row_misses_run_from_the_page_cache_and_the_hotter_are_installed(mak
         for f, s, done in zip(files, slots, ok):
             if s >= 0 and done:
                 seen["installed"] += 1
-                e = next(u for u, g in layer._files.items() if g == f)
+                e = next(u for u, g in layer.files.items() if g == f)
                 gu, dn = r.cold.index.read(layer.layer, e)
                 assert torch.equal(local.gate_up_p[s].view(torch.int16), CpuKernels.pack(gu).view(torch.int16))
                 assert torch.equal(local.down_p[s].view(torch.int16), CpuKernels.pack(dn).view(torch.int16))

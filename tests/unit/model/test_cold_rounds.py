@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moed.model.cold import ColdSettings, policy
+from moed.model.kernels import rows as kernel_rows
 from moed.model.moe import LocalExperts
 from test_cold_experts import _budget, _runner, _steps
 
@@ -47,9 +48,10 @@ def test_one_round_per_call_equals_all_resident(make_checkpoint, monkeypatch, ar
             merged.append(len(g) == 1)
         return g
     monkeypatch.setattr(policy, "rounds", rounds)
-    gathered = []
+    gathered = []           # one kernel call per round: gathered in torch, or rows in place in C
     monkeypatch.setattr(LocalExperts, "run_grouped", lambda self, *a, _o=LocalExperts.run_grouped:
                         gathered.append(1) or _o(self, *a))
+    monkeypatch.setattr(kernel_rows, "experts_rows", lambda *a, _o=kernel_rows.experts_rows: gathered.append(1) or _o(*a))
     got = _steps(r, 4)
     assert all(torch.equal(a, b) for a, b in zip(want, got)), "logits differ from all-resident"
     assert r.cold.stats.misses > 0 and r.cold.stats.hits > 0

@@ -1,0 +1,49 @@
+"""kernels/rows.py: an expert call over rows where the caller has them, and the combine of each
+token's k outputs, in C; the same bits as the torch ops they replace, on every kernel variant
+this CPU runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moed.model.executor import MoEMode, combine_sorted
+from moed.model.kernels import CpuKernels
+from moed.model.kernels.rows import combine_rows, experts_rows, serves_combine
+
+
+@pytest.mark.parametrize("hidden,inter", [(64, 96), (96, 160)])
+def test_experts_rows_equal_the_gathered_call_scattered_back(isa_kern, hidden, inter):
+    g = torch.Generator().manual_seed(hidden)
+    slots = 5
+    gate_up = torch.stack([CpuKernels.pack(torch.randn(2 * inter, hidden, generator=g).bfloat16() * 0.1)
+                           for _ in range(slots)])
+    down = torch.stack([CpuKernels.pack(torch.randn(hidden, inter, generator=g).bfloat16() * 0.1)
+                        for _ in range(slots)])
+    xs = torch.randn(90, hidden, generator=g).bfloat16()
+    for counts in ([1, 0, 2, 0, 1], [0, 40, 3, 1, 30]):        # few rows (team), many (chunks)
+        rows = torch.randperm(90, generator=g)[:sum(counts)].tolist()
+        want = torch.full_like(xs, 5.0)
+        want[rows] = isa_kern.experts_bf16(xs[rows], counts, gate_up, down, inter)
+        got = torch.full_like(xs, 5.0)
+        experts_rows(isa_kern, xs, rows, counts, gate_up, down, inter, got)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (isa_kern.isa, counts)
+    with pytest.raises(ValueError, match="rows inside"):
+        experts_rows(isa_kern, xs, [90], [1, 0, 0, 0, 0], gate_up, down, inter, got)
+
+
+@pytest.mark.parametrize("t,k,h", [(1, 4, 64), (3, 1, 100), (8, 4, 512), (40, 6, 72)])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_combine_rows_equals_combine_sorted(isa_kern, t, k, h, wdtype):
+    g = torch.Generator().manual_seed(t * k + h)
+    experts = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(t)])
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    ys = (torch.randn(t * k, h, generator=g) * 3).bfloat16()
+    ys[0, :3] = torch.tensor([0.0, -0.0, 1e-38])                 # zeros and a denormal-sized value
+    weights = torch.rand(t, k, generator=g).to(wdtype)
+    assert serves_combine(ys, weights)
+    want = combine_sorted(ys, order, weights, experts, MoEMode.FUSED)
+    got = combine_rows(isa_kern, ys, order, weights)
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.int16), want.view(torch.int16)), isa_kern.isa
+    if t > 1:               # the torch path's order for t > 1 is the same sum
+        assert torch.equal(combine_sorted(ys, order, weights, experts, MoEMode.TORCH).view(torch.int16),
+                           got.view(torch.int16))
