@@ -63,6 +63,20 @@ def hottest(expert_in: Sequence[int], heat: Sequence[float], n: int) -> set[int]
     return set(held[:max(0, n)])
 
 
+def hottest_ranked(rank: Sequence[int], slot_of: Sequence[int], n: int) -> set[int]:
+    """hottest() from a ranking of every expert, hottest first (ties: the lower expert), made
+    once when the heat changes: the first n of it that are resident."""
+    out: set[int] = set()
+    if n <= 0:
+        return out
+    for e in rank:
+        if slot_of[e] >= 0:
+            out.add(e)
+            if len(out) == n:
+                break
+    return out
+
+
 def rounds(needed: Sequence[int], resident: Sequence[bool], stream: int, room: int = 0) -> list[list[int]]:
     """The experts a layer call needs, in groups run one after the other: the resident ones
     first (no read), then the misses, `stream` per group (each group is read into the stream

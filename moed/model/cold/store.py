@@ -259,13 +259,18 @@ class ColdExperts:
         self.slot_of = list(range(s)) + [-1] * (n - s)  # unit -> slot (-1 not resident)
         self.heat = torch.zeros(n, dtype=torch.float64)
         self.window = torch.zeros(n, dtype=torch.long)  # routed tokens since the last cool()
+        self._heat, self.rank = [0.0] * n, list(range(n))   # heat as a list; units hottest first
 
     def heat_list(self) -> list[float]:
-        return self.heat.tolist()
+        """The heat as a list (read-only: the same list until the next cool())."""
+        return self._heat
 
     def cool(self, decay: float) -> None:
+        """Between steps: the heat decays and takes the step's counts; the ranking follows."""
         self.heat.mul_(decay).add_(self.window)
         self.window.zero_()
+        self._heat = self.heat.tolist()
+        self.rank = torch.argsort(self.heat, descending=True, stable=True).tolist()
 
     def assign(self, slot: int, expert: int) -> None:
         """Slot `slot` holds `expert` (-1: empty) from now on."""
@@ -386,8 +391,10 @@ class ColdExperts:
         misses, stall, fetched = 0, 0.0, LayerFetch()
         usable = sum(1 for e in self.expert_in if e != policy.LOST)     # all, unless a read hung
         stream = policy.stream_slots(usable)
-        protect = policy.hottest(self.expert_in, heat, usable - stream)
-        room = policy.room(self.expert_in, protect | {u for u in needed if resident[u]})
+        protect, room = set(), 0        # only a call with misses chooses slots
+        if hits < len(needed):
+            protect = policy.hottest_ranked(self.rank, slot_of, usable - stream)
+            room = policy.room(self.expert_in, protect | {u for u in needed if resident[u]})
         outs: dict[int, torch.Tensor] = {}
         # the fused modes, and the torch path where the kernels serve every row count: a round's
         # rows gathered in slot order, one kernel call (not one per expert), scattered back

@@ -37,6 +37,23 @@ def test_installs_give_the_hottest_misses_the_coldest_slots_only_when_hotter():
     assert policy.installs(expert_in, heat, set(), [], n_rows) == []
 
 
+def test_hottest_ranked_equals_hottest():
+    """The ranking made at cool() (a stable descending argsort of the heat) gives hottest()'s set,
+    ties included (heats drawn from a few values)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 40)
+        heat = torch.tensor([float(rng.choice([0, 1, 2, 2.5, 7])) for _ in range(n)], dtype=torch.float64)
+        expert_in = rng.sample(range(n), rng.randint(1, n)) + [-1] * rng.randint(0, 3)
+        slot_of = [-1] * n
+        for slot, e in enumerate(expert_in):
+            if e >= 0:
+                slot_of[e] = slot
+        rank = torch.argsort(heat, descending=True, stable=True).tolist()
+        k = rng.randint(0, len(expert_in) + 1)
+        assert policy.hottest_ranked(rank, slot_of, k) == policy.hottest(expert_in, heat.tolist(), k)
+
+
 def test_victims_in_one_sort_equal_victim_picked_in_turn():
     """victims sorts once; it must pick exactly what victim() picks one slot at a time (ties in
     heat, empty and lost slots, kept experts, too few candidates)."""
