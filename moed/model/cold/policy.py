@@ -34,10 +34,12 @@ def stream_slots(slots: int) -> int:
     return max(1, slots // 4)
 
 
-# A miss of at most this many rows in a layer call runs straight from the page cache, without a
-# slot (store.py ColdExperts._run_direct): a decode step's misses are one or two rows, which a
-# slot would not pay back before the mover's heat decides they belong there.
-DIRECT_ROWS = 8
+# A miss of at most this many rows in a layer call runs straight from the page cache (cold/direct.py):
+# a decode step's misses are one or two rows, a prefill's many of its misses a few. Each 32-row
+# block is packed once in L1 for all of a miss's rows; past this many, the slot the miss is read
+# into is worth it. Bench model at 30%, AVX2 EPYC (docs/cold-experts.md): prefill 815-828 tok/s
+# at 8, 844-856 at 32, 836-864 at 64; decode the same at each.
+DIRECT_ROWS = 32
 
 
 def installs(expert_in: Sequence[int], heat: Sequence[float], keep: set[int], units: Sequence[int],
