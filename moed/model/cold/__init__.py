@@ -6,6 +6,8 @@ checkpoint's safetensors files when a step routes to them (docs/cold-experts.md)
   reader.py   the disk tier: (layer, expert) -> its matrices' byte ranges; pread into buffers
   packread.py a round's misses (and the mover's installs) read from the page cache and packed
               into their slots by the kernels' team, in one call
+  direct.py   a layer call's few-row misses run straight from the page cache (no slot; the
+              hotter installed into one as they are read)
   store.py    ExpertStore (the model's ExpertPlacement) and ColdExperts (a layer's slots):
               misses, heat
   mover.py    Mover: the between-steps installs of the hottest non-resident experts
