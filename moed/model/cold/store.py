@@ -103,6 +103,10 @@ class ExpertStore:
                                                   len(self.moe_layers), len(self.units), asked)
         self.prefetch = Prefetcher(self, staging, self.read_ahead) if staging else None
         self.decay = 0.5 ** (1.0 / settings.heat_half_life_steps)
+        # each MoE layer's heat and this step's routed-token counts, a row per layer (views in
+        # ColdExperts): decayed and ranked in a few tensor ops a step, not a few per layer
+        self.heat = torch.zeros((len(self.moe_layers), len(self.units)), dtype=torch.float64)
+        self.window = torch.zeros((len(self.moe_layers), len(self.units)), dtype=torch.long)
         self.layers: list[ColdExperts] = []
         self.stats = ColdStats()
         self.onednn: onednn.OnednnFile | None = None      # refilled slots' oneDNN copies
@@ -201,8 +205,11 @@ class ExpertStore:
         """Heat, then the mover's installs and read-aheads (mover.py), on the step thread."""
         if self.prefetch is not None:
             self.prefetch.reset()
-        for layer in self.layers:
-            layer.cool(self.decay)
+        self.heat.mul_(self.decay).add_(self.window)       # every layer at once
+        self.window.zero_()
+        ranks = torch.argsort(self.heat, dim=1, descending=True, stable=True).tolist()
+        for layer, heat, rank in zip(self.layers, self.heat.tolist(), ranks):
+            layer.cooled(heat, rank)
         self.mover.step()
         self.publish()
 
@@ -257,20 +264,18 @@ class ColdExperts:
         self.num_physical = n                           # SlotExperts: the units
         self.expert_in = list(range(s))                 # slot -> unit (-1 empty)
         self.slot_of = list(range(s)) + [-1] * (n - s)  # unit -> slot (-1 not resident)
-        self.heat = torch.zeros(n, dtype=torch.float64)
-        self.window = torch.zeros(n, dtype=torch.long)  # routed tokens since the last cool()
+        self.heat = store.heat[pos]                     # views of the store's [layers, units]
+        self.window = store.window[pos]                 # routed tokens since the last step
         self._heat, self.rank = [0.0] * n, list(range(n))   # heat as a list; units hottest first
 
     def heat_list(self) -> list[float]:
         """The heat as a list (read-only: the same list until the next cool())."""
         return self._heat
 
-    def cool(self, decay: float) -> None:
-        """Between steps: the heat decays and takes the step's counts; the ranking follows."""
-        self.heat.mul_(decay).add_(self.window)
-        self.window.zero_()
-        self._heat = self.heat.tolist()
-        self.rank = torch.argsort(self.heat, descending=True, stable=True).tolist()
+    def cooled(self, heat: list[float], rank: list[int]) -> None:
+        """Between steps, after the store decayed the heat and added the step's counts: its
+        list, and the units hottest first (ties: the lower unit; a stable argsort)."""
+        self._heat, self.rank = heat, rank
 
     def assign(self, slot: int, expert: int) -> None:
         """Slot `slot` holds `expert` (-1: empty) from now on."""
