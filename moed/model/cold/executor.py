@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from moed.model.cold.store import ColdExperts
 
 
+GROUP_IN_C = 1 << 21     # elements of the gathered rows up to which kernel_rows.group_rows groups them
+
+
 class ColdExecutor(ExpertExecutor):
     """One MoE layer's executor with cold experts, in one process (the module docstring)."""
 
@@ -28,11 +31,16 @@ class ColdExecutor(ExpertExecutor):
             return x.new_empty((0, h))
         if self.layer.store.prefetch is not None:     # the next MoE layer's, from this input
             self.layer.store.prefetch.predict(self.layer.pos + 1, x)
-        phys = routing.physical.reshape(-1)
-        order = torch.argsort(phys, stable=True)                 # by expert, flat order within
-        per_unit = torch.bincount(phys, minlength=self.layer.num_physical)
-        ys = self.layer.run_grouped(x.index_select(0, order // k), per_unit, mode)
         kern = self.layer.local.kernels
+        # decode-sized calls in C (one thread: a prefill's gather is left to torch's team)
+        if kern is not None and x.dtype == torch.bfloat16 and x.is_contiguous() and t * k * h <= GROUP_IN_C:
+            order, per_unit, xs = kernel_rows.group_rows(kern, routing.physical, x, self.layer.num_physical)
+        else:
+            phys = routing.physical.reshape(-1)
+            order = torch.argsort(phys, stable=True)                 # by expert, flat order within
+            per_unit = torch.bincount(phys, minlength=self.layer.num_physical)
+            xs = x.index_select(0, order // k)
+        ys = self.layer.run_grouped(xs, per_unit, mode)
         if kern is not None and (mode == MoEMode.FUSED or t > 1) and kernel_rows.serves_combine(ys, routing.weights):
             return kernel_rows.combine_rows(kern, ys, order, routing.weights)      # combine_sorted, in C
         return combine_sorted(ys, order, routing.weights, routing.physical, mode)   # ids: logical

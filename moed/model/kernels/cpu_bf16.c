@@ -75,7 +75,7 @@ typedef uint16_t bf16;
 #error "build with -mavx512f -mavx512bw -mavx512vl -mfma (and -mavx512bf16), or -march=x86-64-v3"
 #endif
 
-int moed_abi_version(void) { return 17; }
+int moed_abi_version(void) { return 18; }
 
 /* Which variant this .so is: the loader refuses one that is not the variant it asked for (a
  * cache shared by machines of different CPUs keeps each variant under its own name). */
@@ -916,6 +916,28 @@ int moed_experts_bf16(const bf16 *xs, long R, long H, const int64_t *count_in, c
 int moed_experts_rows_bf16(const bf16 *x, const int64_t *map, long R, long H, const int64_t *count_in,
                            const bf16 *gate_up, const bf16 *down, long P, long I, bf16 *out, int nthreads) {
     return experts_sorted(x, map, R, H, count_in, gate_up, down, P, I, out, nthreads);
+}
+
+/* A layer call's routed rows grouped by unit (the cold-expert executor's torch argsort,
+ * bincount and gather in one pass): phys [T * k] (choice t * k + j of token t) -> order [T * k]
+ * (a stable sort of phys: the choices of each unit, ascending), count [P] (rows per unit) and
+ * xs [T * k][H] (row i = x[order[i] / k]). Returns 0; -2 a unit outside [0, P). */
+int moed_group_rows_bf16(const int64_t *phys, long T, long k, long P, const bf16 *x, long H, int64_t *order,
+                         int64_t *count, bf16 *xs) {
+    const long rows = T * k;
+    for (long e = 0; e < P; e++) count[e] = 0;
+    for (long s = 0; s < rows; s++) {
+        if (phys[s] < 0 || phys[s] >= P) return -2;
+        count[phys[s]]++;
+    }
+    long *next = malloc(sizeof(long) * (P + 1));
+    if (!next) return -1;
+    next[0] = 0;
+    for (long e = 0; e < P; e++) next[e + 1] = next[e] + count[e];
+    for (long s = 0; s < rows; s++) order[next[phys[s]]++] = s;
+    free(next);
+    for (long i = 0; i < rows; i++) memcpy(xs + i * H, x + order[i] / k * H, sizeof(bf16) * H);
+    return 0;
 }
 
 /* executor.combine_sorted in one pass: ys [T * k][H] expert outputs in expert order, row i

@@ -1,8 +1,9 @@
-"""Expert calls over rows where the caller has them, and their combine, in one C call each
-(cpu_bf16.c moed_experts_rows_bf16, moed_combine_rows_bf16): the cold-expert store's layer call
-ran ~6 torch ops around each kernel call to gather rows into slot order, scatter the outputs
-back and weight and sum each token's k outputs (~0.1 ms a call on a 2-core EPYC, 16 calls a
-decode step). The same bits as the torch ops they replace (tests/unit/model/test_cold_rounds.py).
+"""The cold-expert executor's row bookkeeping in one C call each (cpu_bf16.c): a layer call's
+rows grouped by unit (moed_group_rows_bf16), an expert call over rows where the caller has them
+(moed_experts_rows_bf16) and the combine of each token's k outputs (moed_combine_rows_bf16).
+The layer call ran ~10 torch ops around its kernel calls for these (~0.15 ms a call on a 2-core
+EPYC, 16 calls a decode step). The same bits and indices as the torch ops they replace
+(tests/unit/model/test_kernel_rows.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,26 @@ def experts_rows(kernels: CpuKernels, xs: torch.Tensor, rows: list[int], counts:
             torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("moed_experts_rows_bf16: " + ("out of memory" if rc == -1 else "row counts do not add up"))
+
+
+def group_rows(kernels: CpuKernels, phys: torch.Tensor, x: torch.Tensor,
+               units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer call's routed rows grouped by unit, in one C call: phys [T, k] (int64, each in
+    [0, units)) and x [T, H] (contiguous bf16) -> (order: a stable argsort of phys's flat ids,
+    per-unit row counts [units], x[order // k]), what ColdExecutor computed in torch."""
+    t, k = phys.shape
+    h = x.shape[1]
+    p = phys.contiguous()
+    if p.dtype != torch.long or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[0] != t:
+        raise ValueError(f"group_rows: int64 ids [T, k] and contiguous bf16 x [T, H], got {p.dtype} "
+                         f"{tuple(p.shape)}, {x.dtype} {tuple(x.shape)}")
+    order, count = torch.empty(t * k, dtype=torch.long), torch.empty(units, dtype=torch.long)
+    xs = x.new_empty((t * k, h))
+    fn = _fn(kernels, "moed_group_rows_bf16", [_p, _l, _l, _l, _p, _l, _p, _p, _p])
+    rc = fn(p.data_ptr(), t, k, units, x.data_ptr(), h, order.data_ptr(), count.data_ptr(), xs.data_ptr())
+    if rc != 0:
+        raise ValueError("group_rows: an expert id outside the layer's units" if rc == -2 else "group_rows: out of memory")
+    return order, count, xs
 
 
 def serves_combine(ys: torch.Tensor, weights: torch.Tensor) -> bool:

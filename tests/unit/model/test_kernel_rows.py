@@ -8,7 +8,7 @@ import torch
 
 from moed.model.executor import MoEMode, combine_sorted
 from moed.model.kernels import CpuKernels
-from moed.model.kernels.rows import combine_rows, experts_rows, serves_combine
+from moed.model.kernels.rows import combine_rows, experts_rows, group_rows, serves_combine
 
 
 @pytest.mark.parametrize("hidden,inter", [(64, 96), (96, 160)])
@@ -47,3 +47,17 @@ def test_combine_rows_equals_combine_sorted(isa_kern, t, k, h, wdtype):
     if t > 1:               # the torch path's order for t > 1 is the same sum
         assert torch.equal(combine_sorted(ys, order, weights, experts, MoEMode.TORCH).view(torch.int16),
                            got.view(torch.int16))
+
+
+@pytest.mark.parametrize("t,k,units", [(1, 1, 4), (8, 4, 128), (33, 6, 16)])
+def test_group_rows_equals_argsort_bincount_and_gather(kern, t, k, units):
+    g = torch.Generator().manual_seed(t * k)
+    phys = torch.randint(0, units, (t, k), generator=g)          # repeats within a token too
+    x = torch.randn(t, 40, generator=g).bfloat16()
+    order, count, xs = group_rows(kern, phys, x, units)
+    want = torch.argsort(phys.reshape(-1), stable=True)
+    assert torch.equal(order, want)
+    assert torch.equal(count, torch.bincount(phys.reshape(-1), minlength=units))
+    assert torch.equal(xs.view(torch.int16), x.index_select(0, want // k).view(torch.int16))
+    with pytest.raises(ValueError, match="outside"):
+        group_rows(kern, torch.full((t, k), units), x, units)
