@@ -255,7 +255,7 @@ class ColdExperts:
     def __init__(self, store: ExpertStore, pos: int, layer: int, local: LocalExperts) -> None:
         self.store, self.pos, self.layer, self.local = store, pos, layer, local
         self.packread = packread.serves(store.index, local)
-        self.direct = self.packread     # few-row misses run from the page cache (_run_direct)
+        self.direct = self.packread     # few-row misses run from the page cache (cold/direct.py)
         # the kernels' packed bf16 slots: a round's rows run where they are (kernels/rows.py)
         self.rowwise = local.kernels is not None and local.gate_up_p is not None and local.down_p is not None \
             and local.quant is None
@@ -269,7 +269,7 @@ class ColdExperts:
         self._heat, self.rank = [0.0] * n, list(range(n))   # heat as a list; units hottest first
 
     def heat_list(self) -> list[float]:
-        """The heat as a list (read-only: the same list until the next cool())."""
+        """The heat as a list (read-only: the same list until the next step's cooled())."""
         return self._heat
 
     def cooled(self, heat: list[float], rank: list[int]) -> None:
