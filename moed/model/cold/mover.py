@@ -46,7 +46,7 @@ class Mover:
             return
         layers = self.store.layers
         limit = 2 * self.per_step - len(self.ahead)     # in flight + staged, bounded
-        picks = policy.promotions([ly.heat for ly in layers], [ly.expert_in for ly in layers],
+        picks = policy.promotions(self.store.heat, [ly.expert_in for ly in layers],
                                   set(self.ahead), limit)
         for pos, e in self._install_cached(picks, budget):
             self.ahead[(pos, e)] = self.pool.submit(self.store.read_ahead, pos, e)

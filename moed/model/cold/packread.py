@@ -53,13 +53,12 @@ def read_packed(index: ExpertIndex, local: LocalExperts, layer: int,
     dn0, dns = local.down_p.data_ptr(), local.down_p.stride(0) * 2
     plan: list[PackRead] = []
     for e, slot in reads:
+        files = expert_files(index, layer, e)
+        if files is None:
+            return None
         gate_up, down = gu0 + slot * gus, dn0 + slot * dns
-        for role, dst, shape in (("gate", gate_up, (i, h)), ("up", gate_up + i * h * 2, (i, h)),
-                                 ("down", down, (h, i))):
-            ext = index.where[(layer, e, role)]
-            if ext.dtype != torch.bfloat16 or ext.shape != shape:
-                return None
-            plan.append((index.fds[ext.file], ext.offset, shape[0] // BLOCK, shape[1] // 2, dst))
+        for (fd, off), dst, (n, k) in zip(files, (gate_up, gate_up + i * h * 2, down), ((i, h), (i, h), (h, i))):
+            plan.append((fd, off, n // BLOCK, k // 2, dst))
     ok = read_pack(local.kernels, plan)
     done = [all(ok[3 * j:3 * j + 3]) for j in range(len(reads))]
     for (_, slot), whole in zip(reads, done):

@@ -131,17 +131,19 @@ def coldest(expert_in: Sequence[int], heat: Sequence[float]) -> float:
     return min(((heat[e] if e >= 0 else 0.0) for e in expert_in if e != LOST), default=0.0)
 
 
-def promotions(layers_heat: Sequence[Sequence[float] | torch.Tensor], layers_expert_in: Sequence[Sequence[int]],
+def promotions(layers_heat: Sequence[Sequence[float] | torch.Tensor] | torch.Tensor, layers_expert_in: Sequence[Sequence[int]],
                busy: set[tuple[int, int]], limit: int, margin: float = 1.25) -> list[tuple[int, int]]:
     """Which (layer position, expert) to read ahead, at most `limit`, hottest gain first (ties:
-    lower layer, then lower expert): a non-resident expert whose heat exceeds `margin` x the
+    lower layer, then lower expert), from each layer's heat (a row each, or the store's [L, E]):
+    a non-resident expert whose heat exceeds `margin` x the
     coldest resident expert's of its layer (coldest: the margin keeps two experts of near-equal
     heat from swapping places every step), not already being read or staged (`busy`). Whole
     layers at once in float64 tensor ops (a Python loop over every expert of 16 layers cost
     ~1 ms a step); the same comparisons and order as one would make expert by expert."""
-    if limit <= 0 or not layers_heat:
+    if limit <= 0 or len(layers_heat) == 0:
         return []
-    heat = torch.stack([torch.as_tensor(h, dtype=torch.float64) for h in layers_heat])     # [L, E]
+    heat = layers_heat.to(torch.float64) if isinstance(layers_heat, torch.Tensor) \
+        else torch.stack([torch.as_tensor(h, dtype=torch.float64) for h in layers_heat])    # [L, E]
     n_layers, n_experts = heat.shape
     slots = torch.tensor([list(ei) for ei in layers_expert_in], dtype=torch.long).view(n_layers, -1)
     held = torch.zeros((n_layers, n_experts + 1), dtype=torch.bool)       # the last column: no expert

@@ -458,6 +458,19 @@ void moed_pack_p32(const uint32_t *src, long nb, long k2, uint32_t *dst) { pack_
 #endif
 #define READ_PACK_CHUNK (256L * 1024)   /* bytes read at a time: the pack then reads them from L2 */
 
+/* want bytes at byte off of fd read into buf with preadv2(RWF_NOWAIT) -> whether all of them
+ * came (not: not cached, short, failed). */
+static int read_chunk_nowait(int fd, int64_t off, long want, uint32_t *buf) {
+    long got = 0;
+    while (got < want) {
+        struct iovec v = {(char *)buf + got, (size_t)(want - got)};
+        const ssize_t r = preadv2(fd, &v, 1, off + got, RWF_NOWAIT);
+        if (r <= 0) return 0;
+        got += r;
+    }
+    return 1;
+}
+
 /* The cold-expert store's misses of a round read from the page cache and packed into their
  * slots, the team splitting the work (a read from the page cache is a memory copy: the step
  * thread alone did them while the other cores waited). Item i: nb[i] blocks of 32 rows of a
@@ -502,15 +515,7 @@ int moed_read_pack_p32(long n, const int *fd, const int64_t *off, const int64_t 
                 continue;
             }
             const long b0 = (c - first[i]) * per[i], bn = nb[i] - b0 < per[i] ? nb[i] - b0 : per[i];
-            const long want = bn * 32 * k2[i] * 4;
-            long got = 0;
-            while (got < want) {
-                struct iovec v = {(char *)buf + got, (size_t)(want - got)};
-                const ssize_t r = preadv2(fd[i], &v, 1, off[i] + b0 * 32 * k2[i] * 4 + got, RWF_NOWAIT);
-                if (r <= 0) break;
-                got += r;
-            }
-            if (got < want) {
+            if (!read_chunk_nowait(fd[i], off[i] + b0 * 32 * k2[i] * 4, bn * 32 * k2[i] * 4, buf)) {
 #pragma omp atomic write
                 status[i] = 1;
                 continue;
@@ -531,22 +536,6 @@ int moed_read_pack_p32(long n, const int *fd, const int64_t *off, const int64_t 
 
 void moed_silu_mul_bf16_row(const float *gu, long I, uint16_t *act);
 
-/* Reads one chunk (nb blocks of 32 rows, k2 pairs a row) at byte off of fd into buf with
- * preadv2(RWF_NOWAIT) -> whether all of it came (not: not cached, short, failed). */
-static int read_chunk_nowait(int fd, int64_t off, long want, uint32_t *buf) {
-    long got = 0;
-    while (got < want) {
-        struct iovec v = {(char *)buf + got, (size_t)(want - got)};
-        const ssize_t r = preadv2(fd, &v, 1, off + got, RWF_NOWAIT);
-        if (r <= 0) return 0;
-        got += r;
-    }
-    return 1;
-}
-
-/* Rows of x [R][ldx] through each block of a chunk read into buf: block j packed (P32) into
- * pbuf (L1/L2) and every row run through it by moed_block_rows_bf16, as the slot path runs the
- * same packed block: the same bits. y: the chunk's first output column of row 0, ldy apart. */
 /* n 32-bit words of src (a packed block in L1) into dst: non-temporal where dst is 32-byte
  * aligned (a slot's lines are not read first; the caller fences). */
 static inline void copy_block(const uint32_t *src, uint32_t *dst, long n) {
@@ -559,6 +548,10 @@ static inline void copy_block(const uint32_t *src, uint32_t *dst, long n) {
     for (; i < n; i++) dst[i] = src[i];
 }
 
+/* Rows of x [R][ldx] through each block of a chunk read into buf: block j packed (P32) into
+ * pbuf (L1/L2), copied to dst's block j where dst is set (a slot being installed), and every
+ * row run through it by moed_block_rows_bf16, as the slot path runs the same packed block: the
+ * same bits. y: the chunk's first output column of row 0, ldy apart. */
 static void chunk_rows(const uint32_t *buf, long bn, long k2, uint32_t *pbuf, uint32_t *dst, const uint16_t *x,
                        long R, long ldx, float *y, long ldy) {
     for (long j = 0; j < bn; j++) {

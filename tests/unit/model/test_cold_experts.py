@@ -84,6 +84,7 @@ def test_promotions_in_tensor_ops_pick_what_one_by_one_picks():
         want = _promotions_one_by_one(heats, held, busy, limit)
         assert policy.promotions(heats, held, busy, limit) == want, (heats, held, busy, limit)
         assert policy.promotions([torch.tensor(h, dtype=torch.float64) for h in heats], held, busy, limit) == want
+        assert policy.promotions(torch.tensor(heats, dtype=torch.float64), held, busy, limit) == want  # the store's [L, E]
 
 
 # ---- the runner: equality with all-resident ------------------------------------------------
