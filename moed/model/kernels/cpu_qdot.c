@@ -312,6 +312,162 @@ static inline vi qd_pair4(vi acc, wv w0, wv w1, const int8_t *x) {
 }
 #endif
 
+#if !defined(__AVX512F__)
+#define QP_MIN 3       /* fewest input rows qd_panel4 takes (tunable while measuring) */
+#define QP_ROWS 32      /* input rows of a panel: their fp32 lanes, 32 x QDN x 64 B = 4 KiB of L1 */
+/* A panel's nr rows x QDN outputs: the 16 lanes summed as vf_sum does, + bias, rounded once. */
+static inline void qd_panel_out(__m256 acc[][QDN][2], long nr, long rb, long n0, long N, const float *bias,
+                                void *out, long ldo, int out_f32) {
+    for (long r = 0; r < nr; r++)
+        for (int j = 0; j < QDN; j++) {
+            const long n = n0 + j;
+            if (n >= N) continue;
+            const vf v = {acc[r][j][0], acc[r][j][1]};
+            float y = vf_sum(v);
+            if (bias) y += bias[n];
+            if (out_f32) ((float *)out)[(rb + r) * ldo + n] = y;
+            else ((uint16_t *)out)[(rb + r) * ldo + n] = f32_to_bf16(y);
+        }
+}
+
+/* AVX2, int4 symmetric, every group whole chunk pairs (G % 128 == 0, K % G == 0): qd_tile's
+ * sums for up to QP_ROWS input rows of a unit at once, group by group. The unit's two weight
+ * rows are unpacked once a chunk pair (8 registers) for all those rows; x codes come straight
+ * from memory; each (row, output)'s 16 fp32 lanes live in an L1 panel (qd_tile holds them in
+ * registers that 16 ymm cannot keep: its epilogue spilled every group). Per lane and group the
+ * same exact integer sum, then the same acc + float(I) * (sx * s) in fp32, groups in order:
+ * qd_tile's bits. */
+static inline __attribute__((always_inline)) void qd_panel4(
+        const QDMat *q, QDShape sh, long R, long N, long u0, long u1, const int8_t *codes,
+        const float *sx, const int32_t *xl, const float *bias, void *out, long ldo, int out_f32) {
+    __m256 acc[QP_ROWS][QDN][2];
+    __m256i part[QP_ROWS][QDN][2];           /* a group's integer lanes between its chunk pairs */
+    const __m256i f = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+    const long pairs = q->G / 128, gb = q->G / 2;      /* chunk pairs and weight bytes a group */
+    for (long u = u0; u < u1; u++) {
+        const long n0 = u * QDN;
+        long rows[QDN];
+        const uint8_t *wr[QDN];
+        for (int j = 0; j < QDN; j++) {
+            rows[j] = n0 + j < N ? n0 + j : N - 1;
+            wr[j] = q->w + rows[j] * q->ldw;
+        }
+        for (long rb = 0; rb < R; rb += QP_ROWS) {
+            const long nr = R - rb < QP_ROWS ? R - rb : QP_ROWS;
+            for (long r = 0; r < nr; r++)
+                for (int j = 0; j < QDN; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+            for (long g = 0; g < sh.ng; g++) {
+                float s[QDN];
+                for (int j = 0; j < QDN; j++) s[j] = q->s[rows[j] * q->lds + g];
+                for (long c = 0; c < pairs; c++) {
+                    __m256i lo[QDN][2], hi[QDN][2];     /* [j][chunk]: even columns, odd columns */
+                    for (int j = 0; j < QDN; j++) {
+                        const uint8_t *p = wr[j] + g * gb + c * 64;
+                        _mm_prefetch((const char *)p + QDN * q->ldw, _MM_HINT_T0);     /* the next unit's */
+                        for (int h = 0; h < 2; h++) {
+                            const __m256i b = _mm256_loadu_si256((const __m256i *)(p + h * 32));
+                            lo[j][h] = _mm256_and_si256(b, f);
+                            hi[j][h] = _mm256_and_si256(_mm256_srli_epi16(b, 4), f);
+                        }
+                    }
+                    const int first = c == 0, last = c == pairs - 1;
+                    for (long r = 0; r < nr; r++) {
+                        const long row = rb + r;
+                        const int8_t *x = codes + row * sh.rowb + (g * sh.cg + 2 * c) * 64;
+                        const __m256i x0a = _mm256_loadu_si256((const __m256i *)x), x0b = _mm256_loadu_si256((const __m256i *)(x + 32));
+                        const __m256i x1a = _mm256_loadu_si256((const __m256i *)(x + 64)), x1b = _mm256_loadu_si256((const __m256i *)(x + 96));
+                        __m256i z0 = _mm256_setzero_si256(), z1 = z0;
+                        if (first) {        /* -8 * sum x_q per lane: int4's zero point */
+                            const int32_t *l = xl + (row * sh.ng + g) * 16;
+                            z0 = _mm256_sub_epi32(z0, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)l), 3));
+                            z1 = _mm256_sub_epi32(z1, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(l + 8)), 3));
+                        }
+                        const __m256 sv = _mm256_set1_ps(sx[row * sh.ng + g]);
+                        for (int j = 0; j < QDN; j++) {
+                            const __m256i sa = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j][0], x0a), _mm256_maddubs_epi16(lo[j][1], x1a));
+                            const __m256i sb = _mm256_add_epi16(_mm256_maddubs_epi16(hi[j][0], x0b), _mm256_maddubs_epi16(hi[j][1], x1b));
+                            __m256i ia = _mm256_add_epi32(first ? z0 : part[r][j][0], _mm256_madd_epi16(sa, one));
+                            __m256i ib = _mm256_add_epi32(first ? z1 : part[r][j][1], _mm256_madd_epi16(sb, one));
+                            if (!last) {
+                                part[r][j][0] = ia, part[r][j][1] = ib;
+                                continue;
+                            }
+                            const __m256 sc = _mm256_mul_ps(sv, _mm256_set1_ps(s[j]));     /* sx * s, as qd_tile's scalar */
+                            acc[r][j][0] = _mm256_add_ps(acc[r][j][0], _mm256_mul_ps(_mm256_cvtepi32_ps(ia), sc));
+                            acc[r][j][1] = _mm256_add_ps(acc[r][j][1], _mm256_mul_ps(_mm256_cvtepi32_ps(ib), sc));
+                        }
+                    }
+                }
+            }
+            qd_panel_out(acc, nr, rb, n0, N, bias, out, ldo, out_f32);
+        }
+    }
+}
+#endif
+
+#if !defined(__AVX512F__)
+/* AVX2, int8 symmetric (no zero point), every group whole chunks (G % 64 == 0, K % G == 0): the
+ * int8 counterpart of qd_panel4, up to QP_ROWS input rows of a unit at once, chunk by chunk.
+ * The unit's |w| of a chunk is made once for all those rows (qd_tile redid it row by row);
+ * the chunk's signed bytes are read again from L1 to move their signs onto x. Integer lanes
+ * ride in an L1 panel between a group's chunks, fp32 lanes between groups: qd_tile's bits. */
+static inline __attribute__((always_inline)) void qd_panel8(
+        const QDMat *q, QDShape sh, long R, long N, long u0, long u1, const int8_t *codes,
+        const float *sx, const float *bias, void *out, long ldo, int out_f32) {
+    __m256 acc[QP_ROWS][QDN][2];
+    __m256i part[QP_ROWS][QDN][2];
+    const __m256i one = _mm256_set1_epi16(1);
+    for (long u = u0; u < u1; u++) {
+        const long n0 = u * QDN;
+        long rows[QDN];
+        const uint8_t *wr[QDN];
+        for (int j = 0; j < QDN; j++) {
+            rows[j] = n0 + j < N ? n0 + j : N - 1;
+            wr[j] = q->w + rows[j] * q->ldw;
+        }
+        for (long rb = 0; rb < R; rb += QP_ROWS) {
+            const long nr = R - rb < QP_ROWS ? R - rb : QP_ROWS;
+            for (long r = 0; r < nr; r++)
+                for (int j = 0; j < QDN; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+            for (long g = 0; g < sh.ng; g++) {
+                float s[QDN];
+                for (int j = 0; j < QDN; j++) s[j] = q->s[rows[j] * q->lds + g];
+                for (long c = 0; c < sh.cg; c++) {
+                    const __m256i *wp[QDN];
+                    __m256i ua[QDN], ub[QDN];
+                    for (int j = 0; j < QDN; j++) {
+                        wp[j] = (const __m256i *)(wr[j] + g * q->G + c * 64);
+                        _mm_prefetch((const char *)wp[j] + QDN * q->ldw, _MM_HINT_T0);
+                        ua[j] = _mm256_abs_epi8(_mm256_loadu_si256(wp[j]));
+                        ub[j] = _mm256_abs_epi8(_mm256_loadu_si256(wp[j] + 1));
+                    }
+                    const int first = c == 0, last = c == sh.cg - 1;
+                    for (long r = 0; r < nr; r++) {
+                        const long row = rb + r;
+                        const int8_t *x = codes + row * sh.rowb + (g * sh.cg + c) * 64;
+                        const __m256i xa = _mm256_loadu_si256((const __m256i *)x), xb = _mm256_loadu_si256((const __m256i *)(x + 32));
+                        for (int j = 0; j < QDN; j++) {
+                            const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(ua[j], _mm256_sign_epi8(xa, _mm256_loadu_si256(wp[j]))), one);
+                            const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(ub[j], _mm256_sign_epi8(xb, _mm256_loadu_si256(wp[j] + 1))), one);
+                            const __m256i ia = first ? pa : _mm256_add_epi32(part[r][j][0], pa);
+                            const __m256i ib = first ? pb : _mm256_add_epi32(part[r][j][1], pb);
+                            if (!last) {
+                                part[r][j][0] = ia, part[r][j][1] = ib;
+                                continue;
+                            }
+                            const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(sx[row * sh.ng + g]), _mm256_set1_ps(s[j]));
+                            acc[r][j][0] = _mm256_add_ps(acc[r][j][0], _mm256_mul_ps(_mm256_cvtepi32_ps(ia), sc));
+                            acc[r][j][1] = _mm256_add_ps(acc[r][j][1], _mm256_mul_ps(_mm256_cvtepi32_ps(ib), sc));
+                        }
+                    }
+                }
+            }
+            qd_panel_out(acc, nr, rb, n0, N, bias, out, ldo, out_f32);
+        }
+    }
+}
+#endif
+
 /* RT input rows x QDN output rows (rows[]) over all groups -> out. */
 static inline __attribute__((always_inline)) void qd_tile(
         const int fmt, const int zk, const int vnni, const int RT, const QDMat *q, QDShape sh,
@@ -504,6 +660,14 @@ static inline __attribute__((always_inline)) void qd_units_t(
 #else
     if (R == 1 && fmt == QD_INT8) {
         for (long n = u0 * QDN; n < u1 * QDN && n < N; n++) qd_row8(zk, q, sh, n, codes, sx, xl, bias, out, out_f32);
+        return;
+    }
+    if (fmt == QD_INT4 && zk == 1 && R >= QP_MIN && q->G % 128 == 0 && q->K % q->G == 0) {
+        qd_panel4(q, sh, R, N, u0, u1, codes, sx, xl, bias, out, ldo, out_f32);
+        return;
+    }
+    if (fmt == QD_INT8 && zk == 0 && R >= QP_MIN && q->G % 64 == 0 && q->K % q->G == 0) {
+        qd_panel8(q, sh, R, N, u0, u1, codes, sx, bias, out, ldo, out_f32);
         return;
     }
 #endif

@@ -45,6 +45,7 @@ CASES = [  # fmt, asym, (N, K), group
     ("int4", True, (12, 160), 32),          # half chunks
     ("int4", False, (9, 98), 98),           # one group, K % 64 = 34
     ("int4", True, (11, 1216), 1216),       # one group of 19 chunks
+    ("int4", False, (13, 512), 256),        # two chunk pairs a group (AVX2's many-row panel)
 ]
 
 
@@ -101,6 +102,28 @@ def test_rows_and_threads_do_not_change_a_row(isa):
             assert torch.equal(kq.qlinear(k, x[:rows], w), full[:rows]), (rows, nt)
 
 
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("fmt,shape,group", [("int4", (21, 512), 128), ("int4", (9, 768), 384),
+                                             ("int8", (21, 256), 256), ("int8", (7, 384), 128)])
+def test_many_rows_equal_the_reference_bitwise(isa, fmt, shape, group):
+    """Past two rows AVX2 runs a panel of up to 32 input rows a unit (cpu_qdot.c qd_panel4 /
+    qd_panel8): row counts across the panel's edges (3, 32, 33, 64), an odd N (the last unit's
+    clamped row), groups of one and of several chunk pairs, both thread counts: the reference's
+    bits, and each row's bits the same as alone."""
+    k = _kernels(isa, 1)
+    n, kk = shape
+    w = _weight(fmt, n, kk, group, False, seed=n * kk)
+    gen = torch.Generator().manual_seed(11)
+    bias = torch.randn(n, generator=gen)
+    x = (torch.randn(64, kk, generator=gen) * torch.rand(1, kk, generator=gen) * 4).to(torch.bfloat16)
+    x[5] = 0
+    want = qdot_reference(x, w, bias)
+    for rows, nt in ((3, 1), (32, 2), (33, 2), (64, 1)):
+        with threads(nt):
+            got = kq.qlinear(k, x[:rows], w, bias)
+        assert torch.equal(got.view(torch.int16), want[:rows].view(torch.int16)), (rows, nt)
+
+
 def test_close_to_the_exact_product():
     """The integer path is an approximation: per output, |error| stays within what rounding x to
     127 levels per group allows (sum |w| * sx / 2, plus fp32 slack), and the reference's own
@@ -150,6 +173,26 @@ def test_fused_moe_equals_the_per_expert_path_on_int8_activations(isa, fmt, grou
         assert torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
     e0 = ref.experts[0][0]
     assert torch.equal(e0(x), qdot_reference(x, e0.quant))
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("int8", 256)])
+def test_fused_moe_many_rows_an_expert_equal_the_per_expert_path(isa, fmt, group):
+    """Experts of 3 to 40 rows in moe_q (AVX2's many-row panels: dimensions whole chunk pairs,
+    int8 one group per row): the per-expert path's bits."""
+    kern = _kernels(isa, 1)
+    e, h, i = 4, 256, 256
+    le = LocalExperts(_stack(fmt, 2 * i, h, min(group, h), False, range(e)),
+                      _stack(fmt, h, i, min(group, i), False, range(50, 50 + e)), False, None, None, kern)
+    ref = LocalExperts(*le.quant, False, None, None, le.qkernels)
+    ref.qkernels = None
+    for t in (5, 20):
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+        g = torch.Generator().manual_seed(t)
+        phys = torch.stack([torch.randperm(e, generator=g)[:TOP_K] for _ in range(t)])
+        r = Routing(torch.softmax(torch.randn(t, TOP_K, generator=g), -1).to(torch.bfloat16), phys, False)
+        got, want = le(x, r), ref(x, r)
+        assert torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
 
 
 # ---- the setting, and a model on it ----------------------------------------------------------
