@@ -313,8 +313,14 @@ static inline vi qd_pair4(vi acc, wv w0, wv w1, const int8_t *x) {
 #endif
 
 #if !defined(__AVX512F__)
-#define QP_MIN 3       /* fewest input rows qd_panel4 takes (tunable while measuring) */
+#define QP_MIN 3       /* fewest input rows the panels take: at two qd_tile is as fast (int8: faster) */
 #define QP_ROWS 32      /* input rows of a panel: their fp32 lanes, 32 x QDN x 64 B = 4 KiB of L1 */
+/* Whether a weight takes the panels below: symmetric int4 whose groups are whole chunk pairs,
+ * symmetric int8 whose groups are whole chunks. */
+static inline int qd_panel_takes(int fmt, int zk, long K, long G) {
+    return K % G == 0 && ((fmt == QD_INT4 && zk == 1 && G % 128 == 0) || (fmt == QD_INT8 && zk == 0 && G % 64 == 0));
+}
+
 /* A panel's nr rows x QDN outputs: the 16 lanes summed as vf_sum does, + bias, rounded once. */
 static inline void qd_panel_out(__m256 acc[][QDN][2], long nr, long rb, long n0, long N, const float *bias,
                                 void *out, long ldo, int out_f32) {
@@ -344,16 +350,16 @@ static inline __attribute__((always_inline)) void qd_panel4(
     __m256i part[QP_ROWS][QDN][2];           /* a group's integer lanes between its chunk pairs */
     const __m256i f = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
     const long pairs = q->G / 128, gb = q->G / 2;      /* chunk pairs and weight bytes a group */
-    for (long u = u0; u < u1; u++) {
-        const long n0 = u * QDN;
-        long rows[QDN];
-        const uint8_t *wr[QDN];
-        for (int j = 0; j < QDN; j++) {
-            rows[j] = n0 + j < N ? n0 + j : N - 1;
-            wr[j] = q->w + rows[j] * q->ldw;
-        }
-        for (long rb = 0; rb < R; rb += QP_ROWS) {
-            const long nr = R - rb < QP_ROWS ? R - rb : QP_ROWS;
+    for (long rb = 0; rb < R; rb += QP_ROWS) {        /* a row block's codes stay in cache across units */
+        const long nr = R - rb < QP_ROWS ? R - rb : QP_ROWS;
+        for (long u = u0; u < u1; u++) {
+            const long n0 = u * QDN;
+            long rows[QDN];
+            const uint8_t *wr[QDN];
+            for (int j = 0; j < QDN; j++) {
+                rows[j] = n0 + j < N ? n0 + j : N - 1;
+                wr[j] = q->w + rows[j] * q->ldw;
+            }
             for (long r = 0; r < nr; r++)
                 for (int j = 0; j < QDN; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
             for (long g = 0; g < sh.ng; g++) {
@@ -417,16 +423,16 @@ static inline __attribute__((always_inline)) void qd_panel8(
     __m256 acc[QP_ROWS][QDN][2];
     __m256i part[QP_ROWS][QDN][2];
     const __m256i one = _mm256_set1_epi16(1);
-    for (long u = u0; u < u1; u++) {
-        const long n0 = u * QDN;
-        long rows[QDN];
-        const uint8_t *wr[QDN];
-        for (int j = 0; j < QDN; j++) {
-            rows[j] = n0 + j < N ? n0 + j : N - 1;
-            wr[j] = q->w + rows[j] * q->ldw;
-        }
-        for (long rb = 0; rb < R; rb += QP_ROWS) {
-            const long nr = R - rb < QP_ROWS ? R - rb : QP_ROWS;
+    for (long rb = 0; rb < R; rb += QP_ROWS) {        /* a row block's codes stay in cache across units */
+        const long nr = R - rb < QP_ROWS ? R - rb : QP_ROWS;
+        for (long u = u0; u < u1; u++) {
+            const long n0 = u * QDN;
+            long rows[QDN];
+            const uint8_t *wr[QDN];
+            for (int j = 0; j < QDN; j++) {
+                rows[j] = n0 + j < N ? n0 + j : N - 1;
+                wr[j] = q->w + rows[j] * q->ldw;
+            }
             for (long r = 0; r < nr; r++)
                 for (int j = 0; j < QDN; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
             for (long g = 0; g < sh.ng; g++) {
@@ -662,12 +668,9 @@ static inline __attribute__((always_inline)) void qd_units_t(
         for (long n = u0 * QDN; n < u1 * QDN && n < N; n++) qd_row8(zk, q, sh, n, codes, sx, xl, bias, out, out_f32);
         return;
     }
-    if (fmt == QD_INT4 && zk == 1 && R >= QP_MIN && q->G % 128 == 0 && q->K % q->G == 0) {
-        qd_panel4(q, sh, R, N, u0, u1, codes, sx, xl, bias, out, ldo, out_f32);
-        return;
-    }
-    if (fmt == QD_INT8 && zk == 0 && R >= QP_MIN && q->G % 64 == 0 && q->K % q->G == 0) {
-        qd_panel8(q, sh, R, N, u0, u1, codes, sx, bias, out, ldo, out_f32);
+    if (R >= QP_MIN && qd_panel_takes(fmt, zk, q->K, q->G)) {
+        if (fmt == QD_INT4) qd_panel4(q, sh, R, N, u0, u1, codes, sx, xl, bias, out, ldo, out_f32);
+        else qd_panel8(q, sh, R, N, u0, u1, codes, sx, bias, out, ldo, out_f32);
         return;
     }
 #endif
