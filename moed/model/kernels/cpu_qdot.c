@@ -321,6 +321,17 @@ static inline int qd_panel_takes(int fmt, int zk, long K, long G) {
     return K % G == 0 && ((fmt == QD_INT4 && zk == 1 && G % 128 == 0) || (fmt == QD_INT8 && zk == 0 && G % 64 == 0));
 }
 
+/* A panel's unit from output row n0: its weight rows (past N: the last, not written), fp32 lanes 0. */
+static inline void qd_panel_start(const QDMat *q, long n0, long N, long nr, long rows[QDN], const uint8_t *wr[QDN],
+                                  __m256 acc[][QDN][2]) {
+    for (int j = 0; j < QDN; j++) {
+        rows[j] = n0 + j < N ? n0 + j : N - 1;
+        wr[j] = q->w + rows[j] * q->ldw;
+    }
+    for (long r = 0; r < nr; r++)
+        for (int j = 0; j < QDN; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+}
+
 /* A panel's nr rows x QDN outputs: the 16 lanes summed as vf_sum does, + bias, rounded once. */
 static inline void qd_panel_out(__m256 acc[][QDN][2], long nr, long rb, long n0, long N, const float *bias,
                                 void *out, long ldo, int out_f32) {
@@ -356,12 +367,7 @@ static inline __attribute__((always_inline)) void qd_panel4(
             const long n0 = u * QDN;
             long rows[QDN];
             const uint8_t *wr[QDN];
-            for (int j = 0; j < QDN; j++) {
-                rows[j] = n0 + j < N ? n0 + j : N - 1;
-                wr[j] = q->w + rows[j] * q->ldw;
-            }
-            for (long r = 0; r < nr; r++)
-                for (int j = 0; j < QDN; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+            qd_panel_start(q, n0, N, nr, rows, wr, acc);
             for (long g = 0; g < sh.ng; g++) {
                 float s[QDN];
                 for (int j = 0; j < QDN; j++) s[j] = q->s[rows[j] * q->lds + g];
@@ -429,12 +435,7 @@ static inline __attribute__((always_inline)) void qd_panel8(
             const long n0 = u * QDN;
             long rows[QDN];
             const uint8_t *wr[QDN];
-            for (int j = 0; j < QDN; j++) {
-                rows[j] = n0 + j < N ? n0 + j : N - 1;
-                wr[j] = q->w + rows[j] * q->ldw;
-            }
-            for (long r = 0; r < nr; r++)
-                for (int j = 0; j < QDN; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+            qd_panel_start(q, n0, N, nr, rows, wr, acc);
             for (long g = 0; g < sh.ng; g++) {
                 float s[QDN];
                 for (int j = 0; j < QDN; j++) s[j] = q->s[rows[j] * q->lds + g];

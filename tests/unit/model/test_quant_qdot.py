@@ -165,12 +165,7 @@ def test_fused_moe_equals_the_per_expert_path_on_int8_activations(isa, fmt, grou
     ref = LocalExperts(*le.quant, False, None, None, le.qkernels)
     ref.qkernels = None
     for t in (1, 3, 9):
-        x = torch.randn(t, H, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-        g = torch.Generator().manual_seed(t)
-        phys = torch.stack([torch.randperm(P, generator=g)[:TOP_K] for _ in range(t)])
-        r = Routing(torch.softmax(torch.randn(t, TOP_K, generator=g), -1).to(torch.bfloat16), phys, False)
-        got, want = le(x, r), ref(x, r)
-        assert torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
+        x = _same_as_per_expert(le, ref, t, P, H)
     e0 = ref.experts[0][0]
     assert torch.equal(e0(x), qdot_reference(x, e0.quant))
 
@@ -178,21 +173,27 @@ def test_fused_moe_equals_the_per_expert_path_on_int8_activations(isa, fmt, grou
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("fmt,group", [("int4", 128), ("int8", 256)])
 def test_fused_moe_many_rows_an_expert_equal_the_per_expert_path(isa, fmt, group):
-    """Experts of 3 to 40 rows in moe_q (AVX2's many-row panels: dimensions whole chunk pairs,
-    int8 one group per row): the per-expert path's bits."""
+    """Experts of ~2 to ~40 rows in moe_q (AVX2's many-row panels from 3: dimensions whole chunk
+    pairs, int8 one group per row): the per-expert path's bits."""
     kern = _kernels(isa, 1)
     e, h, i = 4, 256, 256
     le = LocalExperts(_stack(fmt, 2 * i, h, min(group, h), False, range(e)),
                       _stack(fmt, h, i, min(group, i), False, range(50, 50 + e)), False, None, None, kern)
     ref = LocalExperts(*le.quant, False, None, None, le.qkernels)
     ref.qkernels = None
-    for t in (5, 20):
-        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-        g = torch.Generator().manual_seed(t)
-        phys = torch.stack([torch.randperm(e, generator=g)[:TOP_K] for _ in range(t)])
-        r = Routing(torch.softmax(torch.randn(t, TOP_K, generator=g), -1).to(torch.bfloat16), phys, False)
-        got, want = le(x, r), ref(x, r)
-        assert torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
+    for t in (5, 20, 64):
+        _same_as_per_expert(le, ref, t, e, h)
+
+
+def _same_as_per_expert(le: LocalExperts, ref: LocalExperts, t: int, experts: int, h: int) -> torch.Tensor:
+    """t random bf16 tokens routed to TOP_K of `experts` each: le's output bit for bit ref's; x."""
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(t)
+    phys = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(t)])
+    r = Routing(torch.softmax(torch.randn(t, TOP_K, generator=g), -1).to(torch.bfloat16), phys, False)
+    got, want = le(x, r), ref(x, r)
+    assert torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
+    return x
 
 
 # ---- the setting, and a model on it ----------------------------------------------------------
