@@ -46,6 +46,7 @@ CASES = [  # fmt, asym, (N, K), group
     ("int4", False, (9, 98), 98),           # one group, K % 64 = 34
     ("int4", True, (11, 1216), 1216),       # one group of 19 chunks
     ("int4", False, (13, 512), 256),        # two chunk pairs a group (AVX2's many-row panel)
+    ("int4", False, (3, 33024), 128),       # 258 groups: past AVX2's batch-1 row (qd_row4) holds
 ]
 
 
