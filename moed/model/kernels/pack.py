@@ -93,11 +93,8 @@ def read_experts(kernels: CpuKernels, experts: list[ExpertFiles], xs: torch.Tens
     flat = [m for e in experts for m in e]
     to = [a for d in (dsts or [None] * n) for a in (d or (0, 0, 0))]
     status = (ctypes.c_int * n)()
-    fn = kernels.lib.moed_read_experts_p32
-    if fn.argtypes is None:
-        p, lg, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        fn.argtypes, fn.restype = [lg, p, p, p, lg, lg, p, p, p, p, p, i], i
-    rc = fn(n, (ctypes.c_int * (3 * n))(*(f for f, _ in flat)), (ctypes.c_int64 * (3 * n))(*(o for _, o in flat)),
-            (ctypes.c_uint64 * (3 * n))(*to), h, intermediate, xs.data_ptr(), (ctypes.c_int64 * n)(*first),
-            (ctypes.c_int64 * n)(*counts), out.data_ptr(), status, torch.get_num_threads())
+    rc = kernels.lib.moed_read_experts_p32(
+        n, (ctypes.c_int * (3 * n))(*(f for f, _ in flat)), (ctypes.c_int64 * (3 * n))(*(o for _, o in flat)),
+        (ctypes.c_uint64 * (3 * n))(*to), h, intermediate, xs.data_ptr(), (ctypes.c_int64 * n)(*first),
+        (ctypes.c_int64 * n)(*counts), out.data_ptr(), status, torch.get_num_threads())
     return [rc == 0 and not st for st in status]

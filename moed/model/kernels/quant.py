@@ -39,6 +39,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.moed_pack_p32.argtypes, lib.moed_pack_p32.restype = [_p, _l, _l, _p], None   # kernels/pack.py
     lib.moed_read_pack_p32.argtypes = [_l, _p, _p, _p, _p, _p, _p, _i]                 # kernels/pack.py
     lib.moed_read_pack_p32.restype = _i
+    lib.moed_read_experts_p32.argtypes = [_l, _p, _p, _p, _l, _l, _p, _p, _p, _p, _p, _i]     # kernels/pack.py
+    lib.moed_read_experts_p32.restype = _i
     lib.moed_qlinear.argtypes = [_p, _i, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i, _i]
     lib.moed_qlinear.restype = _i
     lib.moed_qlinear_blocked.argtypes = [_p, _l, _l, _i, _p, _l, _p, _l, _p, _l, _l, _l, _p, _p, _i]
