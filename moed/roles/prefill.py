@@ -349,6 +349,10 @@ class PrefillComponent:
             span.set(bytes=getattr(job.handle, "nbytes", 0), state=st.state.value)
             job.handle = None
         if st.state is not TransferState.DONE:
+            if st.reason == "timeout":
+                # the wait was bounded by the lease: it ran out, the handler's expiry (the
+                # same instant as its own timer, which this wait may beat)
+                raise TimeoutError
             if st.reason == "peer_disconnected":
                 # the decode node is gone: drop its metadata so a restart re-sends it
                 await self.worker.remove_peer(job.spec.decode_node)

@@ -123,3 +123,42 @@ def test_transfer_config_validation() -> None:
         cfg(prefill_peers="a:1")
     with pytest.raises(ConfigError, match="transfer.backend: 'tcp' is not one of nixl"):
         cfg(backend="tcp")
+
+
+def test_a_kv_write_whose_wait_runs_out_with_the_lease_is_the_lease_expiring() -> None:
+    """The KV write's wait is bounded by the job's lease. When it returns aborted for
+    "timeout" (it can beat the handler's own timer at the same instant), _send raises
+    TimeoutError: the handler's expiry path (EXPIRED, counted, "prefill lease expired"), not a
+    job failed with kind "timeout". Any other aborted write stays a JobFailed."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from moed.roles.prefill import JobFailed, PrefillComponent
+    from moed.transfer.base import TransferState, TransferStatus
+
+    class Worker:
+        def __init__(self, reason: str) -> None:
+            self.reason, self.waited = reason, []
+
+        async def write_blocks(self, node, src, dst, notif):
+            return SimpleNamespace(nbytes=0)
+
+        async def wait(self, handle, timeout_s):
+            self.waited.append(timeout_s)
+            return TransferStatus(TransferState.ABORTED, self.reason)
+
+        async def remove_peer(self, node):
+            pass
+
+    async def send(reason: str) -> Worker:
+        worker = Worker(reason)
+        job = PrefillJob(_spec(dst_block_ids=(40, 41)), "pf-r1.1", asyncio.get_running_loop().time() + 0.05)
+        job.table = [3, 4, 5]
+        await PrefillComponent._send(SimpleNamespace(worker=worker), job, 3)
+        return worker
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(send("timeout"))
+    with pytest.raises(JobFailed) as err:
+        asyncio.run(send("peer_disconnected"))
+    assert err.value.kind == "peer_disconnected"
