@@ -86,6 +86,26 @@ def test_fused_equals_the_per_expert_path(isa, fmt, group, asym):
                 assert _close_fp32(got, want), (t, (got - want).abs().max())
 
 
+@pytest.mark.parametrize("isa", isa_params())
+def test_fused_sum_with_a_column_tail(isa):
+    """A hidden size of 8k + 4: the weighted sum's last 4 columns take the scalar loop after its
+    8-column vectors; both parts give the per-expert path's bits (bf16; fp32 as above)."""
+    h, g = 100, torch.Generator().manual_seed(11)
+    gate_up = quantize(torch.randn(P, 2 * I, h, generator=g) * 0.1, "int8", h)   # one group a row
+    down = quantize(torch.randn(P, h, I, generator=g) * 0.1, "int8", 32)
+    le = LocalExperts(gate_up, down, False, None, None, K.load(isa))
+    ref = _per_expert(le)
+    for t in (1, 3, 40):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype)
+            r = _routing(t, dtype, seed=20 + t)
+            got, want = le(x, r), ref(x, r)
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
+            else:
+                assert _close_fp32(got, want), (t, (got - want).abs().max())
+
+
 @pytest.mark.parametrize("isa_a,isa_b", isa_pair_params())
 @pytest.mark.parametrize("fmt,group,asym", CASES, ids=IDS)
 def test_variants_bitwise_equal(fmt, group, asym, isa_a, isa_b):
