@@ -1269,8 +1269,18 @@ static inline void interleave_keys(const bf16 *v0, const bf16 *v1, bf16 *dst) {
 }
 #endif
 
+/* Query rows (one head, consecutive tokens) per prefill attention tile. AVX2 widens each key
+ * and value block to fp32 once per block_rows_any call, so it takes SHARE_ROWS rows a call
+ * (the AVX512 variants, which widen nothing, the register tile's ROW_TILE). Rows are
+ * independent: the tile changes no bits. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define ATTN_ROWS SHARE_ROWS
+#else
+#define ATTN_ROWS ROW_TILE
+#endif
+
 /* Causal prefill attention of one sequence, blocked over queries: no [n, L] score matrix, only
- * ROW_TILE query rows' scores at a time (one q head, consecutive tokens), so the whole step is
+ * ATTN_ROWS query rows' scores at a time (one q head, consecutive tokens), so the whole step is
  * two matmuls on the packed-block kernel per tile plus a softmax.
  * q: n token rows at stride q_stride (Hq heads of D contiguous), token t at position start + t;
  * k, v [L][Hkv][D] contiguous, L = start + n (the cached history, then the new tokens);
@@ -1287,11 +1297,11 @@ int moed_prefill_attn_bf16(const bf16 *q, long q_stride, long n, long start, lon
     if (n < 1 || start < 0 || Hkv < 1 || Hq % Hkv || (D != 32 && D != 64 && D != 128 && D != 256) || q_stride % 2)
         return -2;
     const long G = Hq / Hkv, L = start + n, Lp = nblocks(L) * NB, D2 = D / 2, kv_stride = Hkv * D;
-    const long tiles = (n + ROW_TILE - 1) / ROW_TILE;
+    const long tiles = (n + ATTN_ROWS - 1) / ATTN_ROWS;
     bf16 *kp = calloc((size_t)Hkv * Lp * D, sizeof(bf16));      /* per head: [Lp/32][D/2][32][2] */
     bf16 *vt = calloc((size_t)Hkv * Lp * D, sizeof(bf16));      /* per head: [D/32][Lp/2][32][2] */
-    float *sbuf = malloc(sizeof(float) * nthreads * ROW_TILE * (Lp + D));
-    bf16 *pbuf = malloc(sizeof(bf16) * nthreads * ROW_TILE * Lp);
+    float *sbuf = malloc(sizeof(float) * nthreads * ATTN_ROWS * (Lp + D));
+    bf16 *pbuf = malloc(sizeof(bf16) * nthreads * ATTN_ROWS * Lp);
     int rc = 0;
     if (!kp || !vt || !sbuf || !pbuf) { rc = -1; goto done; }
 #pragma omp parallel num_threads(nthreads)
@@ -1315,18 +1325,18 @@ int moed_prefill_attn_bf16(const bf16 *q, long q_stride, long n, long start, lon
                 }
             }
         }
-        float *s = sbuf + omp_get_thread_num() * ROW_TILE * (Lp + D), *o = s + ROW_TILE * Lp;
-        bf16 *p = pbuf + omp_get_thread_num() * ROW_TILE * Lp;
+        float *s = sbuf + omp_get_thread_num() * ATTN_ROWS * (Lp + D), *o = s + ATTN_ROWS * Lp;
+        bf16 *p = pbuf + omp_get_thread_num() * ATTN_ROWS * Lp;
 #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < Hq * tiles; task++) {
             /* late tiles (most keys) first: dynamic scheduling then ends with the small ones */
             const long qh = task % Hq, tile = tiles - 1 - task / Hq, h = qh / G;
-            const long t0 = tile * ROW_TILE, R = n - t0 < ROW_TILE ? n - t0 : ROW_TILE;
+            const long t0 = tile * ATTN_ROWS, R = n - t0 < ATTN_ROWS ? n - t0 : ATTN_ROWS;
             const long kb = nblocks(start + t0 + R);                /* key blocks any row sees */
             const uint32_t *xq = (const uint32_t *)(q + t0 * q_stride + qh * D);
             for (long b = 0; b < kb; b++)
                 block_rows_any(R, xq, q_stride / 2, kp + h * Lp * D + b * NB * D, D2, s + b * NB, Lp);
-            float inv[ROW_TILE];
+            float inv[ATTN_ROWS];
             for (long r = 0; r < R; r++) {
                 const long len = start + t0 + r + 1;              /* keys 0..position */
                 const float *sr = s + r * Lp;
