@@ -378,10 +378,19 @@ int moed_qlinear(const void *x_in, int x_f32, long R, long K, int fmt, const uin
  * packing was ~30% of the matmul: 1.70 -> 1.20 ms for [64, 1024] x [1024, 1024]). */
 
 #define QB 32        /* weight rows per packed block (cpu_bf16.c's NB) */
-#define QBT 32       /* input rows per moed_block_rows_bf16 call (cpu_bf16.c SHARE_ROWS: its AVX2 tile
-                        widens a block once a call, so 8-row calls widened it 4x as often) */
+/* Input rows per moed_block_rows_bf16 call (cpu_bf16.c SHARE_ROWS: its AVX2 tile widens a block
+ * once a call, so 8-row calls widened it 4x as often), and packed blocks per
+ * moed_blocks_rows_bf16 call (SHARE_BLOCKS: the AVX2 tile widens the inputs once for all). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define QBT 48
+#else
+#define QBT 32
+#endif
+#define QMB 8
 
 void moed_block_rows_bf16(const uint16_t *x, long R, long ldx, const uint16_t *wb, long K, float *y, long ldy);
+void moed_blocks_rows_bf16(const uint16_t *x, long R, long ldx, const uint16_t *wb, long nb, long bstride, long K,
+                           float *y, long ldy);
 
 static void unit_dequant_any(int fmt, int asym, const QMat *q, const long rows[QNR], float *wbuf) {
     if (fmt == Q_INT8 && !asym) unit_dequant(Q_INT8, 0, q, rows, wbuf);
@@ -786,21 +795,22 @@ static void block_p32(int fmt, int asym, const QMat *q, long n0, long N, float *
 }
 
 /* y [R][ldy] fp32 (or out bf16 [R][N] rounded, bias fp32 added first, when out is set), columns
- * [n0, n0 + QB) clipped to N, for every row of x bf16 [R][K], through packed block wb. */
-static void block_all_rows(const uint16_t *x, long R, long K, const uint32_t *wb, long n0, long N,
+ * [n0, n0 + nb QB) clipped to N, for every row of x bf16 [R][K], through the nb (<= QMB) packed
+ * blocks from wb. */
+static void block_all_rows(const uint16_t *x, long R, long K, const uint32_t *wb, long nb, long n0, long N,
                            const float *bias, float *y, long ldy, uint16_t *out) {
-    float tile[QBT * QB] __attribute__((aligned(64)));
-    const long nc = N - n0 < QB ? N - n0 : QB;
+    float tile[QBT * QMB * QB] __attribute__((aligned(64)));
+    const long nc = N - n0 < nb * QB ? N - n0 : nb * QB, bw = QB * K / 2;
     for (long r0 = 0; r0 < R; r0 += QBT) {
         const long rn = R - r0 < QBT ? R - r0 : QBT;
-        if (!out && nc == QB) {
-            moed_block_rows_bf16(x + r0 * K, rn, K, (const uint16_t *)wb, K, y + r0 * ldy + n0, ldy);
+        if (!out && nc == nb * QB) {
+            moed_blocks_rows_bf16(x + r0 * K, rn, K, (const uint16_t *)wb, nb, 2 * bw, K, y + r0 * ldy + n0, ldy);
             continue;
         }
-        moed_block_rows_bf16(x + r0 * K, rn, K, (const uint16_t *)wb, K, tile, QB);
+        moed_blocks_rows_bf16(x + r0 * K, rn, K, (const uint16_t *)wb, nb, 2 * bw, K, tile, nb * QB);
         for (long r = 0; r < rn; r++)
             for (long c = 0; c < nc; c++) {
-                const float v = tile[r * QB + c] + (bias ? bias[n0 + c] : 0.0f);
+                const float v = tile[r * nb * QB + c] + (bias ? bias[n0 + c] : 0.0f);
                 if (out) out[(r0 + r) * N + n0 + c] = f32_to_bf16(v);
                 else y[(r0 + r) * ldy + n0 + c] = v;
             }
@@ -836,9 +846,9 @@ static void blocks_through(int fmt, int asym, const QMat *q, long N, long b0, lo
         const long g1 = b1 - g0 < gb ? b1 : g0 + gb;
         for (long b = g0; b < g1; b++) block_p32(fmt, asym, q, b * QB, N, fbuf, wb + (b - g0) * bw);
         for (long c0 = 0; c0 < R; c0 += rp)
-            for (long b = g0; b < g1; b++)
-                block_all_rows(x + c0 * K, R - c0 < rp ? R - c0 : rp, K, wb + (b - g0) * bw, b * QB, N, bias,
-                               y ? y + c0 * ldy : NULL, ldy, out ? out + c0 * N : NULL);
+            for (long b = g0; b < g1; b += QMB)
+                block_all_rows(x + c0 * K, R - c0 < rp ? R - c0 : rp, K, wb + (b - g0) * bw, g1 - b < QMB ? g1 - b : QMB,
+                               b * QB, N, bias, y ? y + c0 * ldy : NULL, ldy, out ? out + c0 * N : NULL);
     }
 }
 

@@ -61,3 +61,27 @@ def test_group_rows_equals_argsort_bincount_and_gather(kern, t, k, units):
     assert torch.equal(xs.view(torch.int16), x.index_select(0, want // k).view(torch.int16))
     with pytest.raises(ValueError, match="outside"):
         group_rows(kern, torch.full((t, k), units), x, units)
+
+
+def test_blocks_at_once_equal_one_block_at_a_time(isa_kern):
+    """moed_blocks_rows_bf16 (several packed blocks a call: the AVX2 tile widens each panel's
+    inputs once for all of them) gives every output the bits moed_block_rows_bf16 gives it one
+    block at a time: row counts across the 2-row, 3-row and full tiles, a partial last panel
+    (K/2 % 64), 1 to 8 blocks."""
+    import ctypes
+    lib, p, l_ = isa_kern.lib, ctypes.c_void_p, ctypes.c_long
+    lib.moed_block_rows_bf16.argtypes = [p, l_, l_, p, l_, p, l_]
+    lib.moed_blocks_rows_bf16.argtypes = [p, l_, l_, p, l_, l_, l_, p, l_]
+    g = torch.Generator().manual_seed(5)
+    for k, nb in ((64, 1), (130, 3), (1024, 8)):
+        w = CpuKernels.pack(torch.randn(32 * nb, k, generator=g).bfloat16())     # nb blocks of 32 columns
+        for rows in (1, 2, 3, 5, 31, 47, 48):
+            x = torch.randn(rows, k + 6, generator=g).bfloat16()      # a row stride past K
+            got = torch.full((rows, 32 * nb + 3), 7.0)
+            want = got.clone()
+            lib.moed_blocks_rows_bf16(x.data_ptr(), rows, k + 6, w.data_ptr(), nb, 32 * k, k, got.data_ptr(), 32 * nb + 3)
+            for j in range(nb):
+                lib.moed_block_rows_bf16(x.data_ptr(), rows, k + 6, w.data_ptr() + 2 * 32 * k * j, k,
+                                         want.data_ptr() + 4 * 32 * j, 32 * nb + 3)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (isa_kern.isa, k, nb, rows)
+            assert not torch.equal(got[:, :32 * nb], torch.full_like(got[:, :32 * nb], 7.0))
