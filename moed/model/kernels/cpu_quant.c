@@ -747,16 +747,80 @@ static void block_p32_u4(const QMat *q, long n0, long N, uint32_t *wb) {
 }
 #endif
 
+/* Row n's pairs past the vector columns (p from KV / 2; zeros from K / 2 to K2r), scalar. */
+static void tail_pairs(int fmt, const QMat *q, long n, long K2r, uint32_t *pr) {
+    const long K2 = q->K / 2;
+    float s = 0.0f, z = 0.0f;
+    const uint8_t *row = q->w + n * q->ldw;
+    for (long p = q->KV / 2, g = -1; p < K2r; p++) {
+        uint16_t hv[2] = {0, 0};
+        for (int e = 0; e < 2 && p < K2; e++) {
+            const long k = 2 * p + e;
+            if (k / q->group != g) { g = k / q->group; s = q->s[n * q->lds + g]; z = zero_at(fmt, q, n, g); }
+            hv[e] = f32_to_bf16(weight_at(fmt, row, k, s, z));
+        }
+        pr[p] = hv[0] | (uint32_t)hv[1] << 16;
+    }
+}
+
+#if !defined(__AVX512BW__)
+/* Row n of an int4 q as bf16 pairs [KV / 2] straight from its nibbles: per group a 16-entry
+ * table of the bf16 values of codes 0..15 ((c - z) * s in fp32, rounded once, then to bf16: the
+ * fp32 route's value), split into low and high bytes that pshufb looks up, 32 columns at a
+ * time. On Zen2 the fp32 route (unit_dequant, bf16_bits, pairing) was ~5% of an int4 prefill. */
+static void row_pairs_u4(const QMat *q, long n, uint32_t *pr) {
+    const uint8_t *row = q->w + n * q->ldw;
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    for (long k0 = 0, g = 0; k0 < q->KV; k0 += q->group, g++) {
+        const float s = q->s[n * q->lds + g], z = zero_at(Q_INT4, q, n, g);
+        uint8_t lo[16], hi[16];
+        for (int c = 0; c < 16; c++) {
+            const uint16_t h = f32_to_bf16(((float)c - z) * s);
+            lo[c] = (uint8_t)h;
+            hi[c] = (uint8_t)(h >> 8);
+        }
+        const __m128i tl = _mm_loadu_si128((const __m128i *)lo), th = _mm_loadu_si128((const __m128i *)hi);
+        const long k1 = k0 + q->group < q->KV ? k0 + q->group : q->KV;
+        for (long k = k0; k < k1; k += 32) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(row + k / 2));
+            const __m128i e = _mm_and_si128(b, m4), o = _mm_and_si128(_mm_srli_epi16(b, 4), m4);   /* columns 2p, 2p + 1 */
+            const __m128i el = _mm_shuffle_epi8(tl, e), eh = _mm_shuffle_epi8(th, e);
+            const __m128i ol = _mm_shuffle_epi8(tl, o), oh = _mm_shuffle_epi8(th, o);
+            const __m128i e0 = _mm_unpacklo_epi8(el, eh), e1 = _mm_unpackhi_epi8(el, eh);
+            const __m128i o0 = _mm_unpacklo_epi8(ol, oh), o1 = _mm_unpackhi_epi8(ol, oh);
+            uint32_t *d = pr + k / 2;
+            _mm_storeu_si128((__m128i *)d, _mm_unpacklo_epi16(e0, o0));
+            _mm_storeu_si128((__m128i *)(d + 4), _mm_unpackhi_epi16(e0, o0));
+            _mm_storeu_si128((__m128i *)(d + 8), _mm_unpacklo_epi16(e1, o1));
+            _mm_storeu_si128((__m128i *)(d + 12), _mm_unpackhi_epi16(e1, o1));
+        }
+    }
+}
+#endif
+
 /* Weight rows [n0, n0 + QB) of q (zeros past N) into wb, P32 pairs as uint32 [K/2][QB].
  * fbuf: [QNR][KV] floats (unit_dequant's; int4 in [16 even, 16 odd] order per 32 columns),
- * then hb: [QB][K/2] pairs row by row (bf16_bits), then transposed 8 x 8 into wb. */
+ * then hb: [QB][K/2] pairs row by row (bf16_bits; int4 without AVX512BW: row_pairs_u4), then
+ * transposed 8 x 8 into wb. */
 static void block_p32(int fmt, int asym, const QMat *q, long n0, long N, float *fbuf, uint32_t *wb) {
 #if defined(__AVX512BW__)
     if (fmt == Q_INT4) { block_p32_u4(q, n0, N, wb); return; }
 #endif
     const long K2 = q->K / 2, KV = q->KV, K2r = (K2 + 7) / 8 * 8;
     uint32_t *hb = (uint32_t *)(fbuf + ((QNR * KV + 15) / 16) * 16);
-    uint16_t *h16 = (uint16_t *)(hb + QB * K2r);                /* one row's bf16 bits [KV] */
+#if !defined(__AVX512BW__)
+    if (fmt == Q_INT4) {
+        for (long c = 0; c < QB; c++) {
+            uint32_t *pr = hb + c * K2r;
+            if (n0 + c >= N) {
+                memset(pr, 0, sizeof(uint32_t) * K2r);
+                continue;
+            }
+            row_pairs_u4(q, n0 + c, pr);
+            tail_pairs(fmt, q, n0 + c, K2r, pr);
+        }
+    } else
+#endif
     for (long u = 0; u < QB / QNR; u++) {
         long rows[QNR];
         for (int j = 0; j < QNR; j++) rows[j] = n0 + u * QNR + j < N ? n0 + u * QNR + j : N - 1;
@@ -768,24 +832,8 @@ static void block_p32(int fmt, int asym, const QMat *q, long n0, long N, float *
                 memset(pr, 0, sizeof(uint32_t) * K2r);
                 continue;
             }
-            if (fmt == Q_INT4) {
-                bf16_bits(fbuf + j * KV, KV, h16);
-                for (long b = 0; b < KV; b += 32)
-                    for (long i = 0; i < 16; i++) pr[b / 2 + i] = h16[b + i] | (uint32_t)h16[b + 16 + i] << 16;
-            } else {
-                bf16_bits(fbuf + j * KV, KV, (uint16_t *)pr);   /* little-endian: pair p = [2p, 2p + 1] */
-            }
-            float s = 0.0f, z = 0.0f;                           /* the tail columns (KV is even) */
-            const uint8_t *row = q->w + n * q->ldw;
-            for (long p = KV / 2, g = -1; p < K2r; p++) {
-                uint16_t hv[2] = {0, 0};
-                for (int e = 0; e < 2 && p < K2; e++) {
-                    const long k = 2 * p + e;
-                    if (k / q->group != g) { g = k / q->group; s = q->s[n * q->lds + g]; z = zero_at(fmt, q, n, g); }
-                    hv[e] = f32_to_bf16(weight_at(fmt, row, k, s, z));
-                }
-                pr[p] = hv[0] | (uint32_t)hv[1] << 16;
-            }
+            bf16_bits(fbuf + j * KV, KV, (uint16_t *)pr);   /* little-endian: pair p = [2p, 2p + 1] */
+            tail_pairs(fmt, q, n, K2r, pr);
         }
     }
     for (long p0 = 0; p0 + 8 <= K2; p0 += 8)
@@ -825,14 +873,13 @@ static inline long group_blocks(long K) { const long g = QCAP / (QB * K * 2); re
 static inline long rows_per_pass(long K) { const long r = (128L * 1024) / K / QBT * QBT; return r > 4 * QBT ? r : 4 * QBT; }
 
 /* A thread's packing buffers for K up to kmax: fbuf [QNR][KV] floats, block_p32's rows of pairs
- * [QB][K/2 + 8] and one row of bf16 [K], then the packed group at blocked_wb(fbuf, K). NULL: out
- * of memory. */
+ * [QB][K/2 + 8], then the packed group at blocked_wb(fbuf, K). NULL: out of memory. */
 static inline uint32_t *blocked_wb(float *fbuf, long K) {
-    return (uint32_t *)(fbuf + ((QNR * K + 15) / 16) * 16) + QB * ((K / 2 + 7) / 8 * 8) + (K / 2 + 16);
+    return (uint32_t *)(fbuf + ((QNR * K + 15) / 16) * 16) + QB * ((K / 2 + 7) / 8 * 8);
 }
 static float *blocked_scratch(long kmax) {
     const long wb = QB * kmax * 2 > QCAP ? QB * kmax * 2 : QCAP;
-    const long pairs = QB * ((kmax / 2 + 7) / 8 * 8) + kmax / 2 + 16;
+    const long pairs = QB * ((kmax / 2 + 7) / 8 * 8);
     return aligned_alloc(64, ((QNR * kmax + 16) * sizeof(float) + pairs * 4 + wb + 127) / 64 * 64);
 }
 
