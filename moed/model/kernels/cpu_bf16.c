@@ -513,30 +513,35 @@ void moed_blocks_rows_bf16(const bf16 *x, long R, long ldx, const bf16 *wb, long
 
 /* out[R][N] (bf16) = x[R][K] @ W^T (+ bias[N]), W packed P32 from [N][K]; fp32 accumulation,
  * bias added in fp32, rounded once (as torch's addmm and oneDNN's fused bias do). Each tile of
- * up to SHARE_ROWS rows x 32 columns is rounded into out as soon as it is computed (no [R][N] fp32 scratch). */
+ * up to SHARE_ROWS rows x SHARE_BLOCKS blocks is rounded into out as soon as it is computed (no
+ * [R][N] fp32 scratch). */
 int moed_linear_bf16(const bf16 *x, long R, long K, const bf16 *wp, long N, const bf16 *bias,
                      bf16 *out, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const long K2 = K / 2, rc = row_chunk(K);
-        float tile[SHARE_ROWS * NB] __attribute__((aligned(64)));
+        const long K2 = K / 2, rc = row_chunk(K), ldt = SHARE_BLOCKS * NB;
+        float tile[SHARE_ROWS * SHARE_BLOCKS * NB] __attribute__((aligned(64)));
         long b0, b1;
         split(nblocks(N), tid, nt, &b0, &b1);
         for (long c0 = 0; c0 < R; c0 += rc) {
             const long c1 = R - c0 < rc ? R : c0 + rc;
-            for (long b = b0; b < b1; b++) {
-                const long n0 = b * NB;
-                const __mmask16 m0 = lanes(N - n0), m1 = lanes(N - n0 - 16);
-                const __m512 bias0 = bias ? bf16x16_or_zero(bias + n0, m0) : _mm512_setzero_ps();
-                const __m512 bias1 = bias ? bf16x16_or_zero(bias + n0 + 16, m1) : _mm512_setzero_ps();
+            for (long bg = b0; bg < b1; bg += SHARE_BLOCKS) {     /* up to SHARE_BLOCKS blocks a call */
+                const long nb = b1 - bg < SHARE_BLOCKS ? b1 - bg : SHARE_BLOCKS;
                 for (long r0 = c0; r0 < c1; r0 += SHARE_ROWS) {
                     const long rn = c1 - r0 < SHARE_ROWS ? c1 - r0 : SHARE_ROWS;
-                    block_rows_any(rn, (const uint32_t *)(x + r0 * K), K / 2, wp + n0 * K, K2, tile, NB);
-                    for (long r = 0; r < rn; r++) {
-                        bf16 *o = out + (r0 + r) * N + n0;
-                        store_bf16_exact_x16(o, m0, _mm512_add_ps(_mm512_load_ps(tile + r * NB), bias0));
-                        store_bf16_exact_x16(o + 16, m1, _mm512_add_ps(_mm512_load_ps(tile + r * NB + 16), bias1));
+                    blocks_rows_any(rn, (const uint32_t *)(x + r0 * K), K / 2, wp + bg * NB * K, nb, NB * K, K2, tile, ldt);
+                    for (long b = bg; b < bg + nb; b++) {
+                        const long n0 = b * NB;
+                        const __mmask16 m0 = lanes(N - n0), m1 = lanes(N - n0 - 16);
+                        const __m512 bias0 = bias ? bf16x16_or_zero(bias + n0, m0) : _mm512_setzero_ps();
+                        const __m512 bias1 = bias ? bf16x16_or_zero(bias + n0 + 16, m1) : _mm512_setzero_ps();
+                        for (long r = 0; r < rn; r++) {
+                            bf16 *o = out + (r0 + r) * N + n0;
+                            const float *t = tile + r * ldt + (b - bg) * NB;
+                            store_bf16_exact_x16(o, m0, _mm512_add_ps(_mm512_load_ps(t), bias0));
+                            store_bf16_exact_x16(o + 16, m1, _mm512_add_ps(_mm512_load_ps(t + 16), bias1));
+                        }
                     }
                 }
             }
@@ -652,8 +657,8 @@ typedef struct { float *acc; bf16 *prod; bf16 *out; const float *wts; const long
 static void expert_chunk(const bf16 *x, const long *src, long s0, long cn, const bf16 *wgu, const bf16 *wdn,
                          long H, long I, const ExpertScratch *sc, const ExpertSink *sink, int team) {
     const int tid = team ? omp_get_thread_num() : 0, nt = team ? omp_get_num_threads() : 1;
-    const long ldg = nblocks(2 * I) * NB, ldh = nblocks(H) * NB;
-    float tile[SHARE_ROWS * NB] __attribute__((aligned(64)));
+    const long ldg = nblocks(2 * I) * NB, ldh = nblocks(H) * NB, ldt = SHARE_BLOCKS * NB;
+    float tile[SHARE_ROWS * SHARE_BLOCKS * NB] __attribute__((aligned(64)));
     long lo, hi, b0, b1;
     const bf16 *xin = x + s0 * H;
     if (src) {                              /* gather the chunk's token rows */
@@ -677,32 +682,37 @@ static void expert_chunk(const bf16 *x, const long *src, long s0, long cn, const
     /* No barrier after down: the next chunk's gather and gate_up write xs and gu, which down
      * does not read, and its activation comes after two more barriers. */
     split(nblocks(H), tid, nt, &b0, &b1);
-    for (long b = b0; b < b1; b++) {
-        const long h0 = b * NB;
-        const __mmask16 m0 = lanes(H - h0), m1 = lanes(H - h0 - 16);
+    for (long bg = b0; bg < b1; bg += SHARE_BLOCKS) {       /* up to SHARE_BLOCKS blocks a call */
+        const long nb = b1 - bg < SHARE_BLOCKS ? b1 - bg : SHARE_BLOCKS;
         for (long r0 = 0; r0 < cn; r0 += SHARE_ROWS) {
             const long rn = cn - r0 < SHARE_ROWS ? cn - r0 : SHARE_ROWS;
-            block_rows_any(rn, (const uint32_t *)(sc->act + r0 * I), I / 2, wdn + h0 * I, I / 2, tile, NB);
-            for (long r = 0; r < rn; r++) {
-                const long s = s0 + r0 + r;
-                __m512 y0 = round_bf16_exact_x16(_mm512_load_ps(tile + r * NB));
-                __m512 y1 = round_bf16_exact_x16(_mm512_load_ps(tile + r * NB + 16));
-                if (sink->out) {            /* row s, or src[s] where the caller has its rows */
-                    bf16 *o = sink->out + (sink->src ? sink->src[s] : s) * H;
-                    store_bf16_exact_x16(o + h0, m0, y0);    /* y is bf16 already */
-                    store_bf16_exact_x16(o + h0 + 16, m1, y1);
-                    continue;
-                }
-                const __m512 w = _mm512_set1_ps(sink->wts[s]);
-                y0 = round_bf16_exact_x16(_mm512_mul_ps(y0, w));
-                y1 = round_bf16_exact_x16(_mm512_mul_ps(y1, w));
-                if (sink->prod) {
-                    store_bf16_exact_x16(sink->prod + s * H + h0, m0, y0);
-                    store_bf16_exact_x16(sink->prod + s * H + h0 + 16, m1, y1);
-                } else {                        /* padded columns: zero weights, never read */
-                    float *a = sink->acc + sink->src[s] * ldh + h0;
-                    _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), y0));
-                    _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), y1));
+            blocks_rows_any(rn, (const uint32_t *)(sc->act + r0 * I), I / 2, wdn + bg * NB * I, nb, NB * I, I / 2,
+                            tile, ldt);
+            for (long b = bg; b < bg + nb; b++) {
+                const long h0 = b * NB;
+                const __mmask16 m0 = lanes(H - h0), m1 = lanes(H - h0 - 16);
+                for (long r = 0; r < rn; r++) {
+                    const long s = s0 + r0 + r;
+                    const float *t = tile + r * ldt + (b - bg) * NB;
+                    __m512 y0 = round_bf16_exact_x16(_mm512_load_ps(t));
+                    __m512 y1 = round_bf16_exact_x16(_mm512_load_ps(t + 16));
+                    if (sink->out) {            /* row s, or src[s] where the caller has its rows */
+                        bf16 *o = sink->out + (sink->src ? sink->src[s] : s) * H;
+                        store_bf16_exact_x16(o + h0, m0, y0);    /* y is bf16 already */
+                        store_bf16_exact_x16(o + h0 + 16, m1, y1);
+                        continue;
+                    }
+                    const __m512 w = _mm512_set1_ps(sink->wts[s]);
+                    y0 = round_bf16_exact_x16(_mm512_mul_ps(y0, w));
+                    y1 = round_bf16_exact_x16(_mm512_mul_ps(y1, w));
+                    if (sink->prod) {
+                        store_bf16_exact_x16(sink->prod + s * H + h0, m0, y0);
+                        store_bf16_exact_x16(sink->prod + s * H + h0 + 16, m1, y1);
+                    } else {                        /* padded columns: zero weights, never read */
+                        float *a = sink->acc + sink->src[s] * ldh + h0;
+                        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), y0));
+                        _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), y1));
+                    }
                 }
             }
         }
