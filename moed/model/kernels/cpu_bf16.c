@@ -1106,6 +1106,120 @@ static inline __attribute__((always_inline)) __m512 key_dot(const int nc, const 
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2 decode attention with the query heads inner. attn_task below runs each of a kv head's G
+ * query heads over every key and value row, so each row was loaded and widened G times (Zen2:
+ * ~3 multiply-adds a cycle, 37 us a layer at 190 tokens). Here a key row is widened once for
+ * GN heads (a divisor of G up to 4: 8 accumulators + 4 widened halves fit the 16 ymm), and the
+ * value rows once a tile of ATT_VT floats for all G heads. Each (head, key) score and each
+ * head's p.v sums are the same FMAs in the same order as attn_task's (the key tile starts at an
+ * even key, so the even/odd accumulator pairs are the same): the same bits. */
+#define ATT_VT 4096         /* widened value floats a tile (16 KB: L1) */
+
+/* Scaled scores of GN heads (qo/qe their widened q, 128 floats each) for keys [l0, l0 + nk). */
+static inline __attribute__((always_inline)) void att_scores_heads(
+        const int D, const int GN, const float (*qo)[128], const float (*qe)[128], const bf16 **kp, long l0,
+        long nk, float scale, float *s, long max_len) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m512 a[4][16];
+    for (int j = 0; j < 16; j++) {
+        __m256 lo[4], up[4];
+        for (int g = 0; g < GN; g++) lo[g] = up[g] = _mm256_setzero_ps();
+        if (j < nk) {
+            const bf16 *k = kp[l0 + j];
+            for (int c = 0; c < D / 32; c++) {
+                const __m256i k0 = _mm256_loadu_si256((const __m256i *)(k + 32 * c));
+                const __m256i k1 = _mm256_loadu_si256((const __m256i *)(k + 32 * c + 16));
+                const __m256 k0o = _mm256_castsi256_ps(_mm256_and_si256(k0, hi)), k0e = _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16));
+                const __m256 k1o = _mm256_castsi256_ps(_mm256_and_si256(k1, hi)), k1e = _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16));
+                for (int g = 0; g < GN; g++) {
+                    lo[g] = _mm256_fmadd_ps(_mm256_load_ps(qo[g] + 16 * c), k0o, lo[g]);
+                    lo[g] = _mm256_fmadd_ps(_mm256_load_ps(qe[g] + 16 * c), k0e, lo[g]);
+                    up[g] = _mm256_fmadd_ps(_mm256_load_ps(qo[g] + 16 * c + 8), k1o, up[g]);
+                    up[g] = _mm256_fmadd_ps(_mm256_load_ps(qe[g] + 16 * c + 8), k1e, up[g]);
+                }
+            }
+        }
+        for (int g = 0; g < GN; g++) a[g][j] = v16f_of(lo[g], up[g]);
+    }
+    const __mmask16 m = nk == 16 ? 0xffff : (__mmask16)((1u << nk) - 1);
+    for (int g = 0; g < GN; g++)
+        _mm512_mask_storeu_ps(s + g * max_len + l0, m, _mm512_mul_ps(_mm512_set1_ps(scale), round_bf16_x16(hsum16(a[g]))));
+}
+
+/* p.v of one head over value rows [t0, t0 + tn) widened in vw ([tn][D]), its accumulators
+ * (even keys, odd keys) kept in acc [2][D] between tiles: 32 dims at a time, so the 8
+ * accumulators stay in registers (16-lane vectors for all of D spilled on every FMA). */
+static inline __attribute__((always_inline)) void att_pv_tile(
+        const int D, const float *sg, const float *vw, long t0, long tn, float *acc) {
+    for (int c0 = 0; c0 < D / 8; c0 += 4) {
+        __m256 a0[4], a1[4];
+        for (int c = 0; c < 4; c++) {
+            a0[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
+            a1[c] = _mm256_loadu_ps(acc + D + 8 * (c0 + c));
+        }
+        long l = 0;
+        for (; l + 1 < tn; l += 2) {
+            const __m256 p0 = _mm256_set1_ps(sg[t0 + l]), p1 = _mm256_set1_ps(sg[t0 + l + 1]);
+            for (int c = 0; c < 4; c++) {
+                a0[c] = _mm256_fmadd_ps(p0, _mm256_load_ps(vw + l * D + 8 * (c0 + c)), a0[c]);
+                a1[c] = _mm256_fmadd_ps(p1, _mm256_load_ps(vw + (l + 1) * D + 8 * (c0 + c)), a1[c]);
+            }
+        }
+        if (l < tn) {                     /* the last key of an odd count */
+            const __m256 p0 = _mm256_set1_ps(sg[t0 + l]);
+            for (int c = 0; c < 4; c++) a0[c] = _mm256_fmadd_ps(p0, _mm256_load_ps(vw + l * D + 8 * (c0 + c)), a0[c]);
+        }
+        for (int c = 0; c < 4; c++) {
+            _mm256_storeu_ps(acc + 8 * (c0 + c), a0[c]);
+            _mm256_storeu_ps(acc + D + 8 * (c0 + c), a1[c]);
+        }
+    }
+}
+
+/* attn_task's result with the heads inner; s: G * max_len scores, then G * 2 * D accumulators. */
+static inline __attribute__((always_inline)) void attn_task_avx2(
+        const int D, const bf16 *qh, long G, const bf16 **kp, long v_off, long len, long max_len,
+        float scale, float *s, bf16 *oh) {
+    const long GN = G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    float qo[4][128] __attribute__((aligned(64))), qe[4][128] __attribute__((aligned(64)));
+    for (long g0 = 0; g0 < G; g0 += GN) {
+        for (long g = 0; g < GN; g++)
+            for (int c = 0; c < D / 16; c++) {   /* 16 bf16 of q: lanes 8c.. of qo/qe */
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(qh + (g0 + g) * D + 16 * c));
+                _mm256_store_ps(qo[g] + 8 * c, _mm256_castsi256_ps(_mm256_and_si256(u, hi)));
+                _mm256_store_ps(qe[g] + 8 * c, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+            }
+        for (long l0 = 0; l0 < len; l0 += 16) {
+            const long nk = len - l0 < 16 ? len - l0 : 16;
+            float *sg = s + g0 * max_len;
+            if (GN == 4) att_scores_heads(D, 4, (const float (*)[128])qo, (const float (*)[128])qe, kp, l0, nk, scale, sg, max_len);
+            else if (GN == 2) att_scores_heads(D, 2, (const float (*)[128])qo, (const float (*)[128])qe, kp, l0, nk, scale, sg, max_len);
+            else att_scores_heads(D, 1, (const float (*)[128])qo, (const float (*)[128])qe, kp, l0, nk, scale, sg, max_len);
+        }
+    }
+    for (long g = 0; g < G; g++) softmax_bf16(s + g * max_len, len);
+    float *acc = s + G * max_len;
+    memset(acc, 0, sizeof(float) * G * 2 * D);
+    float vw[ATT_VT] __attribute__((aligned(64)));
+    const long vt = ATT_VT / D;           /* keys a tile: even */
+    for (long t0 = 0; t0 < len; t0 += vt) {
+        const long tn = len - t0 < vt ? len - t0 : vt;
+        for (long l = 0; l < tn; l++)
+            for (int c = 0; c < D / 8; c++)
+                _mm256_store_ps(vw + l * D + 8 * c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128((const __m128i *)(kp[t0 + l] + v_off + 8 * c))), 16)));
+        for (long g = 0; g < G; g++) att_pv_tile(D, s + g * max_len, vw, t0, tn, acc + g * 2 * D);
+    }
+    for (long g = 0; g < G; g++)
+        for (int c = 0; c < D / 16; c++)
+            _mm256_storeu_si256((__m256i *)(oh + g * D + 16 * c),
+                                CVTNE_BH(_mm512_add_ps(_mm512_loadu_ps(acc + g * 2 * D + 16 * c),
+                                                       _mm512_loadu_ps(acc + g * 2 * D + D + 16 * c))));
+}
+#endif
+
 /* One (sequence, kv head) of decode attention; D a compile-time constant after inlining, so
  * the per-key loops unroll and independent keys' dot products overlap in the pipeline.
  * kp[l]: K row of position l (V row at kp[l] + v_off); s: G * max_len scores scratch. */
@@ -1183,13 +1297,14 @@ int moed_decode_attn_bf16(const bf16 *q, long q_stride, long B, long Hq, long Hk
             if (tables[b * max_blocks + j] < 0 || tables[b * max_blocks + j] >= num_blocks) return -2;
         if (lens[b] > max_len) max_len = lens[b];
     }
-    float *scores = malloc(sizeof(float) * nthreads * G * max_len);
+    const long per = G * max_len + 2 * G * D;    /* scores, then attn_task_avx2's p.v sums */
+    float *scores = malloc(sizeof(float) * nthreads * per);
     const bf16 **rows = malloc(sizeof(bf16 *) * nthreads * max_len);
     if (!scores || !rows) { free(scores); free(rows); return -1; }
     const long v_off = bs * Hkv * D;          /* V rows sit one block-half after K rows */
 #pragma omp parallel num_threads(nthreads)
     {
-        float *s = scores + omp_get_thread_num() * G * max_len;
+        float *s = scores + omp_get_thread_num() * per;
         const bf16 **kp = rows + omp_get_thread_num() * max_len;   /* K row of each position */
 #pragma omp for schedule(static)
         for (long task = 0; task < B * Hkv; task++) {
@@ -1200,12 +1315,18 @@ int moed_decode_attn_bf16(const bf16 *q, long q_stride, long B, long Hq, long Hk
             }
             const bf16 *qh = q + b * q_stride + h * G * D;
             bf16 *oh = out + (b * Hq + h * G) * D;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define ATTN_TASK attn_task_avx2
+#else
+#define ATTN_TASK attn_task
+#endif
             switch (D) {
-                case 32: attn_task(32, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
-                case 64: attn_task(64, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
-                case 128: attn_task(128, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
-                default: attn_task(256, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
+                case 32: ATTN_TASK(32, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
+                case 64: ATTN_TASK(64, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
+                case 128: ATTN_TASK(128, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
+                default: ATTN_TASK(256, qh, G, kp, v_off, len, max_len, scale, s, oh); break;
             }
+#undef ATTN_TASK
         }
     }
     free(scores);
