@@ -22,7 +22,8 @@ the run's first line says both.
 --llama-repack 0 turns llama.cpp's weight repacking off from the start (its AMX
 path for quantized types crashes on this Xeon: a crash with it on turns it off too).
 Each run also prints the CPU's ISA flags, the machine's memory bandwidth (a 256 MiB copy,
-best of 5, read + write bytes) and bf16 matmul ceiling (bench/ceiling.py: a 1024 x 4096 x 4096
+best of 5, read + write bytes; beside it the rate of reads alone, a torch.sum over 256 MiB,
+which a decode step's weight stream is also given as a fraction of) and bf16 matmul ceiling (bench/ceiling.py: a 1024 x 4096 x 4096
 product through torch and through moed's kernel, the higher; --probe-rows sizes it, and fewer
 rows read lower), and what fraction of them moed's
 decode at batch 1 (the weight bytes one token reads: attention, router, top-k experts per
@@ -434,11 +435,13 @@ def main() -> int:
     from ceiling import ceiling, flops_per_token
     from moed.model.hf_config import load_spec
     from moed.model.kernels import cpu_kernels
+    from ceiling import bandwidth as read_bandwidth
     bandwidth = memory_bandwidth(a.threads)
+    read_rate = read_bandwidth(5, 256 << 20)    # reads only: what a decode step's weights need
     flop_s = ceiling(3, cpu_kernels(), rows=a.probe_rows)["flop_s"]   # both probes rows x 4096 x 4096
     spec = load_spec(model_dir)
-    print(f"machine: memory {bandwidth / 1e9:.1f} GB/s (copy, {a.threads} threads), bf16 matmul "
-          f"{flop_s / 1e9:.0f} GFLOP/s", flush=True)
+    print(f"machine: memory {bandwidth / 1e9:.1f} GB/s (copy, {a.threads} threads; reads alone "
+          f"{read_rate / 1e9:.1f}), bf16 matmul {flop_s / 1e9:.0f} GFLOP/s", flush=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     longest = max(lengths + [a.prompt])
@@ -491,13 +494,14 @@ def main() -> int:
             print(f"{label:<16} {v['moed']:9.1f} {v['llama_cpp']:9.1f} {v['ratio']:10.2f}")
     per_tok = decode_bytes_per_token(spec, moed_fmt, {"none": "", "int8": "int8", "model": moed_fmt}[head])
     b1 = table["decode"].get(1, {}).get("moed", float("nan"))
-    roof = {"decode_bytes_per_token": per_tok, "memory_bytes_s": bandwidth, "flop_s": flop_s,
-            "decode_b1_bandwidth_fraction": b1 * per_tok / bandwidth,
+    roof = {"decode_bytes_per_token": per_tok, "memory_bytes_s": bandwidth, "read_bytes_s": read_rate,
+            "flop_s": flop_s, "decode_b1_bandwidth_fraction": b1 * per_tok / bandwidth,
+            "decode_b1_read_fraction": b1 * per_tok / read_rate,
             "prefill_compute_fraction": {n: v["moed"] * flops_per_token(spec) / flop_s
                                          for n, v in table["prefill"].items()}}
     print(f"decode batch 1 reads {per_tok / 2**20:.1f} MiB of weights a token: "
           f"{b1 * per_tok / 1e9:.1f} GB/s, {roof['decode_b1_bandwidth_fraction']:.0%} of the "
-          f"measured bandwidth; prefill at "
+          f"measured bandwidth ({roof['decode_b1_read_fraction']:.0%} of the read rate); prefill at "
           + ", ".join(f"{n}: {f:.0%}" for n, f in roof["prefill_compute_fraction"].items())
           + " of the bf16 matmul ceiling")
     print(f"RSS after load: moed {moed_rss / 2**20:.0f} MiB (KV for the bench only), "
