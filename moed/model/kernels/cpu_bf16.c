@@ -54,8 +54,9 @@ typedef uint16_t bf16;
 #define NB 32        /* output columns per packed block */
 #define ROW_TILE 8   /* input rows per pass over a block: 2 x 8 accumulators + loads fit 32 zmm */
 /* Rows per block_rows_any call. The AVX2 variant widens a block's weights to fp32 once a call,
- * so it takes 48 (16 tiles of 3; 10% faster than 32 on Zen2 with the inputs of several blocks
- * widened once, blocks_rows_any); the AVX512 variants tile by ROW_TILE inside a call. */
+ * so it takes 48 (16 tiles of 3: 46 -> 48 GMAC/s a Zen2 core over 32 rows, with 8 blocks' inputs
+ * widened once by blocks_rows_any; 64 was no faster); the AVX512 variants tile by ROW_TILE inside
+ * a call. */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define SHARE_ROWS 48
 #else
