@@ -214,10 +214,12 @@ int moed_decode_step(const DecodeModel *m, long B, const int64_t *ids, const int
     moed_rms_norm_bf16(h, m->L ? delta : NULL, h, B, H, m->norm, m->eps, x, nthreads);
     if (!logits) goto done;     /* the caller runs lm_head on x */
     if ((rc = project(&m->lm_head, x, B, H, m->vocab, lg, nthreads))) goto done;
-    for (long i = 0; i < B * m->vocab; i++) {       /* bf16 -> fp32, exact (torch's .float()) */
-        const uint32_t u = (uint32_t)lg[i] << 16;
-        memcpy(logits + i, &u, 4);
-    }
+    /* bf16 -> fp32, exact (torch's .float()); a shift the compiler vectorizes (the memcpy form
+     * did not: 31-41 us of a batch-1 int4 step at a vocabulary of 32000, Zen4 AVX2) */
+    uint32_t *bits = (uint32_t *)logits;
+    const long nl = B * m->vocab;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nl >= 1L << 18)
+    for (long i = 0; i < nl; i++) bits[i] = (uint32_t)lg[i] << 16;
     if (argmax) moed_argmax_f32(logits, B, m->vocab, argmax, nthreads);
 done:
     return rc;
