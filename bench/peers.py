@@ -22,12 +22,12 @@ the run's first line says both.
 --llama-repack 0 turns llama.cpp's weight repacking off from the start (its AMX
 path for quantized types crashes on this Xeon: a crash with it on turns it off too).
 Each run also prints the CPU's ISA flags, the machine's memory bandwidth (a 256 MiB copy,
-best of 5, read + write bytes; beside it the rate of reads alone, a torch.sum over 256 MiB,
-which a decode step's weight stream is also given as a fraction of) and bf16 matmul ceiling (bench/ceiling.py: a 1024 x 4096 x 4096
-product through torch and through moed's kernel, the higher; --probe-rows sizes it, and fewer
-rows read lower), and what fraction of them moed's
-decode at batch 1 (the weight bytes one token reads: attention, router, top-k experts per
-layer and lm_head, in the run's format) and prefill (matmul FLOPs) reach.
+best of 5, read + write bytes; beside it the rate of reads alone, a torch.sum over 256 MiB)
+and bf16 matmul ceiling (bench/ceiling.py: a 1024 x 4096 x 4096 product through torch and
+through moed's kernel, the higher; --probe-rows sizes it, and fewer rows read lower), and what
+fraction of them moed's decode at batch 1 (the weight bytes one token reads: attention, router,
+top-k experts per layer and lm_head, in the run's format; of both the copy and the read rate)
+and prefill (matmul FLOPs) reach.
 A smaller CPU on this one (issue 30's rows for a CPU kind not at hand): MOED_CPU_ISA=avx2
 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 (moed's kernels, oneDNN and ATen all held to
 AVX2) against a llama.cpp built for it (-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
@@ -432,10 +432,9 @@ def main() -> int:
     if forced:
         print("forced (a smaller CPU's code on this one): " + " ".join(f"{k}={v}" for k, v in forced.items()),
               flush=True)
-    from ceiling import ceiling, flops_per_token
+    from ceiling import bandwidth as read_bandwidth, ceiling, flops_per_token
     from moed.model.hf_config import load_spec
     from moed.model.kernels import cpu_kernels
-    from ceiling import bandwidth as read_bandwidth
     bandwidth = memory_bandwidth(a.threads)
     read_rate = read_bandwidth(5, 256 << 20)    # reads only: what a decode step's weights need
     flop_s = ceiling(3, cpu_kernels(), rows=a.probe_rows)["flop_s"]   # both probes rows x 4096 x 4096
